@@ -1,0 +1,68 @@
+"""The attention-backend interface (DESIGN.md layer 3).
+
+A backend owns the per-forward metadata that its kernels need and the
+hooks a graph runner calls around capture and replay. Models call
+``forward`` once per attention layer with that layer's ``AttentionSpec``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from graphrt.core.batch import ForwardBatch
+from graphrt.core.memory import ReqToTokenPool, TokenKVPool
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention layer as the backend sees it."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    cache_index: int  # KV buffer this layer reads (and writes, if writes_kv)
+    sliding_window: int | None = None  # key j visible to query p iff j > p - window
+    writes_kv: bool = True  # False for KV-sharing consumers and the frozen-KV drafter
+
+
+class AttentionBackend(abc.ABC):
+    name: str = "abstract"
+
+    def __init__(self, kv_pool: TokenKVPool, req_to_token_pool: ReqToTokenPool):
+        self.kv_pool = kv_pool
+        self.req_to_token_pool = req_to_token_pool
+
+    @abc.abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Eager path: build this forward's metadata from the batch (host info allowed)."""
+
+    @abc.abstractmethod
+    def init_graph_state(self, max_bs: int, max_tokens: int) -> None:
+        """Allocate the static metadata buffers every captured graph will read."""
+
+    @abc.abstractmethod
+    def init_metadata_for_capture(self, batch: ForwardBatch) -> None:
+        """Point the metadata at the static buffers for a capture of ``batch``'s shape."""
+
+    @abc.abstractmethod
+    def init_metadata_for_replay(self, batch: ForwardBatch) -> None:
+        """Refresh the static buffers for a replay: no host syncs, no allocations."""
+
+    def seq_len_fill_value(self) -> int:
+        """Sequence length given to padding rows; must keep their attention finite."""
+        return 1
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # (T, H * D)
+        k: torch.Tensor | None,  # (T, Hkv * D), None when the layer writes no KV
+        v: torch.Tensor | None,
+        spec: AttentionSpec,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:  # (T, H * D)
+        """Store this layer's new K/V (if it writes KV), then attend over the cache."""

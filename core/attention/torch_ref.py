@@ -1,0 +1,107 @@
+"""Reference attention in plain torch: runs on every device, defines correctness.
+
+Decode is written with static shapes (every row gathers ``max_kv_len`` keys
+and masks the tail) so the same code can be captured or compiled; the
+eager path sets ``max_kv_len`` to the batch's longest sequence, a graph to
+the context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from graphrt.core.attention.base import AttentionBackend, AttentionSpec
+from graphrt.core.batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class TorchAttentionMetadata:
+    max_kv_len: int
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        batch.attn_metadata = TorchAttentionMetadata(max_kv_len=max(batch.seq_lens_cpu))
+
+    def init_graph_state(self, max_bs: int, max_tokens: int) -> None:
+        # Nothing to preallocate: the decode path derives its masks inside the
+        # graph from the runner's static seq_lens / req_pool_indices buffers.
+        self._graph_kv_len = self.req_to_token_pool.max_context_len
+
+    def init_metadata_for_capture(self, batch: ForwardBatch) -> None:
+        batch.attn_metadata = TorchAttentionMetadata(max_kv_len=self._graph_kv_len)
+
+    def init_metadata_for_replay(self, batch: ForwardBatch) -> None:
+        batch.attn_metadata = TorchAttentionMetadata(max_kv_len=self._graph_kv_len)
+
+    def forward(self, q, k, v, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
+        if spec.writes_kv:
+            self.kv_pool.set_kv(
+                spec.cache_index,
+                batch.out_cache_loc,
+                k.view(-1, spec.num_kv_heads, spec.head_dim),
+                v.view(-1, spec.num_kv_heads, spec.head_dim),
+            )
+        q = q.view(-1, spec.num_heads, spec.head_dim)
+        if batch.mode is ForwardMode.DECODE:
+            out = self._decode(q, spec, batch)
+        else:
+            out = self._extend(q, spec, batch)
+        return out.reshape(-1, spec.num_heads * spec.head_dim)
+
+    def _decode(self, q: torch.Tensor, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
+        kv_len = batch.attn_metadata.max_kv_len
+        k_buf = self.kv_pool.k_buffers[spec.cache_index]
+        v_buf = self.kv_pool.v_buffers[spec.cache_index]
+        slots = self.req_to_token_pool.req_to_token[batch.req_pool_indices, :kv_len]  # (B, L)
+        key = k_buf[slots].transpose(1, 2)  # (B, Hkv, L, D)
+        value = v_buf[slots].transpose(1, 2)
+        pos = torch.arange(kv_len, device=q.device)
+        seq_lens = batch.seq_lens.unsqueeze(1)  # (B, 1)
+        visible = pos < seq_lens  # (B, L)
+        if spec.sliding_window is not None:
+            visible &= pos > seq_lens - 1 - spec.sliding_window
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2).to(key.dtype),  # (B, H, 1, D)
+            key,
+            value,
+            attn_mask=visible[:, None, None, :],
+            scale=spec.scaling,
+            enable_gqa=spec.num_heads != spec.num_kv_heads,
+        )
+        return out.squeeze(2).to(q.dtype)  # (B, H, D)
+
+    def _extend(self, q: torch.Tensor, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
+        # One SDPA per request over its cached prefix plus its new tokens; the
+        # host lengths come from the batch, so this loop never syncs the device.
+        k_buf = self.kv_pool.k_buffers[spec.cache_index]
+        v_buf = self.kv_pool.v_buffers[spec.cache_index]
+        req_to_token = self.req_to_token_pool.req_to_token
+        out = torch.empty_like(q)
+        start = 0
+        for i, (seq_len, n_new) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu)):
+            slots = req_to_token[batch.req_pool_indices[i], :seq_len]  # (L,)
+            key = k_buf[slots].transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
+            value = v_buf[slots].transpose(0, 1).unsqueeze(0)
+            q_pos = torch.arange(seq_len - n_new, seq_len, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(seq_len, device=q.device)
+            visible = k_pos <= q_pos  # (n, L)
+            if spec.sliding_window is not None:
+                visible &= k_pos > q_pos - spec.sliding_window
+            q_i = q[start : start + n_new].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
+            o = F.scaled_dot_product_attention(
+                q_i.to(key.dtype),
+                key,
+                value,
+                attn_mask=visible,
+                scale=spec.scaling,
+                enable_gqa=spec.num_heads != spec.num_kv_heads,
+            )
+            out[start : start + n_new] = o[0].transpose(0, 1).to(q.dtype)
+            start += n_new
+        return out

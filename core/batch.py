@@ -1,0 +1,60 @@
+"""ForwardBatch: what one model forward computes, in flat token order.
+
+Tokens of all requests are concatenated: request i owns tokens
+``[token_start[i], token_start[i] + extend_lens[i])``. In DECODE every request
+contributes exactly one token, so tokens and requests coincide.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill: new prompt tokens, causal over cached prefix + new tokens
+    DECODE = "decode"  # one new token per request
+    TARGET_VERIFY = "target_verify"  # target scores a verify tree of draft tokens
+    DRAFT = "draft"  # drafter step reading the target's frozen KV
+
+    @property
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+
+@dataclass
+class ForwardBatch:
+    """Inputs of one forward. Device tensors unless the name ends in ``_cpu``.
+
+    Host copies (``*_cpu``) are taken once by the scheduler, so attention
+    backends never sync the device to learn shapes.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64, position of each token in its sequence
+    req_pool_indices: torch.Tensor  # (B,) int64, row in ReqToTokenPool
+    seq_lens: torch.Tensor  # (B,) int32, sequence length after this forward
+    out_cache_loc: torch.Tensor  # (T,) int64, KV slot each token writes
+    seq_lens_cpu: list[int]
+    extend_lens_cpu: list[int]  # new tokens per request (all 1 in DECODE)
+    # Rows of the flat token dimension whose logits are wanted; None = every token.
+    logits_indices: torch.Tensor | None = None
+    spec_info: Any = None
+    # Attention-backend metadata for this forward (set by init_forward_metadata).
+    attn_metadata: Any = field(default=None, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def prefix_lens_cpu(self) -> list[int]:
+        return [s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu)]

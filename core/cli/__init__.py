@@ -1,0 +1,1 @@
+"""The graphrt command line: generate, bench, info."""

@@ -1,0 +1,122 @@
+"""`graphrt generate`: load a model, run prompts through the Engine, print or emit JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from graphrt import devices
+from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+from graphrt.core.errors import GraphrtError, RequestError
+from graphrt.core.models import load_model
+from graphrt.core.models.config import parse_dtype
+
+
+def _tokenizer(path: Path | None):
+    if path is None:
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises plain Exceptions on malformed files
+        raise GraphrtError(f"cannot read {path}: {e}") from None
+
+
+def _encode_prompts(prompts, tokenizer) -> list[list[int]]:
+    if not prompts:
+        raise RequestError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
+    encoded = []
+    for kind, value in prompts:
+        if kind == "ids":
+            encoded.append(value)
+        elif tokenizer is None:
+            raise RequestError(
+                "--prompt needs the checkpoint's tokenizer.json, and this model has none; use --prompt-ids"
+            )
+        else:
+            encoded.append(tokenizer.encode(value).ids)
+    return encoded
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    if args.runner == "graph":
+        raise GraphrtError("--runner graph is not available yet; use --runner eager")
+    device = devices.current(args.device)
+    torch_device = device.torch_device()
+    if args.dtype == "auto":
+        # The checkpoint's dtype on accelerators; float32 where the device prefers it (cpu).
+        dtype = torch.float32 if device.default_dtype() == torch.float32 else None
+    else:
+        dtype = parse_dtype(args.dtype)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        ignore_eos=args.ignore_eos,
+    )
+    loaded = load_model(args.model, torch_device, dtype)
+    tokenizer = _tokenizer(loaded.tokenizer_path)
+    prompts = _encode_prompts(args.prompts, tokenizer)
+    config = EngineConfig(
+        max_running_requests=args.max_running_requests,
+        max_context_len=args.max_context_len,
+        kv_pool_tokens=args.kv_pool_tokens,
+        seed=args.seed,
+    )
+    engine = Engine(loaded, torch_device, config)
+    # Validate every prompt before generating anything, so a bad one costs no work.
+    for prompt in prompts:
+        engine.validate_request(prompt, params)
+
+    total = len(prompts) * args.max_new_tokens
+    with tqdm(
+        total=total, unit="tok", disable=args.json or None, file=sys.stderr, leave=False
+    ) as bar:
+        reqs = engine.generate(prompts, params, on_step=lambda stepped: bar.update(len(stepped)))
+
+    decode = (
+        (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        if tokenizer
+        else (lambda ids: None)
+    )
+    stats = {
+        "device": device.name,
+        "runner": args.runner,
+        "graph_steps": engine.stats.graph_steps,
+        "eager_steps": engine.stats.eager_steps,
+        "captured_sizes": [],
+        "tokens_per_s": round(engine.stats.tokens_per_s, 3),
+    }
+    if args.json:
+        out = {
+            "requests": [
+                {
+                    "prompt_ids": r.prompt_ids,
+                    "output_ids": r.output_ids,
+                    "text": decode(r.output_ids),
+                }
+                for r in reqs
+            ],
+            "stats": stats,
+        }
+        print(json.dumps(out))
+        return 0
+    for i, r in enumerate(reqs):
+        text = decode(r.output_ids)
+        print(f"[{i}] prompt: {len(r.prompt_ids)} tokens, finished: {r.finish_reason.value}")
+        print(f"    output_ids: {r.output_ids}")
+        if text is not None:
+            print(f"    text: {text}")
+    print(
+        f"{engine.stats.generated_tokens} tokens in {engine.stats.elapsed_s:.2f} s "
+        f"({stats['tokens_per_s']:.1f} tok/s) on {device.name}, runner {args.runner}, "
+        f"{stats['eager_steps']} eager steps"
+    )
+    return 0

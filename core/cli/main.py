@@ -1,0 +1,42 @@
+"""`graphrt` entry point: parse, dispatch, and turn user errors into one line.
+
+A ``GraphrtError`` (bad input, bad checkpoint, missing device library) is
+printed as ``graphrt: error: <message>`` with exit status 1; argparse usage
+errors exit 2. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from graphrt import devices
+
+# HAZARD: must run before anything imports torch (see devices.disable_torch_backend_autoload).
+devices.disable_torch_backend_autoload()
+
+from graphrt.core.cli.args import build_parser  # noqa: E402
+from graphrt.core.errors import GraphrtError  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            from graphrt.core.cli.generate import run_generate
+
+            return run_generate(args)
+        if args.command == "info":
+            from graphrt.core.cli.info import run_info
+
+            return run_info(args)
+    except GraphrtError as e:
+        print(f"graphrt: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("graphrt: interrupted", file=sys.stderr)
+        return 130
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

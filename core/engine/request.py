@@ -1,0 +1,63 @@
+"""Requests and their sampling parameters."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from graphrt.core.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int | None = None  # None: derived from the engine seed and the request id
+    ignore_eos: bool = False
+    return_logits: bool = False  # keep each step's logits on the request (tests, logprobs)
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # sampled an end-of-sequence token
+    LENGTH = "length"  # max_new_tokens or the context length reached
+
+
+@dataclass(eq=False)
+class Request:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    output_logits: list[torch.Tensor] = field(default_factory=list, repr=False)
+    # Engine-owned state while running.
+    req_slot: int | None = field(default=None, repr=False)
+    kv_len: int = 0  # tokens whose KV is in the cache
+    kv_budget: int = 0  # token slots reserved for this request at admission
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids

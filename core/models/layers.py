@@ -1,0 +1,136 @@
+"""Building blocks shared by the model families: norms, rotary embeddings, MLP,
+and parameters that load from several checkpoint tensors (fused QKV, gate/up)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in float32, as transformers does (parity depends on it)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MergedLinear(nn.Linear):
+    """One matmul over several checkpoint projections stacked along the output dim.
+
+    ``shards`` maps a checkpoint name suffix (e.g. "q_proj") to its output rows;
+    the loader calls ``load_shard`` for each and checks that all were loaded.
+    """
+
+    def __init__(self, in_features: int, shards: Mapping[str, int], bias: bool):
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in shards.items():
+            self.shard_offsets[name] = (offset, size)
+            offset += size
+
+    def load_shard(self, param: nn.Parameter, shard: str, tensor: torch.Tensor) -> None:
+        offset, size = self.shard_offsets[shard]
+        expected = (size, *param.shape[1:])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"shape {tuple(tensor.shape)}, expected {expected}")
+        param.data[offset : offset + size].copy_(tensor)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(
+            hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias
+        )
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def rope_inv_freq(
+    head_dim: int, params: Mapping[str, object], rotary_dim: int | None = None
+) -> torch.Tensor:
+    """Inverse frequencies for the rope types graphrt supports (float32, on CPU).
+
+    ``params`` is transformers' ``rope_parameters`` dict (rope_type, rope_theta, ...).
+    """
+    rope_type = params.get("rope_type", "default")
+    theta = float(params["rope_theta"])
+    dim = rotary_dim or head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params)
+    # config.rope_parameters rejects other types with a user-facing error first.
+    raise AssertionError(f"rope_type {rope_type!r} is not supported")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: Mapping[str, object]) -> torch.Tensor:
+    # Llama 3.1 scaling: long wavelengths divided by `factor`, short ones kept,
+    # a smooth blend in between.
+    factor = float(params["factor"])
+    low = float(params["low_freq_factor"])
+    high = float(params["high_freq_factor"])
+    old_ctx = float(params["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to ``max_positions``, rotate-half layout."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, attention_scaling: float = 1.0):
+        super().__init__()
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # (P, D/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)
+        # Buffers, not parameters: rebuilt here, never loaded from a checkpoint.
+        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> Sequence[torch.Tensor]:
+        # xs: (T, heads, D); positions: (T,)
+        cos = self.cos[positions].unsqueeze(1)  # (T, 1, D)
+        sin = self.sin[positions].unsqueeze(1)
+        return tuple(_apply_rope(x, cos, sin) for x in xs)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    # Same arithmetic as transformers: tables cast to the activation dtype first.
+    out = x_rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+    return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out

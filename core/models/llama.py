@@ -1,0 +1,129 @@
+"""The Llama family: Llama 2/3, Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral (sliding window).
+
+Module and parameter names follow transformers' checkpoints, except q/k/v
+and gate/up, which are fused into one matmul each (``MergedLinear``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from graphrt.core.attention.base import AttentionBackend, AttentionSpec
+from graphrt.core.batch import ForwardBatch
+from graphrt.core.memory import KVLayerSpec
+from graphrt.core.models.config import LlamaConfig
+from graphrt.core.models.layers import (
+    GatedMLP,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    rope_inv_freq,
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        c = config
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.qkv_proj = MergedLinear(
+            c.hidden_size,
+            {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
+            bias=c.qkv_bias,
+        )
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.o_proj_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.qk_norm = c.qk_norm
+        self.rotary = rotary
+        self.spec = AttentionSpec(
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            scaling=c.head_dim**-0.5,
+            cache_index=layer_id,
+            sliding_window=c.layer_windows[layer_id],
+        )
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        s = self.spec
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, s.num_heads, s.head_dim)  # (T, H, D)
+        k = k.view(-1, s.num_kv_heads, s.head_dim)  # (T, Hkv, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
+        out = attn.forward(q.flatten(1), k.flatten(1), v, s, batch)  # (T, H*D)
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary)
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # One rope table shared by every layer (a buffer, so it follows .to(device)).
+        rotary = RotaryEmbedding(
+            rope_inv_freq(config.head_dim, config.rope_parameters),
+            config.max_position_embeddings,
+        )
+        self.rotary = rotary
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        for layer in self.layers:
+            x = layer(x, batch, attn)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` returns final hidden states (T, hidden); ``compute_logits`` the LM head."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaBackbone(config)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_context_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    def kv_layer_specs(self) -> list[KVLayerSpec]:
+        c = self.config
+        return [KVLayerSpec(c.num_kv_heads, c.head_dim, i) for i in range(c.num_layers)]
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        return self.model(batch, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()  # (N, vocab), float32

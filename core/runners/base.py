@@ -1,0 +1,47 @@
+"""BaseRunner: the one contract every runner serves, eager or graph, on any device."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from graphrt.core.attention.base import AttentionBackend
+from graphrt.core.batch import ForwardBatch
+
+
+@dataclass
+class RunnerOutput:
+    """Results for the rows of ``batch.logits_indices`` (every token when None)."""
+
+    logits: torch.Tensor  # (N, vocab) float32
+    hidden: torch.Tensor  # (N, hidden) final hidden states (speculative decoding seeds from them)
+
+
+class BaseRunner(abc.ABC):
+    """``can_run_graph`` gates dispatch, ``load_batch`` fills inputs, ``execute`` runs one forward."""
+
+    def __init__(self, model: nn.Module, attn_backend: AttentionBackend):
+        self.model = model
+        self.attn_backend = attn_backend
+
+    @abc.abstractmethod
+    def can_run_graph(self, batch: ForwardBatch) -> bool:
+        """True when ``execute(batch)`` would replay a captured graph."""
+
+    @abc.abstractmethod
+    def load_batch(self, batch: ForwardBatch) -> None:
+        """Fill this runner's inputs and attention metadata for ``batch``."""
+
+    @abc.abstractmethod
+    def execute(self, batch: ForwardBatch) -> RunnerOutput:
+        """Run one forward of ``batch``: ``load_batch`` then the model (or its graph)."""
+
+    def _forward(self, batch: ForwardBatch) -> RunnerOutput:
+        """The model itself, shared by eager execution and graph capture."""
+        hidden = self.model(batch, self.attn_backend)  # (T, hidden)
+        if batch.logits_indices is not None:
+            hidden = hidden[batch.logits_indices]  # (N, hidden)
+        return RunnerOutput(logits=self.model.compute_logits(hidden), hidden=hidden)

@@ -1,0 +1,95 @@
+"""The `Device` contract: what graphrt needs to know about an accelerator.
+
+A device answers three questions: is it here (`is_available`, a cheap probe
+that never raises), can it be used (`ensure_ready`, which imports the device
+library and explains a failure in one line), and how to talk to it through
+torch (`torch_device`, `synchronize`, `default_dtype`).
+
+NOTE: this module and the device subpackages import torch only inside
+methods, so `import graphrt.devices` stays torch-free and the CLI can call
+`disable_torch_backend_autoload()` before torch is ever imported.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib.metadata
+from typing import TYPE_CHECKING, ClassVar
+
+from graphrt.core.errors import DeviceUnavailableError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Device(abc.ABC):
+    """One kind of accelerator (or the CPU), selected by `name`."""
+
+    name: ClassVar[str]
+    """What users type: `--device NAME` or `GRAPHRT_DEVICE=NAME`."""
+    torch_type: ClassVar[str]
+    """What `torch.device()` takes for this device."""
+    extra: ClassVar[str | None] = None
+    """The pip extra of graphrt that installs this device's library, if any."""
+    libraries: ClassVar[tuple[str, ...]] = ()
+    """Distributions reported by `library_versions` (read from metadata, never imported)."""
+
+    @abc.abstractmethod
+    def is_available(self) -> bool:
+        """Cheap probe used for auto-selection; never raises."""
+
+    @abc.abstractmethod
+    def ensure_ready(self) -> None:
+        """Make the device usable or raise `DeviceUnavailableError` (one line: problem and fix)."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait for all queued work on the device (benchmarks time around this)."""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """A human name for reports, e.g. 'NVIDIA H200'. Call after `ensure_ready`."""
+
+    def torch_device(self) -> torch.device:
+        """The torch device tensors are placed on. Call after `ensure_ready`."""
+        import torch
+
+        return torch.device(self.torch_type)
+
+    def default_dtype(self) -> torch.dtype:
+        """Accelerators decode in bfloat16; CPU overrides this with float32."""
+        import torch
+
+        return torch.bfloat16
+
+    def library_versions(self) -> dict[str, str]:
+        """Versions for bug reports and BENCHMARKS.md: torch plus this device's libraries.
+
+        Libraries are read from installed metadata so that reporting a
+        version never imports (and so never initialises) a device library.
+        """
+        import torch
+
+        versions = {"torch": torch.__version__}
+        for dist in self.libraries:
+            try:
+                versions[dist] = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        return versions
+
+    def graph_backends(self) -> tuple[str, ...]:
+        """Names of the graph backends this device offers (none yet)."""
+        return ()
+
+    def unavailable(self, problem: str) -> DeviceUnavailableError:
+        """Build the one-line error `ensure_ready` raises: "device 'x' <problem>"."""
+        return DeviceUnavailableError(one_line(f"device '{self.name}' {problem}"))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+def one_line(text: str) -> str:
+    """Collapse whitespace so library error messages fit the CLI's one-line report."""
+    return " ".join(text.split())

@@ -1,0 +1,44 @@
+"""The CPU: always present, the fallback when no accelerator is found."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from graphrt.devices.base import Device
+
+if TYPE_CHECKING:
+    import torch
+
+
+class CpuDevice(Device):
+    """Host CPU. Runs float32 so outputs match the Hugging Face reference exactly."""
+
+    name = "cpu"
+    torch_type = "cpu"
+    extra = None
+
+    def is_available(self) -> bool:
+        return True
+
+    def ensure_ready(self) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        # CPU ops run synchronously; nothing is queued.
+        return None
+
+    def default_dtype(self) -> torch.dtype:
+        import torch
+
+        return torch.float32
+
+    def describe(self) -> str:
+        return f"cpu ({_usable_cores()} cores)"
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on; a container's affinity is often below `os.cpu_count()`."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

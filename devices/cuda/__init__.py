@@ -1,0 +1,56 @@
+"""NVIDIA GPUs through stock torch.cuda; Triton (graphrt[cuda]) adds fast kernels."""
+
+from __future__ import annotations
+
+from graphrt.devices.base import Device
+
+
+class CudaDevice(Device):
+    """An NVIDIA GPU. Triton is optional here: the torch attention backend runs without it."""
+
+    name = "cuda"
+    torch_type = "cuda"
+    extra = "cuda"
+    libraries = ("triton",)
+
+    def is_available(self) -> bool:
+        try:
+            import torch
+
+            return torch.cuda.is_available()
+        except Exception:
+            return False
+
+    def ensure_ready(self) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            return
+        if torch.version.cuda is None:
+            why, fix = "built without CUDA", "install a CUDA build of torch"
+        else:
+            why, fix = (
+                f"CUDA {torch.version.cuda}",
+                "check the NVIDIA driver and CUDA_VISIBLE_DEVICES",
+            )
+        raise self.unavailable(
+            f"is not available: torch reports no CUDA device (torch {torch.__version__}, {why}): {fix}"
+        )
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
+    def describe(self) -> str:
+        import torch
+
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+
+    def library_versions(self) -> dict[str, str]:
+        import torch
+
+        versions = super().library_versions()
+        if torch.version.cuda is not None:
+            versions["cuda"] = torch.version.cuda
+        return versions

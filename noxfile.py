@@ -1,0 +1,102 @@
+"""Sessions: one per hardware lane, plus lint and bench.
+
+`nox` alone runs lint, then the CPU lane: the README's test command and CI's.
+`nox -s tests-cuda` (or -npu, -xpu) runs a device lane; `nox -s bench -- ARGS`
+runs `graphrt bench ARGS`. Anything after `--` goes to pytest in tests-* lanes.
+
+Lanes, runners and install steps are listed once in ci/matrix.json.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import nox
+
+nox.options.sessions = ["lint", "tests-cpu"]  # lint first: pytest's summary prints last
+
+ROOT = Path(__file__).parent
+PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
+# Which pyproject extra each lane installs is said once, in ci/matrix.json.
+LANES = {
+    lane["nox_session"]: lane
+    for lane in json.loads((ROOT / "ci" / "matrix.json").read_text())["lanes"]
+}
+
+# The CPU lane pins the small CPU build and installs it before graphrt: with no
+# torch present, pyproject's plain range makes pip fetch the multi-GB CUDA build.
+# GRAPHRT_TORCH_INDEX_URL (ci/install/cpu.sh sets it on GitHub runners) points
+# pip at the CPU-only wheel index; unset, pip uses its configured sources.
+TORCH_CPU = "torch==2.13.0"
+# Plain triton wheel: CPU tests run the Triton kernels under TRITON_INTERPRET=1.
+# Pinned to the release torch 2.13's Linux wheels require, so torch.compile's
+# inductor sees the triton it was built against.
+TRITON_CPU = "triton==3.7.1"
+
+# pytest exits 5 when it collects no test. A lane whose tests are all
+# deselected by marker (e.g. a device lane before that device has tests) has
+# nothing to run; that is not a failure. Failures and errors still fail.
+PYTEST_SUCCESS = [0, 5]
+
+# Device machines bring a vendor torch build (CUDA, torch-npu's, XPU's), put
+# there by ci/install/<device>.sh. Their venvs see the system site-packages so
+# pip keeps that torch when it satisfies pyproject's range instead of
+# downloading another build.
+DEVICE_VENV = ["--system-site-packages"]
+
+
+def _install_graphrt(session: nox.Session) -> None:
+    session.install("-e", f".[{LANES[session.name]['extra']}]")
+
+
+def _pytest(session: nox.Session, marker: str) -> None:
+    session.run("pytest", "-m", marker, *session.posargs, success_codes=PYTEST_SUCCESS)
+
+
+@nox.session(python=None)
+def lint(session: nox.Session) -> None:
+    # The lint extra's tools only: installing graphrt would pull torch for nothing.
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    session.install(*(req for name in LANES["lint"]["extra"].split(",") for req in extras[name]))
+    paths = session.posargs or ["."]
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
+
+
+@nox.session(name="tests-cpu", python=None)
+def tests_cpu(session: nox.Session) -> None:
+    torch_args = [TORCH_CPU]
+    if index_url := os.environ.get("GRAPHRT_TORCH_INDEX_URL"):
+        torch_args += ["--index-url", index_url]
+    session.install(*torch_args)
+    # tests/test_packaging.py builds the wheel without build isolation.
+    session.install(TRITON_CPU, *PYPROJECT["build-system"]["requires"])
+    _install_graphrt(session)
+    _pytest(session, "not cuda and not npu and not xpu")
+
+
+@nox.session(name="tests-cuda", python=None, venv_params=DEVICE_VENV)
+def tests_cuda(session: nox.Session) -> None:
+    _install_graphrt(session)
+    _pytest(session, "cuda")
+
+
+@nox.session(name="tests-npu", python=None, venv_params=DEVICE_VENV)
+def tests_npu(session: nox.Session) -> None:
+    # NOTE: torch_npu's backend auto-load makes `import torch` fail without the
+    # Ascend toolkit; graphrt imports torch_npu itself when the NPU is selected.
+    session.env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    _install_graphrt(session)
+    _pytest(session, "npu")
+
+
+@nox.session(name="tests-xpu", python=None, venv_params=DEVICE_VENV)
+def tests_xpu(session: nox.Session) -> None:
+    _install_graphrt(session)
+    _pytest(session, "xpu")
+
+
+@nox.session(python=None, venv_params=DEVICE_VENV)
+def bench(session: nox.Session) -> None:
+    session.install("-e", ".[bench,cuda]")
+    session.run("graphrt", "bench", *session.posargs)

@@ -1,0 +1,97 @@
+"""Test helpers: tiny transformers checkpoints, a matching tokenizer, error metrics.
+
+Imported as ``from helpers import ...``; tests/conftest.py puts this directory
+on ``sys.path`` so that works under every pytest import mode and from nox.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Small enough that every model forward takes milliseconds on 2 CPU cores.
+VOCAB = 300
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+CPU = torch.device("cpu")
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # head_dim 16: wavelengths 6.3 .. 2e4 fall in all three llama3 bands (<16, 16..64, >64).
+    "original_max_position_embeddings": 64,
+}
+MISTRAL_WINDOW = 8
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path  # directory holding config.json + safetensors
+    hf: Any  # the transformers model it was saved from (float32, eval)
+
+
+def make_checkpoint(
+    path: Path, config: Any, seed: int = 0, max_shard_size: str | None = None
+) -> Checkpoint:
+    """Random transformers model for ``config``, saved to ``path``.
+
+    Norm weights and biases are perturbed away from their 1/0 init, so a
+    runtime that forgets a norm or a bias does not pass by accident.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name or "bias" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    # Parity runs generate exactly max_new_tokens, like graphrt's ignore_eos.
+    hf.generation_config.eos_token_id = None
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    hf.save_pretrained(path, **kwargs)
+    return Checkpoint(Path(path), hf)
+
+
+def make_tokenizer(directory: str | Path, vocab_size: int) -> Path:
+    """Write ``directory/tokenizer.json``: a whitespace WordLevel tokenizer of ``vocab_size`` ids.
+
+    Ids 0, 1, 2 are ``<unk>``, ``<s>``, ``</s>`` (transformers' Llama defaults for
+    unk/bos/eos); then a few English words, then ``w<i>`` fillers.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<unk>", "<s>", "</s>"]
+    words = ["hello", "world", "the", "a", "of", "and", "to", "is", "in", "it", "cat", "dog"]
+    vocab = (specials + words)[:vocab_size]
+    vocab += [f"w{i}" for i in range(vocab_size - len(vocab))]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(specials[: min(3, vocab_size)])
+    out = Path(directory) / "tokenizer.json"
+    tokenizer.save(str(out))
+    return out
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max|a - b| / max|b|: the parity metric of DESIGN.md ("within 1e-4 relative")."""
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Ids from 3 up: never the bos/eos/unk ids of the tiny configs.
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]

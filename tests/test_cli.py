@@ -1,0 +1,186 @@
+"""The `graphrt` command: the generate contract, its JSON, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import make_tokenizer
+
+from graphrt.core.cli.main import main
+
+STATS_KEYS = {"device", "runner", "graph_steps", "eager_steps", "captured_sizes", "tokens_per_s"}
+
+
+@pytest.fixture(scope="module")
+def ckpt_with_tokenizer(llama_gqa_untied, tmp_path_factory):
+    """The parity Llama checkpoint plus a tokenizer.json covering its vocabulary."""
+    path = tmp_path_factory.mktemp("cli_llama")
+    shutil.copytree(llama_gqa_untied.path, path, dirs_exist_ok=True)
+    make_tokenizer(path, llama_gqa_untied.hf.config.vocab_size)
+    return path, llama_gqa_untied.hf
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert main(["generate", *argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    return json.loads(captured.out)  # exactly one JSON object, nothing else on stdout
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    out = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_generate_json_matches_transformers(capsys, ckpt_with_tokenizer):
+    path, hf = ckpt_with_tokenizer
+    prompts = [[5, 17, 42, 99, 7], [250, 3, 8, 61, 12, 33, 140, 11, 9]]
+    out = run_json(
+        capsys,
+        "--model", str(path),
+        "--prompt-ids", ",".join(map(str, prompts[0])),
+        "--prompt-ids", ",".join(map(str, prompts[1])),
+        "--max-new-tokens", "12", "--ignore-eos", "--device", "cpu", "--dtype", "float32",
+    )  # fmt: skip
+    assert set(out) == {"requests", "stats"}
+    assert set(out["stats"]) == STATS_KEYS
+    assert out["stats"]["device"] == "cpu" and out["stats"]["runner"] == "eager"
+    assert out["stats"]["graph_steps"] == 0 and out["stats"]["captured_sizes"] == []
+    assert out["stats"]["eager_steps"] == 12  # one prefill step + 11 decode steps
+    assert out["stats"]["tokens_per_s"] > 0
+    for prompt, req in zip(prompts, out["requests"]):
+        assert req["prompt_ids"] == prompt
+        assert req["output_ids"] == hf_greedy(hf, prompt, 12)
+        assert isinstance(req["text"], str)
+
+
+def test_prompt_text_is_tokenized_and_output_decoded(capsys, ckpt_with_tokenizer):
+    from tokenizers import Tokenizer
+
+    path, hf = ckpt_with_tokenizer
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    out = run_json(capsys, "--model", str(path), "--prompt", "hello world the cat", "--prompt-ids", "4,5",
+                   "--max-new-tokens", "6", "--ignore-eos")  # fmt: skip
+    first, second = out["requests"]
+    assert first["prompt_ids"] == tok.encode("hello world the cat").ids
+    assert second["prompt_ids"] == [4, 5]  # requests keep the order the flags were given in
+    assert first["output_ids"] == hf_greedy(hf, first["prompt_ids"], 6)
+    assert first["text"] == tok.decode(first["output_ids"], skip_special_tokens=True)
+
+
+def test_random_preset_runs_and_has_no_text(capsys):
+    out = run_json(capsys, "--model", "random:llama-tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "5",
+                   "--ignore-eos")  # fmt: skip
+    (req,) = out["requests"]
+    assert len(req["output_ids"]) == 5 and req["text"] is None
+    assert all(0 <= t < 512 for t in req["output_ids"])
+
+
+def test_readable_output_without_json(capsys):
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                "random:llama-tiny",
+                "--prompt-ids",
+                "1,2",
+                "--max-new-tokens",
+                "3",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "output_ids:" in out and "tok/s" in out
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out)
+
+
+def test_info_names_device_and_versions(capsys):
+    assert main(["info", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "device:" in out and "cpu" in out
+    assert torch.__version__ in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--prompt-ids", "1,2,999999"], "outside the vocabulary"),
+        (["--prompt-ids", ""], "empty prompt"),
+        (
+            ["--prompt-ids", ",".join(["5"] * 9), "--max-context-len", "8"],
+            "longer than the context",
+        ),
+        (["--prompt", "hi"], "tokenizer.json"),
+        ([], "no prompt"),
+        (["--prompt-ids", "1", "--runner", "graph"], "not available yet"),
+        (["--prompt-ids", "1", "--device", "npu"], "graphrt[npu]"),
+    ],
+)
+def test_bad_input_is_one_line_error(capsys, argv, needle):
+    assert main(["generate", "--model", "random:llama-tiny", *argv]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing half-printed on stdout
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("graphrt: error:") and needle in lines[0], (
+        captured.err
+    )
+
+
+def test_bad_checkpoints_are_one_line_errors(capsys, tmp_path, llama_tied):
+    missing = tmp_path / "nope"
+    malformed = tmp_path / "malformed"
+    malformed.mkdir()
+    (malformed / "config.json").write_text("{not json")
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(llama_tied.path, no_weights)
+    for f in no_weights.glob("*.safetensors"):
+        f.unlink()
+    for path, needle in [
+        (missing, "does not exist"),
+        (malformed, "not valid JSON"),
+        (no_weights, "no safetensors"),
+    ]:
+        assert main(["generate", "--model", str(path), "--prompt-ids", "1"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+
+
+def test_console_script_error_has_no_traceback(tmp_path):
+    # The real entry point in a subprocess: exit status and stderr as a user sees them.
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphrt.core.cli.main", "generate", "--model", str(tmp_path / "missing"),
+         "--prompt-ids", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert (
+        proc.stderr.strip().startswith("graphrt: error:")
+        and len(proc.stderr.strip().splitlines()) == 1
+    )
+    assert proc.stdout == ""
+
+
+def test_usage_error_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(
+            [
+                "generate",
+                "--model",
+                "random:llama-tiny",
+                "--max-new-tokens",
+                "0",
+                "--prompt-ids",
+                "1",
+            ]
+        )
+    assert exc.value.code == 2

@@ -1,0 +1,268 @@
+"""Engine (DESIGN.md layer 8): independent finishing, freeing, waiting, limits, seeded
+sampling, request validation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import CPU, random_prompts
+
+from graphrt.core.engine import Engine, EngineConfig, FinishReason, SamplingParams
+from graphrt.core.engine.sampling import filtered_probs, sample
+from graphrt.core.errors import RequestError
+from graphrt.core.models import load_model
+
+LENS = (5, 13, 21, 9)
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+SAMPLED = SamplingParams(
+    max_new_tokens=12, temperature=0.9, top_p=0.9, top_k=40, seed=1234, ignore_eos=True
+)
+
+
+@pytest.fixture(scope="module")
+def loaded(llama_gqa_untied):
+    return load_model(str(llama_gqa_untied.path), CPU, torch.float32)
+
+
+def _engine(loaded, **config) -> Engine:
+    return Engine(loaded, CPU, EngineConfig(**{"max_context_len": 64, **config}))
+
+
+def _run(engine: Engine, prompts, params):
+    """Step to completion, checking after every step that KV in use is exactly the running KV."""
+    reqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_work:
+        engine.step()
+        in_use = engine.kv_pool.num_slots - engine.kv_pool.available()
+        assert in_use == sum(r.kv_len for r in engine.running)
+        assert all(r.req_slot is None for r in reqs if r.finished)  # freed at once
+    return reqs
+
+
+def _assert_idle(engine: Engine) -> None:
+    assert not engine.running and not engine.waiting
+    assert engine.kv_pool.available() == engine.kv_pool.num_slots
+    assert engine.req_pool.available() == engine.config.max_running_requests
+    assert engine.reserved_tokens == 0
+
+
+def _alone(loaded, prompts, params, **config) -> list[list[int]]:
+    return [_engine(loaded, **config).generate([p], params)[0].output_ids for p in prompts]
+
+
+def test_requests_finish_independently(loaded):
+    prompts = random_prompts(LENS, seed=20)
+    reference = _engine(loaded).generate(prompts, GREEDY)
+    engine = _engine(loaded)
+    limits = [3, 12, 1, 7]
+    reqs = [
+        engine.add_request(p, dataclasses.replace(GREEDY, max_new_tokens=n))
+        for p, n in zip(prompts, limits)
+    ]
+    finished_at: dict[int, int] = {}
+    step = 0
+    while engine.has_work:
+        engine.step()
+        step += 1
+        in_use = engine.kv_pool.num_slots - engine.kv_pool.available()
+        assert in_use == sum(r.kv_len for r in engine.running)  # finished KV freed at once
+        for req in reqs:
+            if req.finished:
+                finished_at.setdefault(req.rid, step)
+    # One prefill step, then one token per decode step: a request stops at its own limit.
+    assert [finished_at[r.rid] for r in reqs] == limits
+    for req, ref, n in zip(reqs, reference, limits):
+        assert req.finish_reason is FinishReason.LENGTH
+        assert req.output_ids == ref.output_ids[:n]
+    _assert_idle(engine)
+
+
+def test_eos_stops_one_request_while_others_continue(loaded):
+    prompts = random_prompts(LENS, seed=21)
+    reference = [r.output_ids for r in _engine(loaded).generate(prompts, GREEDY)]
+    # An eos id that request `target` emits first as its 3rd token, and some other never emits.
+    target, eos = next(
+        (i, out[2])
+        for i, out in enumerate(reference)
+        if out[2] not in out[:2] and any(out[2] not in other for other in reference)
+    )
+    eos_loaded = dataclasses.replace(loaded, eos_token_ids=(eos,))
+    params = dataclasses.replace(GREEDY, ignore_eos=False)
+    engine = _engine(eos_loaded)
+    reqs = _run(engine, prompts, params)
+    assert reqs[target].output_ids == reference[target][:3]
+    assert reqs[target].finish_reason is FinishReason.STOP
+    for req, ref in zip(reqs, reference):
+        if eos in ref:
+            cut = ref.index(eos) + 1
+            assert req.output_ids == ref[:cut] and req.finish_reason is FinishReason.STOP
+        else:
+            assert req.output_ids == ref and req.finish_reason is FinishReason.LENGTH
+    _assert_idle(engine)
+
+
+def test_ignore_eos_runs_to_length(loaded):
+    prompts = random_prompts(LENS, seed=21)
+    reference = [r.output_ids for r in _engine(loaded).generate(prompts, GREEDY)]
+    eos = reference[0][0]
+    reqs = _engine(dataclasses.replace(loaded, eos_token_ids=(eos,))).generate(prompts, GREEDY)
+    assert [r.output_ids for r in reqs] == reference
+    assert all(r.finish_reason is FinishReason.LENGTH for r in reqs)
+
+
+def test_requests_wait_for_kv_and_match_running_alone(loaded):
+    prompts = random_prompts(LENS, seed=22)
+    params = dataclasses.replace(GREEDY, return_logits=True)
+    # Budgets are prompt + 12 = 17, 25, 33, 21 slots; 40 slots hold at most two at once.
+    engine = _engine(loaded, kv_pool_tokens=40)
+    assert engine.kv_pool.num_slots == 40
+    queued = []
+
+    def on_step(stepped):
+        assert engine.reserved_tokens <= engine.kv_pool.num_slots
+        queued.append(len(engine.waiting))
+
+    reqs = engine.generate(prompts, params, on_step=on_step)
+    assert max(queued) > 0  # some requests really waited
+    _assert_idle(engine)
+    for prompt, req in zip(prompts, reqs):
+        alone = _engine(loaded).generate([prompt], params)[0]
+        assert req.output_ids == alone.output_ids
+        assert req.finish_reason is FinishReason.LENGTH
+        for ours, theirs in zip(req.output_logits, alone.output_logits):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_max_running_requests_respected(loaded):
+    prompts = random_prompts((4, 7, 3, 9, 6), seed=23)
+    engine = _engine(loaded, max_running_requests=2)
+    running = []
+
+    def on_step(stepped):
+        assert len(stepped) <= 2
+        running.append(len(engine.running))
+
+    reqs = engine.generate(prompts, GREEDY, on_step=on_step)
+    assert max(running) == 2
+    assert all(len(r.output_ids) == GREEDY.max_new_tokens for r in reqs)
+    _assert_idle(engine)
+    assert [r.output_ids for r in reqs] == _alone(loaded, prompts, GREEDY)
+
+
+def test_context_limit_finishes_request(loaded):
+    engine = _engine(loaded, max_context_len=16)
+    full, near = random_prompts((16, 12), seed=24)
+    reqs = _run(engine, [full, near], dataclasses.replace(GREEDY, max_new_tokens=30))
+    # The last token never needs KV: a prompt of 16 in a 16-token context still gets one token.
+    assert len(reqs[0].output_ids) == 1 and reqs[0].finish_reason is FinishReason.LENGTH
+    assert len(reqs[1].output_ids) == 16 - 12 + 1 and reqs[1].finish_reason is FinishReason.LENGTH
+    _assert_idle(engine)
+
+
+# ---- sampling -------------------------------------------------------------------------
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(loaded):
+    prompts = random_prompts(LENS, seed=25)
+    first = [r.output_ids for r in _engine(loaded).generate(prompts, SAMPLED)]
+    again = [r.output_ids for r in _engine(loaded).generate(prompts, SAMPLED)]
+    assert first == again
+    # Other batch compositions and orders: each request keeps its own tokens.
+    assert _alone(loaded, prompts[1:2], SAMPLED) == first[1:2]
+    reordered = _engine(loaded).generate([prompts[3], prompts[0]], SAMPLED)
+    assert [r.output_ids for r in reordered] == [first[3], first[0]]
+    greedy = [r.output_ids for r in _engine(loaded).generate(prompts, GREEDY)]
+    assert first != greedy
+    other_seed = dataclasses.replace(SAMPLED, seed=99)
+    assert [r.output_ids for r in _engine(loaded).generate(prompts, other_seed)] != first
+
+
+def test_unseeded_sampling_follows_engine_seed(loaded):
+    params = dataclasses.replace(SAMPLED, seed=None)
+    prompts = random_prompts(LENS, seed=26)
+
+    def run(seed):
+        return [r.output_ids for r in _engine(loaded, seed=seed).generate(prompts, params)]
+
+    assert run(0) == run(0)
+    assert run(0) != run(1)
+
+
+def test_filtered_probs_top_k_keeps_exactly_k():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=0.7, top_k=5)
+    probs = filtered_probs(logits, params)
+    kept = probs.nonzero().flatten()
+    assert set(kept.tolist()) == set(logits.topk(5).indices.tolist())
+    expected = torch.softmax(logits[kept] / 0.7, dim=0)
+    torch.testing.assert_close(probs[kept], expected)
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_filtered_probs_top_p_keeps_the_nucleus(top_p):
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(1)) * 2
+    full = torch.softmax(logits, dim=0)
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    order = full.argsort(descending=True)
+    # The nucleus: the smallest most-likely prefix whose mass reaches top_p.
+    size = int((full[order].cumsum(0) < top_p).sum()) + 1
+    assert set(probs.nonzero().flatten().tolist()) == set(order[:size].tolist())
+    nucleus = order[:size]
+    torch.testing.assert_close(probs[nucleus], full[nucleus] / full[nucleus].sum())
+
+
+def test_filtered_probs_top_k_then_top_p():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0, -1.0])
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=4, top_p=0.8))
+    within_k = torch.softmax(logits[:4], dim=0)  # top-p acts on the top-k distribution
+    size = int((within_k.cumsum(0) < 0.8).sum()) + 1
+    assert probs.nonzero().flatten().tolist() == list(range(size))
+
+
+def test_sample_top_k_1_is_greedy():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=1.5, top_k=1)] * 3
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    assert torch.equal(sample(logits, params, gens), logits.argmax(-1))
+
+
+# ---- validation -----------------------------------------------------------------------
+
+
+def test_request_larger_than_pool_rejected_at_add(loaded):
+    engine = _engine(loaded, kv_pool_tokens=20)
+    with pytest.raises(RequestError, match="20"):
+        engine.add_request(list(range(3, 13)), dataclasses.replace(GREEDY, max_new_tokens=11))
+    assert not engine.waiting
+    engine.add_request(list(range(3, 13)), dataclasses.replace(GREEDY, max_new_tokens=10))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "words"),
+    [
+        ([], "empty"),
+        ([5, 300, 7], "300"),  # vocab is 300: ids 0..299
+        ([5, -1], "-1"),
+        (list(range(3, 3 + 65)), "65"),  # context is 64
+    ],
+    ids=["empty", "too-large-id", "negative-id", "longer-than-context"],
+)
+def test_bad_prompts_rejected(loaded, prompt, words):
+    engine = _engine(loaded)
+    with pytest.raises(RequestError) as info:
+        engine.add_request(prompt, GREEDY)
+    message = str(info.value)
+    assert words in message and "\n" not in message
+    assert not engine.waiting
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}],
+)
+def test_bad_sampling_params_rejected(kwargs):
+    with pytest.raises(RequestError):
+        SamplingParams(**kwargs)
