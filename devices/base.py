@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import abc
 import importlib.metadata
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
-from graphrt.core.errors import DeviceUnavailableError
+from graphrt.core.errors import DeviceUnavailableError, GraphrtError
 
 if TYPE_CHECKING:
     import torch
+
+    from graphrt.core.attention import AttentionBackend
+    from graphrt.core.memory import ReqToTokenPool, TokenKVPool
+    from graphrt.core.runners.backend import ExecutionBackend
 
 
 class Device(abc.ABC):
@@ -79,8 +84,32 @@ class Device(abc.ABC):
         return versions
 
     def graph_backends(self) -> tuple[str, ...]:
-        """Names of the graph backends this device offers (none yet)."""
-        return ()
+        """Names of the graph backends this device offers; the first is the default."""
+        return tuple(self._graph_backend_factories())
+
+    def create_graph_backend(self, name: str | None = None) -> ExecutionBackend:
+        """A fresh execution backend (``--graph-backend``); None picks the device's default."""
+        factories = self._graph_backend_factories()
+        if not factories:
+            raise GraphrtError(f"device '{self.name}' has no graph backend; use --runner eager")
+        name = name or next(iter(factories))
+        if name not in factories:
+            raise GraphrtError(
+                f"device '{self.name}' has no graph backend {name!r}; it offers {', '.join(factories)}"
+            )
+        return factories[name]()
+
+    def create_attention_backend(
+        self, kv_pool: TokenKVPool, req_to_token_pool: ReqToTokenPool
+    ) -> AttentionBackend:
+        """The fastest attention backend for this device; the torch reference by default."""
+        from graphrt.core.attention import TorchAttentionBackend
+
+        return TorchAttentionBackend(kv_pool, req_to_token_pool)
+
+    def _graph_backend_factories(self) -> dict[str, Callable[[], ExecutionBackend]]:
+        """Graph backend name -> constructor; the first entry is the default."""
+        return {}
 
     def unavailable(self, problem: str) -> DeviceUnavailableError:
         """Build the one-line error `ensure_ready` raises: "device 'x' <problem>"."""

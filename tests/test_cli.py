@@ -13,7 +13,16 @@ from helpers import make_tokenizer
 
 from graphrt.core.cli.main import main
 
-STATS_KEYS = {"device", "runner", "graph_steps", "eager_steps", "captured_sizes", "tokens_per_s"}
+STATS_KEYS = {
+    "device",
+    "runner",
+    "graph_steps",
+    "eager_steps",
+    "captured_sizes",
+    "tokens_per_s",
+    "capture_time_s",
+    "graph_memory_bytes",
+}
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +35,9 @@ def ckpt_with_tokenizer(llama_gqa_untied, tmp_path_factory):
 
 
 def run_json(capsys, *argv: str) -> dict:
-    assert main(["generate", *argv, "--json"]) == 0
+    # Eager unless a test asks for graphs: CPU graphs cost seconds of compilation.
+    runner = [] if "--runner" in argv else ["--runner", "eager"]
+    assert main(["generate", *argv, *runner, "--json"]) == 0
     captured = capsys.readouterr()
     return json.loads(captured.out)  # exactly one JSON object, nothing else on stdout
 
@@ -51,6 +62,7 @@ def test_generate_json_matches_transformers(capsys, ckpt_with_tokenizer):
     assert set(out) == {"requests", "stats"}
     assert set(out["stats"]) == STATS_KEYS
     assert out["stats"]["device"] == "cpu" and out["stats"]["runner"] == "eager"
+    assert out["stats"]["capture_time_s"] == 0 and out["stats"]["graph_memory_bytes"] == 0
     assert out["stats"]["graph_steps"] == 0 and out["stats"]["captured_sizes"] == []
     assert out["stats"]["eager_steps"] == 12  # one prefill step + 11 decode steps
     assert out["stats"]["tokens_per_s"] > 0
@@ -72,6 +84,23 @@ def test_prompt_text_is_tokenized_and_output_decoded(capsys, ckpt_with_tokenizer
     assert second["prompt_ids"] == [4, 5]  # requests keep the order the flags were given in
     assert first["output_ids"] == hf_greedy(hf, first["prompt_ids"], 6)
     assert first["text"] == tok.decode(first["output_ids"], skip_special_tokens=True)
+
+
+def test_graph_runner_is_the_cpu_default_and_matches_eager(capsys):
+    argv = ["--model", "random:llama-tiny", "--prompt-ids", "1,2,3", "--prompt-ids", "9,8,7,6,5"]
+    argv += ["--max-new-tokens", "6", "--ignore-eos", "--graph-bs", "2"]
+    graph = run_json(capsys, *argv, "--runner", "graph")
+    assert main(["generate", *argv, "--json"]) == 0  # no --runner: the device default
+    default = json.loads(capsys.readouterr().out)
+    eager = run_json(capsys, *argv, "--runner", "eager")
+    assert default["stats"]["runner"] == graph["stats"]["runner"] == "graph"
+    assert graph["stats"]["captured_sizes"] == [2]
+    assert (
+        graph["stats"]["graph_steps"] == 5 and graph["stats"]["eager_steps"] == 1
+    )  # prefill is eager
+    assert [r["output_ids"] for r in graph["requests"]] == [
+        r["output_ids"] for r in eager["requests"]
+    ]
 
 
 def test_random_preset_runs_and_has_no_text(capsys):
@@ -121,12 +150,26 @@ def test_info_names_device_and_versions(capsys):
         ),
         (["--prompt", "hi"], "tokenizer.json"),
         ([], "no prompt"),
-        (["--prompt-ids", "1", "--runner", "graph"], "not available yet"),
+        (["--prompt-ids", "1", "--runner", "graph", "--graph-backend", "bogus"], "offers compile"),
+        (
+            [
+                "--prompt-ids",
+                "1",
+                "--runner",
+                "graph",
+                "--graph-bs",
+                "64",
+                "--max-running-requests",
+                "8",
+            ],
+            "no graph batch size",
+        ),
         (["--prompt-ids", "1", "--device", "npu"], "graphrt[npu]"),
     ],
 )
 def test_bad_input_is_one_line_error(capsys, argv, needle):
-    assert main(["generate", "--model", "random:llama-tiny", *argv]) == 1
+    runner = [] if "--runner" in argv else ["--runner", "eager"]
+    assert main(["generate", "--model", "random:llama-tiny", *argv, *runner]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""  # nothing half-printed on stdout
     lines = captured.err.strip().splitlines()

@@ -303,7 +303,7 @@ def test_cpu_device_basics():
     assert cpu.default_dtype() == torch.float32
     assert cpu.library_versions()["torch"] == torch.__version__
     assert cpu.describe().startswith("cpu (") and "cores" in cpu.describe()
-    assert cpu.graph_backends() == ()
+    assert cpu.graph_backends() == ("compile",)
     cpu.synchronize()
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from graphrt.core.batch import ForwardBatch
+from graphrt.core.graph_breaks import run_breakable
 from graphrt.core.memory import ReqToTokenPool, TokenKVPool
 
 
@@ -31,6 +32,9 @@ class AttentionSpec:
 
 class AttentionBackend(abc.ABC):
     name: str = "abstract"
+    # False: decode reads host metadata or has data-dependent shapes, so a graph
+    # backend must run it eagerly between graph segments (the "breakable" backend).
+    capture_safe: bool = True
 
     def __init__(self, kv_pool: TokenKVPool, req_to_token_pool: ReqToTokenPool):
         self.kv_pool = kv_pool
@@ -55,6 +59,12 @@ class AttentionBackend(abc.ABC):
     def seq_len_fill_value(self) -> int:
         """Sequence length given to padding rows; must keep their attention finite."""
         return 1
+
+    def attend(self, q, k, v, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
+        """What models call: ``forward``, marked as a graph break when not capture-safe."""
+        if self.capture_safe:
+            return self.forward(q, k, v, spec, batch)
+        return run_breakable(self.forward, q, k, v, spec, batch)
 
     @abc.abstractmethod
     def forward(

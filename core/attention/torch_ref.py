@@ -3,7 +3,9 @@
 Decode is written with static shapes (every row gathers ``max_kv_len`` keys
 and masks the tail) so the same code can be captured or compiled; the
 eager path sets ``max_kv_len`` to the batch's longest sequence, a graph to
-the context length.
+the context length. With ``capture_safe=False`` graphs also use the
+batch's longest sequence, and the decode attention runs eagerly between
+graph segments (breakable backends only).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ class TorchAttentionMetadata:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, kv_pool, req_to_token_pool, capture_safe: bool = True):
+        super().__init__(kv_pool, req_to_token_pool)
+        self.capture_safe = capture_safe
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = TorchAttentionMetadata(max_kv_len=max(batch.seq_lens_cpu))
 
@@ -34,10 +40,12 @@ class TorchAttentionBackend(AttentionBackend):
         self._graph_kv_len = self.req_to_token_pool.max_context_len
 
     def init_metadata_for_capture(self, batch: ForwardBatch) -> None:
-        batch.attn_metadata = TorchAttentionMetadata(max_kv_len=self._graph_kv_len)
+        self.init_metadata_for_replay(batch)
 
     def init_metadata_for_replay(self, batch: ForwardBatch) -> None:
-        batch.attn_metadata = TorchAttentionMetadata(max_kv_len=self._graph_kv_len)
+        # Host lengths come with the batch, so neither branch syncs the device.
+        kv_len = self._graph_kv_len if self.capture_safe else max(batch.seq_lens_cpu)
+        batch.attn_metadata = TorchAttentionMetadata(max_kv_len=kv_len)
 
     def forward(self, q, k, v, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
         if spec.writes_kv:

@@ -28,6 +28,18 @@ class _AppendPrompt(argparse.Action):
         setattr(namespace, self.dest, prompts)
 
 
+def _size_list(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"wants comma-separated batch sizes, got {text!r}"
+        ) from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
+    return sizes
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -71,7 +83,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt token ids, e.g. 1,2,3 (repeatable)",
     )
     gen.add_argument("--max-new-tokens", type=_positive, default=32)
-    gen.add_argument("--runner", choices=["eager", "graph"], default="eager")
+    gen.add_argument(
+        "--runner",
+        choices=["eager", "graph"],
+        default=None,
+        help="default: graph where the device has a graph backend, else eager",
+    )
+    gen.add_argument(
+        "--graph-backend",
+        default=None,
+        help="cuda: full (default) | breakable; cpu: compile; npu, xpu: full",
+    )
+    gen.add_argument(
+        "--graph-bs",
+        type=_size_list,
+        default=None,
+        help="batch sizes to capture, e.g. 1,2,4,8 (default: 1,2,4,8,12,...,256 capped)",
+    )
+    gen.add_argument(
+        "--no-graph-padding",
+        dest="graph_padding",
+        action="store_false",
+        help="run only exactly captured batch sizes as graphs; others run eager",
+    )
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut")
@@ -87,6 +121,37 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-pool-tokens", type=_positive, default=None, help="KV slots (default: 1 GiB worth)"
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    bench = sub.add_parser(
+        "bench", help="decode step latency per batch size: eager, graph, transformers"
+    )
+    bench.add_argument(
+        "--model", default="random:llama-1b", help="checkpoint directory or random:PRESET"
+    )
+    bench.add_argument("--device", choices=DEVICES, default=None)
+    bench.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on accelerators"
+    )
+    bench.add_argument("--prompt-len", type=_positive, default=512)
+    bench.add_argument("--batch-sizes", type=_size_list, default=(1, 8, 32, 64))
+    bench.add_argument(
+        "--runners",
+        type=lambda s: tuple(x for x in s.split(",") if x),
+        default=("eager", "graph"),
+        help="comma list of eager, graph, hf (transformers static cache + torch.compile)",
+    )
+    bench.add_argument("--graph-backend", default=None)
+    bench.add_argument("--steps", type=_positive, default=50, help="timed decode steps per runner")
+    bench.add_argument("--warmup", type=_positive, default=5)
+    bench.add_argument(
+        "--max-running-requests", type=_positive, default=256, help="graphs captured up to this"
+    )
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--out", default="bench-decode.json", help="JSON results (a PNG plot lands beside it)"
+    )
+    bench.add_argument("--no-plot", dest="plot", action="store_false")
+    bench.add_argument("--json", action="store_true", help="print the JSON result on stdout")
 
     info = sub.add_parser(
         "info", help="the selected device, available backends and library versions"

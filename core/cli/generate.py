@@ -45,9 +45,9 @@ def _encode_prompts(prompts, tokenizer) -> list[list[int]]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    if args.runner == "graph":
-        raise GraphrtError("--runner graph is not available yet; use --runner eager")
     device = devices.current(args.device)
+    runner = args.runner or ("graph" if device.graph_backends() else "eager")
+    graph_backend = device.create_graph_backend(args.graph_backend) if runner == "graph" else None
     torch_device = device.torch_device()
     if args.dtype == "auto":
         # The checkpoint's dtype on accelerators; float32 where the device prefers it (cpu).
@@ -69,8 +69,16 @@ def run_generate(args: argparse.Namespace) -> int:
         max_context_len=args.max_context_len,
         kv_pool_tokens=args.kv_pool_tokens,
         seed=args.seed,
+        graph_buckets=args.graph_bs,
+        graph_padding=args.graph_padding,
     )
-    engine = Engine(loaded, torch_device, config)
+    engine = Engine(
+        loaded,
+        torch_device,
+        config,
+        attention_factory=device.create_attention_backend,
+        graph_backend=graph_backend,
+    )
     # Validate every prompt before generating anything, so a bad one costs no work.
     for prompt in prompts:
         engine.validate_request(prompt, params)
@@ -88,11 +96,13 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     stats = {
         "device": device.name,
-        "runner": args.runner,
+        "runner": runner,
         "graph_steps": engine.stats.graph_steps,
         "eager_steps": engine.stats.eager_steps,
-        "captured_sizes": [],
+        "captured_sizes": engine.stats.captured_sizes,
         "tokens_per_s": round(engine.stats.tokens_per_s, 3),
+        "capture_time_s": round(engine.stats.capture_time_s, 3),
+        "graph_memory_bytes": engine.stats.graph_memory_bytes,
     }
     if args.json:
         out = {
@@ -116,7 +126,7 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"    text: {text}")
     print(
         f"{engine.stats.generated_tokens} tokens in {engine.stats.elapsed_s:.2f} s "
-        f"({stats['tokens_per_s']:.1f} tok/s) on {device.name}, runner {args.runner}, "
-        f"{stats['eager_steps']} eager steps"
+        f"({stats['tokens_per_s']:.1f} tok/s) on {device.name}, runner {runner}: "
+        f"{stats['graph_steps']} graph steps, {stats['eager_steps']} eager steps"
     )
     return 0

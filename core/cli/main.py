@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
             from graphrt.core.cli.generate import run_generate
 
             return run_generate(args)
+        if args.command == "bench":
+            from graphrt.core.cli.bench import run_bench
+
+            return run_bench(args)
         if args.command == "info":
             from graphrt.core.cli.info import run_info
 

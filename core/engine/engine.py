@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphrt.core.attention import TorchAttentionBackend
+from graphrt.core.attention import AttentionBackend, TorchAttentionBackend
 from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.engine.request import FinishReason, Request, SamplingParams
 from graphrt.core.engine.sampling import sample
 from graphrt.core.errors import RequestError
 from graphrt.core.memory import ReqToTokenPool, TokenKVPool
 from graphrt.core.models.loader import LoadedModel
-from graphrt.core.runners import BaseRunner, EagerRunner
+from graphrt.core.runners import EagerRunner, ExecutionBackend, GraphRunner, GraphRunnerConfig
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30
     max_prefill_tokens: int = 8192  # prompt tokens per prefill step
     seed: int = 0
+    graph_buckets: tuple[int, ...] | None = None  # --graph-bs; None = the default list
+    graph_padding: bool = True  # False (--no-graph-padding): exact captured sizes only
 
 
 @dataclass
@@ -41,6 +43,9 @@ class EngineStats:
     graph_steps: int = 0
     generated_tokens: int = 0
     elapsed_s: float = 0.0
+    capture_time_s: float = 0.0
+    graph_memory_bytes: int = 0
+    captured_sizes: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -52,8 +57,10 @@ class Engine:
     loaded: LoadedModel
     device: torch.device
     config: EngineConfig = field(default_factory=EngineConfig)
-    # The graph runner (if any) is asked first each step; eager runs the rest.
-    graph_runner: BaseRunner | None = None
+    attention_factory: Callable[..., AttentionBackend] = TorchAttentionBackend
+    # With a graph backend, decode batches run on captured graphs where
+    # can_run_graph says so; eager serves prefill and everything else.
+    graph_backend: ExecutionBackend | None = None
 
     def __post_init__(self):
         model, cfg = self.loaded.model, self.config
@@ -63,13 +70,31 @@ class Engine:
         self.req_pool = ReqToTokenPool(cfg.max_running_requests, self.max_context_len, self.device)
         slots = cfg.kv_pool_tokens or self._slots_for_bytes(kv_specs, dtype)
         self.kv_pool = TokenKVPool(slots, kv_specs, dtype, self.device)
-        self.attn_backend = TorchAttentionBackend(self.kv_pool, self.req_pool)
+        self.attn_backend = self.attention_factory(self.kv_pool, self.req_pool)
         self.eager_runner = EagerRunner(model, self.attn_backend)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved_tokens = 0
         self.stats = EngineStats()
         self._next_rid = 0
+        self.graph_runner = self._capture_graphs() if self.graph_backend is not None else None
+
+    def _capture_graphs(self) -> GraphRunner:
+        cfg = self.config
+        runner_config = GraphRunnerConfig(
+            # No batch can exceed the running-request cap or the KV slots.
+            max_bs=min(cfg.max_running_requests, self.kv_pool.num_slots),
+            buckets=cfg.graph_buckets,
+            padding=cfg.graph_padding,
+        )
+        runner = GraphRunner(
+            self.loaded.model, self.attn_backend, self.graph_backend, runner_config, self.device
+        )
+        runner.capture()
+        self.stats.capture_time_s = runner.capture_time_s
+        self.stats.graph_memory_bytes = self.graph_backend.memory_bytes()
+        self.stats.captured_sizes = runner.captured_sizes
+        return runner
 
     def _slots_for_bytes(self, kv_specs, dtype) -> int:
         per_token = sum(
@@ -144,7 +169,7 @@ class Engine:
         reqs = admitted if admitted else list(self.running)
         if not reqs:
             return []
-        batch = self._prefill_batch(reqs) if admitted else self._decode_batch(reqs)
+        batch = self._prefill_batch(reqs) if admitted else self.build_decode_batch(reqs)
         runner = self.eager_runner
         if self.graph_runner is not None and self.graph_runner.can_run_graph(batch):
             runner = self.graph_runner
@@ -197,7 +222,8 @@ class Engine:
             logits_indices=torch.tensor(lens, device=dev).cumsum(0) - 1,  # last token of each
         )
 
-    def _decode_batch(self, reqs: list[Request]) -> ForwardBatch:
+    def build_decode_batch(self, reqs: list[Request]) -> ForwardBatch:
+        """The next decode batch for ``reqs`` (running requests); allocates one KV slot each."""
         dev = self.device
         locs = self.kv_pool.alloc(len(reqs))
         slots = torch.tensor([r.req_slot for r in reqs], device=dev)
@@ -226,6 +252,15 @@ class Engine:
             req.finish_reason = FinishReason.LENGTH
         if req.finished:
             self._release(req)
+
+    def abort(self, req: Request) -> None:
+        """Stop a request now (finish reason LENGTH) and free its KV; waiting ones just leave."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif req in self.running:
+            self._release(req)
+        if req.finish_reason is None:
+            req.finish_reason = FinishReason.LENGTH
 
     def _release(self, req: Request) -> None:
         self.kv_pool.free(self.req_pool.req_to_token[req.req_slot, : req.kv_len])

@@ -56,7 +56,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k)
-        out = attn.forward(q.flatten(1), k.flatten(1), v, s, batch)  # (T, H*D)
+        out = attn.attend(q.flatten(1), k.flatten(1), v, s, batch)  # (T, H*D)
         return self.o_proj(out)
 
 

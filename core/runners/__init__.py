@@ -1,6 +1,16 @@
 """Runners: the shared surface (can_run_graph, load_batch, execute)."""
 
+from graphrt.core.runners.backend import ExecutionBackend, ShapeKey
 from graphrt.core.runners.base import BaseRunner, RunnerOutput
 from graphrt.core.runners.eager import EagerRunner
+from graphrt.core.runners.graph import GraphRunner, GraphRunnerConfig
 
-__all__ = ["BaseRunner", "EagerRunner", "RunnerOutput"]
+__all__ = [
+    "BaseRunner",
+    "EagerRunner",
+    "ExecutionBackend",
+    "GraphRunner",
+    "GraphRunnerConfig",
+    "RunnerOutput",
+    "ShapeKey",
+]

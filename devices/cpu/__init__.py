@@ -36,6 +36,11 @@ class CpuDevice(Device):
     def describe(self) -> str:
         return f"cpu ({_usable_cores()} cores)"
 
+    def _graph_backend_factories(self):
+        from graphrt.devices.cpu.compile import CompiledGraphBackend
+
+        return {"compile": CompiledGraphBackend}
+
 
 def _usable_cores() -> int:
     """Cores this process may run on; a container's affinity is often below `os.cpu_count()`."""

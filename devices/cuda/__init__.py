@@ -42,6 +42,21 @@ class CudaDevice(Device):
 
         torch.cuda.synchronize()
 
+    def _graph_backend_factories(self):
+        from graphrt.devices.cuda.graph import CudaBreakableGraphBackend, CudaFullGraphBackend
+
+        return {"full": CudaFullGraphBackend, "breakable": CudaBreakableGraphBackend}
+
+    def create_attention_backend(self, kv_pool, req_to_token_pool):
+        """Triton's paged decode kernel when triton is installed, else the torch reference."""
+        try:
+            import triton  # noqa: F401  (graphrt[cuda]; imported only once CUDA is chosen)
+        except ImportError:
+            return super().create_attention_backend(kv_pool, req_to_token_pool)
+        from graphrt.devices.cuda.attention import TritonAttentionBackend
+
+        return TritonAttentionBackend(kv_pool, req_to_token_pool)
+
     def describe(self) -> str:
         import torch
 

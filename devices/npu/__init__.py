@@ -62,6 +62,11 @@ class NpuDevice(Device):
 
         torch.npu.synchronize()
 
+    def _graph_backend_factories(self):
+        from graphrt.devices.npu.graph import NpuGraphBackend
+
+        return {"full": NpuGraphBackend}
+
     def describe(self) -> str:
         import torch
 

@@ -44,6 +44,11 @@ class XpuDevice(Device):
 
         torch.xpu.synchronize()
 
+    def _graph_backend_factories(self):
+        from graphrt.devices.xpu.graph import XpuGraphBackend
+
+        return {"full": XpuGraphBackend}
+
     def describe(self) -> str:
         import torch
 

@@ -1,0 +1,1 @@
+"""Benchmarks behind `graphrt bench`: decode step latency against the bandwidth floor."""

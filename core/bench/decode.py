@@ -1,0 +1,140 @@
+"""Decode-step benchmark: eager vs graph runner (and the transformers peer) per batch size.
+
+For each batch size, ``bs`` requests are prefilled to ``prompt_len`` tokens
+through the Engine, then one decode batch is executed repeatedly by each
+runner; the same batch, the same KV, side by side in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from graphrt.core.bench.timing import copy_bandwidth_gbps, floor_ms, median_ms, weight_bytes
+from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+
+
+@dataclass(frozen=True)
+class DecodeBenchConfig:
+    batch_sizes: tuple[int, ...] = (1, 8, 32, 64)
+    prompt_len: int = 512
+    runners: tuple[str, ...] = ("eager", "graph")  # plus "hf" for the transformers peer
+    steps: int = 50
+    warmup: int = 5
+    max_running_requests: int = 256  # graph buckets are captured up to this
+    seed: int = 0
+
+
+@dataclass
+class BatchResult:
+    batch_size: int
+    eager_ms: float | None = None
+    graph_ms: float | None = None
+    hf_ms: float | None = None
+    floor_ms: float = 0.0
+    graph_over_floor: float | None = None
+    graph_speedup_over_eager: float | None = None
+    graph_speedup_over_hf: float | None = None
+
+
+@dataclass
+class DecodeBenchResult:
+    model: str
+    device: str
+    device_name: str
+    dtype: str
+    prompt_len: int
+    versions: dict[str, str]
+    copy_bandwidth_gbps: float
+    weight_bytes: int
+    kv_bytes_per_token: int
+    capture_time_s: float | None
+    graph_memory_bytes: int | None
+    captured_sizes: list[int]
+    graph_backend: str | None
+    attention_backend: str
+    batches: list[BatchResult] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def run_decode_bench(
+    engine: Engine, cfg: DecodeBenchConfig, sync, hf_peer=None, report=print
+) -> tuple[list[BatchResult], float, int]:
+    """Time every runner at every batch size on ``engine``'s model and pools.
+
+    Returns the per-batch results, the copy bandwidth (GB/s) measured in this
+    run, and the model's weight bytes.
+    """
+    torch.manual_seed(cfg.seed)
+    vocab = engine.loaded.model.vocab_size
+    params = SamplingParams(max_new_tokens=cfg.steps + cfg.warmup + 2, ignore_eos=True)
+    weights = weight_bytes(engine.loaded.model)
+    bandwidth = copy_bandwidth_gbps(engine.device, sync)
+    results = []
+    for bs in cfg.batch_sizes:
+        reqs = [
+            engine.add_request(torch.randint(0, vocab, (cfg.prompt_len,)).tolist(), params)
+            for _ in range(bs)
+        ]
+        while engine.waiting:  # prefill every request (in as many steps as it takes)
+            engine.step()
+        batch = engine.build_decode_batch(reqs)
+        result = BatchResult(batch_size=bs)
+        kv_read = sum(batch.seq_lens_cpu) * engine.kv_pool.bytes_per_token
+        result.floor_ms = floor_ms(weights, kv_read, bandwidth)
+        if "eager" in cfg.runners:
+            result.eager_ms = median_ms(
+                lambda b=batch: engine.eager_runner.execute(b), sync, cfg.steps, cfg.warmup
+            )
+        if "graph" in cfg.runners and engine.graph_runner is not None:
+            if not engine.graph_runner.can_run_graph(batch):
+                report(f"batch {bs}: no captured graph fits; graph timing skipped")
+            else:
+                result.graph_ms = median_ms(
+                    lambda b=batch: engine.graph_runner.execute(b), sync, cfg.steps, cfg.warmup
+                )
+        for req in reqs:
+            engine.abort(req)
+        if "hf" in cfg.runners and hf_peer is not None:
+            result.hf_ms = hf_peer.decode_step_ms(bs, cfg.prompt_len, cfg.steps, cfg.warmup, sync)
+        if result.graph_ms:
+            result.graph_over_floor = result.graph_ms / result.floor_ms
+            if result.eager_ms:
+                result.graph_speedup_over_eager = result.eager_ms / result.graph_ms
+            if result.hf_ms:
+                result.graph_speedup_over_hf = result.hf_ms / result.graph_ms
+        report(_row(result))
+        results.append(result)
+    return results, bandwidth, weights
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+HEADER = f"{'bs':>4} {'eager ms':>9} {'graph ms':>9} {'hf ms':>9} {'floor ms':>9} {'graph/floor':>11} {'graph x eager':>13} {'graph x hf':>10}"
+
+
+def _row(r: BatchResult) -> str:
+    return (
+        f"{r.batch_size:>4} {_fmt(r.eager_ms):>9} {_fmt(r.graph_ms):>9} {_fmt(r.hf_ms):>9} "
+        f"{_fmt(r.floor_ms):>9} {_fmt(r.graph_over_floor, '.2f'):>11} "
+        f"{_fmt(r.graph_speedup_over_eager, '.2f'):>13} {_fmt(r.graph_speedup_over_hf, '.2f'):>10}"
+    )
+
+
+def make_engine(loaded, device, attention_factory, graph_backend, cfg: DecodeBenchConfig) -> Engine:
+    max_bs = max(cfg.max_running_requests, max(cfg.batch_sizes))
+    context = cfg.prompt_len + cfg.steps + cfg.warmup + 8
+    config = EngineConfig(
+        max_running_requests=max_bs,
+        max_context_len=context,
+        kv_pool_tokens=max(cfg.batch_sizes) * context,
+        seed=cfg.seed,
+    )
+    return Engine(
+        loaded, device, config, attention_factory=attention_factory, graph_backend=graph_backend
+    )

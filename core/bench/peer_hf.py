@@ -1,0 +1,118 @@
+"""The peer a user would pick instead: transformers with its static cache under
+``torch.compile(mode="reduce-overhead")`` (inductor kernels + CUDA graphs),
+on the same weights as graphrt's model."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from graphrt.core.bench.timing import median_ms
+from graphrt.core.errors import GraphrtError
+from graphrt.core.models.layers import MergedLinear
+
+
+def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """graphrt's parameters under transformers' names (fused projections split back)."""
+    merged = {name: m for name, m in model.named_modules() if isinstance(m, MergedLinear)}
+    out = {}
+    for name, param in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        if module_name in merged:
+            parent = module_name.rpartition(".")[0]
+            for shard, (offset, size) in merged[module_name].shard_offsets.items():
+                out[f"{parent}.{shard}.{leaf}"] = param[offset : offset + size]
+        else:
+            out[name] = param
+    return out
+
+
+class HFPeer:
+    """transformers' own recipe for compiled static-cache decoding: an eager
+    prefill fills a ``StaticCache``, then single-token steps run through
+    ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``.
+
+    The static cache keeps its own write cursor (a device tensor per layer,
+    advanced in place by every update; neither 5.17 nor 5.24 reads a
+    ``cache_position``), so each timed call decodes the *next* position, as
+    ``generate`` does, and the cache is sized for the prefill plus every call.
+    (Repeating one position would run the cursor off the cache's end.)
+    """
+
+    def __init__(self, hf_config: dict, model: nn.Module, device: torch.device, dtype: torch.dtype):
+        try:
+            from transformers import AutoConfig, AutoModelForCausalLM
+        except ImportError:
+            raise GraphrtError(
+                "the transformers peer needs transformers: pip install 'graphrt[bench]'"
+            ) from None
+        cfg = dict(hf_config)
+        model_type = cfg.pop("model_type")
+        config = AutoConfig.for_model(model_type, **cfg)
+        with torch.device(device):
+            hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
+        # A tied head has no tensor of its own; anything else missing is a bug.
+        missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+        if missing or unexpected:
+            raise GraphrtError(
+                f"transformers peer: weights do not map (missing {missing}, unexpected {unexpected})"
+            )
+        self.model = hf.eval()
+        self.config = config
+        self.device = device
+        # transformers renamed forward's cache argument (``past_key_values`` in 5.17,
+        # ``cache`` in 5.24, where the old name is only a deprecated alias).
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        # Compiled once; dynamo specialises (and, on CUDA, records a graph) per
+        # batch size. dynamic=False: every batch size gets static-shape kernels,
+        # so allow a recompile per batch size of a long sweep rather than letting
+        # dynamo fall back to eager (and this column time eager) past its default 8.
+        for knob in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+                break
+        self.step = torch.compile(
+            self.model.forward, mode="reduce-overhead", fullgraph=True, dynamic=False
+        )
+
+    def new_cache(self, max_cache_len: int):
+        from transformers import StaticCache
+
+        return StaticCache(config=self.config, max_cache_len=max_cache_len)
+
+    def prefill(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """Eager prefill (never compiled, as transformers advises); it also allocates
+        the cache tensors and marks them static addresses for dynamo/CUDA graphs."""
+        return self.model(input_ids=ids, **{self.cache_kwarg: cache}).logits
+
+    def decode(self, token: torch.Tensor, cache, compiled: bool = True) -> torch.Tensor:
+        """One decode step at the cache's cursor (positions derived from it in-graph)."""
+        fn = self.step if compiled else self.model.forward
+        return fn(input_ids=token, **{self.cache_kwarg: cache}).logits
+
+    @torch.no_grad()
+    def decode_step_ms(
+        self, batch_size: int, prompt_len: int, steps: int, warmup: int, sync: Callable[[], None]
+    ) -> float:
+        warmup = max(warmup, 3)  # compilation and CUDA-graph recording happen here
+        calls = warmup + steps
+        cache = self.new_cache(prompt_len + calls)
+        ids = torch.randint(0, self.config.vocab_size, (batch_size, prompt_len), device=self.device)
+        self.prefill(ids, cache)
+        # Contiguous strides, so every batch size's token looks alike to dynamo's guards.
+        token = ids[:, -1:].clone(memory_format=torch.contiguous_format)
+        done = 0
+
+        def run():
+            nonlocal done
+            if done == calls:  # the cache would overflow (an out-of-bounds index_copy_)
+                raise GraphrtError("transformers peer: more decode steps than its cache holds")
+            done += 1
+            return self.decode(token, cache)
+
+        return median_ms(run, sync, steps=steps, warmup=warmup)

@@ -1,0 +1,42 @@
+"""Step latency against batch size, one line per runner plus the floor (matplotlib)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_latency(result: dict, path: Path) -> bool:
+    """Write the PNG; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    batches = result["batches"]
+    sizes = [b["batch_size"] for b in batches]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in [
+        ("eager_ms", "eager"),
+        ("graph_ms", "graph"),
+        ("hf_ms", "transformers (compile)"),
+        ("floor_ms", "bandwidth floor"),
+    ]:
+        points = [(s, b[key]) for s, b in zip(sizes, batches) if b.get(key)]
+        if points:
+            style = "--" if key == "floor_ms" else "-o"
+            ax.plot(*zip(*points), style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("decode batch size")
+    ax.set_ylabel("step latency (ms, median)")
+    ax.set_title(
+        f"{result['model']} {result['dtype']}, prompt {result['prompt_len']}, {result['device_name']}"
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,109 @@
+"""`graphrt bench`: decode step latency per batch size for eager, graph and the peer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from graphrt import devices
+from graphrt.core.bench.decode import (
+    HEADER,
+    DecodeBenchConfig,
+    DecodeBenchResult,
+    make_engine,
+    run_decode_bench,
+)
+from graphrt.core.bench.plot import plot_latency
+from graphrt.core.errors import GraphrtError
+from graphrt.core.models import load_model
+from graphrt.core.models.config import parse_dtype
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    device = devices.current(args.device)
+    torch_device = device.torch_device()
+    runners = tuple(args.runners)
+    unknown = set(runners) - {"eager", "graph", "hf"}
+    if unknown:
+        raise GraphrtError(
+            f"unknown runner(s) {', '.join(sorted(unknown))}; choose from eager, graph, hf"
+        )
+    dtype = device.default_dtype() if args.dtype == "auto" else parse_dtype(args.dtype)
+    cfg = DecodeBenchConfig(
+        batch_sizes=tuple(args.batch_sizes),
+        prompt_len=args.prompt_len,
+        runners=runners,
+        steps=args.steps,
+        warmup=args.warmup,
+        max_running_requests=args.max_running_requests,
+        seed=args.seed,
+    )
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    loaded = load_model(args.model, torch_device, dtype)
+    graph_backend = device.create_graph_backend(args.graph_backend) if "graph" in runners else None
+    log(
+        f"graphrt bench: {args.model} {str(dtype).removeprefix('torch.')} on {device.describe()}; capturing graphs..."
+    )
+    engine = make_engine(loaded, torch_device, device.create_attention_backend, graph_backend, cfg)
+    hf_peer = None
+    if "hf" in runners:
+        from graphrt.core.bench.peer_hf import HFPeer
+        from graphrt.core.models.presets import preset_hf_config
+
+        if not args.model.startswith("random:"):
+            hf_cfg = json.loads((Path(args.model) / "config.json").read_text())
+        else:
+            hf_cfg = preset_hf_config(args.model.removeprefix("random:"))
+        hf_cfg = {
+            k: v for k, v in hf_cfg.items() if k not in ("architectures", "dtype", "torch_dtype")
+        }
+        hf_peer = HFPeer(hf_cfg, loaded.model, torch_device, dtype)
+    log(HEADER)
+    batches, bandwidth, weights = run_decode_bench(
+        engine, cfg, device.synchronize, hf_peer, report=log
+    )
+    result = DecodeBenchResult(
+        model=args.model,
+        device=device.name,
+        device_name=device.describe(),
+        dtype=str(dtype).removeprefix("torch."),
+        prompt_len=cfg.prompt_len,
+        versions=_versions(device),
+        copy_bandwidth_gbps=round(bandwidth, 1),
+        weight_bytes=weights,
+        kv_bytes_per_token=engine.kv_pool.bytes_per_token,
+        capture_time_s=engine.stats.capture_time_s if graph_backend else None,
+        graph_memory_bytes=engine.stats.graph_memory_bytes if graph_backend else None,
+        captured_sizes=engine.stats.captured_sizes,
+        graph_backend=graph_backend.name if graph_backend else None,
+        attention_backend=engine.attn_backend.name,
+        batches=batches,
+    ).to_json()
+    if graph_backend:
+        log(
+            f"captured {len(result['captured_sizes'])} graphs (bs {result['captured_sizes'][0]}.."
+            f"{result['captured_sizes'][-1]}) in {result['capture_time_s']:.2f} s, "
+            f"graph memory {result['graph_memory_bytes'] / 2**20:.1f} MiB; copy bandwidth {bandwidth:.0f} GB/s"
+        )
+    out = Path(args.out)
+    out.write_text(json.dumps(result, indent=2))
+    log(f"wrote {out}")
+    if args.plot and plot_latency(result, out.with_suffix(".png")):
+        log(f"wrote {out.with_suffix('.png')}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _versions(device) -> dict[str, str]:
+    versions = device.library_versions()
+    try:
+        import importlib.metadata
+
+        versions["transformers"] = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    versions["python"] = sys.version.split()[0]
+    return versions

@@ -1,0 +1,68 @@
+"""The execution-backend interface: how a device captures and replays graphs.
+
+Backends are graph-only and stateless about batches: the ``GraphRunner``
+owns buffers, padding and keys; a backend stores one graph (or compiled
+callable) per ``ShapeKey`` and replays it. All of a backend's graphs share
+one memory pool, captured largest first.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ShapeKey:
+    """Names one captured graph. Built only by ``GraphRunner._make_graph_key``."""
+
+    size: int
+    stream_idx: int | None = None
+    variant: str | None = None
+
+
+class ExecutionBackend(abc.ABC):
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def capture_session(self, stream: Any = None) -> contextlib.AbstractContextManager:
+        """Context around a whole capture pass (pool, side stream, synchronisation)."""
+
+    @abc.abstractmethod
+    def capture_one(
+        self,
+        key: ShapeKey,
+        run_once: Callable[[], Any],
+        post_warmup_hook: Callable[[], None] | None = None,
+    ) -> None:
+        """Warm ``run_once`` up, then capture it as the graph for ``key``; keep its outputs."""
+
+    @abc.abstractmethod
+    def can_run(self, batch: Any, key: ShapeKey) -> bool:
+        """True when a graph for ``key`` exists."""
+
+    def replay_session(self) -> contextlib.AbstractContextManager:
+        """Context around replays (devices that need one set it up here)."""
+        return contextlib.nullcontext()
+
+    @abc.abstractmethod
+    def replay(self, key: ShapeKey, batch: Any) -> Any:
+        """Replay ``key``'s graph; returns the outputs captured with it (static buffers)."""
+
+    @abc.abstractmethod
+    def cleanup(self) -> None:
+        """Drop every graph and the pool; a later capture starts afresh."""
+
+    def update_inputs(self, key: ShapeKey, **attrs: Any) -> None:  # noqa: B027 (optional hook)
+        """Rebind host-side inputs of a captured graph (Ascend's NPUGraph.update); a no-op elsewhere."""
+
+    def keys(self) -> Iterator[ShapeKey]:
+        """The captured keys."""
+        return iter(())
+
+    def memory_bytes(self) -> int:
+        """Device memory held by the captured graphs, as far as the device can tell."""
+        return 0

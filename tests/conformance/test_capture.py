@@ -1,0 +1,97 @@
+"""Capture: exactly the configured buckets, largest first, in one session; cleanup and
+recapture; per-device capture details (breakable segments, NPU update support)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import Harness, check_many_runners
+from helpers import rel_err
+
+from graphrt.core.runners import ShapeKey
+
+
+def test_captures_configured_buckets_largest_first_in_one_session(graph_case: Harness):
+    h = graph_case
+    assert h.runner.buckets == h.case.buckets
+    assert h.runner.captured_sizes == sorted(h.case.buckets)
+    expected = [ShapeKey(size) for size in sorted(h.case.buckets, reverse=True)]
+    assert h.capture_log == ["session-enter", *expected, "session-exit"]
+
+
+def test_stream_graphs_share_one_pool(graph_case: Harness):
+    module = getattr(graph_case.backend, "module", None)
+    if not graph_case.case.is_standin or module is None:
+        pytest.skip("only the stand-in shows which pool each graph was captured into")
+    assert len(module.pools) == 1  # one graph_pool_handle() for the whole capture
+    assert {g.pool for g in module.graphs} == set(module.pools)
+
+
+def test_breakable_capture_segments(graph_case: Harness):
+    h = graph_case
+    if not h.case.breakable:
+        pytest.skip("not a breakable backend")
+    layers = len(h.model.kv_layer_specs())
+    # Attention that is not capture-safe is a graph break: layers + 1 segments per
+    # forward, the attention running eagerly between them. Capture-safe: one segment.
+    per_key = 1 if h.attn.capture_safe else layers + 1
+    for key in h.backend.keys():
+        assert len(h.backend._graphs[key].graphs) == per_key, key
+    if h.case.is_standin:
+        assert not h.attn.capture_safe
+        assert len(h.backend.module.graphs) == len(h.case.buckets) * (layers + 1)
+
+
+def test_npu_graphs_are_captured_with_auto_dispatch(graph_case: Harness):
+    h = graph_case
+    if h.case.id != "npu-standin":
+        pytest.skip("the stand-in NPU records its graph contexts")
+    contexts = h.backend.module.graph_contexts
+    assert len(contexts) == len(h.case.buckets)
+    assert all(c["auto_dispatch_capture"] is True for c in contexts)
+
+
+def test_cleanup_then_capture_again(graph_case: Harness):
+    h = graph_case
+    buckets = (2,)  # its own tiny list: a CPU compile per capture
+    runner = h.new_runner(buckets)
+    reqs = h.new_requests([5, 11], seed=7)
+    for attempt in range(2):
+        runner.capture()
+        assert runner.captured_sizes == [2]
+        batch = h.decode_batch(reqs)
+        assert runner.can_run_graph(batch)
+        graph = runner.execute(batch)
+        eager = h.eager.execute(batch)
+        assert rel_err(graph.logits, eager.logits) <= h.case.rtol, f"attempt {attempt}"
+        assert torch.equal(graph.logits.argmax(-1), eager.logits.argmax(-1))
+        h.advance(reqs, eager.logits)
+        runner.cleanup()
+        assert runner.captured_sizes == []
+        assert not runner.can_run_graph(batch)
+
+
+def test_many_runners_in_one_process_each_replay_their_own_graphs(graph_case: Harness):
+    """Several GraphRunners live in one process (an Engine per configuration, target and
+    draft runners, cleanup and recapture): each keeps replaying its own graphs."""
+    if graph_case.case.id != "cpu-compile":
+        check_many_runners(graph_case)
+        return
+    # dynamo's cache of compiled code is process-wide and outlives runners: run in a
+    # fresh interpreter, so that whatever this leaves behind cannot reach other tests.
+    script = (
+        "import sys; sys.path[:0] = sys.argv[1:]; "
+        "import harness; harness.check_many_runners_alone('cpu-compile')"
+    )
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(here), str(here.parent)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

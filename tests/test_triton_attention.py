@@ -1,0 +1,402 @@
+"""Triton paged decode attention (devices/cuda/triton_decode.py, devices/cuda/attention.py)
+against the torch reference backend and naive float64 softmax attention.
+
+CPU lane: the kernels run under Triton's interpreter. TRITON_INTERPRET=1 must be
+set before triton is first imported, and other tests may already have imported
+it in this process (torch.compile), so the interpreter check runs this file as a
+script in a subprocess and reads its errors back as JSON.
+CUDA lane: the same comparisons at real sizes in float32 / bfloat16 / float16,
+and the backend inside a CUDA graph against eager, bitwise.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import rel_err
+
+from graphrt.core.attention import AttentionSpec, TorchAttentionBackend
+from graphrt.core.batch import ForwardBatch, ForwardMode
+from graphrt.core.memory import PADDING_SLOT, KVLayerSpec, ReqToTokenPool, TokenKVPool
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON, reason="triton is not installed (pip install triton, or graphrt[cuda])"
+)
+# Triton < 3.7's interpreter turns runtime loop bounds into ints with int(ndarray), which
+# numpy 2.4 refuses for 1-element arrays (3.7 squeezes first); the CPU lane pins 3.7.1.
+OLD_INTERPRETER = HAS_TRITON and tuple(
+    int(part) for part in importlib.metadata.version("triton").split(".")[:2]
+) < (3, 7)
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+CPU_SEQ_LENS = [1, 7, 37]
+PADDING_K = 50.0  # large, finite garbage in the padding slot's K: a real row reading it shows
+
+
+class Pools:
+    """Request and token pools whose every slot holds random K/V, handed out scattered."""
+
+    def __init__(self, head_dims, num_kv_heads, max_requests, context, dtype, device, seed=0):
+        device = torch.device(device)
+        self.num_kv_heads = num_kv_heads
+        self.req_pool = ReqToTokenPool(max_requests, context, device)
+        layers = [KVLayerSpec(num_kv_heads, d, i) for i, d in enumerate(head_dims)]
+        self.kv_pool = TokenKVPool(max_requests * context, layers, dtype, device)
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+        # Scatter: slot order unrelated to position order, as after frees and reuse.
+        perm = torch.randperm(self.kv_pool.num_slots, generator=torch.Generator().manual_seed(seed))
+        self.kv_pool._free = self.kv_pool._free[perm]
+        for buf in self.kv_pool.k_buffers + self.kv_pool.v_buffers:
+            buf.copy_(self.rand(*buf.shape))
+        for buf in self.kv_pool.k_buffers:
+            buf[PADDING_SLOT] = PADDING_K
+
+    def rand(self, *shape) -> torch.Tensor:
+        device = self.kv_pool.device
+        x = torch.randn(*shape, generator=self.gen, device=device, dtype=torch.float32)
+        return x.to(self.kv_pool.dtype)
+
+    def new_request(self, seq_len: int) -> tuple[int, int]:
+        """A request slot owning ``seq_len`` positions; returns (slot, slot of the last one)."""
+        slot = self.req_pool.alloc()
+        loc = self.kv_pool.alloc(seq_len)
+        self.req_pool.req_to_token[slot, :seq_len] = loc
+        return slot, int(loc[-1])
+
+    def decode_batch(self, seq_lens, num_padding: int = 0) -> ForwardBatch:
+        """One new token per request at position seq_len - 1, then padding rows (slot 0, len 1)."""
+        slots, locs = zip(*(self.new_request(n) for n in seq_lens)) if seq_lens else ((), ())
+        return make_batch(
+            [*slots] + [PADDING_SLOT] * num_padding,
+            [*seq_lens] + [1] * num_padding,
+            [*locs] + [PADDING_SLOT] * num_padding,
+            self.kv_pool.device,
+        )
+
+    def qkv(self, num_rows: int, spec: AttentionSpec):
+        return (
+            self.rand(num_rows, spec.num_heads * spec.head_dim),
+            self.rand(num_rows, spec.num_kv_heads * spec.head_dim),
+            self.rand(num_rows, spec.num_kv_heads * spec.head_dim),
+        )
+
+
+def make_batch(req_slots, seq_lens, locs, device) -> ForwardBatch:
+    return ForwardBatch(
+        mode=ForwardMode.DECODE,
+        input_ids=torch.zeros(len(req_slots), dtype=torch.int64, device=device),
+        positions=torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64, device=device),
+        req_pool_indices=torch.tensor(req_slots, dtype=torch.int64, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        out_cache_loc=torch.tensor(locs, dtype=torch.int64, device=device),
+        seq_lens_cpu=list(seq_lens),
+        extend_lens_cpu=[1] * len(req_slots),
+    )
+
+
+def naive_decode(pools: Pools, q: torch.Tensor, spec: AttentionSpec, batch: ForwardBatch):
+    """Explicit softmax attention in float64 over each row's visible keys -> (B, H, D)."""
+    bs = q.shape[0]
+    kv_len = max(batch.seq_lens_cpu)
+    slots = pools.req_pool.req_to_token[batch.req_pool_indices, :kv_len]  # (B, L)
+    key = pools.kv_pool.k_buffers[spec.cache_index][slots].double()  # (B, L, Hkv, D)
+    value = pools.kv_pool.v_buffers[spec.cache_index][slots].double()
+    group = spec.num_heads // spec.num_kv_heads
+    qg = q.double().view(bs, spec.num_kv_heads, group, spec.head_dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, key) * spec.scaling  # (B, Hkv, G, L)
+    pos = torch.arange(kv_len, device=q.device)
+    seq_lens = batch.seq_lens.long().unsqueeze(1)  # (B, 1)
+    visible = pos < seq_lens
+    if spec.sliding_window is not None:
+        visible &= pos >= seq_lens - spec.sliding_window
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkgl,blkd->bkgd", weights, value)
+    return out.reshape(bs, spec.num_heads, spec.head_dim)
+
+
+def run_decode(backend, pools: Pools, q, k, v, spec: AttentionSpec, batch: ForwardBatch):
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, k, v, spec, batch)
+    return out.view(-1, spec.num_heads, spec.head_dim)
+
+
+# ---- CPU lane: the kernels under Triton's interpreter ----------------------------------
+
+
+def interpreter_results() -> dict:
+    """Runs in a TRITON_INTERPRET=1 subprocess; returns errors and flags for the test to check.
+
+    The interpreter takes ~0.5 s per launch on 2 cores: the launch count is kept small.
+    """
+    from graphrt.devices.cuda.attention import TritonAttentionBackend
+    from graphrt.devices.cuda.triton_decode import allocate_decode_scratch, decode_attention
+
+    errors, flags = {}, {}
+    for head_dim in (16, 24):
+        for window in (None, 5):
+            case = f"D{head_dim}-window{window}"
+            pools = Pools((head_dim,), 2, 4, 48, torch.float32, "cpu", seed=head_dim)
+            batch = pools.decode_batch(CPU_SEQ_LENS, num_padding=1)
+            spec = AttentionSpec(4, 2, head_dim, 1.3 * head_dim**-0.5, 0, sliding_window=window)
+            q, k, v = pools.qkv(batch.batch_size, spec)
+            triton_backend = TritonAttentionBackend(pools.kv_pool, pools.req_pool)
+            out = run_decode(triton_backend, pools, q, k, v, spec, batch)
+            written = pools.kv_pool.k_buffers[0][batch.out_cache_loc[:3]]
+            flags[f"{case}/kv_written"] = torch.equal(written, k[:3].view(3, 2, head_dim))
+            # Before the reference runs: padding rows all write slot 0, so which
+            # row's K/V it holds after another forward is not defined on a GPU.
+            naive = naive_decode(pools, q.view(-1, 4, head_dim), spec, batch)
+            ref = run_decode(
+                TorchAttentionBackend(pools.kv_pool, pools.req_pool), pools, q, k, v, spec, batch
+            )
+            errors[f"{case}/vs_reference"] = rel_err(out[:3], ref[:3])
+            errors[f"{case}/vs_naive"] = rel_err(out[:3], naive[:3])
+            errors[f"{case}/padding_vs_naive"] = rel_err(out[3:], naive[3:])
+            flags[f"{case}/padding_finite"] = bool(torch.isfinite(out).all())
+            if head_dim != 24:
+                continue
+
+            # The launcher straight: a split count that is not a power of two, several
+            # BLOCK_N steps per split, q with a row stride wider than H * D.
+            wide_q = torch.zeros(batch.batch_size, 4, head_dim + 8)
+            wide_q[:, :, :head_dim] = q.view(-1, 4, head_dim)
+            scratch = allocate_decode_scratch(4, 4, head_dim, torch.device("cpu"), 3)
+            direct = torch.empty(batch.batch_size, 4, head_dim)
+            decode_attention(
+                wide_q[:, :, :head_dim],
+                pools.kv_pool.k_buffers[0],
+                pools.kv_pool.v_buffers[0],
+                pools.req_pool.req_to_token,
+                batch.req_pool_indices,
+                batch.seq_lens,
+                direct,
+                *scratch,
+                spec.scaling,
+                window,
+                block_n=4,
+            )
+            errors[f"{case}/3_splits_vs_naive"] = rel_err(direct, naive)
+
+    # Scratch (last case): sized for the graph batch once graphs are set up, one pair
+    # shared by the layers of one (H, D) whatever their window; results unchanged.
+    triton_backend.init_graph_state(max_bs=8, max_tokens=8)
+    other = AttentionSpec(4, 2, head_dim, spec.scaling, 0, sliding_window=3)
+    run_decode(triton_backend, pools, q, k, v, other, batch)
+    again = run_decode(triton_backend, pools, q, k, v, spec, batch)
+    flags["scratch_shared"] = list(triton_backend._scratch) == [(4, head_dim)]
+    flags["scratch_rows"] = all(t.shape[0] == 8 for t in triton_backend._scratch[(4, head_dim)])
+    flags["deterministic"] = torch.equal(again, out)
+    return {"errors": errors, "flags": flags}
+
+
+@needs_triton
+@pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
+def test_decode_kernel_under_interpreter_matches_reference_and_naive():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results["errors"]) == 14 and len(results["flags"]) == 11
+    too_far = {name: err for name, err in results["errors"].items() if not err < 1e-5}
+    assert not too_far, too_far
+    failed = [name for name, ok in results["flags"].items() if not ok]
+    assert not failed, failed
+
+
+@needs_triton
+def test_cuda_device_picks_triton_when_importable(monkeypatch):
+    from graphrt.devices.cuda import CudaDevice
+    from graphrt.devices.cuda.attention import TritonAttentionBackend
+
+    pools = Pools((8,), 2, 2, 16, torch.float32, "cpu")
+    backend = CudaDevice().create_attention_backend(pools.kv_pool, pools.req_pool)
+    assert isinstance(backend, TritonAttentionBackend) and backend.name == "triton"
+    assert backend.capture_safe and backend.seq_len_fill_value() == 1
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    fallback = CudaDevice().create_attention_backend(pools.kv_pool, pools.req_pool)
+    assert type(fallback) is TorchAttentionBackend
+
+
+@needs_triton
+def test_extend_falls_back_to_reference():
+    """Non-decode modes never launch the kernel: they are the reference's, exactly."""
+    from graphrt.devices.cuda.attention import TritonAttentionBackend
+
+    pools = Pools((8,), 2, 3, 32, torch.float32, "cpu", seed=3)
+    news, seq_lens = [5, 1, 9], [5, 12, 20]
+    slots, locs = [], []
+    for n_new, n in zip(news, seq_lens):
+        slot, _ = pools.new_request(n)
+        slots.append(slot)
+        locs.append(pools.req_pool.req_to_token[slot, n - n_new : n])
+    batch = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=torch.zeros(sum(news), dtype=torch.int64),
+        positions=torch.cat([torch.arange(n - e, n) for e, n in zip(news, seq_lens)]),
+        req_pool_indices=torch.tensor(slots),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        out_cache_loc=torch.cat(locs),
+        seq_lens_cpu=seq_lens,
+        extend_lens_cpu=news,
+    )
+    spec = AttentionSpec(4, 2, 8, 8**-0.5, 0, sliding_window=4)
+    q, k, v = pools.qkv(sum(news), spec)
+    outs = []
+    for backend_cls in (TritonAttentionBackend, TorchAttentionBackend):
+        backend = backend_cls(pools.kv_pool, pools.req_pool)
+        backend.init_forward_metadata(batch)
+        outs.append(backend.forward(q, k, v, spec, batch))
+    assert torch.equal(outs[0], outs[1])
+
+
+# ---- CUDA lane -----------------------------------------------------------------------
+
+# (tolerance against the torch reference, against float64 naive attention)
+CUDA_TOLERANCES = {
+    torch.float32: (2e-5, 1e-5),
+    torch.bfloat16: (1e-2, 1e-2),
+    torch.float16: (5e-3, 2e-3),
+}
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("dtype", list(CUDA_TOLERANCES), ids=str)
+def test_cuda_decode_matches_reference_and_naive(dtype, head_dim, window):
+    from graphrt.devices.cuda.attention import TritonAttentionBackend
+
+    num_heads, num_kv_heads, context, bs = 32, 8, 2048, 64
+    pools = Pools((head_dim,), num_kv_heads, bs, context, dtype, "cuda", seed=head_dim)
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = [1, 2, context, context - 1, 299, 300, 301] + torch.randint(
+        1, context + 1, (bs - 7 - 4,), generator=gen
+    ).tolist()
+    batch = pools.decode_batch(seq_lens, num_padding=4)
+    spec = AttentionSpec(num_heads, num_kv_heads, head_dim, head_dim**-0.5, 0, window)
+    q, k, v = pools.qkv(bs, spec)
+    out = run_decode(
+        TritonAttentionBackend(pools.kv_pool, pools.req_pool), pools, q, k, v, spec, batch
+    )
+    # Before the reference runs: padding rows all write slot 0, so which row's K/V
+    # it holds after another forward is not defined.
+    naive = naive_decode(pools, q.view(bs, num_heads, head_dim), spec, batch)
+    ref = run_decode(
+        TorchAttentionBackend(pools.kv_pool, pools.req_pool), pools, q, k, v, spec, batch
+    )
+    real = len(seq_lens)
+    tol_ref, tol_naive = CUDA_TOLERANCES[dtype]
+    assert out.dtype == dtype
+    assert rel_err(out[:real], ref[:real]) < tol_ref
+    assert rel_err(out[:real], naive[:real]) < tol_naive
+    assert torch.isfinite(out[real:]).all()
+    assert rel_err(out[real:], naive[real:]) < tol_naive
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_graph_replay_matches_eager_bitwise(dtype):
+    """Three layers (two windows on one cache, another head_dim on a second cache)
+    captured once, replayed with new requests, lengths and padding each time.
+
+    Padding rows get identical K/V, as real ones do (token 0 at position 0): they all
+    write slot 0, and only then is its content the same in every run."""
+    from graphrt.devices.cuda.attention import TritonAttentionBackend
+
+    max_bs, context = 16, 1024
+    pools = Pools((128, 64), 8, 64, context, dtype, "cuda", seed=11)
+    specs = [
+        AttentionSpec(32, 8, 128, 128**-0.5, 0),
+        # Reads the first layer's fresh KV without writing (a KV-sharing consumer).
+        AttentionSpec(32, 8, 128, 128**-0.5, 0, sliding_window=64, writes_kv=False),
+        AttentionSpec(16, 8, 64, 64**-0.5, 1),
+    ]
+    backend = TritonAttentionBackend(pools.kv_pool, pools.req_pool)
+    backend.init_graph_state(max_bs, max_bs)
+
+    # Static inputs, as a graph runner holds them: every row padding at capture.
+    static = make_batch([PADDING_SLOT] * max_bs, [1] * max_bs, [PADDING_SLOT] * max_bs, "cuda")
+    static_qkv = [pools.qkv(max_bs, spec) for spec in specs]
+
+    def forward(batch: ForwardBatch, qkv) -> list[torch.Tensor]:
+        return [backend.forward(*t, spec, batch) for t, spec in zip(qkv, specs)]
+
+    backend.init_metadata_for_capture(static)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up: compiles the kernels, allocates the shared scratch
+            forward(static, static_qkv)
+    torch.cuda.current_stream().wait_stream(stream)
+    scratch_before = {key: t[0].data_ptr() for key, t in backend._scratch.items()}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        static_out = forward(static, static_qkv)
+    assert {key: t[0].data_ptr() for key, t in backend._scratch.items()} == scratch_before
+    assert len(scratch_before) == 2  # one per (H, D), shared by the two 128-dim layers
+
+    gen = torch.Generator().manual_seed(5)
+    for bs in (16, 11, 3):
+        seq_lens = torch.randint(1, context + 1, (bs,), generator=gen).tolist()
+        live = pools.decode_batch(seq_lens)
+        # Load the live batch into the static buffers, padding the rest (fill value 1).
+        fill = backend.seq_len_fill_value()
+        static.req_pool_indices.fill_(PADDING_SLOT)
+        static.seq_lens.fill_(fill)
+        static.out_cache_loc.fill_(PADDING_SLOT)
+        static.req_pool_indices[:bs].copy_(live.req_pool_indices)
+        static.seq_lens[:bs].copy_(live.seq_lens)
+        static.out_cache_loc[:bs].copy_(live.out_cache_loc)
+        static.seq_lens_cpu = seq_lens + [fill] * (max_bs - bs)
+        for tensors, spec in zip(static_qkv, specs):
+            for t, fresh in zip(tensors, pools.qkv(max_bs, spec)):
+                t.copy_(fresh)
+            for t in tensors[1:]:  # k, v
+                t[bs:] = t[max_bs - 1]
+        backend.init_metadata_for_replay(static)
+        graph.replay()
+        replayed = [t.clone() for t in static_out]
+
+        eager_batch = make_batch(
+            static.req_pool_indices.tolist(),
+            static.seq_lens_cpu,
+            static.out_cache_loc.tolist(),
+            "cuda",
+        )
+        backend.init_forward_metadata(eager_batch)
+        eager = forward(eager_batch, [[t.clone() for t in qkv] for qkv in static_qkv])
+        for spec, got, want, (q, _, _) in zip(specs, replayed, eager, static_qkv):
+            assert torch.equal(got, want), f"replay != eager for {spec} at batch {bs}"
+            assert torch.isfinite(got).all()
+            naive = naive_decode(
+                pools, q.view(max_bs, spec.num_heads, spec.head_dim), spec, eager_batch
+            )
+            got = got.view(max_bs, spec.num_heads, spec.head_dim)
+            assert rel_err(got[:bs], naive[:bs]) < CUDA_TOLERANCES[dtype][1]
+    graph.reset()
+
+
+if __name__ == "__main__":
+    # The CPU lane's subprocess (TRITON_INTERPRET=1 is already in its environment).
+    torch.manual_seed(0)
+    print(json.dumps(interpreter_results()))
