@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from graphrt.core.attention import AttentionBackend
     from graphrt.core.memory import ReqToTokenPool, TokenKVPool
+    from graphrt.core.models.ops import ModelOps
     from graphrt.core.runners.backend import ExecutionBackend
 
 
@@ -106,6 +107,12 @@ class Device(abc.ABC):
         from graphrt.core.attention import TorchAttentionBackend
 
         return TorchAttentionBackend(kv_pool, req_to_token_pool)
+
+    def model_ops(self) -> ModelOps:
+        """The table of elementwise kernels models use here; the torch reference by default."""
+        from graphrt.core.models.ops import TORCH_OPS
+
+        return TORCH_OPS
 
     def _graph_backend_factories(self) -> dict[str, Callable[[], ExecutionBackend]]:
         """Graph backend name -> constructor; the first entry is the default."""

@@ -43,12 +43,10 @@ class StreamGraphBackend(ExecutionBackend):
             self._pool = self.module.graph_pool_handle()
         # Capture must not run on the default stream (CUDA refuses it).
         self._stream = stream if stream is not None else self.module.Stream()
-        self.module.synchronize()
         free_before = self._free_memory()
         try:
             yield
         finally:
-            self.module.synchronize()
             self._memory += max(0, free_before - self._free_memory())
 
     def capture_one(
@@ -79,6 +77,10 @@ class StreamGraphBackend(ExecutionBackend):
         return self.module.graph(graph, pool=self._pool, stream=self._stream)
 
     def _free_memory(self) -> int:
+        # Cached blocks are released first: the graph context empties the cache
+        # at each capture, and that must not cancel out the pool's growth.
+        self.module.synchronize()
+        self.module.empty_cache()
         try:
             return int(self.module.mem_get_info()[0])
         except (AttributeError, RuntimeError):

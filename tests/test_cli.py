@@ -72,6 +72,19 @@ def test_generate_json_matches_transformers(capsys, ckpt_with_tokenizer):
         assert isinstance(req["text"], str)
 
 
+def test_graph_runner_matches_transformers(capsys, ckpt_with_tokenizer):
+    # What `graphrt generate --runner graph` prints must agree with transformers too.
+    path, hf = ckpt_with_tokenizer
+    prompts = [[5, 17, 42, 99, 7], [250, 3, 8], [11, 12, 13, 14, 15, 16, 17]]
+    argv = ["--model", str(path), "--max-new-tokens", "10", "--ignore-eos", "--graph-bs", "4"]
+    for p in prompts:
+        argv += ["--prompt-ids", ",".join(map(str, p))]
+    out = run_json(capsys, *argv, "--runner", "graph")
+    assert out["stats"]["graph_steps"] == 9 and out["stats"]["captured_sizes"] == [4]
+    for prompt, req in zip(prompts, out["requests"]):
+        assert req["output_ids"] == hf_greedy(hf, prompt, 10)
+
+
 def test_prompt_text_is_tokenized_and_output_decoded(capsys, ckpt_with_tokenizer):
     from tokenizers import Tokenizer
 

@@ -5,7 +5,8 @@ CPU lane: the kernels run under Triton's interpreter. TRITON_INTERPRET=1 must be
 set before triton is first imported, and other tests may already have imported
 it in this process (torch.compile), so the interpreter check runs this file as a
 script in a subprocess and reads its errors back as JSON.
-CUDA lane: the same comparisons at real sizes in float32 / bfloat16 / float16,
+CUDA lane: the same comparisons at real sizes in float32 / bfloat16 / float16
+(KV groups G = 1, 2, 4, 8 among them), the fused K/V store against index_put,
 and the backend inside a CUDA graph against eager, bitwise.
 """
 
@@ -38,7 +39,20 @@ OLD_INTERPRETER = HAS_TRITON and tuple(
 ) < (3, 7)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
-CPU_SEQ_LENS = [1, 7, 37]
+# 70: several BLOCK_N steps per split in the 3-split launch; 1: a row shorter than the splits.
+CPU_SEQ_LENS = [1, 7, 37, 70]
+# (head_dim, sliding_window, num_heads, num_kv_heads): KV groups G = 1, 4 and 8 (one
+# KV head serving 8 query heads), then G = 2 in both head dims (24: masked lanes)
+# with and without a window. The last is the case the scratch checks reuse.
+INTERPRETER_CASES = [
+    (24, 5, 2, 2),
+    (16, None, 4, 1),
+    (24, None, 8, 1),
+    (16, None, 4, 2),
+    (16, 5, 4, 2),
+    (24, None, 4, 2),
+    (24, 5, 4, 2),
+]
 PADDING_K = 50.0  # large, finite garbage in the padding slot's K: a real row reading it shows
 
 
@@ -139,63 +153,90 @@ def interpreter_results() -> dict:
     The interpreter takes ~0.5 s per launch on 2 cores: the launch count is kept small.
     """
     from graphrt.devices.cuda.attention import TritonAttentionBackend
-    from graphrt.devices.cuda.triton_decode import allocate_decode_scratch, decode_attention
+    from graphrt.devices.cuda.triton_decode import (
+        allocate_decode_scratch,
+        decode_attention,
+        store_kv,
+    )
 
     errors, flags = {}, {}
-    for head_dim in (16, 24):
-        for window in (None, 5):
-            case = f"D{head_dim}-window{window}"
-            pools = Pools((head_dim,), 2, 4, 48, torch.float32, "cpu", seed=head_dim)
-            batch = pools.decode_batch(CPU_SEQ_LENS, num_padding=1)
-            spec = AttentionSpec(4, 2, head_dim, 1.3 * head_dim**-0.5, 0, sliding_window=window)
-            q, k, v = pools.qkv(batch.batch_size, spec)
-            triton_backend = TritonAttentionBackend(pools.kv_pool, pools.req_pool)
-            out = run_decode(triton_backend, pools, q, k, v, spec, batch)
-            written = pools.kv_pool.k_buffers[0][batch.out_cache_loc[:3]]
-            flags[f"{case}/kv_written"] = torch.equal(written, k[:3].view(3, 2, head_dim))
-            # Before the reference runs: padding rows all write slot 0, so which
-            # row's K/V it holds after another forward is not defined on a GPU.
-            naive = naive_decode(pools, q.view(-1, 4, head_dim), spec, batch)
-            ref = run_decode(
-                TorchAttentionBackend(pools.kv_pool, pools.req_pool), pools, q, k, v, spec, batch
-            )
-            errors[f"{case}/vs_reference"] = rel_err(out[:3], ref[:3])
-            errors[f"{case}/vs_naive"] = rel_err(out[:3], naive[:3])
-            errors[f"{case}/padding_vs_naive"] = rel_err(out[3:], naive[3:])
-            flags[f"{case}/padding_finite"] = bool(torch.isfinite(out).all())
-            if head_dim != 24:
-                continue
+    real = len(CPU_SEQ_LENS)
+    for head_dim, window, num_heads, num_kv_heads in INTERPRETER_CASES:
+        group = num_heads // num_kv_heads
+        case = f"D{head_dim}-window{window}-G{group}"
+        pools = Pools((head_dim,), num_kv_heads, 5, 80, torch.float32, "cpu", seed=head_dim)
+        batch = pools.decode_batch(CPU_SEQ_LENS, num_padding=1)
+        spec = AttentionSpec(
+            num_heads, num_kv_heads, head_dim, 1.3 * head_dim**-0.5, 0, sliding_window=window
+        )
+        q, k, v = pools.qkv(batch.batch_size, spec)
+        triton_backend = TritonAttentionBackend(pools.kv_pool, pools.req_pool)
+        out = run_decode(triton_backend, pools, q, k, v, spec, batch)
+        written = pools.kv_pool.k_buffers[0][batch.out_cache_loc[:real]]
+        flags[f"{case}/kv_written"] = torch.equal(
+            written, k[:real].view(real, num_kv_heads, head_dim)
+        )
+        # Before the reference runs: padding rows all write slot 0, so which
+        # row's K/V it holds after another forward is not defined on a GPU.
+        naive = naive_decode(pools, q.view(-1, num_heads, head_dim), spec, batch)
+        ref = run_decode(
+            TorchAttentionBackend(pools.kv_pool, pools.req_pool), pools, q, k, v, spec, batch
+        )
+        errors[f"{case}/vs_reference"] = rel_err(out[:real], ref[:real])
+        errors[f"{case}/vs_naive"] = rel_err(out[:real], naive[:real])
+        errors[f"{case}/padding_vs_naive"] = rel_err(out[real:], naive[real:])
+        flags[f"{case}/padding_finite"] = bool(torch.isfinite(out).all())
+        if head_dim != 24 or group != 2:
+            continue
 
-            # The launcher straight: a split count that is not a power of two, several
-            # BLOCK_N steps per split, q with a row stride wider than H * D.
-            wide_q = torch.zeros(batch.batch_size, 4, head_dim + 8)
-            wide_q[:, :, :head_dim] = q.view(-1, 4, head_dim)
-            scratch = allocate_decode_scratch(4, 4, head_dim, torch.device("cpu"), 3)
-            direct = torch.empty(batch.batch_size, 4, head_dim)
-            decode_attention(
-                wide_q[:, :, :head_dim],
-                pools.kv_pool.k_buffers[0],
-                pools.kv_pool.v_buffers[0],
-                pools.req_pool.req_to_token,
-                batch.req_pool_indices,
-                batch.seq_lens,
-                direct,
-                *scratch,
-                spec.scaling,
-                window,
-                block_n=4,
-            )
-            errors[f"{case}/3_splits_vs_naive"] = rel_err(direct, naive)
+        # The launcher straight: a split count that is not a power of two, several
+        # BLOCK_N steps per split (70 keys / 3 splits, 16 a step), q with a row
+        # stride wider than H * D.
+        wide_q = torch.zeros(batch.batch_size, num_heads, head_dim + 8)
+        wide_q[:, :, :head_dim] = q.view(-1, num_heads, head_dim)
+        scratch = allocate_decode_scratch(8, num_heads, head_dim, torch.device("cpu"), 3)
+        direct = torch.empty(batch.batch_size, num_heads, head_dim)
+        decode_attention(
+            wide_q[:, :, :head_dim],
+            pools.kv_pool.k_buffers[0],
+            pools.kv_pool.v_buffers[0],
+            pools.req_pool.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            direct,
+            *scratch,
+            spec.scaling,
+            window,
+            block_n=16,
+        )
+        errors[f"{case}/3_splits_vs_naive"] = rel_err(direct, naive)
 
-    # Scratch (last case): sized for the graph batch once graphs are set up, one pair
-    # shared by the layers of one (H, D) whatever their window; results unchanged.
+    # Scratch (last case, G = 2): sized for the graph batch once graphs are set up, one
+    # pair shared by the layers of one (H, D) whatever their window; results unchanged.
     triton_backend.init_graph_state(max_bs=8, max_tokens=8)
-    other = AttentionSpec(4, 2, head_dim, spec.scaling, 0, sliding_window=3)
+    other = AttentionSpec(num_heads, num_kv_heads, head_dim, spec.scaling, 0, sliding_window=3)
     run_decode(triton_backend, pools, q, k, v, other, batch)
     again = run_decode(triton_backend, pools, q, k, v, spec, batch)
-    flags["scratch_shared"] = list(triton_backend._scratch) == [(4, head_dim)]
-    flags["scratch_rows"] = all(t.shape[0] == 8 for t in triton_backend._scratch[(4, head_dim)])
+    flags["scratch_shared"] = list(triton_backend._scratch) == [(num_heads, head_dim)]
+    flags["scratch_rows"] = all(
+        t.shape[0] == 8 for t in triton_backend._scratch[(num_heads, head_dim)]
+    )
     flags["deterministic"] = torch.equal(again, out)
+
+    # The store kernel alone: k and v strided slices of one fused projection, cast
+    # to a float16 pool, as index_put does. (The interpreter rounds float32 ->
+    # bfloat16 by truncation where torch rounds to nearest: bfloat16 is GPU-only.)
+    pools = Pools((24,), 3, 2, 8, torch.float16, "cpu", seed=1)
+    fused = torch.randn(4, 3 * 72 + 5)  # (T, q | k | v | junk)
+    k, v = fused[:, 72:144].view(4, 3, 24), fused[:, 144:216].view(4, 3, 24)
+    loc = torch.tensor([5, 9, 2, 14])
+    k_buffer, v_buffer = pools.kv_pool.k_buffers[0], pools.kv_pool.v_buffers[0]
+    want_k, want_v = k_buffer.clone(), v_buffer.clone()
+    want_k[loc], want_v[loc] = k.half(), v.half()
+    store_kv(k, v, k_buffer, v_buffer, loc)
+    flags["store_kv/matches_index_put"] = torch.equal(k_buffer, want_k) and torch.equal(
+        v_buffer, want_v
+    )
     return {"errors": errors, "flags": flags}
 
 
@@ -212,7 +253,10 @@ def test_decode_kernel_under_interpreter_matches_reference_and_naive():
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results["errors"]) == 14 and len(results["flags"]) == 11
+    # Per case: 3 errors and 2 flags; the two 3-split launches; scratch and store flags.
+    num_cases = len(INTERPRETER_CASES)
+    assert len(results["errors"]) == 3 * num_cases + 2
+    assert len(results["flags"]) == 2 * num_cases + 4
     too_far = {name: err for name, err in results["errors"].items() if not err < 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]
@@ -309,6 +353,64 @@ def test_cuda_decode_matches_reference_and_naive(dtype, head_dim, window):
     assert rel_err(out[:real], naive[:real]) < tol_naive
     assert torch.isfinite(out[real:]).all()
     assert rel_err(out[real:], naive[real:]) < tol_naive
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", list(CUDA_TOLERANCES), ids=str)
+def test_cuda_decode_kv_groups_match_per_head_reference(dtype, group):
+    """One stage-1 program serves all G query heads of a KV head (the rows of its
+    dots, padded to 16); every G must give the torch reference's per-head attention.
+    head_dim 80 pads the dots' inner dimension to 128 with masked lanes."""
+    from graphrt.devices.cuda.attention import TritonAttentionBackend
+
+    num_kv_heads, head_dim, context, bs = 4, 80, 1024, 24
+    pools = Pools((head_dim,), num_kv_heads, bs, context, dtype, "cuda", seed=group)
+    gen = torch.Generator().manual_seed(group)
+    seq_lens = [1, 2, 17, 64, context] + torch.randint(
+        1, context + 1, (bs - 5 - 3,), generator=gen
+    ).tolist()
+    batch = pools.decode_batch(seq_lens, num_padding=3)
+    spec = AttentionSpec(group * num_kv_heads, num_kv_heads, head_dim, head_dim**-0.5, 0)
+    q, k, v = pools.qkv(bs, spec)
+    out = run_decode(
+        TritonAttentionBackend(pools.kv_pool, pools.req_pool), pools, q, k, v, spec, batch
+    )
+    naive = naive_decode(pools, q.view(bs, spec.num_heads, head_dim), spec, batch)
+    ref = run_decode(
+        TorchAttentionBackend(pools.kv_pool, pools.req_pool), pools, q, k, v, spec, batch
+    )
+    real = len(seq_lens)
+    tol_ref, tol_naive = CUDA_TOLERANCES[dtype]
+    assert rel_err(out[:real], ref[:real]) < tol_ref
+    assert rel_err(out[:real], naive[:real]) < tol_naive
+    assert torch.isfinite(out[real:]).all()
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pool_dtype", list(CUDA_TOLERANCES), ids=str)
+def test_cuda_store_kv_matches_index_put_bitwise(pool_dtype, input_dtype):
+    """The fused store writes what ``TokenKVPool.set_kv`` (two index_puts with a
+    cast to the pool's dtype) writes, from strided slices of a fused projection."""
+    from graphrt.devices.cuda.triton_decode import store_kv
+
+    num_tokens, num_kv_heads, head_dim = 40, 8, 96
+    pools = Pools((head_dim,), num_kv_heads, 4, 64, pool_dtype, "cuda", seed=2)
+    width = num_kv_heads * head_dim
+    fused = torch.randn(num_tokens, 6 * width + 3, device="cuda").to(input_dtype)
+    k = fused[:, 4 * width : 5 * width].view(num_tokens, num_kv_heads, head_dim)
+    v = fused[:, 5 * width : 6 * width].view(num_tokens, num_kv_heads, head_dim)
+    loc = torch.randperm(pools.kv_pool.num_slots, device="cuda")[:num_tokens] + 1
+    k_buffer, v_buffer = pools.kv_pool.k_buffers[0], pools.kv_pool.v_buffers[0]
+    want_k, want_v = k_buffer.clone(), v_buffer.clone()
+    want_k[loc], want_v[loc] = k.to(pool_dtype), v.to(pool_dtype)
+    store_kv(k, v, k_buffer, v_buffer, loc)
+    assert torch.equal(k_buffer, want_k) and torch.equal(v_buffer, want_v)
 
 
 @pytest.mark.cuda

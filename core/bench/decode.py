@@ -7,6 +7,7 @@ runner; the same batch, the same KV, side by side in one process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -61,7 +62,11 @@ class DecodeBenchResult:
 
 
 def run_decode_bench(
-    engine: Engine, cfg: DecodeBenchConfig, sync, hf_peer=None, report=print
+    engine: Engine,
+    cfg: DecodeBenchConfig,
+    sync,
+    hf_peer: Callable[[], object] | None = None,
+    report=print,
 ) -> tuple[list[BatchResult], float, int]:
     """Time every runner at every batch size on ``engine``'s model and pools.
 
@@ -69,46 +74,62 @@ def run_decode_bench(
     run, and the model's weight bytes.
     """
     torch.manual_seed(cfg.seed)
-    vocab = engine.loaded.model.vocab_size
     params = SamplingParams(max_new_tokens=cfg.steps + cfg.warmup + 2, ignore_eos=True)
     weights = weight_bytes(engine.loaded.model)
     bandwidth = copy_bandwidth_gbps(engine.device, sync)
     results = []
     for bs in cfg.batch_sizes:
-        reqs = [
-            engine.add_request(torch.randint(0, vocab, (cfg.prompt_len,)).tolist(), params)
-            for _ in range(bs)
-        ]
-        while engine.waiting:  # prefill every request (in as many steps as it takes)
-            engine.step()
-        batch = engine.build_decode_batch(reqs)
-        result = BatchResult(batch_size=bs)
-        kv_read = sum(batch.seq_lens_cpu) * engine.kv_pool.bytes_per_token
-        result.floor_ms = floor_ms(weights, kv_read, bandwidth)
-        if "eager" in cfg.runners:
-            result.eager_ms = median_ms(
-                lambda b=batch: engine.eager_runner.execute(b), sync, cfg.steps, cfg.warmup
+        results.append(_time_graphrt(engine, cfg, bs, params, weights, bandwidth, sync, report))
+    # The peer runs after every graphrt measurement, not interleaved: its
+    # torch.compile + CUDA-graph trees then never share the process's memory
+    # state with graphrt's captured graphs while those still replay.
+    if "hf" in cfg.runners and hf_peer is not None:
+        peer = hf_peer()
+        for result in results:
+            result.hf_ms = peer.decode_step_ms(
+                result.batch_size, cfg.prompt_len, cfg.steps, cfg.warmup, sync
             )
-        if "graph" in cfg.runners and engine.graph_runner is not None:
-            if not engine.graph_runner.can_run_graph(batch):
-                report(f"batch {bs}: no captured graph fits; graph timing skipped")
-            else:
-                result.graph_ms = median_ms(
-                    lambda b=batch: engine.graph_runner.execute(b), sync, cfg.steps, cfg.warmup
-                )
-        for req in reqs:
-            engine.abort(req)
-        if "hf" in cfg.runners and hf_peer is not None:
-            result.hf_ms = hf_peer.decode_step_ms(bs, cfg.prompt_len, cfg.steps, cfg.warmup, sync)
+            report(f"{result.batch_size:>4} transformers peer: {result.hf_ms:.3f} ms")
+    for result in results:
         if result.graph_ms:
             result.graph_over_floor = result.graph_ms / result.floor_ms
             if result.eager_ms:
                 result.graph_speedup_over_eager = result.eager_ms / result.graph_ms
             if result.hf_ms:
                 result.graph_speedup_over_hf = result.hf_ms / result.graph_ms
+    report(HEADER)
+    for result in results:
         report(_row(result))
-        results.append(result)
     return results, bandwidth, weights
+
+
+def _time_graphrt(engine, cfg, bs, params, weights, bandwidth, sync, report) -> BatchResult:
+    vocab = engine.loaded.model.vocab_size
+    reqs = [
+        engine.add_request(torch.randint(0, vocab, (cfg.prompt_len,)).tolist(), params)
+        for _ in range(bs)
+    ]
+    while engine.waiting:  # prefill every request (in as many steps as it takes)
+        engine.step()
+    batch = engine.build_decode_batch(reqs)
+    result = BatchResult(batch_size=bs)
+    kv_read = sum(batch.seq_lens_cpu) * engine.kv_pool.bytes_per_token
+    result.floor_ms = floor_ms(weights, kv_read, bandwidth)
+    if "eager" in cfg.runners:
+        result.eager_ms = median_ms(
+            lambda: engine.eager_runner.execute(batch), sync, cfg.steps, cfg.warmup
+        )
+    if "graph" in cfg.runners and engine.graph_runner is not None:
+        if not engine.graph_runner.can_run_graph(batch):
+            report(f"batch {bs}: no captured graph fits; graph timing skipped")
+        else:
+            result.graph_ms = median_ms(
+                lambda: engine.graph_runner.execute(batch), sync, cfg.steps, cfg.warmup
+            )
+    for req in reqs:
+        engine.abort(req)
+    report(f"{bs:>4} eager {_fmt(result.eager_ms)} ms, graph {_fmt(result.graph_ms)} ms")
+    return result
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:

@@ -12,6 +12,7 @@ def plot_latency(result: dict, path: Path) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return False
     batches = result["batches"]
@@ -29,6 +30,10 @@ def plot_latency(result: dict, path: Path) -> bool:
             ax.plot(*zip(*points), style, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=2))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("decode batch size")
     ax.set_ylabel("step latency (ms, median)")
     ax.set_title(

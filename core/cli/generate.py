@@ -61,7 +61,7 @@ def run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         ignore_eos=args.ignore_eos,
     )
-    loaded = load_model(args.model, torch_device, dtype)
+    loaded = load_model(args.model, torch_device, dtype, ops=device.model_ops())
     tokenizer = _tokenizer(loaded.tokenizer_path)
     prompts = _encode_prompts(args.prompts, tokenizer)
     config = EngineConfig(

@@ -4,26 +4,29 @@ and parameters that load from several checkpoint tensors (fused QKV, gate/up).""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from graphrt.core.models.ops import TORCH_OPS, ModelOps
+
 
 class RMSNorm(nn.Module):
-    """RMS norm computed in float32, as transformers does (parity depends on it)."""
+    """RMS norm in float32, as transformers computes it; with ``residual`` the
+    residual add is fused in and the new residual returned too."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: ModelOps = TORCH_OPS):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)  # (normed, x + residual)
 
 
 class MergedLinear(nn.Linear):
@@ -50,16 +53,27 @@ class MergedLinear(nn.Linear):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        act: str = "silu",
+        bias: bool = False,
+        ops: ModelOps = TORCH_OPS,
+    ):
         super().__init__()
         self.gate_up_proj = MergedLinear(
             hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias
         )
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # (T, 2I)
+        if self.act is F.silu:
+            return self.down_proj(self.ops.silu_mul(gate_up))  # one fused kernel where available
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -110,8 +124,15 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: Mapping[str, object]) -> to
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to ``max_positions``, rotate-half layout."""
 
-    def __init__(self, inv_freq: torch.Tensor, max_positions: int, attention_scaling: float = 1.0):
+    def __init__(
+        self,
+        inv_freq: torch.Tensor,
+        max_positions: int,
+        attention_scaling: float = 1.0,
+        ops: ModelOps = TORCH_OPS,
+    ):
         super().__init__()
+        self.ops = ops
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # (P, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)
@@ -119,18 +140,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> Sequence[torch.Tensor]:
-        # xs: (T, heads, D); positions: (T,)
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, D)
-        sin = self.sin[positions].unsqueeze(1)
-        return tuple(_apply_rope(x, cos, sin) for x in xs)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    x1, x2 = x_rot.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    # Same arithmetic as transformers: tables cast to the activation dtype first.
-    out = x_rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
-    return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: (T, H, D), k: (T, Hkv, D), positions: (T,)
+        return self.ops.rope(positions, q, k, self.cos, self.sin)

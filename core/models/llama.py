@@ -20,10 +20,11 @@ from graphrt.core.models.layers import (
     RotaryEmbedding,
     rope_inv_freq,
 )
+from graphrt.core.models.ops import TORCH_OPS, ModelOps
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_id: int, rotary: RotaryEmbedding):
+    def __init__(self, config: LlamaConfig, layer_id: int, rotary: RotaryEmbedding, ops: ModelOps):
         super().__init__()
         c = config
         self.q_size = c.num_heads * c.head_dim
@@ -35,8 +36,8 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.o_proj_bias)
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, ops)
         self.qk_norm = c.qk_norm
         self.rotary = rotary
         self.spec = AttentionSpec(
@@ -53,57 +54,72 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)  # (T, H, D)
         k = k.view(-1, s.num_kv_heads, s.head_dim)  # (T, Hkv, D)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_norm:  # over head_dim: (T*H, D) rows for the norm kernel
+            q = self.q_norm(q.reshape(-1, s.head_dim)).view(-1, s.num_heads, s.head_dim)
+            k = self.k_norm(k.reshape(-1, s.head_dim)).view(-1, s.num_kv_heads, s.head_dim)
         q, k = self.rotary(batch.positions, q, k)
         out = attn.attend(q.flatten(1), k.flatten(1), v, s, batch)  # (T, H*D)
         return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_id: int, rotary: RotaryEmbedding):
+    def __init__(self, config: LlamaConfig, layer_id: int, rotary: RotaryEmbedding, ops: ModelOps):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary)
-        self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias
-        )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        c = config
+        self.self_attn = LlamaAttention(c, layer_id, rotary, ops)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, ops)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, ops)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add of each block is fused into the next norm:
+        # (x, residual) -> (norm(x + residual), x + residual).
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, batch, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaBackbone(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, ops: ModelOps):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # One rope table shared by every layer (a buffer, so it follows .to(device)).
         rotary = RotaryEmbedding(
             rope_inv_freq(config.head_dim, config.rope_parameters),
             config.max_position_embeddings,
+            ops=ops,
         )
         self.rotary = rotary
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, rotary, ops) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        residual = None
         for layer in self.layers:
-            x = layer(x, batch, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, batch, attn)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
     """``forward`` returns final hidden states (T, hidden); ``compute_logits`` the LM head."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, ops: ModelOps = TORCH_OPS):
         super().__init__()
         self.config = config
-        self.model = LlamaBackbone(config)
+        self.model = LlamaBackbone(config, ops)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:

@@ -20,6 +20,7 @@ from torch import nn
 from graphrt.core.errors import CheckpointError
 from graphrt.core.models.config import parse_dtype
 from graphrt.core.models.layers import MergedLinear
+from graphrt.core.models.ops import TORCH_OPS, ModelOps
 from graphrt.core.models.registry import resolve_architecture
 
 # Tensors some writers save that carry nothing graphrt needs.
@@ -50,16 +51,18 @@ def read_hf_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
-def build_model(model_class, config, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def build_model(
+    model_class, config, device: torch.device, dtype: torch.dtype, ops: ModelOps = TORCH_OPS
+) -> nn.Module:
     # Built directly on the target device so rope tables and weights never
     # round-trip through host memory.
     with torch.device(device):
-        model = model_class(config)
+        model = model_class(config, ops)
     return model.to(dtype=dtype).eval().requires_grad_(False)
 
 
 def load_checkpoint(
-    path: str | Path, device: torch.device, dtype: torch.dtype | None
+    path: str | Path, device: torch.device, dtype: torch.dtype | None, ops: ModelOps = TORCH_OPS
 ) -> LoadedModel:
     path = Path(path)
     hf_config = read_hf_config(path)
@@ -69,7 +72,7 @@ def load_checkpoint(
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path / 'config.json'} is malformed: {e!r}") from None
     dtype = dtype or config.dtype or torch.float32
-    model = build_model(arch.model_class, config, device, dtype)
+    model = build_model(arch.model_class, config, device, dtype, ops)
     load_weights(model, iter_safetensors(path))
     return LoadedModel(
         model=model,

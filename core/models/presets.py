@@ -10,6 +10,7 @@ import torch
 
 from graphrt.core.errors import CheckpointError
 from graphrt.core.models.loader import LoadedModel, build_model
+from graphrt.core.models.ops import TORCH_OPS, ModelOps
 from graphrt.core.models.registry import resolve_architecture
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -70,12 +71,16 @@ def preset_hf_config(preset: str) -> dict[str, Any]:
 
 
 def load_random(
-    preset: str, device: torch.device, dtype: torch.dtype | None, seed: int = 0
+    preset: str,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    seed: int = 0,
+    ops: ModelOps = TORCH_OPS,
 ) -> LoadedModel:
     hf_config = preset_hf_config(preset)
     arch_name, arch = resolve_architecture(hf_config)
     config = arch.parse_config(hf_config, arch_name)
-    model = build_model(arch.model_class, config, device, dtype or config.dtype)
+    model = build_model(arch.model_class, config, device, dtype or config.dtype, ops)
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):

@@ -42,6 +42,14 @@ class CudaDevice(Device):
 
         torch.cuda.synchronize()
 
+    def model_ops(self):
+        """Fused Triton kernels when triton is installed (graphrt[cuda]), else torch's."""
+        try:
+            from graphrt.devices.cuda.triton_ops import TRITON_OPS
+        except ImportError:
+            return super().model_ops()
+        return TRITON_OPS
+
     def _graph_backend_factories(self):
         from graphrt.devices.cuda.graph import CudaBreakableGraphBackend, CudaFullGraphBackend
 

@@ -1,7 +1,8 @@
 """The Triton attention backend: the paged decode kernel, the torch reference elsewhere.
 
-DECODE runs ``triton_decode.decode_attention``; every other mode (extend,
-verify, draft) is the torch reference's, inherited unchanged.
+DECODE stores the step's K/V with ``triton_decode.store_kv`` (one launch for
+k and v) and runs ``triton_decode.decode_attention``; every other mode
+(extend, verify, draft) is the torch reference's, inherited unchanged.
 
 Scratch (the kernel's per-split partials) is shared by every layer of one
 (num_heads, head_dim) and allocated on first use outside capture: the graph
@@ -23,6 +24,7 @@ from graphrt.devices.cuda.triton_decode import (
     NUM_KV_SPLITS,
     allocate_decode_scratch,
     decode_attention,
+    store_kv,
 )
 
 
@@ -84,12 +86,16 @@ class TritonAttentionBackend(TorchAttentionBackend):
     def forward(self, q, k, v, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
         if batch.mode is not ForwardMode.DECODE:
             return super().forward(q, k, v, spec, batch)
+        k_buffer = self.kv_pool.k_buffers[spec.cache_index]
+        v_buffer = self.kv_pool.v_buffers[spec.cache_index]
         if spec.writes_kv:
-            self.kv_pool.set_kv(
-                spec.cache_index,
-                batch.out_cache_loc,
-                k.view(-1, spec.num_kv_heads, spec.head_dim),
+            # Its own launch, before attention: every split of a row must see the new K/V.
+            store_kv(
+                k.view(-1, spec.num_kv_heads, spec.head_dim),  # (B, Hkv, D)
                 v.view(-1, spec.num_kv_heads, spec.head_dim),
+                k_buffer,
+                v_buffer,
+                batch.out_cache_loc,
             )
         q = q.view(-1, spec.num_heads, spec.head_dim)  # (B, H, D)
         # Inside a graph this comes from the graph's pool, which owns it.
@@ -98,8 +104,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
         meta = batch.attn_metadata
         decode_attention(
             q,
-            self.kv_pool.k_buffers[spec.cache_index],
-            self.kv_pool.v_buffers[spec.cache_index],
+            k_buffer,
+            v_buffer,
             self.req_to_token_pool.req_to_token,
             meta.req_pool_indices,
             meta.seq_lens,

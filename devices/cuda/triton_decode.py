@@ -1,15 +1,25 @@
-"""Paged decode attention in Triton: flash-decoding with a fixed number of KV splits.
+"""Paged decode attention in Triton: GQA-grouped flash-decoding with fixed KV splits.
 
 One query token per request attends over that request's cached tokens, which
 live at scattered slots of the token KV pool (``req_to_token`` maps position
--> slot). Stage 1 splits each row's visible range into ``num_kv_splits``
-chunks and runs an online softmax over each (grid B x H x S), writing a
-partial output and its log-sum-exp; stage 2 combines the S partials (grid
-B x H).
+-> slot). Work decomposition: stage 1 runs one program per (request, KV head,
+split), grid B x Hkv x S. Each program loads a K/V tile once and serves all G
+query heads that share it: the scores are one ``tl.dot`` of q (G padded to 16
+rows, the tensor-core minimum) by K^T, and the values one ``tl.dot`` of the
+probabilities by V, with an online softmax per head in float32. A grid over
+query heads instead re-reads every K/V tile G times and runs a short
+latency-bound loop per head; decode is bandwidth-bound, so reading each tile
+once is the win, and the padded rows cost idle tensor-core lanes only
+(float32 caches take exact FMA dots instead of tf32 ones). The S
+splits of a row's visible range exist so that batch 1 still fills the GPU
+(8 KV heads x 16 splits = 128 programs on an H200's 132 SMs). Stage 2
+combines the S partials of each (request, query head) by their log-sum-exps
+(grid B x H). A third, tiny kernel stores the step's new K/V rows into the
+pool before stage 1 runs, so every split sees them.
 
-Capture-safe: the launch reads only device tensors and host shapes, never
-syncs, allocates nothing (the caller owns ``out`` and the scratch), and its
-grid depends on the batch size and head count alone. The split count is a
+Capture-safe: the launches read only device tensors and host shapes, never
+sync, allocate nothing (the caller owns ``out`` and the scratch), and their
+grids depend on the batch size and head counts alone. The split count is a
 fixed constant, never derived from sequence lengths, so an eager run and a
 graph replay of the same padded batch are bitwise identical.
 """
@@ -21,7 +31,45 @@ import triton
 import triton.language as tl
 
 # Fixed, not tuned per batch: changing it changes the float summation order.
-NUM_KV_SPLITS = 8
+# 16 fills an H200 at batch 1 with 8 KV heads; at large batches the extra
+# partials cost B * H * 16 * D * 8 bytes of scratch traffic, small next to the KV.
+NUM_KV_SPLITS = 16
+# tl.dot on NVIDIA GPUs needs an inner dimension >= 16, and before triton 3.7 M, N >= 16.
+MIN_DOT = 16
+# One K tile plus one V tile per loop step stays within this many bytes, so two
+# pipeline stages fit shared memory with room for a second program per SM.
+TILE_BYTES = 32 * 1024
+
+
+@triton.jit
+def _store_kv_kernel(
+    K,  # (T, Hkv, D), the step's new keys
+    V,
+    KBuffer,  # (num_slots + 1, Hkv, D), the pool's dtype
+    VBuffer,
+    Loc,  # (T,) token slot of each row
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kbt,
+    stride_kbh,
+    stride_vbt,
+    stride_vbh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    loc = tl.load(Loc + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    k = tl.load(K + t * stride_kt + h * stride_kh + offs_d, mask=mask_d)
+    v = tl.load(V + t * stride_vt + h * stride_vh + offs_d, mask=mask_d)
+    kb = KBuffer + loc * stride_kbt + h * stride_kbh + offs_d
+    vb = VBuffer + loc * stride_vbt + h * stride_vbh + offs_d
+    tl.store(kb, k.to(KBuffer.dtype.element_ty), mask=mask_d)
+    tl.store(vb, v.to(VBuffer.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit
@@ -36,7 +84,6 @@ def _decode_partial_kernel(
     PartialLse,  # (>= B, H, S) float32
     sm_scale,
     window,  # 0 = no sliding window
-    head_dim,
     stride_qb,
     stride_qh,
     stride_kt,
@@ -50,14 +97,19 @@ def _decode_partial_kernel(
     stride_plb,
     stride_plh,
     KV_GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,  # KV_GROUP padded to a power of two >= MIN_DOT
     NUM_KV_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    # A constant head_dim lets the compiler prove the D mask uniform over 16-byte
+    # chunks, so K/V rows load as vectors through cp.async; a runtime one leaves
+    # one 2-byte load per element.
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= MIN_DOT
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    kv_h = tl.program_id(1)
     split = tl.program_id(2)
-    kv_h = h // KV_GROUP
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     req = tl.load(ReqPoolIndices + b).to(tl.int64)
@@ -67,47 +119,55 @@ def _decode_partial_kernel(
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < KV_GROUP  # rows past the group are zero queries, never stored
+    heads = kv_h * KV_GROUP + offs_g
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < head_dim
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=mask_d, other=0.0)
-    q = q.to(tl.float32)
+    mask_d = offs_d < HEAD_DIM
+    # q in the cache's dtype, as the torch reference casts it: the dots then
+    # take native operands and accumulate in float32.
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(K.dtype.element_ty)  # (BLOCK_G, BLOCK_D)
 
-    m = tl.full([1], float("-inf"), tl.float32)  # running max of the scaled scores
-    l_sum = tl.zeros([1], tl.float32)  # running sum of exp(score - m)
-    acc = tl.zeros([BLOCK_D], tl.float32)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
+    l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=mask_n, other=0).to(tl.int64)
-        mask_nd = mask_n[:, None] & mask_d[None, :]
         k = tl.load(
-            K + slots[:, None] * stride_kt + kv_h * stride_kh + offs_d[None, :],
-            mask=mask_nd,
+            K + slots[None, :] * stride_kt + kv_h * stride_kh + offs_d[:, None],
+            mask=mask_d[:, None] & mask_n[None, :],
             other=0.0,
-        ).to(tl.float32)  # (BLOCK_N, BLOCK_D)
-        scores = tl.sum(q[None, :] * k, 1) * sm_scale  # (BLOCK_N,)
-        scores = tl.where(mask_n, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 0))  # finite: the block holds a visible key
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new)
+        )  # (BLOCK_D, BLOCK_N): loaded transposed for the dot
         v = tl.load(
             V + slots[:, None] * stride_vt + kv_h * stride_vh + offs_d[None, :],
-            mask=mask_nd,
+            mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
-        ).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-        l_sum = l_sum * alpha + tl.sum(p, 0)
+        )  # (BLOCK_N, BLOCK_D)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_G, BLOCK_N)
+        scores = tl.where(mask_n[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))  # finite: the block holds a visible key
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # (BLOCK_G, BLOCK_D)
+        acc = acc * alpha[:, None] + pv
+        l_sum = l_sum * alpha + tl.sum(p, 1)
         m = m_new
 
     # An empty split (short or windowed rows) writes zeros and lse = -inf, so
     # stage 2 gives it weight 0 without reading uninitialised scratch.
     nonempty = l_sum > 0
-    out = acc / tl.where(nonempty, l_sum, 1.0)
-    lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, l_sum, 1.0)), float("-inf"))
-    po = PartialOut + b * stride_pob + h * stride_poh + split * stride_pos
-    tl.store(po + offs_d, out, mask=mask_d)
-    lse_ptr = PartialLse + b * stride_plb + h * stride_plh + split + tl.arange(0, 1)
-    tl.store(lse_ptr, lse)
+    safe_sum = tl.where(nonempty, l_sum, 1.0)
+    out = acc / safe_sum[:, None]
+    lse = tl.where(nonempty, m + tl.log(safe_sum), float("-inf"))
+    po = PartialOut + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos
+    tl.store(po + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(PartialLse + b * stride_plb + heads * stride_plh + split, lse, mask=mask_g)
 
 
 @triton.jit
@@ -115,7 +175,6 @@ def _decode_combine_kernel(
     PartialOut,
     PartialLse,
     Out,  # (B, H, D), q's dtype
-    head_dim,
     stride_pob,
     stride_poh,
     stride_pos,
@@ -125,6 +184,7 @@ def _decode_combine_kernel(
     stride_oh,
     NUM_KV_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -132,7 +192,7 @@ def _decode_combine_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < NUM_KV_SPLITS
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < head_dim
+    mask_d = offs_d < HEAD_DIM
 
     lse = tl.load(
         PartialLse + b * stride_plb + h * stride_plh + offs_s, mask=mask_s, other=float("-inf")
@@ -177,6 +237,56 @@ def allocate_decode_scratch(
     return partial_out, partial_lse
 
 
+def store_kv(
+    k: torch.Tensor,  # (T, Hkv, D), any row stride
+    v: torch.Tensor,
+    k_buffer: torch.Tensor,  # (num_slots + 1, Hkv, D), written
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,  # (T,) int64 token slots
+) -> None:
+    """``k_buffer[loc] = k``, ``v_buffer[loc] = v`` (cast to the pool's dtype) in one launch.
+
+    Rows sharing a slot (padding rows all write slot 0) leave one of them there,
+    which one undefined. Capture-safe: no sync, no allocation.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert v.shape == k.shape and loc.shape == (num_tokens,)
+    assert k_buffer.shape[1:] == (num_kv_heads, head_dim) and v_buffer.shape == k_buffer.shape
+    for name, t in (("k", k), ("v", v), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        assert t.stride(-1) == 1, f"{name} must be contiguous in head_dim"
+    assert loc.stride(0) == 1
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens, num_kv_heads)](
+        k,
+        v,
+        k_buffer,
+        v_buffer,
+        loc,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=1,
+    )
+
+
+def default_block_n(head_dim: int, element_size: int) -> int:
+    """Keys per loop step: 64 (32 when a K plus a V tile would pass TILE_BYTES).
+
+    bf16/fp16 with D <= 128 and float32 with D <= 64 get 64; D = 256, or float32
+    with D = 128, get 32.
+    """
+    block_d = max(triton.next_power_of_2(head_dim), MIN_DOT)
+    return 64 if 2 * 64 * block_d * element_size <= TILE_BYTES else 32
+
+
 def decode_attention(
     q: torch.Tensor,  # (B, H, D)
     k_buffer: torch.Tensor,  # (num_slots + 1, Hkv, D)
@@ -189,7 +299,7 @@ def decode_attention(
     partial_lse: torch.Tensor,  # (>= B, H, S) float32 scratch
     sm_scale: float,
     sliding_window: int | None = None,
-    block_n: int | None = None,  # keys per loop step; None picks by head_dim
+    block_n: int | None = None,  # keys per loop step (>= 16); None: default_block_n
 ) -> torch.Tensor:
     """Attention of each row's one query over its visible cached keys; returns ``out``.
 
@@ -201,6 +311,7 @@ def decode_attention(
     num_splits = partial_out.shape[2]
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads, {num_kv_heads} KV heads"
     assert k_buffer.shape[2] == head_dim and v_buffer.shape[1:] == k_buffer.shape[1:]
+    assert k_buffer.dtype == v_buffer.dtype
     assert partial_out.shape[0] >= bs and partial_out.shape[1:] == (num_heads, num_splits, head_dim)
     assert partial_lse.shape[0] >= bs and partial_lse.shape[1:] == (num_heads, num_splits)
     assert partial_out.dtype == partial_lse.dtype == torch.float32
@@ -214,13 +325,15 @@ def decode_attention(
     if bs == 0:
         return out
 
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(triton.next_power_of_2(head_dim), MIN_DOT)
     if block_n is None:
-        block_n = 64 if block_d <= 128 else 32  # keeps the (BLOCK_N, BLOCK_D) tile in registers
+        block_n = default_block_n(head_dim, k_buffer.element_size())
+    assert block_n >= MIN_DOT and block_n == triton.next_power_of_2(block_n), block_n
     window = 0 if sliding_window is None else int(sliding_window)
     assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
+    group = num_heads // num_kv_heads
 
-    _decode_partial_kernel[(bs, num_heads, num_splits)](
+    _decode_partial_kernel[(bs, num_kv_heads, num_splits)](
         q,
         k_buffer,
         v_buffer,
@@ -231,7 +344,6 @@ def decode_attention(
         partial_lse,
         float(sm_scale),
         window,
-        head_dim,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -244,10 +356,15 @@ def decode_attention(
         partial_out.stride(2),
         partial_lse.stride(0),
         partial_lse.stride(1),
-        KV_GROUP=num_heads // num_kv_heads,
+        KV_GROUP=group,
+        BLOCK_G=max(triton.next_power_of_2(group), MIN_DOT),
         NUM_KV_SPLITS=num_splits,
         BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
         BLOCK_D=block_d,
+        # float32 caches keep float32 products (tf32 would cost ~1e-3 relative);
+        # the precision only applies to float32 operands, so 16-bit caches ignore it.
+        DOT_PRECISION="ieee" if k_buffer.dtype == torch.float32 else "tf32",
         num_warps=4,
         num_stages=2,
     )
@@ -255,7 +372,6 @@ def decode_attention(
         partial_out,
         partial_lse,
         out,
-        head_dim,
         partial_out.stride(0),
         partial_out.stride(1),
         partial_out.stride(2),
@@ -265,7 +381,8 @@ def decode_attention(
         out.stride(1),
         NUM_KV_SPLITS=num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits),
-        BLOCK_D=block_d,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=2,
     )
     return out

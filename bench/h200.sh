@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One call on the lent H200: versions, the CUDA test lane, an end-to-end
+# generate, and the decode benchmark. Logs and JSON under $OUT; a short
+# table prints last. Usage: bash bench/h200.sh [tests|bench|all] [bench runners]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+what=${1:-all}
+runners=${2:-eager,graph,hf}
+export PYTHONUNBUFFERED=1
+
+# graphrt from this working tree without pip (the machine has no registry):
+# graphrt is a namespace package, so symlinks to core/, devices/, spec/ do.
+site=$(mktemp -d)
+mkdir -p "$site/graphrt"
+for p in core devices spec; do ln -s "$PWD/$p" "$site/graphrt/$p"; done
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+graphrt() { python -m graphrt.core.cli.main "$@"; }
+
+{
+    date -u +%FT%TZ
+    python -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers', transformers.__version__)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+} | tee "$OUT/versions.txt"
+
+if [[ $what == tests || $what == all ]]; then
+    # The tests-cuda lane's selection, run with pytest directly (no nox venv offline).
+    python -m pytest tests -m cuda -q -p no:cacheprovider -ra 2>&1 | tee "$OUT/tests-cuda.log" | tail -n 15
+    graphrt generate --model random:llama-1b --prompt-ids 1,2,3,4 --prompt-ids 5,6 --max-new-tokens 16 \
+        --ignore-eos --json > "$OUT/generate-cuda.json" 2> "$OUT/generate-cuda.err"
+    echo "generate exit $?: $(head -c 600 "$OUT/generate-cuda.json")"
+fi
+
+if [[ $what == bench || $what == all ]]; then
+    graphrt bench --model random:llama-1b --dtype bfloat16 --prompt-len 512 --batch-sizes 1,8,32,64 \
+        --runners "$runners" --out "$OUT/bench-h200.json" 2>&1 | tee "$OUT/bench.log" | grep -v Warning
+fi

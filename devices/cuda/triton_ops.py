@@ -1,0 +1,319 @@
+"""The elementwise ops of a decoder layer as one Triton kernel each (``TRITON_OPS``).
+
+At batch 1 a decode step inside a CUDA graph is bound by kernel count, not by
+bytes: the torch reference spells RMSNorm as ~7 kernels and rope as ~14 per
+layer. Each op here is one launch with the reference's arithmetic
+(core/models/ops.py), rounding for rounding:
+
+- every intermediate the reference materialises in the activation dtype is
+  rounded to that dtype here too (``_round``, to nearest even) before it is
+  read again; bfloat16 is rounded by bit arithmetic because the interpreter's
+  float32 -> bfloat16 cast truncates (triton 3.7), and a float32 that holds a
+  bfloat16 value converts exactly under either cast;
+- float32 products and sums are left unfused (``enable_fp_fusion=False``: an
+  FMA would skip the rounding torch does between its separate kernels), and
+  float32 divisions and square roots are the IEEE ones (``div_rn``,
+  ``sqrt_rn``; Triton's ``/`` is an approximate division on NVIDIA).
+
+So rope and the residual add are bitwise the reference's; RMSNorm differs only
+in the order of its float32 row sum, and silu in its float32 ``exp``.
+
+Capture-safe: launchers read host shapes and strides only (no sync), allocate
+only their outputs with ``torch.empty``, and skip the launch when T == 0. Every
+kernel also runs under ``TRITON_INTERPRET=1`` on CPU tensors (the CPU test lane).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from graphrt.core.models.ops import ModelOps
+
+SILU_BLOCK = 1024  # columns of one silu_mul program
+
+
+def _norm_num_warps(block: int) -> int:
+    return max(1, min(8, block // 256))  # 2048 columns -> 8 warps of 8 elements a thread
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """float32 x rounded to nearest-even in ``dtype``, returned as float32 (exact in dtype)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        rounded = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
+    else:
+        rounded = x.to(dtype).to(tl.float32)
+    return rounded
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X,  # (T, D)
+    Residual,  # (T, D), read when HAS_RESIDUAL
+    Weight,  # (D,)
+    Out,  # (T, D) contiguous, promote(x, weight) dtype
+    SumOut,  # (T, D) contiguous, x's dtype; written when HAS_RESIDUAL
+    eps,
+    stride_x,
+    stride_r,
+    D: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TORCH_CUDA_MATH: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    dtype = X.dtype.element_ty
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(Residual + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        # torch adds in float32 and rounds once to the dtype; the norm reads the rounded sum.
+        x = _round(x + r, dtype)
+        tl.store(SumOut + row * D + offs, x.to(dtype), mask=mask)
+    if TORCH_CUDA_MATH:
+        # torch on CUDA: mean = sum * (1/D), rsqrt = libdevice rsqrtf (2 ulp, not 1/sqrt).
+        mean_sq = tl.sum(x * x, 0) * (1.0 / D)
+        inv_rms = libdevice.rsqrt(mean_sq + eps)
+    else:
+        # torch on CPU (and the interpreter): mean = sum / D, rsqrt = 1 / sqrt, both exact.
+        mean_sq = tl.math.div_rn(tl.sum(x * x, 0), D * 1.0)
+        inv_rms = tl.math.div_rn(1.0, tl.math.sqrt_rn(mean_sq + eps))
+    normed = _round(x * inv_rms, dtype)  # x.to(dtype) of the reference
+    w = tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)
+    out_dtype = Out.dtype.element_ty
+    tl.store(Out + row * D + offs, _round(w * normed, out_dtype).to(out_dtype), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(
+    X,  # (T, 2I): gate | up
+    Out,  # (T, I) contiguous
+    stride_x,
+    inter,  # I
+    BLOCK: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    if PRECISE_EXP:
+        e = libdevice.exp(-gate)
+    else:
+        e = tl.exp(-gate)
+    # F.silu computes x / (1 + exp(-x)) in float32 and rounds; the multiply rounds again.
+    dtype = X.dtype.element_ty
+    silu = _round(tl.math.div_rn(gate, 1.0 + e), dtype)
+    tl.store(Out + row * inter + offs, _round(silu * up, dtype).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rope_one_head(
+    src,  # this head's D values
+    dst,
+    cos_row,  # this token's R table values
+    sin_row,
+    HEAD_DIM: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    dtype = src.dtype.element_ty
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < HEAD_DIM
+    rot = offs < ROT_DIM
+    first_half = offs < ROT_DIM // 2
+    partner = tl.where(first_half, offs + ROT_DIM // 2, offs - ROT_DIM // 2)
+    x = tl.load(src + offs, mask=mask, other=0.0)
+    x_partner = tl.load(src + partner, mask=rot, other=0.0)
+    # cat(-x2, x1); a sign multiply, not 0 - x, so that -0.0 stays torch.neg's.
+    rotated = tl.where(first_half, -1.0, 1.0) * x_partner.to(tl.float32)
+    # The reference casts the tables to the activation dtype, then rounds each
+    # product and the sum to it (three torch kernels).
+    cos = _round(tl.load(cos_row + offs, mask=rot, other=0.0).to(tl.float32), dtype)
+    sin = _round(tl.load(sin_row + offs, mask=rot, other=0.0).to(tl.float32), dtype)
+    a = _round(x.to(tl.float32) * cos, dtype)
+    b = _round(rotated * sin, dtype)
+    out = tl.where(rot, _round(a + b, dtype).to(dtype), x)
+    tl.store(dst + offs, out, mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    Positions,  # (T,)
+    Q,  # (T, H, D)
+    K,  # (T, Hkv, D)
+    QOut,  # (T, H, D) contiguous
+    KOut,  # (T, Hkv, D) contiguous
+    Cos,  # (P, R)
+    Sin,
+    stride_pos,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    stride_sin,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)  # q heads first, then k heads: one launch for both
+    pos = tl.load(Positions + t * stride_pos).to(tl.int64)
+    cos_row = Cos + pos * stride_cos
+    sin_row = Sin + pos * stride_sin
+    if h < NUM_Q_HEADS:
+        src = Q + t * stride_qt + h * stride_qh
+        dst = QOut + (t * NUM_Q_HEADS + h) * HEAD_DIM
+        _rope_one_head(src, dst, cos_row, sin_row, HEAD_DIM, ROT_DIM, BLOCK_D)
+    else:
+        kv_h = h - NUM_Q_HEADS
+        src = K + t * stride_kt + kv_h * stride_kh
+        dst = KOut + (t * NUM_KV_HEADS + kv_h) * HEAD_DIM
+        _rope_one_head(src, dst, cos_row, sin_row, HEAD_DIM, ROT_DIM, BLOCK_D)
+
+
+# Triton picks compiled or interpreted kernels when they are decorated (TRITON_INTERPRET=1
+# at import). Compiled: silu's exp is libdevice's expf, the one torch's CUDA silu calls
+# (tl.exp is an approximate exp2 there); the interpreter has no libdevice, and its tl.exp
+# is numpy's float32 exp.
+_INTERPRETED = type(_silu_mul_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    assert t.dim() == 2, f"{name} must be (T, D), got {tuple(t.shape)}"
+    assert t.stride(-1) == 1 or t.shape[-1] <= 1, f"{name} must be contiguous in its last dim"
+
+
+def _norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    _check_rows("x", x)
+    num_rows, dim = x.shape
+    assert weight.shape == (dim,) and weight.stride(0) == 1, f"weight {tuple(weight.shape)}"
+    out = torch.empty(
+        (num_rows, dim), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device
+    )
+    summed = None
+    if residual is not None:
+        _check_rows("residual", residual)
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+        summed = torch.empty((num_rows, dim), dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out, summed
+    block = triton.next_power_of_2(dim)
+    _rms_norm_kernel[(num_rows,)](
+        x,
+        x if residual is None else residual,
+        weight,
+        out,
+        out if summed is None else summed,
+        float(eps),
+        x.stride(0),
+        x.stride(0) if residual is None else residual.stride(0),
+        D=dim,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        TORCH_CUDA_MATH=not _INTERPRETED,
+        num_warps=_norm_num_warps(block),
+        enable_fp_fusion=False,
+    )
+    return out, summed
+
+
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _norm(x, None, weight, eps)[0]
+
+
+def triton_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) as new tensors; the inputs are left as they are."""
+    return _norm(x, residual, weight, eps)
+
+
+def triton_silu_mul(x: torch.Tensor) -> torch.Tensor:
+    _check_rows("x", x)
+    num_rows, width = x.shape
+    assert width % 2 == 0, f"silu_mul needs an even last dim, got {width}"
+    inter = width // 2
+    out = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)  # (T, I)
+    if num_rows == 0 or inter == 0:
+        return out
+    block = min(triton.next_power_of_2(inter), SILU_BLOCK)
+    _silu_mul_kernel[(num_rows, triton.cdiv(inter, block))](
+        x,
+        out,
+        x.stride(0),
+        inter,
+        BLOCK=block,
+        PRECISE_EXP=not _INTERPRETED,
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
+    return out
+
+
+def triton_rope(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated (q, k) as new contiguous tensors; q and k may be strided views of a qkv row."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    rot_dim = cos.shape[-1]
+    assert k.shape == (num_tokens, num_kv_heads, head_dim) and k.dtype == q.dtype
+    assert positions.shape == (num_tokens,), f"positions {tuple(positions.shape)}"
+    assert cos.dim() == 2 and sin.shape == cos.shape, f"cos {cos.shape}, sin {sin.shape}"
+    assert rot_dim % 2 == 0 and 0 < rot_dim <= head_dim, f"rotary dim {rot_dim} of {head_dim}"
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        assert t.stride(-1) == 1, f"{name} must be contiguous in its last dim"
+    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    _rope_kernel[(num_tokens, num_heads + num_kv_heads)](
+        positions,
+        q,
+        k,
+        q_out,
+        k_out,
+        cos,
+        sin,
+        positions.stride(0),
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        NUM_Q_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        ROT_DIM=rot_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=1,
+        enable_fp_fusion=False,
+    )
+    return q_out, k_out
+
+
+TRITON_OPS = ModelOps(
+    name="triton",
+    rms_norm=triton_rms_norm,
+    add_rms_norm=triton_add_rms_norm,
+    silu_mul=triton_silu_mul,
+    rope=triton_rope,
+)
