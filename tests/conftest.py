@@ -13,7 +13,14 @@ _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
-from helpers import LLAMA3_ROPE, MISTRAL_WINDOW, TINY, Checkpoint, make_checkpoint  # noqa: E402
+from helpers import (  # noqa: E402
+    GEMMA4_WINDOW,
+    LLAMA3_ROPE,
+    MISTRAL_WINDOW,
+    TINY,
+    Checkpoint,
+    make_checkpoint,
+)
 
 
 def _save(tmp_path_factory, name: str, config, **kwargs) -> Checkpoint:
@@ -72,3 +79,189 @@ def llama_sharded(tmp_path_factory) -> Checkpoint:
     cfg = LlamaConfig(**TINY, tie_word_embeddings=False)
     # ~100 KB shards: the 300x64 float32 embedding alone is 77 KB, so several files.
     return _save(tmp_path_factory, "llama_sharded", cfg, seed=6, max_shard_size="100KB")
+
+
+# ---- Gemma 4 --------------------------------------------------------------------
+
+
+def _save_gemma4(tmp_path_factory, name: str, model_class, config, seed: int) -> Checkpoint:
+    """Like helpers.make_checkpoint, for Gemma 4 classes AutoModelForCausalLM does not pick;
+    also perturbs ``layer_scalar`` (a buffer, initialised to 1) so that it matters."""
+    import torch
+
+    torch.manual_seed(seed)
+    hf = model_class(config).eval()
+    with torch.no_grad():
+        for pname, param in hf.named_parameters():
+            if "norm" in pname:
+                param.add_(torch.randn_like(param) * 0.1)
+        for bname, buf in hf.named_buffers():
+            if bname.endswith("layer_scalar"):
+                buf.uniform_(0.5, 1.5)
+    hf.generation_config.eos_token_id = None
+    path = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(path)
+    return Checkpoint(Path(path), hf)
+
+
+@pytest.fixture(scope="session")
+def gemma4_tiny(tmp_path_factory) -> Checkpoint:
+    """E2B-shaped Gemma4ForCausalLM: per-layer inputs, KV sharing over the last 3 layers
+    (a full producer that is not the last unshared layer), double-wide MLP on sharing
+    layers, wider full-attention heads with partial (proportional) rope, softcapping."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    s, f = "sliding_attention", "full_attention"
+    cfg = Gemma4TextConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=7,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        layer_types=[s, f, s, s, f, s, f],
+        sliding_window=GEMMA4_WINDOW,
+        num_kv_shared_layers=3,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=300,
+        use_double_wide_mlp=True,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=256,
+    )
+    return _save_gemma4(tmp_path_factory, "gemma4_tiny", Gemma4ForCausalLM, cfg, seed=21)
+
+
+@pytest.fixture(scope="session")
+def gemma4_multimodal(tmp_path_factory) -> Checkpoint:
+    """31B-shaped text model saved as a Gemma4ForConditionalGeneration (no vision/audio
+    towers): K = V on full layers with their own KV head count, no per-layer inputs, no
+    KV sharing (transformers 5.24 cannot run sharing without per-layer inputs: its
+    _maybe_slice_kv_shared_inputs slices the absent per-layer inputs)."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    s, f = "sliding_attention", "full_attention"
+    text = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        layer_types=[s, f, s, s, f],
+        sliding_window=GEMMA4_WINDOW,
+        num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=256,
+    )
+    cfg = Gemma4Config(text_config=text, vision_config=None, audio_config=None)
+    return _save_gemma4(
+        tmp_path_factory, "gemma4_multimodal", Gemma4ForConditionalGeneration, cfg, seed=22
+    )
+
+
+# What an assistant for gemma4_tiny must match (its KV shapes and width).
+GEMMA4_TINY_SHAPES = dict(
+    vocab=300, hidden=64, kv_heads=2, head_dim=16, global_head_dim=32, window=GEMMA4_WINDOW
+)
+
+
+def _save_assistant(tmp_path_factory, name: str, target: dict, seed: int, **kwargs) -> Checkpoint:
+    """A Gemma4AssistantForCausalLM made by transformers for a target with ``target_text``'s
+    shapes (``target``: vocab, hidden, kv_heads, head_dim, global_head_dim, window): 2 layers
+    (sliding, full) reading its KV, hidden 48. Weights are scaled
+    up so its drafts are confident (ties between logits would make argmax order-dependent)."""
+    import torch
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    text = dict(
+        model_type="gemma4_text",
+        vocab_size=target["vocab"],
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=target["kv_heads"],
+        head_dim=target["head_dim"],
+        global_head_dim=target["global_head_dim"],
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=target["window"],
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        max_position_embeddings=256,
+    )
+    cfg = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=target["hidden"], **kwargs)
+    torch.manual_seed(seed)
+    hf = Gemma4AssistantForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for pname, param in hf.named_parameters():
+            if "norm" in pname or "layer_scalar" in pname:
+                param.add_(torch.randn_like(param) * 0.1)
+            elif param.dim() == 2:
+                param.mul_(8.0)
+        if cfg.use_ordered_embeddings:
+            order = torch.randperm(
+                text["vocab_size"], generator=torch.Generator().manual_seed(seed)
+            )
+            hf.masked_embedding.token_ordering.copy_(order)
+    path = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(path)
+    return Checkpoint(path, hf)
+
+
+@pytest.fixture(scope="session")
+def gemma4_assistant(gemma4_tiny, tmp_path_factory) -> Checkpoint:
+    """The MTP assistant for gemma4_tiny (transformers' Gemma4AssistantForCausalLM)."""
+    return _save_assistant(tmp_path_factory, "gemma4_assistant", GEMMA4_TINY_SHAPES, 31)
+
+
+@pytest.fixture(scope="session")
+def gemma4_assistant_ordered(gemma4_tiny, tmp_path_factory) -> Checkpoint:
+    """The same shape with centroid-ordered embeddings (use_ordered_embeddings)."""
+    return _save_assistant(
+        tmp_path_factory,
+        "gemma4_assistant_ordered",
+        GEMMA4_TINY_SHAPES,
+        32,
+        use_ordered_embeddings=True,
+        num_centroids=10,
+        centroid_intermediate_top_k=3,
+    )
+
+
+@pytest.fixture(scope="session")
+def gemma4_tiny_vocab(tmp_path_factory) -> tuple[Checkpoint, Checkpoint]:
+    """A vocabulary-8 Gemma 4 target and its assistant, for the sampling statistics."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    s, f = "sliding_attention", "full_attention"
+    cfg = Gemma4TextConfig(
+        vocab_size=8,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        global_head_dim=16,
+        layer_types=[s, s, f],
+        sliding_window=4,
+        num_kv_shared_layers=0,
+        hidden_size_per_layer_input=4,
+        vocab_size_per_layer_input=8,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    target = _save_gemma4(tmp_path_factory, "gemma4_vocab8", Gemma4ForCausalLM, cfg, seed=41)
+    shapes = dict(vocab=8, hidden=32, kv_heads=1, head_dim=16, global_head_dim=16, window=4)
+    drafter = _save_assistant(tmp_path_factory, "gemma4_vocab8_assistant", shapes, 42)
+    return target, drafter

@@ -34,6 +34,7 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 MISTRAL_WINDOW = 8
+GEMMA4_WINDOW = 6  # shorter than every parity prompt (9-20 tokens): prefill itself slides
 
 
 @dataclass(frozen=True)

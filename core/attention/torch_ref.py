@@ -56,7 +56,8 @@ class TorchAttentionBackend(AttentionBackend):
                 v.view(-1, spec.num_kv_heads, spec.head_dim),
             )
         q = q.view(-1, spec.num_heads, spec.head_dim)
-        if batch.mode is ForwardMode.DECODE:
+        if batch.mode in (ForwardMode.DECODE, ForwardMode.DRAFT):
+            # DRAFT rows are decode rows that read the target's KV and write none.
             out = self._decode(q, spec, batch)
         else:
             out = self._extend(q, spec, batch)
@@ -85,23 +86,35 @@ class TorchAttentionBackend(AttentionBackend):
         return out.squeeze(2).to(q.dtype)  # (B, H, D)
 
     def _extend(self, q: torch.Tensor, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
-        # One SDPA per request over its cached prefix plus its new tokens; the
-        # host lengths come from the batch, so this loop never syncs the device.
+        # One SDPA per request. Keys: its cached prefix (req_to_token), then its new
+        # tokens (out_cache_loc). New tokens see each other causally (EXTEND) or
+        # through the verify tree's ancestor mask (TARGET_VERIFY: tree nodes share
+        # positions, so they are not in req_to_token). Host lengths only: no syncs.
+        tree_mask = batch.spec_info.tree_mask if batch.mode is ForwardMode.TARGET_VERIFY else None
         k_buf = self.kv_pool.k_buffers[spec.cache_index]
         v_buf = self.kv_pool.v_buffers[spec.cache_index]
         req_to_token = self.req_to_token_pool.req_to_token
         out = torch.empty_like(q)
         start = 0
-        for i, (seq_len, n_new) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu)):
-            slots = req_to_token[batch.req_pool_indices[i], :seq_len]  # (L,)
+        for i, (prefix, n_new) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)):
+            new = slice(start, start + n_new)
+            slots = torch.cat(
+                [req_to_token[batch.req_pool_indices[i], :prefix], batch.out_cache_loc[new]]
+            )
             key = k_buf[slots].transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
             value = v_buf[slots].transpose(0, 1).unsqueeze(0)
-            q_pos = torch.arange(seq_len - n_new, seq_len, device=q.device).unsqueeze(1)
-            k_pos = torch.arange(seq_len, device=q.device)
-            visible = k_pos <= q_pos  # (n, L)
+            q_pos = batch.positions[new].unsqueeze(1)  # (n, 1)
+            k_pos = torch.cat([torch.arange(prefix, device=q.device), batch.positions[new]])  # (L,)
+            if tree_mask is None:
+                among_new = torch.ones(n_new, n_new, dtype=torch.bool, device=q.device).tril()
+            else:
+                among_new = tree_mask[i]  # (n, n): node j is node i or its ancestor
+            visible = torch.cat(
+                [torch.ones(n_new, prefix, dtype=torch.bool, device=q.device), among_new], dim=1
+            )  # (n, L)
             if spec.sliding_window is not None:
                 visible &= k_pos > q_pos - spec.sliding_window
-            q_i = q[start : start + n_new].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
+            q_i = q[new].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
             o = F.scaled_dot_product_attention(
                 q_i.to(key.dtype),
                 key,
@@ -110,6 +123,6 @@ class TorchAttentionBackend(AttentionBackend):
                 scale=spec.scaling,
                 enable_gqa=spec.num_heads != spec.num_kv_heads,
             )
-            out[start : start + n_new] = o[0].transpose(0, 1).to(q.dtype)
+            out[new] = o[0].transpose(0, 1).to(q.dtype)
             start += n_new
         return out

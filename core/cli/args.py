@@ -120,6 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--kv-pool-tokens", type=_positive, default=None, help="KV slots (default: 1 GiB worth)"
     )
+    gen.add_argument(
+        "--draft",
+        default=None,
+        help="MTP assistant (drafter): checkpoint directory or random:PRESET",
+    )
+    gen.add_argument("--spec-steps", type=_positive, default=4, help="draft steps per round")
+    gen.add_argument("--spec-topk", type=_positive, default=1, help="branches per draft step")
+    gen.add_argument(
+        "--spec-draft-tokens",
+        type=_positive,
+        default=None,
+        help="tokens verified per round, the root included (default: steps + 1 for topk 1)",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     bench = sub.add_parser(

@@ -15,6 +15,7 @@ from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.errors import GraphrtError, RequestError
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
+from graphrt.spec.config import SpecConfig
 
 
 def _tokenizer(path: Path | None):
@@ -44,8 +45,27 @@ def _encode_prompts(prompts, tokenizer) -> list[list[int]]:
     return encoded
 
 
+def _request_json(req, decode, spec: bool) -> dict:
+    out = {
+        "prompt_ids": req.prompt_ids,
+        "output_ids": req.output_ids,
+        "text": decode(req.output_ids),
+    }
+    if spec:
+        out["spec_rounds"] = req.spec_rounds
+    return out
+
+
 def run_generate(args: argparse.Namespace) -> int:
     device = devices.current(args.device)
+    spec_config = None
+    if args.draft is not None:
+        spec_config = SpecConfig(args.spec_steps, args.spec_topk, args.spec_draft_tokens)
+        if args.runner == "graph":
+            raise GraphrtError(
+                "--draft runs speculative rounds eagerly for now; use --runner eager"
+            )
+        args.runner = "eager"
     runner = args.runner or ("graph" if device.graph_backends() else "eager")
     graph_backend = device.create_graph_backend(args.graph_backend) if runner == "graph" else None
     torch_device = device.torch_device()
@@ -62,6 +82,9 @@ def run_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     loaded = load_model(args.model, torch_device, dtype, ops=device.model_ops())
+    drafter = None
+    if args.draft is not None:
+        drafter = load_model(args.draft, torch_device, dtype, ops=device.model_ops())
     tokenizer = _tokenizer(loaded.tokenizer_path)
     prompts = _encode_prompts(args.prompts, tokenizer)
     config = EngineConfig(
@@ -78,6 +101,8 @@ def run_generate(args: argparse.Namespace) -> int:
         config,
         attention_factory=device.create_attention_backend,
         graph_backend=graph_backend,
+        drafter=drafter,
+        spec_config=spec_config,
     )
     # Validate every prompt before generating anything, so a bad one costs no work.
     for prompt in prompts:
@@ -104,20 +129,25 @@ def run_generate(args: argparse.Namespace) -> int:
         "capture_time_s": round(engine.stats.capture_time_s, 3),
         "graph_memory_bytes": engine.stats.graph_memory_bytes,
     }
+    if drafter is not None:
+        stats["spec"] = {
+            "rounds": engine.stats.spec_rounds,
+            "accept_length_mean": round(engine.stats.accept_length_mean, 4),
+            "accept_histogram": engine.stats.accept_histogram,
+        }
     if args.json:
         out = {
-            "requests": [
-                {
-                    "prompt_ids": r.prompt_ids,
-                    "output_ids": r.output_ids,
-                    "text": decode(r.output_ids),
-                }
-                for r in reqs
-            ],
+            "requests": [_request_json(r, decode, drafter is not None) for r in reqs],
             "stats": stats,
         }
         print(json.dumps(out))
         return 0
+    if drafter is not None:
+        spec = stats["spec"]
+        print(
+            f"speculative: {spec['rounds']} rounds, {spec['accept_length_mean']:.2f} tokens per round, "
+            f"accepted drafts histogram {spec['accept_histogram']}"
+        )
     for i, r in enumerate(reqs):
         text = decode(r.output_ids)
         print(f"[{i}] prompt: {len(r.prompt_ids)} tokens, finished: {r.finish_reason.value}")

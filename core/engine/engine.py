@@ -12,17 +12,20 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from graphrt.core.attention import AttentionBackend, TorchAttentionBackend
 from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.engine.request import FinishReason, Request, SamplingParams
-from graphrt.core.engine.sampling import sample
+from graphrt.core.engine.sampling import filtered_probs, sample
 from graphrt.core.errors import RequestError
 from graphrt.core.memory import ReqToTokenPool, TokenKVPool
 from graphrt.core.models.loader import LoadedModel
 from graphrt.core.runners import EagerRunner, ExecutionBackend, GraphRunner, GraphRunnerConfig
+from graphrt.spec.config import SpecConfig
+from graphrt.spec.worker import MTPWorker
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,21 @@ class EngineStats:
     capture_time_s: float = 0.0
     graph_memory_bytes: int = 0
     captured_sizes: list[int] = field(default_factory=list)
+    # Speculative rounds, one per request per verify forward.
+    spec_rounds: int = 0
+    accept_histogram: list[int] = field(default_factory=list)  # [k] = rounds accepting k drafts
+
+    def record_accept(self, accepted: int, num_steps: int) -> None:
+        if not self.accept_histogram:
+            self.accept_histogram = [0] * (num_steps + 1)
+        self.accept_histogram[accepted] += 1
+        self.spec_rounds += 1
+
+    @property
+    def accept_length_mean(self) -> float:
+        """Tokens emitted per verify round: accepted drafts plus the target's bonus token."""
+        total = sum((k + 1) * n for k, n in enumerate(self.accept_histogram))
+        return total / self.spec_rounds if self.spec_rounds else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -61,6 +79,10 @@ class Engine:
     # With a graph backend, decode batches run on captured graphs where
     # can_run_graph says so; eager serves prefill and everything else.
     graph_backend: ExecutionBackend | None = None
+    # With a drafter (frozen-KV MTP assistant), decode steps become speculative
+    # rounds: draft, one target verify forward, lossless acceptance.
+    drafter: LoadedModel | None = None
+    spec_config: SpecConfig | None = None
 
     def __post_init__(self):
         model, cfg = self.loaded.model, self.config
@@ -78,6 +100,14 @@ class Engine:
         self.stats = EngineStats()
         self._next_rid = 0
         self.graph_runner = self._capture_graphs() if self.graph_backend is not None else None
+        self.spec_worker = self._make_spec_worker() if self.drafter is not None else None
+
+    def _make_spec_worker(self) -> MTPWorker:
+        cfg = self.spec_config or SpecConfig()
+        self.spec_config = cfg
+        self.drafter.model.bind_target(self.loaded.model)
+        draft_runner = EagerRunner(self.drafter.model, self.attn_backend)
+        return MTPWorker(cfg, self.eager_runner, draft_runner, self.kv_pool, self.req_pool)
 
     def _capture_graphs(self) -> GraphRunner:
         cfg = self.config
@@ -114,6 +144,8 @@ class Engine:
         self.validate_request(prompt_ids, params)
         req = Request(rid=self._next_rid, prompt_ids=prompt_ids, params=params)
         req.kv_budget = min(len(prompt_ids) + params.max_new_tokens, self.max_context_len)
+        if self.spec_config is not None:  # a round holds a whole verify tree's slots briefly
+            req.kv_budget += self.spec_config.num_draft_tokens
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + req.rid
         if not params.greedy:
             req.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -169,6 +201,9 @@ class Engine:
         reqs = admitted if admitted else list(self.running)
         if not reqs:
             return []
+        if not admitted and self.spec_worker is not None:
+            self._spec_round(reqs)
+            return reqs
         batch = self._prefill_batch(reqs) if admitted else self.build_decode_batch(reqs)
         runner = self.eager_runner
         if self.graph_runner is not None and self.graph_runner.can_run_graph(batch):
@@ -181,8 +216,41 @@ class Engine:
         for i, (req, token) in enumerate(zip(reqs, tokens)):
             if req.params.return_logits:
                 req.output_logits.append(out.logits[i].to("cpu", copy=True))
+            if self.spec_worker is not None:
+                req.spec_seed = out.hidden[
+                    i
+                ]  # the hidden that produced the token: next draft's seed
             self._append_token(req, token)
         return reqs
+
+    def _spec_round(self, reqs: list[Request]) -> None:
+        results = self.spec_worker.round(
+            tokens=[r.output_ids[-1] for r in reqs],
+            seed_hidden=torch.stack([r.spec_seed for r in reqs]),
+            req_slots=[r.req_slot for r in reqs],
+            kv_lens=[r.kv_len for r in reqs],
+            max_keep=[self.max_context_len - r.kv_len for r in reqs],
+            samplers=[
+                None if r.params.greedy else partial(filtered_probs, p=r.params) for r in reqs
+            ],
+            generators=[r.generator for r in reqs],
+        )
+        self.stats.eager_steps += 1  # the verify forward
+        for req, res in zip(reqs, results):
+            acc = res.acceptance
+            req.kv_len += len(acc.tokens)  # the root and the accepted drafts are cached now
+            req.spec_seed = res.seed_hidden
+            req.spec_rounds.append(
+                {"draft_tokens": res.draft_tokens, "accepted_tokens": acc.tokens[:-1]}
+            )
+            self.stats.record_accept(len(acc.nodes), self.spec_config.num_steps)
+            for token in acc.tokens:
+                self._append_token(req, token, check_context=False)
+                if req.finished:
+                    break
+            if not req.finished and req.kv_len >= self.max_context_len:
+                req.finish_reason = FinishReason.LENGTH
+                self._release(req)
 
     def _admit(self) -> list[Request]:
         admitted, tokens = [], 0
@@ -243,12 +311,13 @@ class Engine:
             extend_lens_cpu=[1] * len(reqs),
         )
 
-    def _append_token(self, req: Request, token: int) -> None:
+    def _append_token(self, req: Request, token: int, check_context: bool = True) -> None:
         req.output_ids.append(token)
         self.stats.generated_tokens += 1
+        full = check_context and req.kv_len >= self.max_context_len
         if not req.params.ignore_eos and token in self.loaded.eos_token_ids:
             req.finish_reason = FinishReason.STOP
-        elif len(req.output_ids) >= req.params.max_new_tokens or req.kv_len >= self.max_context_len:
+        elif len(req.output_ids) >= req.params.max_new_tokens or full:
             req.finish_reason = FinishReason.LENGTH
         if req.finished:
             self._release(req)

@@ -53,6 +53,9 @@ class Request:
     kv_len: int = 0  # tokens whose KV is in the cache
     kv_budget: int = 0  # token slots reserved for this request at admission
     generator: torch.Generator | None = field(default=None, repr=False)
+    # Speculative decoding: the target hidden that produced the last token, and a log of rounds.
+    spec_seed: torch.Tensor | None = field(default=None, repr=False)
+    spec_rounds: list[dict] = field(default_factory=list, repr=False)
 
     @property
     def finished(self) -> bool:

@@ -58,6 +58,83 @@ PRESETS: dict[str, dict[str, Any]] = {
         "bos_token_id": 128000,
         "dtype": "bfloat16",
     },
+    # The google/gemma-4-E2B text decoder (~5.1 B parameters, 2.3 B of them the
+    # per-layer embedding table): 35 layers, every 5th full attention, the last 20
+    # sharing the KV of layers 13 (sliding) and 14 (full).
+    "gemma4-e2b": {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "vocab_size": 262144,
+        "hidden_size": 1536,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 35,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "sliding_window": 512,
+        "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+            },
+        },
+        "num_kv_shared_layers": 20,
+        "hidden_size_per_layer_input": 256,
+        "vocab_size_per_layer_input": 262144,
+        "use_double_wide_mlp": True,
+        "attention_k_eq_v": False,
+        "enable_moe_block": False,
+        "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": True,
+        "eos_token_id": [1, 106],
+        "bos_token_id": 2,
+        "pad_token_id": 0,
+        "dtype": "bfloat16",
+    },
+    # A 4-layer MTP assistant shaped to read random:gemma4-e2b's KV (random weights:
+    # drafts are rarely accepted; for smoke runs and benchmarks of the draft loop).
+    "gemma4-e2b-assistant": {
+        "architectures": ["Gemma4AssistantForCausalLM"],
+        "model_type": "gemma4_assistant",
+        "backbone_hidden_size": 1536,
+        "use_ordered_embeddings": False,
+        "tie_word_embeddings": True,
+        "dtype": "bfloat16",
+        "text_config": {
+            "model_type": "gemma4_text",
+            "vocab_size": 262144,
+            "hidden_size": 256,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "global_head_dim": 512,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-6,
+            "sliding_window": 512,
+            "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": 0.25,
+                    "rope_theta": 1000000.0,
+                },
+            },
+            "hidden_size_per_layer_input": 0,
+            "vocab_size_per_layer_input": 0,
+            "eos_token_id": [1, 106],
+        },
+    },
 }
 
 
@@ -83,7 +160,7 @@ def load_random(
     model = build_model(arch.model_class, config, device, dtype or config.dtype, ops)
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "layer_scalar")):  # multiplicative scales start at 1
             param.data.fill_(1.0)
         elif name.endswith("bias"):
             param.data.zero_()

@@ -10,6 +10,12 @@ from torch import nn
 
 from graphrt.core.errors import UnsupportedModelError
 from graphrt.core.models.config import llama_config_from_hf
+from graphrt.core.models.gemma4 import Gemma4ForCausalLM
+from graphrt.core.models.gemma4_assistant import (
+    Gemma4AssistantForCausalLM,
+    gemma4_assistant_config_from_hf,
+)
+from graphrt.core.models.gemma4_config import gemma4_config_from_hf
 from graphrt.core.models.llama import LlamaForCausalLM
 
 
@@ -20,12 +26,19 @@ class Architecture:
 
 
 _LLAMA = Architecture(llama_config_from_hf, LlamaForCausalLM)
+# Gemma 4 text; the multimodal checkpoint loads its language model only.
+_GEMMA4 = Architecture(gemma4_config_from_hf, Gemma4ForCausalLM)
 
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _LLAMA,
     "Qwen3ForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
+    "Gemma4ForCausalLM": _GEMMA4,
+    "Gemma4ForConditionalGeneration": _GEMMA4,
+    "Gemma4AssistantForCausalLM": Architecture(
+        gemma4_assistant_config_from_hf, Gemma4AssistantForCausalLM
+    ),
 }
 
 

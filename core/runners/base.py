@@ -44,4 +44,7 @@ class BaseRunner(abc.ABC):
         hidden = self.model(batch, self.attn_backend)  # (T, hidden)
         if batch.logits_indices is not None:
             hidden = hidden[batch.logits_indices]  # (N, hidden)
-        return RunnerOutput(logits=self.model.compute_logits(hidden), hidden=hidden)
+        # A drafter hands on a projection of its hidden (the next draft step's input).
+        project = getattr(self.model, "project_hidden", None)
+        passed_on = hidden if project is None else project(hidden)
+        return RunnerOutput(logits=self.model.compute_logits(hidden), hidden=passed_on)

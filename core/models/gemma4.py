@@ -1,0 +1,331 @@
+"""Gemma 4 text decoder (E2B / E4B / 31B dense), op for op as transformers 5.24 computes it.
+
+What sets it apart from the Llama family (each point mirrors modeling_gemma4.py):
+- RMSNorm scales by ``weight`` (not ``1 + weight``) and multiplies in float32
+  before rounding back; ``v_norm`` has no scale at all.
+- q and k are normed over head_dim before rope; attention scaling is 1.0.
+- Sliding and full layers differ: head dim (full: ``global_head_dim``), rope
+  (sliding: default; full: "proportional", rotating only the first
+  ``partial_rotary_factor`` of the frequency pairs) and, with
+  ``attention_k_eq_v``, full layers take V from the raw K projection.
+- The last ``num_kv_shared_layers`` layers compute no K/V: they attend over
+  the KV of the last earlier layer of their type (``writes_kv=False``).
+- Four norms per block (pre/post attention, pre/post MLP), then a per-layer
+  input gate (E2B/E4B), then a learned per-layer scalar.
+- Embeddings scaled by sqrt(hidden) rounded to the weight dtype; tied head
+  with final logit softcapping.
+
+Module and parameter names follow transformers' checkpoints, except q/k/v and
+gate/up, which are fused into one matmul each (``MergedLinear``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from graphrt.core.attention.base import AttentionBackend, AttentionSpec
+from graphrt.core.batch import ForwardBatch
+from graphrt.core.memory import KVLayerSpec
+from graphrt.core.models.gemma4_config import FULL, SLIDING, Gemma4Config
+from graphrt.core.models.layers import (
+    ACTIVATIONS,
+    GatedMLP,
+    MergedLinear,
+    RotaryEmbedding,
+    rope_inv_freq,
+)
+from graphrt.core.models.ops import TORCH_OPS, ModelOps
+
+# Towers of the multimodal checkpoint graphrt does not run (text-only decoding).
+_MULTIMODAL_PREFIXES = (
+    "model.vision_tower.",
+    "model.audio_tower.",
+    "model.embed_vision.",
+    "model.embed_audio.",
+)
+_SHARED_KV_TENSOR = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
+
+
+class GemmaRMSNorm(nn.Module):
+    """transformers' Gemma4RMSNorm: float32 norm (pow(-0.5), not rsqrt), times ``weight``
+    in float32, then rounded to the input dtype. ``ops.rms_norm`` rounds before the
+    weight multiply, so it is not used here (it differs in bfloat16)."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            out = out * self.weight.float()
+        return out.type_as(x)
+
+
+def proportional_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+    """transformers' "proportional" rope: ``head_dim // 2`` frequencies, of which only the
+    first ``partial_rotary_factor`` share rotate; the rest are 0 (cos 1, sin 0: pass-through).
+    Rotate-half pairs dim i with i + head_dim/2, so the table spans the whole head."""
+    theta = float(params["rope_theta"])
+    factor = float(params.get("factor", 1.0))
+    rope_angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    exponents = torch.arange(0, 2 * rope_angles, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    nope = head_dim // 2 - rope_angles
+    if nope > 0:
+        inv_freq = torch.cat([inv_freq, torch.zeros(nope, dtype=torch.float32)])
+    return inv_freq / factor
+
+
+def _rotary(config: Gemma4Config, layer_type: str, ops: ModelOps) -> RotaryEmbedding:
+    params = config.rope_parameters[layer_type]
+    head_dim = config.head_dims[config.layer_types.index(layer_type)]
+    if params["rope_type"] == "proportional":
+        inv_freq = proportional_inv_freq(head_dim, params)
+    else:  # "default": transformers' Gemma 4 ignores partial_rotary_factor here
+        inv_freq = rope_inv_freq(head_dim, {"rope_type": "default", **params})
+    return RotaryEmbedding(inv_freq, config.max_position_embeddings, ops=ops)
+
+
+class Gemma4Attention(nn.Module):
+    def __init__(
+        self,
+        config: Gemma4Config,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        kv_spec: AttentionSpec | None = None,
+    ):
+        """``kv_spec``: attend over another model's KV through this spec, computing no K/V
+        (the MTP assistant reads its target's cache; its spec is bound to the target later)."""
+        super().__init__()
+        c = config
+        src = c.kv_source(layer_id)
+        self.shares_kv = src != layer_id or kv_spec is not None
+        self.k_eq_v = c.attention_k_eq_v and c.layer_types[layer_id] == FULL
+        head_dim, kv_heads = c.head_dims[src], c.kv_heads[src]
+        self.q_size = c.num_heads * head_dim
+        self.kv_size = kv_heads * head_dim
+        if self.shares_kv:  # no K/V projections or norms at all (transformers has none either)
+            self.q_proj = nn.Linear(c.hidden_size, self.q_size, bias=c.attention_bias)
+        else:
+            shards = {"q_proj": self.q_size, "k_proj": self.kv_size}
+            if not self.k_eq_v:
+                shards["v_proj"] = self.kv_size
+            self.qkv_proj = MergedLinear(c.hidden_size, shards, bias=c.attention_bias)
+            self.k_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps)
+            self.v_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps, with_scale=False)
+        self.q_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.attention_bias)
+        self.rotary = rotary
+        self.spec = AttentionSpec(
+            num_heads=c.num_heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            scaling=1.0,  # q and k are RMS-normed; transformers uses no 1/sqrt(d)
+            cache_index=src,  # producers are layers 0..first_kv_shared_layer-1: buffer i = layer i
+            sliding_window=c.sliding_window if c.layer_types[layer_id] == SLIDING else None,
+            writes_kv=not self.shares_kv,
+        )
+        if kv_spec is not None:
+            self.spec = kv_spec
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        s = self.spec
+        if self.shares_kv:
+            q = self.q_norm(self.q_proj(x).view(-1, s.num_heads, s.head_dim))  # (T, H, D)
+            # ops.rope rotates q and k together; a one-head view of q stands in for k.
+            q, _ = self.rotary(batch.positions, q, q[:, :1])
+            return self.o_proj(attn.attend(q.flatten(1), None, None, s, batch))
+        qkv = self.qkv_proj(x)
+        if self.k_eq_v:
+            q, k = qkv.split([self.q_size, self.kv_size], dim=-1)
+            v = k  # V is the raw K projection, normed without a scale
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(-1, s.num_heads, s.head_dim))  # (T, H, D)
+        k = self.k_norm(k.view(-1, s.num_kv_heads, s.head_dim))  # (T, Hkv, D)
+        v = self.v_norm(v.view(-1, s.num_kv_heads, s.head_dim))
+        q, k = self.rotary(batch.positions, q, k)
+        out = attn.attend(q.flatten(1), k.flatten(1), v.flatten(1), s, batch)  # (T, H*D)
+        return self.o_proj(out)
+
+
+class Gemma4DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Gemma4Config,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        ops: ModelOps,
+        kv_spec: AttentionSpec | None = None,
+    ):
+        super().__init__()
+        c = config
+        self.self_attn = Gemma4Attention(c, layer_id, rotary, kv_spec)
+        wide = c.use_double_wide_mlp and c.is_kv_consumer(layer_id)
+        self.mlp = GatedMLP(
+            c.hidden_size, c.intermediate_size * (2 if wide else 1), c.hidden_act, ops=ops
+        )
+        eps = c.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(c.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(c.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(c.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(c.hidden_size, eps)
+        self.has_per_layer_input = bool(c.hidden_size_per_layer_input)
+        if self.has_per_layer_input:
+            ple = c.hidden_size_per_layer_input
+            self.act = ACTIVATIONS[c.hidden_act]
+            self.per_layer_input_gate = nn.Linear(c.hidden_size, ple, bias=False)
+            self.per_layer_projection = nn.Linear(ple, c.hidden_size, bias=False)
+            self.post_per_layer_input_norm = GemmaRMSNorm(c.hidden_size, eps)
+        # A persistent buffer in transformers (saved in checkpoints): a parameter here so
+        # that the loader fills it and checks it is present.
+        self.layer_scalar = nn.Parameter(torch.ones(1))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        per_layer_input: torch.Tensor | None,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        # Sandwich norms: each block's output is normed again before the residual add.
+        h = self.self_attn(self.input_layernorm(x), batch, attn)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        x = x + self.post_feedforward_layernorm(h)
+        if self.has_per_layer_input:
+            h = self.act(self.per_layer_input_gate(x)) * per_layer_input  # (T, ple)
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
+        return x * self.layer_scalar
+
+
+class Gemma4Backbone(nn.Module):
+    def __init__(self, config: Gemma4Config, ops: ModelOps):
+        super().__init__()
+        c = config
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        # float32 scalars, rounded to the weight dtype when used (.to() converts them too),
+        # as transformers' Gemma4TextScaledWordEmbedding does.
+        self.register_buffer("embed_scale", torch.tensor(c.hidden_size**0.5), persistent=False)
+        # One rope table per layer type, shared by the layers of that type.
+        self.rotary = nn.ModuleDict({t: _rotary(c, t, ops) for t in sorted(set(c.layer_types))})
+        self.layers = nn.ModuleList(
+            Gemma4DecoderLayer(c, i, self.rotary[c.layer_types[i]], ops)
+            for i in range(c.num_layers)
+        )
+        self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.hidden_size_per_layer_input:
+            ple, n = c.hidden_size_per_layer_input, c.num_layers
+            self.embed_tokens_per_layer = nn.Embedding(c.vocab_size_per_layer_input, n * ple)
+            self.register_buffer("per_layer_embed_scale", torch.tensor(ple**0.5), persistent=False)
+            self.per_layer_model_projection = nn.Linear(c.hidden_size, n * ple, bias=False)
+            self.per_layer_projection_norm = GemmaRMSNorm(ple, c.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight
+        return self.embed_tokens(input_ids) * self.embed_scale.to(weight.dtype)  # (T, hidden)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """(T, layers, ple): token-identity embedding plus a projection of the scaled embedding."""
+        c = self.config
+        shape = (-1, c.num_layers, c.hidden_size_per_layer_input)
+        scale = self.per_layer_embed_scale.to(self.embed_tokens_per_layer.weight.dtype)
+        tokens = (self.embed_tokens_per_layer(input_ids) * scale).view(shape)
+        proj = self.per_layer_model_projection(x) * c.hidden_size**-0.5
+        proj = self.per_layer_projection_norm(proj.view(shape))
+        return (proj + tokens) * 2.0**-0.5
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        x = self.embed(batch.input_ids)
+        per_layer = None
+        if self.config.hidden_size_per_layer_input:
+            per_layer = self.per_layer_inputs(batch.input_ids, x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, per_layer[:, i] if per_layer is not None else None, batch, attn)
+        return self.norm(x)  # (T, hidden): what the LM head and the assistant read
+
+
+class Gemma4ForCausalLM(nn.Module):
+    """``forward`` returns the final normed hidden states (T, hidden); ``compute_logits``
+    the tied LM head with final logit softcapping."""
+
+    def __init__(self, config: Gemma4Config, ops: ModelOps = TORCH_OPS):
+        super().__init__()
+        self.config = config
+        self.model = Gemma4Backbone(config, ops)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_context_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def kv_layer_specs(self) -> list[KVLayerSpec]:
+        # Layers before first_kv_shared_layer own buffers 0..n-1, each sized to its own
+        # KV heads and head dim; KV-sharing layers own none (cache_index None).
+        c = self.config
+        return [
+            KVLayerSpec(
+                c.kv_heads[c.kv_source(i)],
+                c.head_dims[c.kv_source(i)],
+                None if c.is_kv_consumer(i) else i,
+            )
+            for i in range(c.num_layers)
+        ]
+
+    def shared_kv_layers(self) -> dict[str, AttentionSpec]:
+        """Layer type -> AttentionSpec of the last layer of that type that writes KV: the
+        KV the assistant's layers (and this model's KV-sharing layers) attend over.
+        Read cache_index / head_dim / num_kv_heads / sliding_window from it."""
+        return {
+            t: self.model.layers[layer].self_attn.spec
+            for t, layer in self.config.kv_producers.items()
+        }
+
+    def embed_tokens_scaled(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The scaled token embedding (T, hidden), as the target feeds the assistant."""
+        return self.model.embed(input_ids)
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        return self.model(batch, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.lm_head_weight)  # (N, vocab), model dtype
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # in the model dtype, as transformers does
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    def map_checkpoint_name(self, name: str) -> str | None:
+        """Checkpoint tensor name -> this model's name; None skips the tensor."""
+        prefix = self.config.checkpoint_prefix
+        if prefix != "model.":
+            if name.startswith(_MULTIMODAL_PREFIXES):
+                return None  # vision / audio towers: graphrt decodes text only
+            if name.startswith(prefix):
+                name = "model." + name[len(prefix) :]
+            elif name.startswith("model."):
+                return f"<not the language model>{name}"  # the loader reports it as unexpected
+        shared = _SHARED_KV_TENSOR.match(name)
+        if shared and self.config.is_kv_consumer(int(shared.group(1))):
+            return None  # some writers keep unused K/V weights on KV-sharing layers
+        return name

@@ -1,0 +1,45 @@
+"""Speculative-decoding configuration: one frozen dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphrt.core.errors import GraphrtError
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Frozen-KV MTP drafting: ``num_steps`` draft steps, ``topk`` branches per step.
+
+    ``num_draft_tokens`` counts the tokens verified per round *including* the
+    root (the last accepted token), as upstream does; default ``num_steps + 1``
+    for a chain (topk 1), which then verifies every drafted token.
+    """
+
+    num_steps: int = 4
+    topk: int = 1
+    num_draft_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.num_steps < 1:
+            raise GraphrtError(f"--spec-steps must be >= 1, got {self.num_steps}")
+        if self.topk < 1:
+            raise GraphrtError(f"--spec-topk must be >= 1, got {self.topk}")
+        if self.num_draft_tokens is None:
+            object.__setattr__(
+                self,
+                "num_draft_tokens",
+                self.num_steps + 1
+                if self.topk == 1
+                else min(self.max_draft_tokens, 2 * self.num_steps + 2),
+            )
+        if not 2 <= self.num_draft_tokens <= self.max_draft_tokens:
+            raise GraphrtError(
+                f"--spec-draft-tokens must be in [2, {self.max_draft_tokens}] for "
+                f"{self.num_steps} steps and topk {self.topk}, got {self.num_draft_tokens}"
+            )
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Root plus every node the draft loop scores: topk + (steps - 1) * topk^2."""
+        return 1 + self.topk + (self.num_steps - 1) * self.topk * self.topk

@@ -1,0 +1,71 @@
+"""The frozen-KV MTP draft loop: a seed step plus ``num_steps - 1`` recurrent steps.
+
+Every step runs the drafter on DRAFT rows that read the target's KV and write
+none, at one fixed position per request (the position of the last accepted
+token, which has no KV yet). Step 0 has one row per request (input: that
+token and the target's hidden that produced it); later steps have ``topk``
+rows per request (the frontier's tokens and the drafter's own projected
+hiddens). All shapes depend only on the request count and ``topk``, so the
+loop can be captured as one graph per request batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphrt.core.batch import ForwardBatch, ForwardMode
+from graphrt.core.runners.base import BaseRunner
+from graphrt.spec.config import SpecConfig
+from graphrt.spec.tree import expand_step, organize_draft_results
+
+
+@dataclass
+class DraftInput:
+    """``spec_info`` of a DRAFT batch: the hidden state fed with each row's token."""
+
+    hidden: torch.Tensor  # (rows, backbone hidden)
+
+
+def draft_tree(
+    runner: BaseRunner,
+    cfg: SpecConfig,
+    tokens: torch.Tensor,  # (B,) last accepted token of each request
+    seed_hidden: torch.Tensor,  # (B, H) target hidden that produced it
+    req_pool_indices: torch.Tensor,  # (B,)
+    kv_lens: torch.Tensor,  # (B,) int32: KV entries per request = the token's position
+    kv_lens_cpu: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (parent_list, top_scores_index, draft_tokens), see spec.tree."""
+    rows_tokens, rows_hidden, scores = tokens, seed_hidden, None
+    score_list, token_list, parents_list = [], [], []
+    for step in range(cfg.num_steps):
+        reps = 1 if step == 0 else cfg.topk
+        out = runner.execute(
+            _draft_batch(rows_tokens, rows_hidden, req_pool_indices, kv_lens, kv_lens_cpu, reps)
+        )
+        probs = torch.softmax(out.logits, dim=-1)  # (rows, V)
+        topk_p, topk_index = probs.topk(cfg.topk, dim=-1)
+        rows_tokens, rows_hidden, scores, (s, t, p) = expand_step(
+            step, topk_p, topk_index, out.hidden, scores, cfg.topk
+        )
+        score_list.append(s)
+        token_list.append(t)
+        parents_list.append(p)
+    return organize_draft_results(score_list, token_list, parents_list, cfg.num_draft_tokens)
+
+
+def _draft_batch(tokens, hidden, req_pool_indices, kv_lens, kv_lens_cpu, reps: int) -> ForwardBatch:
+    rows = tokens.shape[0]
+    return ForwardBatch(
+        mode=ForwardMode.DRAFT,
+        input_ids=tokens,
+        positions=kv_lens.long().repeat_interleave(reps),  # frozen at the token's position
+        req_pool_indices=req_pool_indices.repeat_interleave(reps),
+        seq_lens=kv_lens.repeat_interleave(reps),  # attend to every KV entry the target has
+        out_cache_loc=torch.zeros(rows, dtype=torch.long, device=tokens.device),  # writes none
+        seq_lens_cpu=[n for n in kv_lens_cpu for _ in range(reps)],
+        extend_lens_cpu=[1] * rows,
+        spec_info=DraftInput(hidden=hidden),
+    )
