@@ -96,3 +96,44 @@ def random_prompts(lengths, seed: int = 0, vocab: int = VOCAB) -> list[list[int]
     gen = torch.Generator().manual_seed(seed)
     # Ids from 3 up: never the bos/eos/unk ids of the tiny configs.
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_greedy(
+    hf: Any, prompt: list[int], max_new_tokens: int
+) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy continuation of one prompt: (tokens, per-step logits (vocab,))."""
+    ids = torch.tensor([prompt])
+    out = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits]
+
+
+def run_under_triton_interpreter(test_file: str) -> Any:
+    """Run ``test_file`` as a script with TRITON_INTERPRET=1 and return the JSON it prints last.
+
+    The interpreter must be switched on before triton is first imported, and other tests
+    in this process may already have imported it: hence a subprocess.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(Path(test_file).resolve())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

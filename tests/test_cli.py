@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from helpers import make_tokenizer
+from helpers import hf_greedy, make_tokenizer
 
 from graphrt.core.cli.main import main
 
@@ -42,13 +42,6 @@ def run_json(capsys, *argv: str) -> dict:
     return json.loads(captured.out)  # exactly one JSON object, nothing else on stdout
 
 
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(
-        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    return out[0, len(prompt) :].tolist()
-
-
 def test_generate_json_matches_transformers(capsys, ckpt_with_tokenizer):
     path, hf = ckpt_with_tokenizer
     prompts = [[5, 17, 42, 99, 7], [250, 3, 8, 61, 12, 33, 140, 11, 9]]
@@ -68,7 +61,7 @@ def test_generate_json_matches_transformers(capsys, ckpt_with_tokenizer):
     assert out["stats"]["tokens_per_s"] > 0
     for prompt, req in zip(prompts, out["requests"]):
         assert req["prompt_ids"] == prompt
-        assert req["output_ids"] == hf_greedy(hf, prompt, 12)
+        assert req["output_ids"] == hf_greedy(hf, prompt, 12)[0]
         assert isinstance(req["text"], str)
 
 
@@ -82,7 +75,7 @@ def test_graph_runner_matches_transformers(capsys, ckpt_with_tokenizer):
     out = run_json(capsys, *argv, "--runner", "graph")
     assert out["stats"]["graph_steps"] == 9 and out["stats"]["captured_sizes"] == [4]
     for prompt, req in zip(prompts, out["requests"]):
-        assert req["output_ids"] == hf_greedy(hf, prompt, 10)
+        assert req["output_ids"] == hf_greedy(hf, prompt, 10)[0]
 
 
 def test_prompt_text_is_tokenized_and_output_decoded(capsys, ckpt_with_tokenizer):
@@ -95,7 +88,7 @@ def test_prompt_text_is_tokenized_and_output_decoded(capsys, ckpt_with_tokenizer
     first, second = out["requests"]
     assert first["prompt_ids"] == tok.encode("hello world the cat").ids
     assert second["prompt_ids"] == [4, 5]  # requests keep the order the flags were given in
-    assert first["output_ids"] == hf_greedy(hf, first["prompt_ids"], 6)
+    assert first["output_ids"] == hf_greedy(hf, first["prompt_ids"], 6)[0]
     assert first["text"] == tok.decode(first["output_ids"], skip_special_tokens=True)
 
 

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import CPU, GEMMA4_WINDOW, random_prompts, rel_err
+from helpers import CPU, GEMMA4_WINDOW, hf_greedy, random_prompts, rel_err
 from safetensors.torch import load_file, save_file
 from test_models_parity import ExtendHarness
 
@@ -81,19 +81,10 @@ def test_batched_greedy_decode_matches_transformers(ckpt):
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, return_logits=True)
     reqs = engine.generate(prompts, params)
     for prompt, req in zip(prompts, reqs):
-        ids = torch.tensor([prompt])
-        out = ckpt.hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        assert req.output_ids == out.sequences[0, len(prompt) :].tolist(), f"{name}: {len(prompt)}"
-        for step, (ours, theirs) in enumerate(zip(req.output_logits, out.logits, strict=True)):
-            err = rel_err(ours, theirs[0])
+        hf_tokens, hf_logits = hf_greedy(ckpt.hf, prompt, NEW_TOKENS)
+        assert req.output_ids == hf_tokens, f"{name}: {len(prompt)}"
+        for step, (ours, theirs) in enumerate(zip(req.output_logits, hf_logits, strict=True)):
+            err = rel_err(ours, theirs)
             assert err < RTOL, f"{name}: len {len(prompt)}, step {step}: rel err {err:.2e}"
 
 

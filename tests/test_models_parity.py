@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import CPU, MISTRAL_WINDOW, random_prompts, rel_err
+from helpers import CPU, MISTRAL_WINDOW, hf_greedy, random_prompts, rel_err
 from safetensors import safe_open
 
 from graphrt.core.attention import TorchAttentionBackend
@@ -119,22 +119,12 @@ def test_batched_greedy_decode_matches_transformers(arch):
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, return_logits=True)
     reqs = engine.generate(prompts, params)
     for prompt, req in zip(prompts, reqs):
-        ids = torch.tensor([prompt])
-        out = ckpt.hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        hf_tokens = out.sequences[0, len(prompt) :].tolist()
+        hf_tokens, hf_logits = hf_greedy(ckpt.hf, prompt, NEW_TOKENS)
         assert len(hf_tokens) == NEW_TOKENS
         assert req.output_ids == hf_tokens, f"{name}: prompt len {len(prompt)}"
         assert len(req.output_logits) == NEW_TOKENS
-        for step, (ours, theirs) in enumerate(zip(req.output_logits, out.logits)):
-            err = rel_err(ours, theirs[0])
+        for step, (ours, theirs) in enumerate(zip(req.output_logits, hf_logits)):
+            err = rel_err(ours, theirs)
             assert err < RTOL, f"{name}: prompt len {len(prompt)}, step {step}: rel err {err:.2e}"
 
 

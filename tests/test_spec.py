@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import CPU, random_prompts
+from helpers import CPU, hf_greedy, random_prompts
 
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.models import load_model
@@ -19,13 +19,6 @@ from graphrt.spec.draft import draft_tree
 
 PROMPT_LENS = (9, 16, 12)  # all longer than the sliding window (6)
 NEW_TOKENS = 24
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(
-        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def spec_engine(target, drafter, steps: int, topk: int, **config) -> Engine:
@@ -40,7 +33,7 @@ def spec_engine(target, drafter, steps: int, topk: int, **config) -> Engine:
 @pytest.fixture(scope="module")
 def hf_reference(gemma4_tiny):
     prompts = random_prompts(PROMPT_LENS, seed=7)
-    return prompts, [hf_greedy(gemma4_tiny.hf, p, NEW_TOKENS) for p in prompts]
+    return prompts, [hf_greedy(gemma4_tiny.hf, p, NEW_TOKENS)[0] for p in prompts]
 
 
 @pytest.mark.parametrize("ordered", [False, True], ids=["tied-head", "ordered-embeddings"])

@@ -15,14 +15,11 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import rel_err, run_under_triton_interpreter
 
 from graphrt.core.attention import AttentionSpec, TorchAttentionBackend
 from graphrt.core.batch import ForwardBatch, ForwardMode
@@ -243,16 +240,7 @@ def interpreter_results() -> dict:
 @needs_triton
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_decode_kernel_under_interpreter_matches_reference_and_naive():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve())],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = run_under_triton_interpreter(__file__)
     # Per case: 3 errors and 2 flags; the two 3-split launches; scratch and store flags.
     num_cases = len(INTERPRETER_CASES)
     assert len(results["errors"]) == 3 * num_cases + 2

@@ -28,13 +28,10 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_under_triton_interpreter
 
 from graphrt.core.models.ops import TORCH_OPS
 
@@ -194,16 +191,7 @@ def interpreter_results() -> dict:
 @needs_triton
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_ops_under_interpreter_match_reference():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve())],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = run_under_triton_interpreter(__file__)
     # 2 dtypes x (3 norm shapes x 3 outputs + 3 silu shapes + 3 rope shapes x 2 outputs)
     assert len(results) == 2 * (9 + 3 + 6)
     bad = violations(results)
