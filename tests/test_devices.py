@@ -314,3 +314,14 @@ def test_accelerators_default_to_bfloat16_and_name_their_extra(cls):
     assert device.extra == device.name
     assert device.torch_type == device.name
     assert device.library_versions()["torch"] == torch.__version__
+
+
+def test_cpu_offers_compiled_graphs_only_with_a_cxx_compiler(monkeypatch):
+    import shutil
+
+    from graphrt.devices.cpu import CpuDevice
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert CpuDevice().graph_backends() == ()  # the CLI then defaults to --runner eager
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
+    assert CpuDevice().graph_backends() == ("compile",)

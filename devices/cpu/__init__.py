@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from typing import TYPE_CHECKING
 
 from graphrt.devices.base import Device
@@ -37,6 +38,10 @@ class CpuDevice(Device):
         return f"cpu ({_usable_cores()} cores)"
 
     def _graph_backend_factories(self):
+        # inductor's CPU code is C++: without a compiler there is no graph backend, and
+        # --runner defaults to eager instead of failing at the first compiled step.
+        if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
+            return {}
         from graphrt.devices.cpu.compile import CompiledGraphBackend
 
         return {"compile": CompiledGraphBackend}
