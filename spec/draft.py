@@ -11,12 +11,13 @@ loop can be captured as one graph per request batch size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from graphrt.core.batch import ForwardBatch, ForwardMode
-from graphrt.core.runners.base import BaseRunner
+from graphrt.core.runners.base import RunnerOutput
 from graphrt.spec.config import SpecConfig
 from graphrt.spec.tree import expand_step, organize_draft_results
 
@@ -29,7 +30,7 @@ class DraftInput:
 
 
 def draft_tree(
-    runner: BaseRunner,
+    run_step: Callable[[ForwardBatch], RunnerOutput],
     cfg: SpecConfig,
     tokens: torch.Tensor,  # (B,) last accepted token of each request
     seed_hidden: torch.Tensor,  # (B, H) target hidden that produced it
@@ -37,14 +38,17 @@ def draft_tree(
     kv_lens: torch.Tensor,  # (B,) int32: KV entries per request = the token's position
     kv_lens_cpu: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (parent_list, top_scores_index, draft_tokens), see spec.tree."""
+    """-> (parent_list, top_scores_index, draft_tokens), see spec.tree.
+
+    ``run_step`` runs the drafter on one DRAFT batch: an eager runner's
+    ``execute``, or, inside a captured draft graph, the model with capture metadata.
+    """
     rows_tokens, rows_hidden, scores = tokens, seed_hidden, None
     score_list, token_list, parents_list = [], [], []
     for step in range(cfg.num_steps):
         reps = 1 if step == 0 else cfg.topk
-        out = runner.execute(
-            _draft_batch(rows_tokens, rows_hidden, req_pool_indices, kv_lens, kv_lens_cpu, reps)
-        )
+        batch = draft_batch(rows_tokens, rows_hidden, req_pool_indices, kv_lens, kv_lens_cpu, reps)
+        out = run_step(batch)
         probs = torch.softmax(out.logits, dim=-1)  # (rows, V)
         topk_p, topk_index = probs.topk(cfg.topk, dim=-1)
         rows_tokens, rows_hidden, scores, (s, t, p) = expand_step(
@@ -56,7 +60,10 @@ def draft_tree(
     return organize_draft_results(score_list, token_list, parents_list, cfg.num_draft_tokens)
 
 
-def _draft_batch(tokens, hidden, req_pool_indices, kv_lens, kv_lens_cpu, reps: int) -> ForwardBatch:
+def draft_batch(
+    tokens, hidden, req_pool_indices, kv_lens, kv_lens_cpu, reps: int = 1
+) -> ForwardBatch:
+    """DRAFT rows: ``reps`` per request, all at the request's frozen position."""
     rows = tokens.shape[0]
     return ForwardBatch(
         mode=ForwardMode.DRAFT,

@@ -15,9 +15,10 @@ import torch
 
 from graphrt.core.memory import ReqToTokenPool, TokenKVPool
 from graphrt.core.runners.base import BaseRunner
+from graphrt.core.runners.graph import GraphRunner
 from graphrt.spec.accept import Acceptance, accept_greedy, accept_sampled
 from graphrt.spec.config import SpecConfig
-from graphrt.spec.draft import draft_tree
+from graphrt.spec.draft import draft_batch, draft_tree
 from graphrt.spec.tree import build_verify_tree
 from graphrt.spec.verify import verify_batch
 
@@ -43,6 +44,19 @@ class MTPWorker:
         self.draft_runner = draft_runner
         self.kv_pool = kv_pool
         self.req_pool = req_pool
+        self.draft_graph: GraphRunner | None = None  # MTPDraftGraphRunner, set by the engine
+        self.graph_rounds = 0
+
+    def _draft(self, root, seed_hidden, slots, kv_lens, kv_lens_cpu):
+        """The draft tree: one captured graph per request batch size where there is one."""
+        batch = draft_batch(root, seed_hidden, slots, kv_lens, kv_lens_cpu)
+        graph = self.draft_graph
+        if graph is not None and graph.can_run_graph(batch):
+            self.graph_rounds += 1
+            return graph.execute(batch)
+        return draft_tree(
+            self.draft_runner.execute, self.cfg, root, seed_hidden, slots, kv_lens, kv_lens_cpu
+        )
 
     @torch.inference_mode()
     def round(
@@ -62,8 +76,8 @@ class MTPWorker:
         kv_lens_t = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
         kv_lens_cpu = list(kv_lens)
 
-        parent_list, top_index, drafts = draft_tree(
-            self.draft_runner, self.cfg, root, seed_hidden, slots_t, kv_lens_t, kv_lens_cpu
+        parent_list, top_index, drafts = self._draft(
+            root, seed_hidden, slots_t, kv_lens_t, kv_lens_cpu
         )
         tree = build_verify_tree(root, parent_list, top_index, drafts, self.cfg.topk)
         n = tree.num_nodes

@@ -21,13 +21,12 @@ PROMPT_LENS = (9, 16, 12)  # all longer than the sliding window (6)
 NEW_TOKENS = 24
 
 
-def spec_engine(target, drafter, steps: int, topk: int, **config) -> Engine:
+def spec_engine(target, drafter, steps: int, topk: int, graph_backend=None, **config) -> Engine:
     loaded = load_model(str(target.path), CPU, torch.float32)
     draft = load_model(str(drafter.path), CPU, torch.float32)
     cfg = EngineConfig(**{"max_context_len": 128, **config})
-    return Engine(
-        loaded, CPU, cfg, drafter=draft, spec_config=SpecConfig(num_steps=steps, topk=topk)
-    )
+    spec = SpecConfig(num_steps=steps, topk=topk)
+    return Engine(loaded, CPU, cfg, drafter=draft, spec_config=spec, graph_backend=graph_backend)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +67,7 @@ def test_first_round_draft_equals_transformers_candidate_generator(
     assert req.output_ids == [first]
     worker = engine.spec_worker
     _, _, drafts = draft_tree(
-        worker.draft_runner,
+        worker.draft_runner.execute,
         worker.cfg,
         torch.tensor([first]),
         req.spec_seed.unsqueeze(0),
@@ -237,7 +236,7 @@ def test_cli_generate_with_draft_agrees_with_transformers(
     ("extra", "needle"),
     [
         (["--spec-draft-tokens", "9"], "spec-draft-tokens"),
-        (["--runner", "graph"], "--runner eager"),
+        (["--graph-backend", "bogus"], "offers compile"),
     ],
 )
 def test_cli_draft_errors_are_one_line(capsys, extra, needle, gemma4_tiny, gemma4_assistant):
@@ -256,3 +255,59 @@ def test_cli_draft_for_a_non_gemma_target_is_a_one_line_error(capsys, gemma4_ass
     assert main([*argv, "--prompt-ids", "5,6,7"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Gemma 4 target" in err[0], err
+
+
+def standin_cuda_backend():
+    from conformance.standin import StandInGraphModule
+
+    from graphrt.devices.cuda.graph import CudaFullGraphBackend
+
+    return CudaFullGraphBackend(module=StandInGraphModule())
+
+
+@pytest.mark.parametrize(("steps", "topk"), [(3, 1), (2, 3)])
+@pytest.mark.parametrize("backend", ["standin-cuda-full", "cpu-compile"])
+def test_draft_loop_graph_keyed_by_request_batch_size(
+    backend, steps, topk, gemma4_tiny, gemma4_assistant, hf_reference
+):
+    """The whole draft loop captured per request batch size (a GraphRunner subclass):
+    padded and exact sizes replay it, the output stays lossless, and its drafts equal
+    the eager loop's."""
+    from graphrt.devices.cpu.compile import CompiledGraphBackend
+
+    prompts, expected = hf_reference
+    graph_backend = (
+        standin_cuda_backend() if backend.startswith("standin") else CompiledGraphBackend()
+    )
+    engine = spec_engine(
+        gemma4_tiny, gemma4_assistant, steps, topk, graph_backend=graph_backend,
+        graph_buckets=(2, 4), max_running_requests=4,
+    )  # fmt: skip
+    worker = engine.spec_worker
+    assert worker.draft_graph.captured_sizes == [2, 4] and engine.graph_runner is None
+    # Three requests (padded to 4), then fewer as they finish at different lengths.
+    lengths = [NEW_TOKENS, NEW_TOKENS - 9, NEW_TOKENS - 17]
+    reqs = [
+        engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        for p, n in zip(prompts, lengths)
+    ]
+    engine.step()  # prefill
+    # Same state, both loops: graph drafts equal eager drafts.
+    root = torch.tensor([r.output_ids[-1] for r in reqs])
+    args = (
+        root,
+        torch.stack([r.spec_seed for r in reqs]),
+        torch.tensor([r.req_slot for r in reqs]),
+        torch.tensor([r.kv_len for r in reqs], dtype=torch.int32),
+        [r.kv_len for r in reqs],
+    )
+    eager = draft_tree(worker.draft_runner.execute, worker.cfg, *args)
+    graph = worker._draft(*args)
+    assert worker.graph_rounds == 1
+    for e, g in zip(eager, graph):
+        assert torch.equal(e, g)
+    while engine.has_work:
+        engine.step()
+    assert [r.output_ids for r in reqs] == [exp[:n] for exp, n in zip(expected, lengths)]
+    assert engine.stats.graph_steps == worker.graph_rounds > engine.stats.spec_rounds // 3
+    assert engine.kv_pool.available() == engine.kv_pool.num_slots

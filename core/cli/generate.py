@@ -60,12 +60,8 @@ def run_generate(args: argparse.Namespace) -> int:
     device = devices.current(args.device)
     spec_config = None
     if args.draft is not None:
+        # With a drafter, graphs capture the draft loop (the verify forward runs eager).
         spec_config = SpecConfig(args.spec_steps, args.spec_topk, args.spec_draft_tokens)
-        if args.runner == "graph":
-            raise GraphrtError(
-                "--draft runs speculative rounds eagerly for now; use --runner eager"
-            )
-        args.runner = "eager"
     runner = args.runner or ("graph" if device.graph_backends() else "eager")
     graph_backend = device.create_graph_backend(args.graph_backend) if runner == "graph" else None
     torch_device = device.torch_device()

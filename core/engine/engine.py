@@ -25,6 +25,7 @@ from graphrt.core.memory import ReqToTokenPool, TokenKVPool
 from graphrt.core.models.loader import LoadedModel
 from graphrt.core.runners import EagerRunner, ExecutionBackend, GraphRunner, GraphRunnerConfig
 from graphrt.spec.config import SpecConfig
+from graphrt.spec.graph_runner import MTPDraftGraphRunner
 from graphrt.spec.worker import MTPWorker
 
 
@@ -99,8 +100,16 @@ class Engine:
         self.reserved_tokens = 0
         self.stats = EngineStats()
         self._next_rid = 0
-        self.graph_runner = self._capture_graphs() if self.graph_backend is not None else None
         self.spec_worker = self._make_spec_worker() if self.drafter is not None else None
+        # Graphs serve decode steps, or, with a drafter, the draft loop (rounds have no
+        # plain decode step; the verify forward runs eager).
+        self.graph_runner = None
+        if self.graph_backend is not None:
+            captured = self._capture_graphs()
+            if self.spec_worker is not None:
+                self.spec_worker.draft_graph = captured
+            else:
+                self.graph_runner = captured
 
     def _make_spec_worker(self) -> MTPWorker:
         cfg = self.spec_config or SpecConfig()
@@ -117,9 +126,22 @@ class Engine:
             buckets=cfg.graph_buckets,
             padding=cfg.graph_padding,
         )
-        runner = GraphRunner(
-            self.loaded.model, self.attn_backend, self.graph_backend, runner_config, self.device
-        )
+        if self.spec_worker is None:
+            runner = GraphRunner(
+                self.loaded.model, self.attn_backend, self.graph_backend, runner_config, self.device
+            )
+        else:
+            target = self.loaded.model
+            runner = MTPDraftGraphRunner(
+                self.drafter.model,
+                self.attn_backend,
+                self.graph_backend,
+                runner_config,
+                self.device,
+                self.spec_config,
+                seed_hidden_size=target.config.hidden_size,
+                dtype=next(target.parameters()).dtype,
+            )
         runner.capture()
         self.stats.capture_time_s = runner.capture_time_s
         self.stats.graph_memory_bytes = self.graph_backend.memory_bytes()
@@ -236,6 +258,7 @@ class Engine:
             generators=[r.generator for r in reqs],
         )
         self.stats.eager_steps += 1  # the verify forward
+        self.stats.graph_steps = self.spec_worker.graph_rounds  # captured draft loops
         for req, res in zip(reqs, results):
             acc = res.acceptance
             req.kv_len += len(acc.tokens)  # the root and the accepted drafts are cached now

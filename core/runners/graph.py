@@ -3,7 +3,7 @@
 It owns the buckets, the static input buffers and the one capture loop;
 the ``ExecutionBackend`` only captures and replays. Subclasses (the MTP
 draft runner) override hooks — ``_make_graph_key``, ``_forward``,
-``_static_batch`` — never the loop.
+``_static_batch``, ``_slice_output`` — never the loop.
 """
 
 from __future__ import annotations
@@ -124,8 +124,9 @@ class GraphRunner(BaseRunner):
     def execute(self, batch: ForwardBatch) -> RunnerOutput:
         self.load_batch(batch)
         key, static = self._loaded
-        out = self._replay_graph(key, static)
-        bs = batch.batch_size
+        return self._slice_output(self._replay_graph(key, static), batch.batch_size)
+
+    def _slice_output(self, out: RunnerOutput, bs: int) -> RunnerOutput:
         # Cloned, not sliced views: replay outputs live in graph memory that the
         # next replay overwrites (upstream returned views and served garbage).
         return RunnerOutput(logits=out.logits[:bs].clone(), hidden=out.hidden[:bs].clone())
