@@ -19,7 +19,7 @@ from graphrt.core.runners.graph import GraphRunner
 from graphrt.spec.accept import Acceptance, accept_greedy, accept_sampled
 from graphrt.spec.config import SpecConfig
 from graphrt.spec.draft import draft_batch, draft_tree
-from graphrt.spec.tree import build_verify_tree
+from graphrt.spec.tree import VerifyTree, build_verify_tree
 from graphrt.spec.verify import verify_batch
 
 
@@ -100,6 +100,7 @@ class MTPWorker:
 
         results = []
         locs_bn = locs.view(batch, n)
+        locs_host = locs_bn.cpu()  # one copy for the whole batch: frees need host slot ids
         drafted = tree.tokens[:, 1:].tolist()
         for b in range(batch):
             acc = accepted[b]
@@ -108,7 +109,7 @@ class MTPWorker:
             self.req_pool.req_to_token[req_slots[b], kv_lens[b] : kv_lens[b] + len(path)] = keep
             drop = torch.ones(n, dtype=torch.bool)
             drop[path] = False
-            self.kv_pool.free(locs_bn[b].cpu()[drop])
+            self.kv_pool.free(locs_host[b][drop])
             if len(path) < len(acc.nodes) + 1:  # truncated by the context: emit what is cached
                 acc = Acceptance(
                     nodes=acc.nodes[: len(path) - 1],
@@ -127,8 +128,6 @@ class MTPWorker:
 
 def _rows(tree, rows: list[int]):
     """The sub-tree of the given requests (same VerifyTree type)."""
-    from graphrt.spec.tree import VerifyTree
-
     idx = torch.tensor(rows, device=tree.tokens.device)
     return VerifyTree(
         tokens=tree.tokens[idx],

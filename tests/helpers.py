@@ -6,10 +6,13 @@ on ``sys.path`` so that works under every pytest import mode and from nox.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 # Small enough that every model forward takes milliseconds on 2 CPU cores.
@@ -137,3 +140,16 @@ def run_under_triton_interpreter(test_file: str) -> Any:
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# Skip markers shared by the Triton kernel tests.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON, reason="triton is not installed (pip install triton, or graphrt[cuda])"
+)
+# Triton < 3.7's interpreter turns runtime loop bounds into ints with int(ndarray), which
+# numpy 2.4 refuses for 1-element arrays (3.7 squeezes first); the CPU lane pins 3.7.1.
+OLD_INTERPRETER = HAS_TRITON and tuple(
+    int(part) for part in importlib.metadata.version("triton").split(".")[:2]
+) < (3, 7)
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")

@@ -12,29 +12,22 @@ and the backend inside a CUDA graph against eager, bitwise.
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 import sys
 
 import pytest
 import torch
-from helpers import rel_err, run_under_triton_interpreter
+from helpers import (
+    OLD_INTERPRETER,
+    needs_gpu,
+    needs_triton,
+    rel_err,
+    run_under_triton_interpreter,
+)
 
 from graphrt.core.attention import AttentionSpec, TorchAttentionBackend
 from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.memory import PADDING_SLOT, KVLayerSpec, ReqToTokenPool, TokenKVPool
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(
-    not HAS_TRITON, reason="triton is not installed (pip install triton, or graphrt[cuda])"
-)
-# Triton < 3.7's interpreter turns runtime loop bounds into ints with int(ndarray), which
-# numpy 2.4 refuses for 1-element arrays (3.7 squeezes first); the CPU lane pins 3.7.1.
-OLD_INTERPRETER = HAS_TRITON and tuple(
-    int(part) for part in importlib.metadata.version("triton").split(".")[:2]
-) < (3, 7)
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 # 70: several BLOCK_N steps per split in the 3-split launch; 1: a row shorter than the splits.
 CPU_SEQ_LENS = [1, 7, 37, 70]

@@ -25,26 +25,18 @@ all four ops inside one CUDA graph replayed on new values against eager, bitwise
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 
 import pytest
 import torch
-from helpers import run_under_triton_interpreter
+from helpers import (
+    OLD_INTERPRETER,
+    needs_gpu,
+    needs_triton,
+    run_under_triton_interpreter,
+)
 
 from graphrt.core.models.ops import TORCH_OPS
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(
-    not HAS_TRITON, reason="triton is not installed (pip install triton, or graphrt[cuda])"
-)
-# Triton < 3.7's interpreter turns runtime loop bounds into ints with int(ndarray), which
-# numpy 2.4 refuses for 1-element arrays (3.7 squeezes first); the CPU lane pins 3.7.1.
-OLD_INTERPRETER = HAS_TRITON and tuple(
-    int(part) for part in importlib.metadata.version("triton").split(".")[:2]
-) < (3, 7)
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 EPS = 1e-5
 BITWISE = ("rope_q", "rope_k", "add_rms_norm_sum")

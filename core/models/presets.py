@@ -13,6 +13,16 @@ from graphrt.core.models.loader import LoadedModel, build_model
 from graphrt.core.models.ops import TORCH_OPS, ModelOps
 from graphrt.core.models.registry import resolve_architecture
 
+# Gemma 4's rope per layer type (E2B / E4B): the assistant must rotate as its target does.
+GEMMA4_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {
+        "rope_type": "proportional",
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 1000000.0,
+    },
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     # A few hundred thousand parameters: starts in well under a second on CPU.
     "llama-tiny": {
@@ -77,14 +87,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6,
         "sliding_window": 512,
         "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
-        "rope_parameters": {
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {
-                "rope_type": "proportional",
-                "partial_rotary_factor": 0.25,
-                "rope_theta": 1000000.0,
-            },
-        },
+        "rope_parameters": GEMMA4_ROPE,
         "num_kv_shared_layers": 20,
         "hidden_size_per_layer_input": 256,
         "vocab_size_per_layer_input": 262144,
@@ -122,14 +125,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "rms_norm_eps": 1e-6,
             "sliding_window": 512,
             "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
-            "rope_parameters": {
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {
-                    "rope_type": "proportional",
-                    "partial_rotary_factor": 0.25,
-                    "rope_theta": 1000000.0,
-                },
-            },
+            "rope_parameters": GEMMA4_ROPE,
             "hidden_size_per_layer_input": 0,
             "vocab_size_per_layer_input": 0,
             "eos_token_id": [1, 106],
