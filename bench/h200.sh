@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One call on the lent H200: versions, the CUDA test lane, an end-to-end
 # generate, and the decode benchmark. Logs and JSON under $OUT; a short
-# table prints last. Usage: bash bench/h200.sh [tests|bench|all] [bench runners]
+# table prints last. Usage: bash bench/h200.sh [tests|bench|spec|all] [bench runners] [spec topks]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 what=${1:-all}
 runners=${2:-eager,graph,hf}
+topks=${3:-1,3}
 export PYTHONUNBUFFERED=1
 
 # graphrt from this working tree without pip (the machine has no registry):
@@ -35,4 +36,14 @@ fi
 if [[ $what == bench || $what == all ]]; then
     graphrt bench --model random:llama-1b --dtype bfloat16 --prompt-len 512 --batch-sizes 1,8,32,64 \
         --runners "$runners" --out "$OUT/bench-h200.json" 2>&1 | tee "$OUT/bench.log" | grep -v Warning
+fi
+
+if [[ $what == spec || $what == all ]]; then
+    # Frozen-KV MTP rounds: random:gemma4-e2b with its assistant, bf16, prompt 512.
+    for topk in ${topks//,/ }; do
+        graphrt bench --model random:gemma4-e2b --draft random:gemma4-e2b-assistant --dtype bfloat16 \
+            --prompt-len 512 --batch-sizes 1,8,32 --spec-steps 4 --spec-topk "$topk" --steps 30 \
+            --runners graph,hf --out "$OUT/bench-h200-spec-topk$topk.json" 2>&1 \
+            | tee "$OUT/bench-spec-topk$topk.log" | grep -v Warning
+    done
 fi

@@ -20,12 +20,9 @@ from graphrt.core.models import load_model
 def main() -> None:
     sizes = [int(s) for s in (sys.argv[1] if len(sys.argv) > 1 else "1,32").split(",")]
     device = devices.current("cuda")
-    dev = device.torch_device()
-    loaded = load_model("random:llama-1b", dev, torch.bfloat16, ops=device.model_ops())
+    loaded = load_model("random:llama-1b", device, torch.bfloat16)
     cfg = DecodeBenchConfig(batch_sizes=tuple(sizes), max_running_requests=max(sizes))
-    engine = make_engine(
-        loaded, dev, device.create_attention_backend, device.create_graph_backend(), cfg
-    )
+    engine = make_engine(loaded, device, cfg, graphs=True)
     print(f"ops={loaded.model.model.norm.ops.name} attention={engine.attn_backend.name}")
     for bs in sizes:
         profile_batch(engine, bs, device.synchronize)
@@ -44,14 +41,14 @@ def profile_batch(engine, bs: int, sync) -> None:
     load = median_ms(lambda: runner.load_batch(batch), sync, 100, 10)
     runner.load_batch(batch)
     key, static = runner._loaded
-    replay = median_ms(lambda: runner.backend.replay(key, static), sync, 100, 10)
+    replay = median_ms(lambda: runner.backend.replay(key), sync, 100, 10)
     eager = median_ms(lambda: engine.eager_runner.execute(batch), sync, 20, 3)
     print(
         f"bs={bs}: execute {execute:.3f} ms | load_batch {load:.3f} | replay only {replay:.3f} | eager {eager:.3f}"
     )
     steps = [
         ("eager step", lambda: engine.eager_runner.execute(batch)),
-        ("graph replay", lambda: runner.backend.replay(key, static)),
+        ("graph replay", lambda: runner.backend.replay(key)),
     ]
     for name, fn in steps:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -13,18 +13,25 @@ from dataclasses import dataclass
 import torch
 
 from graphrt.core.errors import KVPoolExhaustedError
+from graphrt.core.host import to_device
 
 PADDING_SLOT = 0
 
 
 class ReqToTokenPool:
-    """Maps (request slot, position) -> token slot in the KV pool."""
+    """Maps (request slot, position) -> token slot in the KV pool.
+
+    ``req_to_token`` is what kernels read; ``host`` is the engine's copy of it on
+    the host, written alongside, so that freeing a finished request's slots
+    reads nothing back from the device.
+    """
 
     def __init__(self, max_requests: int, max_context_len: int, device: torch.device):
         # Row 0 is the padding row and stays all zeros (token slot 0).
         self.req_to_token = torch.zeros(
             (max_requests + 1, max_context_len), dtype=torch.int64, device=device
         )
+        self.host = torch.zeros((max_requests + 1, max_context_len), dtype=torch.int64)
         self.max_requests = max_requests
         self.max_context_len = max_context_len
         self._free = list(range(max_requests, 0, -1))  # pop() hands out 1 first
@@ -86,17 +93,22 @@ class TokenKVPool:
     def available(self) -> int:
         return int(self._free.numel())
 
-    def alloc(self, n: int) -> torch.Tensor:
-        """n fresh token slots on the pool's device; raises when the pool is exhausted."""
+    def alloc_host(self, n: int) -> torch.Tensor:
+        """n fresh token slots, as a host tensor; raises when the pool is exhausted."""
         if n > self._free.numel():
             raise KVPoolExhaustedError(
                 f"KV pool exhausted: need {n} token slots, {self._free.numel()} of "
                 f"{self.num_slots} free"
             )
         slots, self._free = self._free[:n], self._free[n:]
-        return slots.to(self.device, non_blocking=True)
+        return slots
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """n fresh token slots on the pool's device (copied without a device sync)."""
+        return to_device(self.alloc_host(n), self.device)
 
     def free(self, slots: torch.Tensor) -> None:
+        # A device tensor is read back here (a sync); the engine frees host copies.
         slots = slots.to("cpu", torch.int64)
         assert not bool((slots == PADDING_SLOT).any()), "slot 0 is reserved for padding"
         # Cheap guard against a double free corrupting every later allocation.

@@ -30,7 +30,6 @@ class StreamGraphBackend(ExecutionBackend):
     def __init__(self, module: Any):
         self.module = module  # torch.cuda, torch.xpu, torch.npu (or the tests' stand-in)
         self._graphs: dict[ShapeKey, Any] = {}
-        self._outputs: dict[ShapeKey, Any] = {}
         self._pool: Any = None
         self._stream: Any = None
         self._memory = 0
@@ -54,12 +53,13 @@ class StreamGraphBackend(ExecutionBackend):
         key: ShapeKey,
         run_once: Callable[[], Any],
         post_warmup_hook: Callable[[], None] | None = None,
-    ) -> None:
+    ) -> Any:
         self._warm_up(run_once, post_warmup_hook)
         graph = self._new_graph()
         with self._graph_context(graph):
-            self._outputs[key] = run_once()
+            outputs = run_once()
         self._graphs[key] = graph
+        return outputs  # every replay writes into these; the runner keeps them
 
     def _warm_up(self, run_once: Callable[[], Any], hook: Callable[[], None] | None) -> None:
         self._stream.wait_stream(self.module.current_stream())
@@ -88,12 +88,11 @@ class StreamGraphBackend(ExecutionBackend):
 
     # ---- replay ------------------------------------------------------------------
 
-    def can_run(self, batch: Any, key: ShapeKey) -> bool:
+    def can_run(self, key: ShapeKey) -> bool:
         return key in self._graphs
 
-    def replay(self, key: ShapeKey, batch: Any) -> Any:
+    def replay(self, key: ShapeKey) -> None:
         self._graphs[key].replay()
-        return self._outputs[key]
 
     def keys(self) -> Iterator[ShapeKey]:
         return iter(self._graphs)
@@ -105,7 +104,6 @@ class StreamGraphBackend(ExecutionBackend):
         for graph in self._graphs.values():
             graph.reset()
         self._graphs.clear()
-        self._outputs.clear()
         self._pool = None
         self._memory = 0
         self.module.synchronize()
@@ -123,7 +121,7 @@ class BreakableStreamGraphBackend(StreamGraphBackend):
         key: ShapeKey,
         run_once: Callable[[], Any],
         post_warmup_hook: Callable[[], None] | None = None,
-    ) -> None:
+    ) -> Any:
         self._warm_up(run_once, post_warmup_hook)
         steps: list[Callable[[], Any]] = []
         segments: list[Any] = []  # keeps every segment alive as long as the key
@@ -147,14 +145,14 @@ class BreakableStreamGraphBackend(StreamGraphBackend):
 
         with self.module.stream(self._stream), breaks_handled_by(on_break):
             begin()
-            self._outputs[key] = run_once()
+            outputs = run_once()
             end()
         self._graphs[key] = _Segments(steps, segments)
+        return outputs
 
-    def replay(self, key: ShapeKey, batch: Any) -> Any:
+    def replay(self, key: ShapeKey) -> None:
         for step in self._graphs[key].steps:
             step()
-        return self._outputs[key]
 
 
 class _Segments:

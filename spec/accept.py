@@ -1,22 +1,24 @@
-"""Accepting drafted tokens: lossless for greedy and for sampled decoding.
+"""Accepting drafted tokens, as tensor operations over the fixed-size verify tree.
 
-Greedy: walk the verify tree from the root; at each node the target's argmax
-token is emitted; if a (valid) child drafted that token, the walk moves on to
-it, else the argmax is the bonus token and the round ends. The emitted tokens
-are exactly what target-only greedy decoding emits.
+``target_tokens[b, i]`` is the token the target emits after node i: its argmax
+(greedy), or a draw from its distribution there (sampling). A node is on the
+accepted path when its parent is and it drafted exactly the parent's target
+token; the request emits the target's token at every path node: the accepted
+drafts, then the bonus token of the deepest one.
 
-Sampling (temperature > 0): the drafter proposes deterministic candidates
-(its top-k), i.e. a draft distribution that is a point mass per candidate.
-Rejection sampling against point masses reduces to: draw y from the target's
-distribution at the node; if y is a valid child's token, accept that child
-and continue; otherwise y is the (resampled) bonus token. Every emitted token
-is therefore a draw from the target's own distribution given the tokens
-before it: the output distribution is exactly the target's.
+Greedy, this is target-only greedy decoding. Sampling is rejection sampling
+against the drafter's deterministic candidates (point masses): the draw at a
+node is accepted as the child that drafted it, else it is the resampled bonus
+token. Drawing at every node up front changes nothing: the walk reads only the
+draws at nodes it reaches, each an independent draw from the target's
+distribution given the tokens before it, so every emitted token follows the
+target's own distribution exactly.
+
+No host reads: the shapes are the tree's, loops run a fixed count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,51 +28,56 @@ from graphrt.spec.tree import VerifyTree
 
 @dataclass
 class Acceptance:
-    """One request's round: the accepted draft nodes (in path order) and the bonus token."""
+    """One round, every tensor (B, ...) on the device."""
 
-    nodes: list[int]  # node numbers of accepted drafts (root excluded)
-    tokens: list[int]  # their tokens, then the bonus token: what the request emits
-    last_node: int  # the node whose target output produced the bonus (next seed's hidden)
-
-
-def _walk(
-    tree_row: tuple[list[int], list[int], list[bool]], choose: Callable[[int], int]
-) -> Acceptance:
-    tokens, parents, valid = tree_row
-    children: dict[int, dict[int, int]] = {}
-    for node in range(1, len(tokens)):
-        if valid[node] and parents[node] >= 0:
-            children.setdefault(parents[node], {})[tokens[node]] = node
-    cur, nodes, out = 0, [], []
-    while True:
-        token = choose(cur)  # the target's token at this node
-        out.append(token)
-        nxt = children.get(cur, {}).get(token)
-        if nxt is None:
-            return Acceptance(nodes=nodes, tokens=out, last_node=cur)
-        nodes.append(nxt)
-        cur = nxt
+    accept_len: torch.Tensor  # (B,) accepted drafts (root excluded)
+    path: torch.Tensor  # (B, n) path nodes by depth, root first; valid up to accept_len
+    tokens: torch.Tensor  # (B, n) emitted tokens: target token at each path node
+    last_node: torch.Tensor  # (B,) deepest accepted node: its hidden seeds the next round
 
 
-def _rows(tree: VerifyTree) -> list[tuple[list[int], list[int], list[bool]]]:
-    tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
-    return list(zip(tokens, parents, valid))
-
-
-def accept_greedy(tree: VerifyTree, target_logits: torch.Tensor) -> list[Acceptance]:
-    """target_logits: (B, n, V), the target's logits at every tree node."""
-    argmax = target_logits.argmax(-1).tolist()  # one host sync for the whole batch
-    return [_walk(row, lambda node, a=a: a[node]) for row, a in zip(_rows(tree), argmax)]
-
-
-def accept_sampled(
+def accept(
     tree: VerifyTree,
-    target_probs: Sequence[Callable[[int], torch.Tensor]],
-    generators: Sequence[torch.Generator | None],
-) -> list[Acceptance]:
-    """``target_probs[b](node)`` -> the target's (filtered) distribution at that node."""
+    target_tokens: torch.Tensor,  # (B, n) int64
+    max_accept: torch.Tensor,  # (B,) int64: most drafts a request may still cache
+) -> Acceptance:
+    bs, n = target_tokens.shape
+    parent = tree.parents.clamp(min=0)
+    drafted_target = tree.valid & (tree.parents >= 0)
+    drafted_target &= tree.tokens == target_tokens.gather(1, parent)  # (B, n)
+    drafted_target &= tree.depth <= max_accept.unsqueeze(1)  # the context's end
+    on_path = torch.zeros_like(drafted_target)
+    on_path[:, 0] = True
+    for _ in range(n - 1):  # a path is at most n - 1 deep: a fixed count, no host sync
+        on_path = on_path | (drafted_target & on_path.gather(1, parent))
+    # Children of one node drafted distinct tokens, so the accepted nodes form one chain.
+    accept_len, last_node = torch.where(on_path, tree.depth, -1).max(dim=1)  # (B,), (B,)
+    ancestors = tree.mask.gather(1, last_node.view(bs, 1, 1).expand(bs, 1, n)).squeeze(1)
+    by_depth = torch.where(ancestors, tree.depth, n + tree.depth)  # path nodes first
+    path = by_depth.argsort(dim=1)  # (B, n): root, then deeper and deeper path nodes
+    return Acceptance(
+        accept_len=accept_len,
+        path=path,
+        tokens=target_tokens.gather(1, path),
+        last_node=last_node,
+    )
 
-    def draw(b: int, node: int) -> int:
-        return int(torch.multinomial(target_probs[b](node), 1, generator=generators[b])[0])
 
-    return [_walk(row, lambda node, b=b: draw(b, node)) for b, row in enumerate(_rows(tree))]
+def commit_kv(
+    req_to_token: torch.Tensor,  # (R + 1, context) written
+    req_slots: torch.Tensor,  # (B,)
+    kv_lens: torch.Tensor,  # (B,) KV entries before the round = the root's position
+    node_locs: torch.Tensor,  # (B, n) KV slot of each tree node
+    acc: Acceptance,
+) -> None:
+    """Write the path nodes' KV slots into each request's token table at their positions.
+
+    Entries past a request's path go to the padding row's column 0 with value 0
+    (the padding slot): a no-op, so the writes keep one fixed shape.
+    """
+    n = node_locs.shape[1]
+    depth = torch.arange(n, device=node_locs.device)
+    keep = depth.unsqueeze(0) <= acc.accept_len.unsqueeze(1)  # (B, n)
+    rows = torch.where(keep, req_slots.unsqueeze(1), 0)
+    cols = torch.where(keep, kv_lens.long().unsqueeze(1) + depth, 0)
+    req_to_token[rows, cols] = torch.where(keep, node_locs.gather(1, acc.path), 0)

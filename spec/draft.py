@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from graphrt.core.attention.base import AttentionBackend
 from graphrt.core.batch import ForwardBatch, ForwardMode
-from graphrt.core.runners.base import RunnerOutput
+from graphrt.core.runners import GraphShape, StaticField
+from graphrt.core.runners.base import RunnerOutput, forward_model
 from graphrt.spec.config import SpecConfig
 from graphrt.spec.tree import expand_step, organize_draft_results
 
@@ -76,3 +78,40 @@ def draft_batch(
         extend_lens_cpu=[1] * rows,
         spec_info=DraftInput(hidden=hidden),
     )
+
+
+def draft_shape(seed_hidden_size: int, dtype: torch.dtype) -> GraphShape:
+    """What a draft-loop graph takes: one row per request (its last token, frozen
+    position and KV length) and the seed hidden beside it."""
+    hidden = StaticField("hidden", (seed_hidden_size,), dtype)
+    return GraphShape(
+        mode=ForwardMode.DRAFT,
+        width=1,
+        spec_info=DraftInput,
+        fields=(hidden,),
+        variant="mtp-draft",
+    )
+
+
+def captured_draft_loop(drafter, attn: AttentionBackend, cfg: SpecConfig):
+    """The function a draft-loop graph computes from its static request rows: the whole
+    ``draft_tree`` (every draft step, the top-k expansions and the organised results)."""
+
+    def run_step(step: ForwardBatch) -> RunnerOutput:
+        # Step rows are derived inside the graph from the static buffers; their
+        # metadata is the capture-safe kind (device tensors, fixed KV length).
+        attn.init_metadata_for_capture(step)
+        return forward_model(drafter, attn, step)
+
+    def forward(static: ForwardBatch):
+        return draft_tree(
+            run_step,
+            cfg,
+            static.input_ids,
+            static.spec_info.hidden,
+            static.req_pool_indices,
+            static.seq_lens,
+            static.seq_lens_cpu,
+        )
+
+    return forward

@@ -126,10 +126,11 @@ def build_verify_tree(
     mask = torch.eye(n, dtype=torch.bool, device=dev).expand(batch, n, n).clone()
     depth = torch.zeros(batch, n, dtype=torch.long, device=dev)
     ancestor = parents.clone()
+    nodes = torch.arange(n, device=dev)
     for _ in range(n - 1):  # a fixed count: no host sync to test for an early exit
         has = ancestor >= 0
         idx = ancestor.clamp(min=0)
-        mask |= torch.nn.functional.one_hot(idx, n).bool() & has.unsqueeze(-1)
+        mask |= (idx.unsqueeze(-1) == nodes) & has.unsqueeze(-1)  # one-hot of each ancestor
         depth += has.long()
         ancestor = torch.where(has, parents.gather(1, idx), ancestor)
     # An invalid node's descendants are invalid too; keep their rows to themselves.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,20 @@ def make_tokenizer(directory: str | Path, vocab_size: int) -> Path:
     return out
 
 
+def cpu_engine(loaded, strategy=None, device=None, **config):
+    """An Engine on the CPU (eager unless ``runner="graph"``) over ``loaded``."""
+    from graphrt.core.engine import Engine, EngineConfig
+    from graphrt.devices.cpu import CpuDevice
+
+    config = EngineConfig(**{"runner": "eager", **config})
+    return Engine(loaded, config, device or CpuDevice(), strategy)
+
+
+def chi2_quantile(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z 3.09: p = 0.999)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max|a - b| / max|b|: the parity metric of DESIGN.md ("within 1e-4 relative")."""
     actual, expected = actual.double(), expected.double()
@@ -140,6 +155,44 @@ def run_under_triton_interpreter(test_file: str) -> Any:
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class OracleDraftRunner:
+    """Stands in for the drafter to exercise acceptance: proposes each request's true greedy
+    continuation, except where ``wrong(request, position, step)`` says to propose a wrong
+    token (then, with topk > 1, the right one ranks second, so it sits on a side branch)."""
+
+    def __init__(self, engine, truth: dict[int, list[int]], topk: int):
+        self.engine, self.truth, self.topk = engine, truth, topk
+        self.calls = 0
+
+    def execute(self, batch):
+        from graphrt.core.runners import RunnerOutput
+
+        step = self.calls % self.engine.strategy.cfg.num_steps
+        self.calls += 1
+        vocab = self.engine.loaded.model.vocab_size
+        dev = self.engine.torch_device
+        logits = torch.full((batch.num_tokens, vocab), -10.0, device=dev)
+        for row, (slot, pos, tok) in enumerate(
+            zip(batch.req_pool_indices.tolist(), batch.positions.tolist(), batch.input_ids.tolist())
+        ):
+            seq = self.truth[slot]
+            on_path = pos + step < len(seq) and seq[pos + step] == tok
+            nxt = (
+                seq[pos + step + 1]
+                if on_path and pos + step + 1 < len(seq)
+                else (tok * 7 + 1) % vocab
+            )
+            wrong = (slot * 5 + pos * 3 + step) % 4 == 0
+            bad = (nxt + 1 + step) % vocab
+            logits[row, bad if wrong else nxt] = 5.0
+            if self.topk > 1:
+                logits[row, nxt if wrong else bad] = 4.0
+        hidden = torch.zeros(
+            batch.num_tokens, self.engine.loaded.model.config.hidden_size, device=dev
+        )
+        return RunnerOutput(logits=logits, hidden=hidden)
 
 
 # Skip markers shared by the Triton kernel tests.

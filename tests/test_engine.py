@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import CPU, random_prompts
+from helpers import CPU, cpu_engine, random_prompts
 
-from graphrt.core.engine import Engine, EngineConfig, FinishReason, SamplingParams
+from graphrt.core.engine import Engine, FinishReason, SamplingParams
 from graphrt.core.engine.sampling import filtered_probs, sample
 from graphrt.core.errors import RequestError
 from graphrt.core.models import load_model
@@ -27,7 +27,7 @@ def loaded(llama_gqa_untied):
 
 
 def _engine(loaded, **config) -> Engine:
-    return Engine(loaded, CPU, EngineConfig(**{"max_context_len": 64, **config}))
+    return cpu_engine(loaded, **{"max_context_len": 64, **config})
 
 
 def _run(engine: Engine, prompts, params):

@@ -8,12 +8,12 @@ import shutil
 
 import pytest
 import torch
-from helpers import CPU, GEMMA4_WINDOW, hf_greedy, random_prompts, rel_err
+from helpers import CPU, GEMMA4_WINDOW, cpu_engine, hf_greedy, random_prompts, rel_err
 from safetensors.torch import load_file, save_file
 from test_models_parity import ExtendHarness
 
 from graphrt.core.batch import ForwardBatch, ForwardMode
-from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+from graphrt.core.engine import SamplingParams
 from graphrt.core.errors import CheckpointError, UnsupportedModelError
 from graphrt.core.memory import TokenKVPool
 from graphrt.core.models import load_model
@@ -77,7 +77,7 @@ def test_batched_greedy_decode_matches_transformers(ckpt):
     name, ckpt = ckpt
     loaded = load_model(str(ckpt.path), CPU, torch.float32)
     prompts = random_prompts(PROMPT_LENS, seed=32)
-    engine = Engine(loaded, CPU, EngineConfig(max_context_len=64))
+    engine = cpu_engine(loaded, max_context_len=64)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, return_logits=True)
     reqs = engine.generate(prompts, params)
     for prompt, req in zip(prompts, reqs):

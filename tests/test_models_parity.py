@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
-from helpers import CPU, MISTRAL_WINDOW, hf_greedy, random_prompts, rel_err
+from helpers import CPU, MISTRAL_WINDOW, cpu_engine, hf_greedy, random_prompts, rel_err
 from safetensors import safe_open
 
 from graphrt.core.attention import TorchAttentionBackend
 from graphrt.core.batch import ForwardBatch, ForwardMode
-from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+from graphrt.core.engine import SamplingParams
 from graphrt.core.memory import ReqToTokenPool, TokenKVPool
 from graphrt.core.models import load_model
 from graphrt.core.runners import EagerRunner
@@ -115,7 +115,7 @@ def test_batched_greedy_decode_matches_transformers(arch):
     name, ckpt = arch
     loaded = load_model(str(ckpt.path), CPU, torch.float32)
     prompts = random_prompts(_lens(name), seed=12)
-    engine = Engine(loaded, CPU, EngineConfig(max_context_len=128))
+    engine = cpu_engine(loaded, max_context_len=128)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, return_logits=True)
     reqs = engine.generate(prompts, params)
     for prompt, req in zip(prompts, reqs):

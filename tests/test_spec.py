@@ -5,28 +5,37 @@ distribution on a vocabulary of 8."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from helpers import CPU, hf_greedy, random_prompts
+from helpers import (
+    CPU,
+    OracleDraftRunner,
+    chi2_quantile,
+    cpu_engine,
+    hf_greedy,
+    needs_gpu,
+    random_prompts,
+)
 
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.models import load_model
-from graphrt.core.runners.base import BaseRunner, RunnerOutput
-from graphrt.spec.config import SpecConfig
+from graphrt.spec import MTPDecoding, SpecConfig
 from graphrt.spec.draft import draft_tree
 
 PROMPT_LENS = (9, 16, 12)  # all longer than the sliding window (6)
 NEW_TOKENS = 24
+SAMPLING_TEMPERATURE = 0.5
 
 
-def spec_engine(target, drafter, steps: int, topk: int, graph_backend=None, **config) -> Engine:
+def spec_engine(target, drafter, steps: int, topk: int, device=None, **config) -> Engine:
+    """An Engine with frozen-KV MTP drafting, eager unless ``device`` brings graphs."""
     loaded = load_model(str(target.path), CPU, torch.float32)
     draft = load_model(str(drafter.path), CPU, torch.float32)
-    cfg = EngineConfig(**{"max_context_len": 128, **config})
-    spec = SpecConfig(num_steps=steps, topk=topk)
-    return Engine(loaded, CPU, cfg, drafter=draft, spec_config=spec, graph_backend=graph_backend)
+    strategy = MTPDecoding(draft, SpecConfig(num_steps=steps, topk=topk))
+    runner = "graph" if device is not None else "eager"
+    return cpu_engine(
+        loaded, strategy, device, **{"max_context_len": 128, "runner": runner, **config}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +74,10 @@ def test_first_round_draft_equals_transformers_candidate_generator(
     req = engine.add_request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
     engine.step()  # prefill: the first token comes from the target alone
     assert req.output_ids == [first]
-    worker = engine.spec_worker
+    strategy = engine.strategy
     _, _, drafts = draft_tree(
-        worker.draft_runner.execute,
-        worker.cfg,
+        strategy.draft_eager.execute,
+        strategy.cfg,
         torch.tensor([first]),
         req.spec_seed.unsqueeze(0),
         torch.tensor([req.req_slot]),
@@ -92,47 +101,7 @@ def test_greedy_with_drafter_equals_transformers(
     assert engine.kv_pool.available() == engine.kv_pool.num_slots  # every KV slot came back
     for r in reqs:
         for rnd in r.spec_rounds:
-            assert len(rnd["draft_tokens"]) == engine.spec_config.num_draft_tokens - 1
-
-
-class OracleDraftRunner(BaseRunner):
-    """Stands in for the drafter to exercise acceptance: proposes each request's true greedy
-    continuation, except where ``wrong(request, position, step)`` says to propose a wrong
-    token (then, with topk > 1, the right one ranks second, so it sits on a side branch)."""
-
-    def __init__(self, engine: Engine, truth: dict[int, list[int]], topk: int):
-        super().__init__(model=None, attn_backend=None)
-        self.engine, self.truth, self.topk = engine, truth, topk
-        self.calls = 0
-
-    def can_run_graph(self, batch):
-        return False
-
-    def load_batch(self, batch):
-        pass
-
-    def execute(self, batch) -> RunnerOutput:
-        step = self.calls % self.engine.spec_config.num_steps
-        self.calls += 1
-        vocab = self.engine.loaded.model.vocab_size
-        logits = torch.full((batch.num_tokens, vocab), -10.0)
-        for row, (slot, pos, tok) in enumerate(
-            zip(batch.req_pool_indices.tolist(), batch.positions.tolist(), batch.input_ids.tolist())
-        ):
-            seq = self.truth[slot]
-            on_path = pos + step < len(seq) and seq[pos + step] == tok
-            nxt = (
-                seq[pos + step + 1]
-                if on_path and pos + step + 1 < len(seq)
-                else (tok * 7 + 1) % vocab
-            )
-            wrong = (slot * 5 + pos * 3 + step) % 4 == 0
-            bad = (nxt + 1 + step) % vocab
-            logits[row, bad if wrong else nxt] = 5.0
-            if self.topk > 1:
-                logits[row, nxt if wrong else bad] = 4.0
-        hidden = torch.zeros(batch.num_tokens, self.engine.loaded.model.config.hidden_size)
-        return RunnerOutput(logits=logits, hidden=hidden)
+            assert len(rnd["draft_tokens"]) == engine.strategy.cfg.num_draft_tokens - 1
 
 
 @pytest.mark.parametrize(("steps", "topk"), [(3, 1), (4, 1), (3, 3)])
@@ -147,7 +116,7 @@ def test_acceptance_with_varying_accept_lengths_is_lossless(
     ]
     engine.step()  # prefill assigns request slots
     truth = {r.req_slot: r.prompt_ids + exp for r, exp in zip(reqs, expected)}
-    engine.spec_worker.draft_runner = OracleDraftRunner(engine, truth, topk)
+    engine.strategy.draft_eager = OracleDraftRunner(engine, truth, topk)
     while engine.has_work:
         engine.step()
     assert [r.output_ids for r in reqs] == expected
@@ -160,16 +129,12 @@ def test_acceptance_with_varying_accept_lengths_is_lossless(
     assert engine.stats.accept_length_mean > 1.5
 
 
-def chi2_quantile(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile (z 3.09: p = 0.999)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
 @pytest.mark.slow
 def test_speculative_sampling_matches_target_distribution(gemma4_tiny_vocab):
     target, drafter = gemma4_tiny_vocab
     prompt = [1, 5, 3, 6, 4, 7]
-    params = dict(temperature=1.0, top_k=6, max_new_tokens=3, ignore_eos=True)
+    # A low temperature keeps the target far from uniform: a biased draw would show.
+    params = dict(temperature=SAMPLING_TEMPERATURE, top_k=6, max_new_tokens=3, ignore_eos=True)
     n = 3000
     engine = spec_engine(
         target, drafter, steps=3, topk=1, max_running_requests=500, max_context_len=32
@@ -183,7 +148,7 @@ def test_speculative_sampling_matches_target_distribution(gemma4_tiny_vocab):
 
     def probs(seqs: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            logits = hf(seqs).logits[:, -1].double()
+            logits = hf(seqs).logits[:, -1].double() / SAMPLING_TEMPERATURE
         kth = logits.topk(params["top_k"], dim=-1).values[:, -1:]
         return logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
 
@@ -220,7 +185,7 @@ def test_cli_generate_with_draft_agrees_with_transformers(
     out = json.loads(capsys.readouterr().out)
     assert [r["output_ids"] for r in out["requests"]] == expected
     spec = out["stats"]["spec"]
-    assert set(spec) == {"rounds", "accept_length_mean", "accept_histogram"}
+    assert set(spec) == {"rounds", "graph_rounds", "accept_length_mean", "accept_histogram"}
     assert (
         len(spec["accept_histogram"]) == 5 and sum(spec["accept_histogram"]) == spec["rounds"] > 0
     )
@@ -257,34 +222,40 @@ def test_cli_draft_for_a_non_gemma_target_is_a_one_line_error(capsys, gemma4_ass
     assert len(err) == 1 and "Gemma 4 target" in err[0], err
 
 
-def standin_cuda_backend():
-    from conformance.standin import StandInGraphModule
-
+def graph_device(backend: str):
+    """A CPU device whose graph backend is the stand-in CUDA graph or torch.compile."""
+    from graphrt.devices.cpu import CpuDevice
+    from graphrt.devices.cpu.compile import CompiledGraphBackend
     from graphrt.devices.cuda.graph import CudaFullGraphBackend
 
-    return CudaFullGraphBackend(module=StandInGraphModule())
+    def standin():
+        from conformance.standin import StandInGraphModule
+
+        return CudaFullGraphBackend(module=StandInGraphModule())
+
+    class GraphDevice(CpuDevice):
+        def _graph_backend_factories(self):
+            return {backend: standin if backend.startswith("standin") else CompiledGraphBackend}
+
+    return GraphDevice()
 
 
 @pytest.mark.parametrize(("steps", "topk"), [(3, 1), (2, 3)])
 @pytest.mark.parametrize("backend", ["standin-cuda-full", "cpu-compile"])
-def test_draft_loop_graph_keyed_by_request_batch_size(
+def test_rounds_on_graphs_per_request_batch_size(
     backend, steps, topk, gemma4_tiny, gemma4_assistant, hf_reference
 ):
-    """The whole draft loop captured per request batch size (a GraphRunner subclass):
-    padded and exact sizes replay it, the output stays lossless, and its drafts equal
-    the eager loop's."""
-    from graphrt.devices.cpu.compile import CompiledGraphBackend
-
+    """The draft loop and the verify forward captured per request batch size: padded and
+    exact sizes replay them, every round runs on graphs, the output stays lossless and the
+    graph drafts equal the eager loop's."""
     prompts, expected = hf_reference
-    graph_backend = (
-        standin_cuda_backend() if backend.startswith("standin") else CompiledGraphBackend()
-    )
     engine = spec_engine(
-        gemma4_tiny, gemma4_assistant, steps, topk, graph_backend=graph_backend,
+        gemma4_tiny, gemma4_assistant, steps, topk, device=graph_device(backend),
         graph_buckets=(2, 4), max_running_requests=4,
     )  # fmt: skip
-    worker = engine.spec_worker
-    assert worker.draft_graph.captured_sizes == [2, 4] and engine.graph_runner is None
+    strategy = engine.strategy
+    assert strategy.draft_graph.captured_sizes == [2, 4] and engine.graph_runner is None
+    assert strategy.verify_graph.captured_sizes == [2, 4]
     # Three requests (padded to 4), then fewer as they finish at different lengths.
     lengths = [NEW_TOKENS, NEW_TOKENS - 9, NEW_TOKENS - 17]
     reqs = [
@@ -293,21 +264,170 @@ def test_draft_loop_graph_keyed_by_request_batch_size(
     ]
     engine.step()  # prefill
     # Same state, both loops: graph drafts equal eager drafts.
-    root = torch.tensor([r.output_ids[-1] for r in reqs])
-    args = (
-        root,
-        torch.stack([r.spec_seed for r in reqs]),
-        torch.tensor([r.req_slot for r in reqs]),
-        torch.tensor([r.kv_len for r in reqs], dtype=torch.int32),
-        [r.kv_len for r in reqs],
-    )
-    eager = draft_tree(worker.draft_runner.execute, worker.cfg, *args)
-    graph = worker._draft(*args)
-    assert worker.graph_rounds == 1
-    for e, g in zip(eager, graph):
-        assert torch.equal(e, g)
+    inputs = strategy.round_inputs(reqs)
+    (eager, on_graph), (graph, replayed) = (strategy.draft(inputs, g) for g in (False, True))
+    assert (on_graph, replayed) == (False, True)
+    for name in ("tokens", "parents", "mask", "valid"):
+        assert torch.equal(getattr(eager, name), getattr(graph, name)), name
     while engine.has_work:
         engine.step()
     assert [r.output_ids for r in reqs] == [exp[:n] for exp, n in zip(expected, lengths)]
-    assert engine.stats.graph_steps == worker.graph_rounds > engine.stats.spec_rounds // 3
+    stats = engine.stats
+    assert stats.graph_rounds == stats.spec_rounds > 0 and stats.graph_steps > 0
+    assert stats.eager_steps == 1  # the prefill; every verify forward replayed a graph
+    assert engine.kv_pool.available() == engine.kv_pool.num_slots
+
+
+def test_spec_bench_times_every_piece_of_a_round(gemma4_tiny, gemma4_assistant, tmp_path):
+    """`graphrt bench --draft`'s measurements on stand-in graphs, and the transformers
+    assisted-generation peer on the same weights."""
+    from graphrt.core.bench.plot import plot_spec_throughput
+    from graphrt.core.models.loader import read_hf_config
+    from graphrt.spec.bench import (
+        SpecBenchConfig,
+        bench_engines,
+        hf_assisted_tokens_per_s,
+        result_json,
+        run_spec_bench,
+    )
+
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    spec = SpecConfig(num_steps=3, topk=1)
+    cfg = SpecBenchConfig(batch_sizes=(1, 2), prompt_len=12, steps=2, warmup=1)
+    engines = bench_engines(target, drafter, graph_device("standin-cuda-full"), spec, cfg)
+
+    def peer():
+        configs = [read_hf_config(c.path) for c in (gemma4_tiny, gemma4_assistant)]
+        args = (configs[0], target, configs[1], drafter, spec, 12, 8, CPU, lambda: None)
+        return hf_assisted_tokens_per_s(*args)
+
+    results = run_spec_bench(*engines, cfg, lambda: None, peer, report=lambda *a: None)
+    assert [r.batch_size for r in results] == [1, 2]
+    for r in results:
+        for name in ("decode_ms", "draft_ms", "draft_eager_ms", "verify_ms", "verify_eager_ms"):
+            assert getattr(r, name) > 0, name
+        assert r.round_ms > 0 and r.graph_gap_ms is None  # the CPU has no events
+        assert 1.0 <= r.accept_length_mean <= spec.num_steps + 1
+        at_length = r.tokens_per_s_at_accept_length
+        assert len(at_length) == spec.num_steps + 1
+        assert at_length[1] == pytest.approx(2 * at_length[0], rel=1e-2)
+        expected = r.batch_size * r.accept_length_mean / r.round_ms * 1e3
+        assert r.spec_tokens_per_s == pytest.approx(expected)
+    assert results[0].hf_assisted_tokens_per_s > 0 and results[1].hf_assisted_tokens_per_s is None
+    out = result_json(results, model="t", draft="d", device_name="cpu", dtype="float32",
+                      spec_steps=3, spec_topk=1)  # fmt: skip
+    issue_fields = {"batch_size", "decode_ms", "draft_ms", "draft_eager_ms", "verify_ms",
+                    "verify_eager_ms", "round_ms", "accept_length_mean", "spec_tokens_per_s",
+                    "decode_tokens_per_s", "hf_assisted_tokens_per_s"}  # fmt: skip
+    assert issue_fields <= set(out["batches"][0])
+    png = tmp_path / "spec.png"
+    if plot_spec_throughput(out, png):
+        assert png.stat().st_size > 10_000
+
+
+def test_a_request_whose_round_can_never_fit_is_refused_in_one_line(
+    capsys, gemma4_tiny, gemma4_assistant
+):
+    """Validation and admission use one budget: prompt + new tokens + the verify tree.
+    (This request once passed validation and was never admitted: generate() spun.)"""
+    from graphrt.core.cli.main import main
+
+    argv = ["generate", "--model", str(gemma4_tiny.path), "--draft", str(gemma4_assistant.path)]
+    argv += ["--prompt-ids", "5,6,7", "--max-new-tokens", "6", "--runner", "eager"]
+    assert main([*argv, "--kv-pool-tokens", "9"]) == 1  # 3 + 6 + 5 tree nodes > 9
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs 14 KV slots" in err[0] and "holds only 9" in err[0], err
+    assert main([*argv, "--kv-pool-tokens", "14"]) == 0  # exactly the budget: admitted
+
+
+def test_engine_config_refuses_a_zero_request_cap():
+    from graphrt.core.errors import GraphrtError
+
+    with pytest.raises(GraphrtError, match="max_running_requests must be >= 1"):
+        EngineConfig(max_running_requests=0)
+
+
+@pytest.mark.parametrize("topk", [1, 3])
+def test_rounds_near_the_end_of_the_context_finish_normally(topk, gemma4_tiny, gemma4_assistant):
+    """Prompt 250 of a 256-token context with 8 draft steps: deep tree nodes would sit past
+    the rope table. The rounds cap acceptance at the context's end and the request ends
+    with what plain decoding gives (once an IndexError killed the batch)."""
+    (prompt,) = random_prompts([250], seed=9)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    engine = spec_engine(gemma4_tiny, gemma4_assistant, 8, topk, max_context_len=256)
+    (req,) = engine.generate([prompt], params)
+    plain = cpu_engine(load_model(str(gemma4_tiny.path), CPU, torch.float32), max_context_len=256)
+    (expected,) = plain.generate([prompt], params)
+    assert req.output_ids == expected.output_ids and len(req.output_ids) == 7  # 256 - 250 + 1
+    assert req.finish_reason.value == "length"
+    assert engine.kv_pool.available() == engine.kv_pool.num_slots
+
+
+# ---- CUDA lane ----------------------------------------------------------------------
+
+
+def cuda_spec_engine(target, drafter, steps: int, topk: int, **config) -> Engine:
+    """Frozen-KV MTP on the GPU with the CUDA device's own kernels and graphs, float32."""
+    from graphrt.devices.cuda import CudaDevice
+
+    device = CudaDevice()
+    loaded, draft = (load_model(str(c.path), device, torch.float32) for c in (target, drafter))
+    config = EngineConfig(**{"max_context_len": 128, "graph_buckets": (1, 2, 4), **config})
+    return Engine(loaded, config, device, MTPDecoding(draft, SpecConfig(steps, topk)))
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("topk", [1, 3])
+def test_cuda_greedy_with_drafter_on_graphs_equals_transformers(
+    topk, gemma4_tiny, gemma4_assistant, hf_reference
+):
+    prompts, expected = hf_reference
+    engine = cuda_spec_engine(gemma4_tiny, gemma4_assistant, 4, topk)
+    assert engine.attn_backend.name == "triton" and engine.strategy.verify_graph is not None
+    reqs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [r.output_ids for r in reqs] == expected
+    assert engine.stats.graph_rounds == engine.stats.spec_rounds > 0
+    assert engine.kv_pool.available() == engine.kv_pool.num_slots
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("topk", [1, 3])
+def test_cuda_round_waits_on_the_device_once(topk, gemma4_tiny, gemma4_assistant, monkeypatch):
+    """Every step of a round is device work: with torch's sync debug mode set to "error",
+    whole rounds (graphs, tree, greedy and sampled acceptance, KV commit, frees, finishing
+    requests) run with one host wait each, the pinned copy of the round's results."""
+    import graphrt.spec.strategy as strategy_module
+
+    engine = cuda_spec_engine(gemma4_tiny, gemma4_assistant, 4, topk)
+    prompts = random_prompts([9, 16, 12], seed=4)
+    sampled = SamplingParams(max_new_tokens=10, temperature=0.7, top_p=0.9, ignore_eos=True)
+    greedy = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    for prompt, params in zip(prompts, (greedy, sampled, greedy)):
+        engine.add_request(prompt, params)
+    engine.step()  # prefill (samples on the host; not a round)
+    waits = []
+    read_host = strategy_module.read_host
+
+    def counted(tensor):
+        waits.append(tensor.shape)
+        torch.cuda.set_sync_debug_mode(0)  # the one wait a round is allowed
+        try:
+            return read_host(tensor)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(strategy_module, "read_host", counted)
+    rounds = 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while engine.has_work:
+            engine.step()
+            rounds += 1
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(waits) == rounds >= 3
+    assert engine.stats.graph_rounds == engine.stats.spec_rounds
     assert engine.kv_pool.available() == engine.kv_pool.num_slots

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import chi2_quantile
 
+from graphrt.core.engine import SamplingParams
+from graphrt.core.engine.sampling import draw
 from graphrt.core.errors import GraphrtError
-from graphrt.spec.accept import accept_greedy, accept_sampled
+from graphrt.spec.accept import accept
 from graphrt.spec.config import SpecConfig
 from graphrt.spec.tree import build_verify_tree, expand_step, organize_draft_results
 
@@ -119,55 +122,126 @@ def chain_tree(tokens):
     )
 
 
+def greedy(tree, logits, max_accept=None):
+    """Device acceptance of the target's argmax tokens; -> (accepted, path, tokens, last)."""
+    bs, n = tree.tokens.shape
+    cap = torch.full((bs,), n) if max_accept is None else torch.tensor(max_accept)
+    acc = accept(tree, logits.argmax(-1), cap)
+    rows = []
+    for b in range(bs):
+        k = int(acc.accept_len[b])
+        rows.append(
+            (
+                k,
+                acc.path[b, : k + 1].tolist(),
+                acc.tokens[b, : k + 1].tolist(),
+                int(acc.last_node[b]),
+            )
+        )
+    return rows
+
+
 def test_greedy_accepts_the_longest_matching_path():
     tree = chain_tree([5, 11, 12, 13, 14])
     logits = torch.full((1, 5, VOCAB), -1.0)
     # Target argmax per node: root->11 (match), 11->12 (match), 12->40 (mismatch).
     for node, tok in enumerate([11, 12, 40, 14, 15]):
         logits[0, node, tok] = 1.0
-    (acc,) = accept_greedy(tree, logits)
-    assert acc.nodes == [1, 2]
-    assert acc.tokens == [11, 12, 40]  # accepted drafts, then the target's bonus token
-    assert acc.last_node == 2
+    # Accepted drafts 1, 2; emitted: the accepted drafts, then the target's bonus token.
+    assert greedy(tree, logits) == [(2, [0, 1, 2], [11, 12, 40], 2)]
+    # The context's end caps the path: one draft at most, its bonus is the target's 12.
+    assert greedy(tree, logits, max_accept=[1]) == [(1, [0, 1], [11, 12], 1)]
+    assert greedy(tree, logits, max_accept=[0]) == [(0, [0], [11], 0)]
     # All drafts match: every draft plus the bonus from the last node.
     for node, tok in enumerate([11, 12, 13, 14, 33]):
         logits[0, node] = -1.0
         logits[0, node, tok] = 1.0
-    (acc,) = accept_greedy(tree, logits)
-    assert acc.tokens == [11, 12, 13, 14, 33] and acc.last_node == 4
+    assert greedy(tree, logits) == [(4, [0, 1, 2, 3, 4], [11, 12, 13, 14, 33], 4)]
+
+
+def test_greedy_follows_a_side_branch_per_request():
+    # Root 7 with children 20 (node 1) and 21 (node 2); node 3 (token 30) hangs off node 2.
+    tree = build_verify_tree(
+        torch.tensor([7, 7]),
+        torch.tensor([[-1, 0, 1], [-1, 0, 1]]),  # parents of the flat-indexed nodes
+        torch.tensor([[0, 1, 4], [0, 1, 4]]),  # topk 2: step-0 flat 0, 1; flat 4 under flat 1
+        torch.tensor([[20, 21, 30], [20, 21, 30]]),
+        2,
+    )
+    assert tree.parents.tolist() == [[-1, 0, 0, 2]] * 2
+    logits = torch.full((2, 4, VOCAB), -1.0)
+    # Request 0: the target picks 21 at the root (the side branch), then 30, then 9.
+    for node, tok in enumerate([21, 1, 30, 9]):
+        logits[0, node, tok] = 1.0
+    # Request 1: the target picks 20 at the root, then 4 (nothing drafted under node 1).
+    for node, tok in enumerate([20, 4, 2, 3]):
+        logits[1, node, tok] = 1.0
+    assert greedy(tree, logits) == [(2, [0, 2, 3], [21, 30, 9], 3), (1, [0, 1], [20, 4], 1)]
+
+
+# Far from uniform, so that a biased draw shows (a near-uniform target hides one).
+P_ROOT = torch.tensor([0.05, 0.55, 0.25, 0.1, 0.03, 0.02, 0.0, 0.0])
+P_CHILD = torch.tensor([0.04, 0.06, 0.6, 0.2, 0.1, 0.0, 0.0, 0.0])
+
+
+def sampled_rounds(trials: int, temperature_below_root: float = 1.0, seed: int = 0):
+    """``trials`` requests of one tree: root 3, then drafted 1 (node 1), then 2 (node 2). The
+    target's distributions: P_ROOT at the root, P_CHILD below it. Draws go through the
+    engine's ``draw``; ``temperature_below_root`` < 1 sharpens the draws at the nodes only
+    an accepted draft reaches (0.5: p^2), the bias the test must catch. -> emitted (B, n)
+    and accepted lengths."""
+    n = 3
+    tree = build_verify_tree(
+        torch.tensor([3] * trials),
+        torch.tensor([[-1, 0]] * trials),
+        torch.tensor([[0, 1]] * trials),
+        torch.tensor([[1, 2]] * trials),
+        1,
+    )
+    logits = torch.stack([P_ROOT, P_CHILD, P_CHILD]).log().expand(trials, n, 8)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.empty(trials, n, dtype=torch.long)
+    tokens[:, 0] = draw(logits[:, 0], SamplingParams(temperature=1.0), gen)
+    below = SamplingParams(temperature=temperature_below_root)
+    tokens[:, 1:] = draw(logits[:, 1:], below, gen)
+    acc = accept(tree, tokens, torch.full((trials,), n))
+    return acc.tokens, acc.accept_len
+
+
+def chi2_stat(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic over the cells expected 5 times or more, and their count."""
+    expected = probs.double() * counts.sum()
+    keep = expected >= 5
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum().item()
+    return stat, int(keep.sum())
+
+
+def sampled_acceptance_stats(**kwargs) -> list[tuple[float, int]]:
+    """Chi-square of (a) the first emitted token against P_ROOT, (b) the draw at the
+    accepted node 1 (the second token, where the first accepted the draft) against P_CHILD."""
+    tokens, accepted = sampled_rounds(40000, **kwargs)
+    firsts = torch.bincount(tokens[:, 0], minlength=8).double()
+    at_child = tokens[accepted >= 1, 1]  # draws at node 1, reached by accepting token 1
+    assert bool((tokens[accepted >= 1, 0] == 1).all()) and bool(
+        (tokens[accepted == 0, 0] != 1).all()
+    )
+    seconds = torch.bincount(at_child, minlength=8).double()
+    return [chi2_stat(firsts, P_ROOT), chi2_stat(seconds, P_CHILD)]
 
 
 def test_sampled_acceptance_emits_the_target_distribution():
-    # Target distribution at the root; the draft chain proposes token 1 (likely) then 2.
-    p_root = torch.tensor([0.1, 0.6, 0.3, 0.0])
-    p_child = torch.tensor([0.25, 0.25, 0.25, 0.25])
-    tree = build_verify_tree(
-        torch.tensor([3]),
-        torch.tensor([[-1, 0]]),
-        torch.tensor([[0, 1]]),
-        torch.tensor([[1, 2]]),
-        1,
+    for stat, cells in sampled_acceptance_stats():
+        assert stat < chi2_quantile(cells - 1), (stat, cells)
+
+
+def test_sampled_acceptance_test_catches_sharpened_draws():
+    """The statistic above must be able to fail: with the draws at accepted nodes sharpened
+    to p^2 (temperature 0.5) it rejects them by far."""
+    (root_stat, root_cells), (child_stat, child_cells) = sampled_acceptance_stats(
+        temperature_below_root=0.5
     )
-    gen = torch.Generator().manual_seed(0)
-    counts = torch.zeros(4, 4)
-    trials = 20000
-    for _ in range(trials):
-        (acc,) = accept_sampled(tree, [lambda node: p_root if node == 0 else p_child], [gen])
-        first = acc.tokens[0]
-        second = acc.tokens[1] if len(acc.tokens) > 1 else None
-        if second is not None:
-            counts[first, second] += 1
-    # First token: exactly p_root; given first == 1 (accepted), the second is drawn from p_child.
-    firsts = torch.zeros(4)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(trials):
-        (acc,) = accept_sampled(tree, [lambda node: p_root if node == 0 else p_child], [gen])
-        firsts[acc.tokens[0]] += 1
-    freq = firsts / trials
-    assert torch.allclose(freq, p_root, atol=0.015), freq
-    second = counts[1] / counts[1].sum()
-    assert torch.allclose(second, p_child, atol=0.02), second
-    assert counts[0].sum() == 0 and counts[2].sum() == 0  # rejected at the root: nothing more
+    assert root_stat < chi2_quantile(root_cells - 1)  # the root's draws were left alone
+    assert child_stat > 10 * chi2_quantile(child_cells - 1), child_stat
 
 
 def test_spec_config_defaults_and_errors():

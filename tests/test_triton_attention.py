@@ -207,10 +207,9 @@ def interpreter_results() -> dict:
     other = AttentionSpec(num_heads, num_kv_heads, head_dim, spec.scaling, 0, sliding_window=3)
     run_decode(triton_backend, pools, q, k, v, other, batch)
     again = run_decode(triton_backend, pools, q, k, v, spec, batch)
-    flags["scratch_shared"] = list(triton_backend._scratch) == [(num_heads, head_dim)]
-    flags["scratch_rows"] = all(
-        t.shape[0] == 8 for t in triton_backend._scratch[(num_heads, head_dim)]
-    )
+    key = (num_heads, head_dim, triton_backend.num_kv_splits)  # decode: S splits
+    flags["scratch_shared"] = list(triton_backend._scratch) == [key]
+    flags["scratch_rows"] = all(t.shape[0] == 8 for t in triton_backend._scratch[key])
     flags["deterministic"] = torch.equal(again, out)
 
     # The store kernel alone: k and v strided slices of one fused projection, cast
@@ -260,7 +259,7 @@ def test_cuda_device_picks_triton_when_importable(monkeypatch):
 
 @needs_triton
 def test_extend_falls_back_to_reference():
-    """Non-decode modes never launch the kernel: they are the reference's, exactly."""
+    """EXTEND (prefill, eager) never launches a kernel: it is the reference's, exactly."""
     from graphrt.devices.cuda.attention import TritonAttentionBackend
 
     pools = Pools((8,), 2, 3, 32, torch.float32, "cpu", seed=3)

@@ -1,9 +1,10 @@
 """Reference attention in plain torch: runs on every device, defines correctness.
 
-Decode is written with static shapes (every row gathers ``max_kv_len`` keys
-and masks the tail) so the same code can be captured or compiled; the
-eager path sets ``max_kv_len`` to the batch's longest sequence, a graph to
-the context length. With ``capture_safe=False`` graphs also use the
+Decode, draft and verify are written with static shapes (every request
+gathers ``max_kv_len`` cached keys and masks the tail) so the same code can
+be captured or compiled; the eager path sets ``max_kv_len`` to the batch's
+longest sequence, a graph to the context length. Only EXTEND (prefill, always
+eager) loops over requests. With ``capture_safe=False`` graphs also use the
 batch's longest sequence, and the decode attention runs eagerly between
 graph segments (breakable backends only).
 """
@@ -59,6 +60,8 @@ class TorchAttentionBackend(AttentionBackend):
         if batch.mode in (ForwardMode.DECODE, ForwardMode.DRAFT):
             # DRAFT rows are decode rows that read the target's KV and write none.
             out = self._decode(q, spec, batch)
+        elif batch.mode is ForwardMode.TARGET_VERIFY:
+            out = self._verify(q, spec, batch)
         else:
             out = self._extend(q, spec, batch)
         return out.reshape(-1, spec.num_heads * spec.head_dim)
@@ -85,12 +88,49 @@ class TorchAttentionBackend(AttentionBackend):
         )
         return out.squeeze(2).to(q.dtype)  # (B, H, D)
 
+    def _verify(self, q: torch.Tensor, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
+        # Every request scores n tree nodes. Keys: its cached prefix (req_to_token, the
+        # first seq_len - n positions), then the n nodes (out_cache_loc: tree nodes are
+        # not in req_to_token yet), which a node sees through the tree's ancestor mask.
+        bs, n = batch.batch_size, batch.num_tokens // batch.batch_size
+        # Prefixes end inside the table even when a tree runs past the context's end.
+        kv_len = min(batch.attn_metadata.max_kv_len, self.req_to_token_pool.max_context_len)
+        k_buf = self.kv_pool.k_buffers[spec.cache_index]
+        v_buf = self.kv_pool.v_buffers[spec.cache_index]
+        slots = torch.cat(
+            [
+                self.req_to_token_pool.req_to_token[batch.req_pool_indices, :kv_len],
+                batch.out_cache_loc.view(bs, n),
+            ],
+            dim=1,
+        )  # (B, L + n)
+        key = k_buf[slots].transpose(1, 2)  # (B, Hkv, L + n, D)
+        value = v_buf[slots].transpose(1, 2)
+        prefix = (batch.seq_lens - n).unsqueeze(1)  # (B, 1)
+        cached = torch.arange(kv_len, device=q.device) < prefix  # (B, L)
+        visible = torch.cat(
+            [cached.unsqueeze(1).expand(bs, n, kv_len), batch.spec_info.tree_mask], dim=2
+        )  # (B, n, L + n)
+        if spec.sliding_window is not None:
+            q_pos = batch.positions.view(bs, n, 1)
+            k_pos = torch.cat(
+                [torch.arange(kv_len, device=q.device).expand(bs, kv_len), q_pos.view(bs, n)], 1
+            )  # (B, L + n)
+            visible &= k_pos.unsqueeze(1) > q_pos - spec.sliding_window
+        out = F.scaled_dot_product_attention(
+            q.view(bs, n, spec.num_heads, spec.head_dim).transpose(1, 2).to(key.dtype),
+            key,
+            value,
+            attn_mask=visible.unsqueeze(1),  # (B, 1, n, L + n)
+            scale=spec.scaling,
+            enable_gqa=spec.num_heads != spec.num_kv_heads,
+        )  # (B, H, n, D)
+        return out.transpose(1, 2).reshape(bs * n, spec.num_heads, spec.head_dim).to(q.dtype)
+
     def _extend(self, q: torch.Tensor, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
-        # One SDPA per request. Keys: its cached prefix (req_to_token), then its new
-        # tokens (out_cache_loc). New tokens see each other causally (EXTEND) or
-        # through the verify tree's ancestor mask (TARGET_VERIFY: tree nodes share
-        # positions, so they are not in req_to_token). Host lengths only: no syncs.
-        tree_mask = batch.spec_info.tree_mask if batch.mode is ForwardMode.TARGET_VERIFY else None
+        # One SDPA per request (prefill runs eager). Keys: its cached prefix
+        # (req_to_token), then its new tokens (out_cache_loc), seen causally.
+        # Host lengths only: no syncs.
         k_buf = self.kv_pool.k_buffers[spec.cache_index]
         v_buf = self.kv_pool.v_buffers[spec.cache_index]
         req_to_token = self.req_to_token_pool.req_to_token
@@ -105,10 +145,7 @@ class TorchAttentionBackend(AttentionBackend):
             value = v_buf[slots].transpose(0, 1).unsqueeze(0)
             q_pos = batch.positions[new].unsqueeze(1)  # (n, 1)
             k_pos = torch.cat([torch.arange(prefix, device=q.device), batch.positions[new]])  # (L,)
-            if tree_mask is None:
-                among_new = torch.ones(n_new, n_new, dtype=torch.bool, device=q.device).tril()
-            else:
-                among_new = tree_mask[i]  # (n, n): node j is node i or its ancestor
+            among_new = torch.ones(n_new, n_new, dtype=torch.bool, device=q.device).tril()
             visible = torch.cat(
                 [torch.ones(n_new, prefix, dtype=torch.bool, device=q.device), among_new], dim=1
             )  # (n, L)

@@ -76,7 +76,7 @@ def run_decode_bench(
     torch.manual_seed(cfg.seed)
     params = SamplingParams(max_new_tokens=cfg.steps + cfg.warmup + 2, ignore_eos=True)
     weights = weight_bytes(engine.loaded.model)
-    bandwidth = copy_bandwidth_gbps(engine.device, sync)
+    bandwidth = copy_bandwidth_gbps(engine.torch_device, sync)
     results = []
     for bs in cfg.batch_sizes:
         results.append(_time_graphrt(engine, cfg, bs, params, weights, bandwidth, sync, report))
@@ -147,7 +147,10 @@ def _row(r: BatchResult) -> str:
     )
 
 
-def make_engine(loaded, device, attention_factory, graph_backend, cfg: DecodeBenchConfig) -> Engine:
+def make_engine(
+    loaded, device, cfg: DecodeBenchConfig, graphs: bool, graph_backend: str | None = None
+) -> Engine:
+    """An Engine on graphrt ``device`` sized for the benchmark (graphs up to its batch sizes)."""
     max_bs = max(cfg.max_running_requests, max(cfg.batch_sizes))
     context = cfg.prompt_len + cfg.steps + cfg.warmup + 8
     config = EngineConfig(
@@ -155,7 +158,7 @@ def make_engine(loaded, device, attention_factory, graph_backend, cfg: DecodeBen
         max_context_len=context,
         kv_pool_tokens=max(cfg.batch_sizes) * context,
         seed=cfg.seed,
+        runner="graph" if graphs else "eager",
+        graph_backend=graph_backend,
     )
-    return Engine(
-        loaded, device, config, attention_factory=attention_factory, graph_backend=graph_backend
-    )
+    return Engine(loaded, config, device)

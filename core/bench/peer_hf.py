@@ -5,6 +5,7 @@ on the same weights as graphrt's model."""
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 
 import torch
@@ -30,6 +31,39 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def build_hf_model(hf_config: dict, model: nn.Module, device: torch.device, dtype: torch.dtype):
+    """transformers' model of ``hf_config``'s architecture carrying graphrt ``model``'s
+    weights -> (model in eval mode, its config). Tensors transformers has that graphrt
+    never loads (the K/V projections an MTP assistant keeps unused) may stay missing."""
+    try:
+        import transformers
+        from transformers import AutoConfig
+    except ImportError:
+        raise GraphrtError(
+            "the transformers peer needs transformers: pip install 'graphrt[bench]'"
+        ) from None
+    cfg = {k: v for k, v in hf_config.items() if k not in ("architectures", "dtype", "torch_dtype")}
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    model_class = getattr(transformers, hf_config["architectures"][0])
+    with torch.device(device):
+        hf = model_class(config).to(dtype)
+    missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
+    # A tied head has no tensor of its own; anything else missing is a bug.
+    tied = getattr(config, "tie_word_embeddings", False)
+    missing = [
+        m for m in missing if not (tied and m == "lm_head.weight") and not _UNUSED_KV.search(m)
+    ]
+    if missing or unexpected:
+        raise GraphrtError(
+            f"transformers peer: weights do not map (missing {missing}, unexpected {unexpected})"
+        )
+    return hf.eval(), config
+
+
+# K/V weights of KV-sharing layers: graphrt has none (they read another layer's KV).
+_UNUSED_KV = re.compile(r"self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
+
+
 class HFPeer:
     """transformers' own recipe for compiled static-cache decoding: an eager
     prefill fills a ``StaticCache``, then single-token steps run through
@@ -43,24 +77,7 @@ class HFPeer:
     """
 
     def __init__(self, hf_config: dict, model: nn.Module, device: torch.device, dtype: torch.dtype):
-        try:
-            from transformers import AutoConfig, AutoModelForCausalLM
-        except ImportError:
-            raise GraphrtError(
-                "the transformers peer needs transformers: pip install 'graphrt[bench]'"
-            ) from None
-        cfg = dict(hf_config)
-        model_type = cfg.pop("model_type")
-        config = AutoConfig.for_model(model_type, **cfg)
-        with torch.device(device):
-            hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
-        # A tied head has no tensor of its own; anything else missing is a bug.
-        missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
-        if missing or unexpected:
-            raise GraphrtError(
-                f"transformers peer: weights do not map (missing {missing}, unexpected {unexpected})"
-            )
+        hf, config = build_hf_model(hf_config, model, device, dtype)
         self.model = hf.eval()
         self.config = config
         self.device = device

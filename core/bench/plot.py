@@ -5,16 +5,25 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plot_latency(result: dict, path: Path) -> bool:
-    """Write the PNG; False when matplotlib is not installed."""
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        import matplotlib.ticker
     except ImportError:
+        return None
+    return plt
+
+
+def plot_latency(result: dict, path: Path) -> bool:
+    """Write the PNG; False when matplotlib is not installed."""
+    plt = _pyplot()
+    if plt is None:
         return False
+    import matplotlib.ticker
+
     batches = result["batches"]
     sizes = [b["batch_size"] for b in batches]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -41,6 +50,38 @@ def plot_latency(result: dict, path: Path) -> bool:
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_spec_throughput(result: dict, path: Path) -> bool:
+    """Tokens/s against request batch size: plain decode, speculative as measured, and
+    what the measured round time gives at every accept length. False without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    batches = result["batches"]
+    sizes = [b["batch_size"] for b in batches]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    ax.plot(sizes, [b["decode_tokens_per_s"] for b in batches], "-o", label="decode (graph)")
+    ax.plot(sizes, [b["spec_tokens_per_s"] for b in batches], "-o", label="speculative, measured")
+    for i in range(len(batches[0]["tokens_per_s_at_accept_length"])):
+        points = [b["tokens_per_s_at_accept_length"][i] for b in batches]
+        ax.plot(sizes, points, ":", alpha=0.6, label=f"accept length {i + 1}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("request batch size")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(
+        f"{result['model']} + {result['draft']}, {result['dtype']}, steps {result['spec_steps']}, "
+        f"topk {result['spec_topk']}\n{result['device_name']}",
+        fontsize=9,
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -61,6 +61,22 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_spec_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="MTP assistant (drafter): checkpoint directory or random:PRESET",
+    )
+    p.add_argument("--spec-steps", type=_positive, default=4, help="draft steps per round")
+    p.add_argument("--spec-topk", type=_positive, default=1, help="branches per draft step")
+    p.add_argument(
+        "--spec-draft-tokens",
+        type=_positive,
+        default=None,
+        help="tokens verified per round, the root included (default: steps + 1 for topk 1)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="graphrt", description="Accelerator-agnostic LLM decoding runtime."
@@ -120,19 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--kv-pool-tokens", type=_positive, default=None, help="KV slots (default: 1 GiB worth)"
     )
-    gen.add_argument(
-        "--draft",
-        default=None,
-        help="MTP assistant (drafter): checkpoint directory or random:PRESET",
-    )
-    gen.add_argument("--spec-steps", type=_positive, default=4, help="draft steps per round")
-    gen.add_argument("--spec-topk", type=_positive, default=1, help="branches per draft step")
-    gen.add_argument(
-        "--spec-draft-tokens",
-        type=_positive,
-        default=None,
-        help="tokens verified per round, the root included (default: steps + 1 for topk 1)",
-    )
+    _add_spec_flags(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     bench = sub.add_parser(
@@ -165,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--no-plot", dest="plot", action="store_false")
     bench.add_argument("--json", action="store_true", help="print the JSON result on stdout")
+    _add_spec_flags(bench)  # with --draft: the speculative round's pieces, per batch size
 
     info = sub.add_parser(
         "info", help="the selected device, available backends and library versions"

@@ -30,6 +30,11 @@ def run_bench(args: argparse.Namespace) -> int:
             f"unknown runner(s) {', '.join(sorted(unknown))}; choose from eager, graph, hf"
         )
     dtype = device.default_dtype() if args.dtype == "auto" else parse_dtype(args.dtype)
+    if args.draft is not None:
+        # The speculative bench lives beside speculative decoding (graphrt.spec).
+        from graphrt.spec.bench_cli import run_spec_bench_cli
+
+        return run_spec_bench_cli(args, device, dtype)
     cfg = DecodeBenchConfig(
         batch_sizes=tuple(args.batch_sizes),
         prompt_len=args.prompt_len,
@@ -40,12 +45,13 @@ def run_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
-    loaded = load_model(args.model, torch_device, dtype, ops=device.model_ops())
-    graph_backend = device.create_graph_backend(args.graph_backend) if "graph" in runners else None
+    loaded = load_model(args.model, device, dtype)
+    graphs = "graph" in runners
     log(
         f"graphrt bench: {args.model} {str(dtype).removeprefix('torch.')} on {device.describe()}; capturing graphs..."
     )
-    engine = make_engine(loaded, torch_device, device.create_attention_backend, graph_backend, cfg)
+    engine = make_engine(loaded, device, cfg, graphs, args.graph_backend)
+    graph_backend = engine.graph_backend
     hf_peer = None
     if "hf" in runners:
         from graphrt.core.bench.peer_hf import HFPeer
@@ -55,9 +61,6 @@ def run_bench(args: argparse.Namespace) -> int:
             hf_cfg = json.loads((Path(args.model) / "config.json").read_text())
         else:
             hf_cfg = preset_hf_config(args.model.removeprefix("random:"))
-        hf_cfg = {
-            k: v for k, v in hf_cfg.items() if k not in ("architectures", "dtype", "torch_dtype")
-        }
 
         def hf_peer():  # built only after graphrt's own timings (see run_decode_bench)
             return HFPeer(hf_cfg, loaded.model, torch_device, dtype)
@@ -71,7 +74,7 @@ def run_bench(args: argparse.Namespace) -> int:
         device_name=device.describe(),
         dtype=str(dtype).removeprefix("torch."),
         prompt_len=cfg.prompt_len,
-        versions=_versions(device),
+        versions=versions(device),
         copy_bandwidth_gbps=round(bandwidth, 1),
         weight_bytes=weights,
         kv_bytes_per_token=engine.kv_pool.bytes_per_token,
@@ -98,13 +101,13 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _versions(device) -> dict[str, str]:
-    versions = device.library_versions()
+def versions(device) -> dict[str, str]:
+    found = device.library_versions()
     try:
         import importlib.metadata
 
-        versions["transformers"] = importlib.metadata.version("transformers")
+        found["transformers"] = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
         pass
-    versions["python"] = sys.version.split()[0]
-    return versions
+    found["python"] = sys.version.split()[0]
+    return found

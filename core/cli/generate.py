@@ -7,7 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from graphrt import devices
@@ -15,7 +14,7 @@ from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.errors import GraphrtError, RequestError
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
-from graphrt.spec.config import SpecConfig
+from graphrt.spec import MTPDecoding, SpecConfig
 
 
 def _tokenizer(path: Path | None):
@@ -60,16 +59,14 @@ def run_generate(args: argparse.Namespace) -> int:
     device = devices.current(args.device)
     spec_config = None
     if args.draft is not None:
-        # With a drafter, graphs capture the draft loop (the verify forward runs eager).
         spec_config = SpecConfig(args.spec_steps, args.spec_topk, args.spec_draft_tokens)
     runner = args.runner or ("graph" if device.graph_backends() else "eager")
-    graph_backend = device.create_graph_backend(args.graph_backend) if runner == "graph" else None
-    torch_device = device.torch_device()
-    if args.dtype == "auto":
-        # The checkpoint's dtype on accelerators; float32 where the device prefers it (cpu).
-        dtype = torch.float32 if device.default_dtype() == torch.float32 else None
-    else:
-        dtype = parse_dtype(args.dtype)
+    if runner == "graph":
+        device.create_graph_backend(
+            args.graph_backend
+        )  # a bad --graph-backend fails before loading
+    # auto: the checkpoint's dtype on accelerators, float32 where the device prefers it (cpu).
+    dtype = None if args.dtype == "auto" else parse_dtype(args.dtype)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -77,10 +74,10 @@ def run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         ignore_eos=args.ignore_eos,
     )
-    loaded = load_model(args.model, torch_device, dtype, ops=device.model_ops())
+    loaded = load_model(args.model, device, dtype)
     drafter = None
     if args.draft is not None:
-        drafter = load_model(args.draft, torch_device, dtype, ops=device.model_ops())
+        drafter = load_model(args.draft, device, dtype)
     tokenizer = _tokenizer(loaded.tokenizer_path)
     prompts = _encode_prompts(args.prompts, tokenizer)
     config = EngineConfig(
@@ -88,18 +85,13 @@ def run_generate(args: argparse.Namespace) -> int:
         max_context_len=args.max_context_len,
         kv_pool_tokens=args.kv_pool_tokens,
         seed=args.seed,
+        runner=runner,
+        graph_backend=args.graph_backend,
         graph_buckets=args.graph_bs,
         graph_padding=args.graph_padding,
     )
-    engine = Engine(
-        loaded,
-        torch_device,
-        config,
-        attention_factory=device.create_attention_backend,
-        graph_backend=graph_backend,
-        drafter=drafter,
-        spec_config=spec_config,
-    )
+    strategy = MTPDecoding(drafter, spec_config) if drafter is not None else None
+    engine = Engine(loaded, config, device, strategy)
     # Validate every prompt before generating anything, so a bad one costs no work.
     for prompt in prompts:
         engine.validate_request(prompt, params)
@@ -128,6 +120,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if drafter is not None:
         stats["spec"] = {
             "rounds": engine.stats.spec_rounds,
+            "graph_rounds": engine.stats.graph_rounds,
             "accept_length_mean": round(engine.stats.accept_length_mean, 4),
             "accept_histogram": engine.stats.accept_histogram,
         }

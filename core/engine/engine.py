@@ -1,9 +1,12 @@
-"""Engine: admits requests, builds each step's ForwardBatch, picks the runner,
-samples, and frees a request's KV the moment it finishes.
+"""Engine: admits requests, prefills them, hands decode steps to its decode
+strategy, and frees a request's KV the moment it finishes.
 
+The engine is built from a graphrt device (the current one by default): its
+attention kernels, graph backend and pools, exactly as the CLI gets them.
 Admission reserves a request's whole KV budget (prompt + max_new_tokens,
-capped by the context), so a running request never runs out of slots;
-requests that do not fit yet wait in FIFO order.
+capped by the context, plus what the strategy holds during a step), so a
+running request never runs out of slots; requests that do not fit yet wait
+in FIFO order, and one that could never fit is refused when it is added.
 """
 
 from __future__ import annotations
@@ -12,21 +15,23 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
-from graphrt.core.attention import AttentionBackend, TorchAttentionBackend
+from graphrt import devices
 from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.engine.request import FinishReason, Request, SamplingParams
-from graphrt.core.engine.sampling import filtered_probs, sample
-from graphrt.core.errors import RequestError
+from graphrt.core.engine.sampling import sample
+from graphrt.core.engine.strategy import DecodeStrategy, PlainDecode
+from graphrt.core.errors import GraphrtError, RequestError
+from graphrt.core.host import to_device
 from graphrt.core.memory import ReqToTokenPool, TokenKVPool
 from graphrt.core.models.loader import LoadedModel
-from graphrt.core.runners import EagerRunner, ExecutionBackend, GraphRunner, GraphRunnerConfig
-from graphrt.spec.config import SpecConfig
-from graphrt.spec.graph_runner import MTPDraftGraphRunner
-from graphrt.spec.worker import MTPWorker
+from graphrt.core.runners import BaseRunner, EagerRunner, GraphRunner, GraphRunnerConfig
+from graphrt.core.runners.base import RunnerOutput
+from graphrt.devices.base import Device
+
+RUNNERS = ("graph", "eager")
 
 
 @dataclass(frozen=True)
@@ -37,14 +42,27 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30
     max_prefill_tokens: int = 8192  # prompt tokens per prefill step
     seed: int = 0
+    runner: str | None = None  # "graph" | "eager"; None: graph where the device has a backend
+    graph_backend: str | None = None  # the device's graph backend (--graph-backend); None: default
     graph_buckets: tuple[int, ...] | None = None  # --graph-bs; None = the default list
     graph_padding: bool = True  # False (--no-graph-padding): exact captured sizes only
+
+    def __post_init__(self):
+        for name in ("max_running_requests", "max_prefill_tokens", "kv_cache_bytes"):
+            if getattr(self, name) < 1:
+                raise GraphrtError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_context_len", "kv_pool_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise GraphrtError(f"{name} must be >= 1, got {value}")
+        if self.runner not in (None, *RUNNERS):
+            raise GraphrtError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
 
 
 @dataclass
 class EngineStats:
-    eager_steps: int = 0
-    graph_steps: int = 0
+    eager_steps: int = 0  # target forwards run eagerly (prefills, decode steps, verifies)
+    graph_steps: int = 0  # target forwards replayed from a graph
     generated_tokens: int = 0
     elapsed_s: float = 0.0
     capture_time_s: float = 0.0
@@ -52,6 +70,7 @@ class EngineStats:
     captured_sizes: list[int] = field(default_factory=list)
     # Speculative rounds, one per request per verify forward.
     spec_rounds: int = 0
+    graph_rounds: int = 0  # request rounds whose draft loop and verify both replayed graphs
     accept_histogram: list[int] = field(default_factory=list)  # [k] = rounds accepting k drafts
 
     def record_accept(self, accepted: int, num_steps: int) -> None:
@@ -71,89 +90,92 @@ class EngineStats:
         return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-@dataclass
 class Engine:
-    loaded: LoadedModel
-    device: torch.device
-    config: EngineConfig = field(default_factory=EngineConfig)
-    attention_factory: Callable[..., AttentionBackend] = TorchAttentionBackend
-    # With a graph backend, decode batches run on captured graphs where
-    # can_run_graph says so; eager serves prefill and everything else.
-    graph_backend: ExecutionBackend | None = None
-    # With a drafter (frozen-KV MTP assistant), decode steps become speculative
-    # rounds: draft, one target verify forward, lossless acceptance.
-    drafter: LoadedModel | None = None
-    spec_config: SpecConfig | None = None
-
-    def __post_init__(self):
-        model, cfg = self.loaded.model, self.config
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        device: Device | None = None,
+        strategy: DecodeStrategy | None = None,
+    ):
+        self.loaded = loaded
+        self.config = cfg = config or EngineConfig()
+        self.device = device or devices.current()
+        self.torch_device = self.device.torch_device()
+        model = loaded.model
+        param = next(model.parameters())
+        if param.device.type != self.torch_device.type:
+            raise GraphrtError(
+                f"the model is on {param.device.type} but the engine's device is "
+                f"{self.device.name}: load it with load_model(..., device)"
+            )
+        self.strategy = strategy or PlainDecode()
         self.max_context_len = min(model.max_context_len, cfg.max_context_len or 4096)
         kv_specs = model.kv_layer_specs()
-        dtype = next(model.parameters()).dtype
-        self.req_pool = ReqToTokenPool(cfg.max_running_requests, self.max_context_len, self.device)
-        slots = cfg.kv_pool_tokens or self._slots_for_bytes(kv_specs, dtype)
-        self.kv_pool = TokenKVPool(slots, kv_specs, dtype, self.device)
-        self.attn_backend = self.attention_factory(self.kv_pool, self.req_pool)
+        self.req_pool = ReqToTokenPool(
+            cfg.max_running_requests, self.max_context_len, self.torch_device
+        )
+        slots = cfg.kv_pool_tokens or self._slots_for_bytes(kv_specs, param.dtype)
+        self.kv_pool = TokenKVPool(slots, kv_specs, param.dtype, self.torch_device)
+        self.attn_backend = self.device.create_attention_backend(self.kv_pool, self.req_pool)
         self.eager_runner = EagerRunner(model, self.attn_backend)
+        runner = cfg.runner or ("graph" if self.device.graph_backends() else "eager")
+        self.runner_kind = runner
+        self.graph_backend = (
+            self.device.create_graph_backend(cfg.graph_backend) if runner == "graph" else None
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved_tokens = 0
         self.stats = EngineStats()
         self._next_rid = 0
-        self.spec_worker = self._make_spec_worker() if self.drafter is not None else None
-        # Graphs serve decode steps, or, with a drafter, the draft loop (rounds have no
-        # plain decode step; the verify forward runs eager).
-        self.graph_runner = None
-        if self.graph_backend is not None:
-            captured = self._capture_graphs()
-            if self.spec_worker is not None:
-                self.spec_worker.draft_graph = captured
-            else:
-                self.graph_runner = captured
+        self.strategy.setup(self)
 
-    def _make_spec_worker(self) -> MTPWorker:
-        cfg = self.spec_config or SpecConfig()
-        self.spec_config = cfg
-        self.drafter.model.bind_target(self.loaded.model)
-        draft_runner = EagerRunner(self.drafter.model, self.attn_backend)
-        return MTPWorker(cfg, self.eager_runner, draft_runner, self.kv_pool, self.req_pool)
+    # ---- what strategies build on -------------------------------------------------
 
-    def _capture_graphs(self) -> GraphRunner:
+    @property
+    def graph_runner(self) -> GraphRunner | None:
+        """The graph runner of plain decode steps (None with a speculative strategy)."""
+        return self.strategy.graph_runner
+
+    def graph_runner_config(self) -> GraphRunnerConfig:
         cfg = self.config
-        runner_config = GraphRunnerConfig(
+        return GraphRunnerConfig(
             # No batch can exceed the running-request cap or the KV slots.
             max_bs=min(cfg.max_running_requests, self.kv_pool.num_slots),
             buckets=cfg.graph_buckets,
             padding=cfg.graph_padding,
         )
-        if self.spec_worker is None:
-            runner = GraphRunner(
-                self.loaded.model, self.attn_backend, self.graph_backend, runner_config, self.device
-            )
-        else:
-            target = self.loaded.model
-            runner = MTPDraftGraphRunner(
-                self.drafter.model,
-                self.attn_backend,
-                self.graph_backend,
-                runner_config,
-                self.device,
-                self.spec_config,
-                seed_hidden_size=target.config.hidden_size,
-                dtype=next(target.parameters()).dtype,
-            )
+
+    def capture(self, runner: GraphRunner) -> None:
+        """Capture ``runner``'s graphs into the engine's backend (one pool for all)."""
         runner.capture()
-        self.stats.capture_time_s = runner.capture_time_s
+        self.stats.capture_time_s += runner.capture_time_s
         self.stats.graph_memory_bytes = self.graph_backend.memory_bytes()
         self.stats.captured_sizes = runner.captured_sizes
-        return runner
+
+    def run_forward(self, batch: ForwardBatch, graph: BaseRunner | None) -> RunnerOutput:
+        """One target forward: on ``graph`` where it can run the batch, else eager."""
+        if graph is not None and graph.can_run_graph(batch):
+            self.stats.graph_steps += 1
+            return graph.execute(batch)
+        self.stats.eager_steps += 1
+        return self.eager_runner.execute(batch)
+
+    def sample_tokens(self, reqs: list[Request], out: RunnerOutput) -> list[int]:
+        """One token per request from its row of ``out.logits`` (one host read)."""
+        tokens = sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
+        for i, req in enumerate(reqs):
+            if req.params.return_logits:
+                req.output_logits.append(out.logits[i].to("cpu", copy=True))
+        return tokens.tolist()
 
     def _slots_for_bytes(self, kv_specs, dtype) -> int:
         per_token = sum(
             2 * s.num_kv_heads * s.head_dim for s in kv_specs if s.cache_index is not None
         )
         per_token *= torch.empty((), dtype=dtype).element_size()
-        by_bytes = self.config.kv_cache_bytes // per_token
+        by_bytes = self.config.kv_cache_bytes // max(per_token, 1)
         return max(1, min(by_bytes, self.config.max_running_requests * self.max_context_len))
 
     # ---- requests -------------------------------------------------------------
@@ -165,15 +187,18 @@ class Engine:
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate_request(prompt_ids, params)
         req = Request(rid=self._next_rid, prompt_ids=prompt_ids, params=params)
-        req.kv_budget = min(len(prompt_ids) + params.max_new_tokens, self.max_context_len)
-        if self.spec_config is not None:  # a round holds a whole verify tree's slots briefly
-            req.kv_budget += self.spec_config.num_draft_tokens
+        req.kv_budget = self.kv_budget(len(prompt_ids), params)
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + req.rid
         if not params.greedy:
-            req.generator = torch.Generator(device=self.device).manual_seed(seed)
+            req.generator = torch.Generator(device=self.torch_device).manual_seed(seed)
         self._next_rid += 1
         self.waiting.append(req)
         return req
+
+    def kv_budget(self, prompt_len: int, params: SamplingParams) -> int:
+        """Token slots a request holds while running: what admission reserves."""
+        tokens = min(prompt_len + params.max_new_tokens, self.max_context_len)
+        return tokens + self.strategy.extra_kv_slots()
 
     def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         vocab = self.loaded.model.vocab_size
@@ -186,10 +211,14 @@ class Engine:
             raise RequestError(
                 f"prompt of {len(prompt_ids)} tokens is longer than the context ({self.max_context_len})"
             )
-        need = min(len(prompt_ids) + params.max_new_tokens, self.max_context_len)
+        # The budget admission reserves: a request above it could never be admitted.
+        need = self.kv_budget(len(prompt_ids), params)
         if need > self.kv_pool.num_slots:
+            held = self.strategy.extra_kv_slots()
+            extra = f" ({held} of them for a {self.strategy.name} step)" if held else ""
             raise RequestError(
-                f"request needs {need} KV slots but the KV pool holds only {self.kv_pool.num_slots}"
+                f"request needs {need} KV slots{extra} but the KV pool holds only "
+                f"{self.kv_pool.num_slots}"
             )
 
     @property
@@ -215,65 +244,28 @@ class Engine:
     # ---- one step -------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """One forward: a prefill of newly admitted requests, else a decode of all running.
-
-        Returns the requests that received a token.
-        """
+        """One step: a prefill of newly admitted requests, else a decode step (or
+        speculative round) of all running ones. Returns the requests that received tokens."""
         admitted = self._admit()
-        reqs = admitted if admitted else list(self.running)
-        if not reqs:
-            return []
-        if not admitted and self.spec_worker is not None:
-            self._spec_round(reqs)
-            return reqs
-        batch = self._prefill_batch(reqs) if admitted else self.build_decode_batch(reqs)
-        runner = self.eager_runner
-        if self.graph_runner is not None and self.graph_runner.can_run_graph(batch):
-            runner = self.graph_runner
-            self.stats.graph_steps += 1
+        if admitted:
+            out = self.run_forward(self._prefill_batch(admitted), None)
+            tokens = self.sample_tokens(admitted, out)
+            self.strategy.after_prefill(admitted, out)
+            emitted, reqs = [[t] for t in tokens], admitted
         else:
-            self.stats.eager_steps += 1
-        out = runner.execute(batch)
-        tokens = sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
-        for i, (req, token) in enumerate(zip(reqs, tokens)):
-            if req.params.return_logits:
-                req.output_logits.append(out.logits[i].to("cpu", copy=True))
-            if self.spec_worker is not None:
-                req.spec_seed = out.hidden[
-                    i
-                ]  # the hidden that produced the token: next draft's seed
-            self._append_token(req, token)
-        return reqs
-
-    def _spec_round(self, reqs: list[Request]) -> None:
-        results = self.spec_worker.round(
-            tokens=[r.output_ids[-1] for r in reqs],
-            seed_hidden=torch.stack([r.spec_seed for r in reqs]),
-            req_slots=[r.req_slot for r in reqs],
-            kv_lens=[r.kv_len for r in reqs],
-            max_keep=[self.max_context_len - r.kv_len for r in reqs],
-            samplers=[
-                None if r.params.greedy else partial(filtered_probs, p=r.params) for r in reqs
-            ],
-            generators=[r.generator for r in reqs],
-        )
-        self.stats.eager_steps += 1  # the verify forward
-        self.stats.graph_steps = self.spec_worker.graph_rounds  # captured draft loops
-        for req, res in zip(reqs, results):
-            acc = res.acceptance
-            req.kv_len += len(acc.tokens)  # the root and the accepted drafts are cached now
-            req.spec_seed = res.seed_hidden
-            req.spec_rounds.append(
-                {"draft_tokens": res.draft_tokens, "accepted_tokens": acc.tokens[:-1]}
-            )
-            self.stats.record_accept(len(acc.nodes), self.spec_config.num_steps)
-            for token in acc.tokens:
-                self._append_token(req, token, check_context=False)
+            reqs = list(self.running)
+            if not reqs:
+                return []
+            emitted = self.strategy.decode(reqs)
+        for req, tokens in zip(reqs, emitted):
+            for token in tokens:
+                self._append_token(req, token)
                 if req.finished:
                     break
+            # A request whose KV filled the context can take no further token.
             if not req.finished and req.kv_len >= self.max_context_len:
-                req.finish_reason = FinishReason.LENGTH
-                self._release(req)
+                self._finish(req, FinishReason.LENGTH)
+        return reqs
 
     def _admit(self) -> list[Request]:
         admitted, tokens = [], 0
@@ -293,57 +285,63 @@ class Engine:
 
     def _prefill_batch(self, reqs: list[Request]) -> ForwardBatch:
         lens = [len(r.prompt_ids) for r in reqs]
-        locs = self.kv_pool.alloc(sum(lens))
-        table = self.req_pool.req_to_token
+        locs_host = self.kv_pool.alloc_host(sum(lens))
+        locs = to_device(locs_host, self.torch_device)
         start = 0
         for req, n in zip(reqs, lens):
-            table[req.req_slot, :n] = locs[start : start + n]
+            self.req_pool.req_to_token[req.req_slot, :n] = locs[start : start + n]
+            self.req_pool.host[req.req_slot, :n] = locs_host[start : start + n]
             req.kv_len = n
             start += n
-        dev = self.device
+        dev = self.torch_device
         return ForwardBatch(
             mode=ForwardMode.EXTEND,
-            input_ids=torch.tensor([t for r in reqs for t in r.prompt_ids], device=dev),
-            positions=torch.cat([torch.arange(n) for n in lens]).to(dev),
-            req_pool_indices=torch.tensor([r.req_slot for r in reqs], device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            input_ids=to_device([t for r in reqs for t in r.prompt_ids], dev),
+            positions=to_device(torch.cat([torch.arange(n) for n in lens]), dev),
+            req_pool_indices=to_device([r.req_slot for r in reqs], dev),
+            seq_lens=to_device(lens, dev, torch.int32),
             out_cache_loc=locs,
             seq_lens_cpu=lens,
             extend_lens_cpu=lens,
-            logits_indices=torch.tensor(lens, device=dev).cumsum(0) - 1,  # last token of each
+            logits_indices=to_device(torch.tensor(lens).cumsum(0) - 1, dev),  # last token of each
         )
 
     def build_decode_batch(self, reqs: list[Request]) -> ForwardBatch:
         """The next decode batch for ``reqs`` (running requests); allocates one KV slot each."""
-        dev = self.device
-        locs = self.kv_pool.alloc(len(reqs))
-        slots = torch.tensor([r.req_slot for r in reqs], device=dev)
-        positions = torch.tensor([r.kv_len for r in reqs], device=dev)
+        dev = self.torch_device
+        locs_host = self.kv_pool.alloc_host(len(reqs))
+        slots_host = torch.tensor([r.req_slot for r in reqs])
+        positions_host = torch.tensor([r.kv_len for r in reqs])
+        self.req_pool.host[slots_host, positions_host] = locs_host
+        locs, slots, positions = (
+            to_device(t, dev) for t in (locs_host, slots_host, positions_host)
+        )
         self.req_pool.req_to_token[slots, positions] = locs
         for r in reqs:
             r.kv_len += 1
         seq_lens_cpu = [r.kv_len for r in reqs]
         return ForwardBatch(
             mode=ForwardMode.DECODE,
-            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], device=dev),
+            input_ids=to_device([r.output_ids[-1] for r in reqs], dev),
             positions=positions,
             req_pool_indices=slots,
-            seq_lens=torch.tensor(seq_lens_cpu, dtype=torch.int32, device=dev),
+            seq_lens=to_device(seq_lens_cpu, dev, torch.int32),
             out_cache_loc=locs,
             seq_lens_cpu=seq_lens_cpu,
             extend_lens_cpu=[1] * len(reqs),
         )
 
-    def _append_token(self, req: Request, token: int, check_context: bool = True) -> None:
+    def _append_token(self, req: Request, token: int) -> None:
         req.output_ids.append(token)
         self.stats.generated_tokens += 1
-        full = check_context and req.kv_len >= self.max_context_len
         if not req.params.ignore_eos and token in self.loaded.eos_token_ids:
-            req.finish_reason = FinishReason.STOP
-        elif len(req.output_ids) >= req.params.max_new_tokens or full:
-            req.finish_reason = FinishReason.LENGTH
-        if req.finished:
-            self._release(req)
+            self._finish(req, FinishReason.STOP)
+        elif len(req.output_ids) >= req.params.max_new_tokens:
+            self._finish(req, FinishReason.LENGTH)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        self._release(req)
 
     def abort(self, req: Request) -> None:
         """Stop a request now (finish reason LENGTH) and free its KV; waiting ones just leave."""
@@ -355,8 +353,13 @@ class Engine:
             req.finish_reason = FinishReason.LENGTH
 
     def _release(self, req: Request) -> None:
-        self.kv_pool.free(self.req_pool.req_to_token[req.req_slot, : req.kv_len])
+        # The host copy of the token table: freeing reads nothing from the device.
+        self.kv_pool.free(self.req_pool.host[req.req_slot, : req.kv_len].clone())
         self.req_pool.free(req.req_slot)
         self.reserved_tokens -= req.kv_budget
         self.running.remove(req)
         req.req_slot = None
+
+    def cleanup(self) -> None:
+        """Drop every captured graph (the engine can no longer run graphs)."""
+        self.strategy.cleanup()

@@ -4,24 +4,36 @@ from __future__ import annotations
 
 import torch
 
+from graphrt import devices
 from graphrt.core.models.loader import LoadedModel, load_checkpoint
 from graphrt.core.models.ops import TORCH_OPS, ModelOps
 from graphrt.core.models.presets import PRESETS, load_random
+from graphrt.devices.base import Device
 
 RANDOM_PREFIX = "random:"
 
 
 def load_model(
     name: str,
-    device: torch.device,
+    device: Device | torch.device | None = None,
     dtype: torch.dtype | None = None,
     seed: int = 0,
-    ops: ModelOps = TORCH_OPS,
+    ops: ModelOps | None = None,
 ) -> LoadedModel:
-    """``name`` is a checkpoint directory or ``random:<preset>``; dtype None = the checkpoint's.
+    """``name`` is a checkpoint directory or ``random:<preset>``.
 
-    ``ops`` is the device's table of fused elementwise kernels (``Device.model_ops()``).
+    ``device``: a graphrt ``Device`` (None: ``devices.current()``) gives the model its
+    fused kernels (``Device.model_ops()``) and, with dtype None, the device's float32
+    preference (the CPU) over the checkpoint's dtype. A plain ``torch.device`` loads
+    with the torch reference ops unless ``ops`` is given; dtype None = the checkpoint's.
     """
+    if device is None or isinstance(device, Device):
+        device = device or devices.current()
+        ops = ops or device.model_ops()
+        if dtype is None and device.default_dtype() == torch.float32:
+            dtype = torch.float32
+        device = device.torch_device()
+    ops = ops or TORCH_OPS
     if name.startswith(RANDOM_PREFIX):
         return load_random(name[len(RANDOM_PREFIX) :], device, dtype, seed, ops)
     return load_checkpoint(name, device, dtype, ops)

@@ -308,6 +308,10 @@ class Gemma4ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         return self.model(batch, attn)
 
+    def next_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden the MTP assistant is seeded with: the final normed hidden itself."""
+        return hidden
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.lm_head_weight)  # (N, vocab), model dtype
         cap = self.config.final_logit_softcapping

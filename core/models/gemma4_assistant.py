@@ -139,7 +139,7 @@ def _unbound_spec(c: Gemma4Config, layer: int) -> AttentionSpec:
 
 class Gemma4AssistantForCausalLM(nn.Module):
     """``forward`` -> final normed hidden (rows, hidden); ``compute_logits`` -> its logits;
-    ``project_hidden`` -> the hidden the next draft step is fed (``post_projection``)."""
+    ``next_hidden`` -> the hidden the next draft step is fed (``post_projection``)."""
 
     def __init__(self, config: Gemma4AssistantConfig, ops: ModelOps = TORCH_OPS):
         super().__init__()
@@ -228,7 +228,8 @@ class Gemma4AssistantForCausalLM(nn.Module):
             return self.masked_embedding(hidden, self.lm_head_weight).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
-    def project_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+    def next_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The next draft step's hidden input: ``post_projection`` back to the target's width."""
         return self.post_projection(hidden)
 
     def map_checkpoint_name(self, name: str) -> str | None:

@@ -140,6 +140,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         return self.model(batch, attn)
 
+    def next_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden a speculative draft step is fed: the final hidden itself."""
+        return hidden
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()  # (N, vocab), float32

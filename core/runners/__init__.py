@@ -2,6 +2,7 @@
 
 from graphrt.core.runners.backend import ExecutionBackend, ShapeKey
 from graphrt.core.runners.base import BaseRunner, RunnerOutput
+from graphrt.core.runners.buffers import GraphShape, StaticField
 from graphrt.core.runners.eager import EagerRunner
 from graphrt.core.runners.graph import GraphRunner, GraphRunnerConfig
 
@@ -11,6 +12,8 @@ __all__ = [
     "ExecutionBackend",
     "GraphRunner",
     "GraphRunnerConfig",
+    "GraphShape",
     "RunnerOutput",
     "ShapeKey",
+    "StaticField",
 ]

@@ -1,9 +1,9 @@
 """The execution-backend interface: how a device captures and replays graphs.
 
 Backends are graph-only and stateless about batches: the ``GraphRunner``
-owns buffers, padding and keys; a backend stores one graph (or compiled
-callable) per ``ShapeKey`` and replays it. All of a backend's graphs share
-one memory pool, captured largest first.
+owns buffers, padding, keys and the static outputs it captured with; a
+backend stores one graph (or compiled callable) per ``ShapeKey`` and replays
+it. All of a backend's graphs share one memory pool, captured largest first.
 """
 
 from __future__ import annotations
@@ -14,13 +14,20 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from graphrt.core.batch import ForwardMode
+
 
 @dataclass(frozen=True)
 class ShapeKey:
-    """Names one captured graph. Built only by ``GraphRunner._make_graph_key``."""
+    """Names one captured graph. Built only by ``GraphRunner._make_graph_key``.
+
+    ``size`` request rows of ``width`` tokens each, in forward ``mode``; ``variant``
+    tells apart graphs of one shape that compute different things (the draft loop).
+    """
 
     size: int
-    stream_idx: int | None = None
+    mode: ForwardMode = ForwardMode.DECODE
+    width: int = 1
     variant: str | None = None
 
 
@@ -37,11 +44,15 @@ class ExecutionBackend(abc.ABC):
         key: ShapeKey,
         run_once: Callable[[], Any],
         post_warmup_hook: Callable[[], None] | None = None,
-    ) -> None:
-        """Warm ``run_once`` up, then capture it as the graph for ``key``; keep its outputs."""
+    ) -> Any:
+        """Warm ``run_once`` up, then capture it as the graph for ``key``.
+
+        Returns what the captured run returned: the static outputs every replay
+        writes into (None where nothing ran yet, as for lazily compiled code).
+        """
 
     @abc.abstractmethod
-    def can_run(self, batch: Any, key: ShapeKey) -> bool:
+    def can_run(self, key: ShapeKey) -> bool:
         """True when a graph for ``key`` exists."""
 
     def replay_session(self) -> contextlib.AbstractContextManager:
@@ -49,8 +60,9 @@ class ExecutionBackend(abc.ABC):
         return contextlib.nullcontext()
 
     @abc.abstractmethod
-    def replay(self, key: ShapeKey, batch: Any) -> Any:
-        """Replay ``key``'s graph; returns the outputs captured with it (static buffers)."""
+    def replay(self, key: ShapeKey) -> Any:
+        """Replay ``key``'s graph. Graphs write into the outputs ``capture_one`` returned
+        and return None; compiled code returns this call's fresh outputs."""
 
     @abc.abstractmethod
     def cleanup(self) -> None:

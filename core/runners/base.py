@@ -17,7 +17,9 @@ class RunnerOutput:
     """Results for the rows of ``batch.logits_indices`` (every token when None)."""
 
     logits: torch.Tensor  # (N, vocab) float32
-    hidden: torch.Tensor  # (N, hidden) final hidden states (speculative decoding seeds from them)
+    # (N, hidden) what a speculative draft step is fed next (``model.next_hidden``): a
+    # target's final hidden states, a drafter's projection of its own.
+    hidden: torch.Tensor
 
 
 class BaseRunner(abc.ABC):
@@ -41,10 +43,12 @@ class BaseRunner(abc.ABC):
 
     def _forward(self, batch: ForwardBatch) -> RunnerOutput:
         """The model itself, shared by eager execution and graph capture."""
-        hidden = self.model(batch, self.attn_backend)  # (T, hidden)
-        if batch.logits_indices is not None:
-            hidden = hidden[batch.logits_indices]  # (N, hidden)
-        # A drafter hands on a projection of its hidden (the next draft step's input).
-        project = getattr(self.model, "project_hidden", None)
-        passed_on = hidden if project is None else project(hidden)
-        return RunnerOutput(logits=self.model.compute_logits(hidden), hidden=passed_on)
+        return forward_model(self.model, self.attn_backend, batch)
+
+
+def forward_model(model: nn.Module, attn: AttentionBackend, batch: ForwardBatch) -> RunnerOutput:
+    """One forward of ``model`` over ``batch``: logits and the hidden handed on."""
+    hidden = model(batch, attn)  # (T, hidden)
+    if batch.logits_indices is not None:
+        hidden = hidden[batch.logits_indices]  # (N, hidden)
+    return RunnerOutput(logits=model.compute_logits(hidden), hidden=model.next_hidden(hidden))

@@ -3,6 +3,10 @@
 Two verbs: ``set_batch`` builds the static ``ForwardBatch`` a graph is
 captured with; ``copy_from`` loads a live batch into those same tensors for
 replay (real rows first, then padding rows). No allocation on replay.
+
+Rows are requests of ``width`` tokens each (1 for decode and the draft loop,
+the verify tree's node count for TARGET_VERIFY), plus the per-request tensors
+of ``spec_info`` a graph reads (seed hiddens, tree masks).
 """
 
 from __future__ import annotations
@@ -15,54 +19,95 @@ from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.memory import PADDING_SLOT
 
 
-@dataclass
+@dataclass(frozen=True)
+class StaticField:
+    """One per-request tensor of a batch's ``spec_info`` that graphs read."""
+
+    name: str  # the spec_info attribute
+    shape: tuple[int, ...]  # per request
+    dtype: torch.dtype
+    pad: float = 0  # what padding rows hold (a tree mask pads True: padding nodes see a key)
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """What one runner's graphs take: the forward mode, tokens per request, per-round inputs."""
+
+    mode: ForwardMode = ForwardMode.DECODE
+    width: int = 1  # tokens per request row
+    spec_info: type | None = None  # built from ``fields`` by keyword, one slice per field
+    fields: tuple[StaticField, ...] = ()
+    variant: str | None = None  # tells apart graphs of one shape that compute different things
+
+
 class GraphInputBuffers:
-    input_ids: torch.Tensor  # (max_bs,) int64
-    positions: torch.Tensor  # (max_bs,) int64
-    req_pool_indices: torch.Tensor  # (max_bs,) int64
-    seq_lens: torch.Tensor  # (max_bs,) int32
-    out_cache_loc: torch.Tensor  # (max_bs,) int64
+    def __init__(self, shape: GraphShape, max_bs: int, device: torch.device):
+        self.shape = shape
+        tokens = max_bs * shape.width
 
-    @classmethod
-    def allocate(cls, max_bs: int, device: torch.device) -> GraphInputBuffers:
-        def zeros(dtype=torch.int64):
-            return torch.zeros(max_bs, dtype=dtype, device=device)
+        def zeros(n: int, dtype=torch.int64):
+            return torch.zeros(n, dtype=dtype, device=device)
 
-        return cls(zeros(), zeros(), zeros(), zeros(torch.int32), zeros())
+        self.input_ids = zeros(tokens)  # (max_bs * width,)
+        self.positions = zeros(tokens)
+        self.out_cache_loc = zeros(tokens)
+        self.req_pool_indices = zeros(max_bs)  # (max_bs,)
+        self.seq_lens = zeros(max_bs, torch.int32)
+        self.spec = {
+            f.name: torch.full((max_bs, *f.shape), f.pad, dtype=f.dtype, device=device)
+            for f in shape.fields
+        }
 
-    def set_batch(self, size: int, seq_len_fill: int, mode: ForwardMode) -> ForwardBatch:
+    def set_batch(self, size: int, seq_len_fill: int) -> ForwardBatch:
         """The static batch of ``size`` rows a graph is captured with; every row is padding."""
         self._pad(0, size, seq_len_fill)
+        tokens, width = size * self.shape.width, self.shape.width
+        spec_info = None
+        if self.shape.spec_info is not None:
+            spec_info = self.shape.spec_info(**{n: b[:size] for n, b in self.spec.items()})
         return ForwardBatch(
-            mode=mode,
-            input_ids=self.input_ids[:size],
-            positions=self.positions[:size],
+            mode=self.shape.mode,
+            input_ids=self.input_ids[:tokens],
+            positions=self.positions[:tokens],
             req_pool_indices=self.req_pool_indices[:size],
             seq_lens=self.seq_lens[:size],
-            out_cache_loc=self.out_cache_loc[:size],
-            seq_lens_cpu=[seq_len_fill] * size,
-            extend_lens_cpu=[1] * size,
+            out_cache_loc=self.out_cache_loc[:tokens],
+            seq_lens_cpu=[self._pad_len(seq_len_fill)] * size,
+            extend_lens_cpu=[width] * size,
+            spec_info=spec_info,
         )
 
     def copy_from(self, batch: ForwardBatch, static: ForwardBatch, seq_len_fill: int) -> None:
         """Load ``batch`` into the rows of ``static`` (a ``set_batch`` result); pad the rest."""
         bs, size = batch.batch_size, static.batch_size
-        self.input_ids[:bs].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:bs].copy_(batch.positions, non_blocking=True)
+        tokens = bs * self.shape.width
+        self.input_ids[:tokens].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:tokens].copy_(batch.positions, non_blocking=True)
+        self.out_cache_loc[:tokens].copy_(batch.out_cache_loc, non_blocking=True)
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices, non_blocking=True)
         self.seq_lens[:bs].copy_(batch.seq_lens, non_blocking=True)
-        self.out_cache_loc[:bs].copy_(batch.out_cache_loc, non_blocking=True)
+        for name, buf in self.spec.items():
+            buf[:bs].copy_(getattr(batch.spec_info, name), non_blocking=True)
         self._pad(bs, size, seq_len_fill)
         # Host copies for metadata hooks: known on the host already, so no sync.
-        static.seq_lens_cpu = list(batch.seq_lens_cpu) + [seq_len_fill] * (size - bs)
+        pad_len = self._pad_len(seq_len_fill)
+        static.seq_lens_cpu = list(batch.seq_lens_cpu) + [pad_len] * (size - bs)
+
+    def _pad_len(self, seq_len_fill: int) -> int:
+        # A padding row's tokens sit at the end of a sequence of this length: its
+        # prefix is seq_len_fill - 1 cached tokens, as a decode padding row's.
+        return seq_len_fill + self.shape.width - 1
 
     def _pad(self, start: int, end: int, seq_len_fill: int) -> None:
         # Padding rows read request slot 0 (every position -> token slot 0) and
         # write their KV into slot 0, which no live request owns.
         if start == end:
             return
-        self.input_ids[start:end].zero_()
-        self.positions[start:end].zero_()
+        width = self.shape.width
+        self.input_ids[start * width : end * width].zero_()
+        self.positions[start * width : end * width].zero_()
+        self.out_cache_loc[start * width : end * width].fill_(PADDING_SLOT)
         self.req_pool_indices[start:end].fill_(PADDING_SLOT)
-        self.seq_lens[start:end].fill_(seq_len_fill)
-        self.out_cache_loc[start:end].fill_(PADDING_SLOT)
+        self.seq_lens[start:end].fill_(self._pad_len(seq_len_fill))
+        for field in self.shape.fields:
+            self.spec[field.name][start:end].fill_(field.pad)

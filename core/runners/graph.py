@@ -1,9 +1,11 @@
-"""GraphRunner: the device-neutral decode graph runner (upstream DecodeCudaGraphRunner).
+"""GraphRunner: the device-neutral graph runner, for every forward shape.
 
-It owns the buckets, the static input buffers and the one capture loop;
-the ``ExecutionBackend`` only captures and replays. Subclasses (the MTP
-draft runner) override hooks — ``_make_graph_key``, ``_forward``,
-``_static_batch``, ``_slice_output`` — never the loop.
+It owns the buckets, the static input buffers, the static outputs and the
+one capture loop; the ``ExecutionBackend`` only captures and replays. What
+differs between plain decode, target verify and the speculative draft loop
+is configuration: a ``GraphShape`` (mode, tokens per request, per-round
+inputs) and, for the draft loop, the function a graph computes from its
+static batch (``forward``).
 """
 
 from __future__ import annotations
@@ -11,17 +13,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from graphrt.core.attention.base import AttentionBackend
-from graphrt.core.batch import ForwardBatch, ForwardMode
+from graphrt.core.batch import ForwardBatch
 from graphrt.core.errors import GraphrtError
 from graphrt.core.runners.backend import ExecutionBackend, ShapeKey
 from graphrt.core.runners.base import BaseRunner, RunnerOutput
 from graphrt.core.runners.buckets import pad_to_bucket, select_buckets
-from graphrt.core.runners.buffers import GraphInputBuffers
+from graphrt.core.runners.buffers import GraphInputBuffers, GraphShape
+
+DECODE_SHAPE = GraphShape()  # plain decode: one token per request, no per-round inputs
 
 
 @dataclass(frozen=True)
@@ -32,8 +37,6 @@ class GraphRunnerConfig:
 
 
 class GraphRunner(BaseRunner):
-    mode = ForwardMode.DECODE  # the batches this runner's graphs serve
-
     def __init__(
         self,
         model: nn.Module,
@@ -41,32 +44,37 @@ class GraphRunner(BaseRunner):
         backend: ExecutionBackend,
         config: GraphRunnerConfig,
         device: torch.device,
+        shape: GraphShape = DECODE_SHAPE,
+        forward: Callable[[ForwardBatch], Any] | None = None,
     ):
         super().__init__(model, attn_backend)
         self.backend = backend
         self.config = config
+        self.shape = shape
+        # What a graph computes from its static batch: one model forward by default.
+        self.forward = forward or self._forward
         self.buckets = select_buckets(config.max_bs, config.buckets)
         if not self.buckets:
             raise GraphrtError(f"no graph batch size <= {config.max_bs} in {list(config.buckets)}")
-        self.buffers = GraphInputBuffers.allocate(self.buckets[-1], device)
-        self.attn_backend.init_graph_state(self.buckets[-1], self.buckets[-1])
-        self._static_batches: dict[ShapeKey, ForwardBatch] = {}
+        self.buffers = GraphInputBuffers(shape, self.buckets[-1], device)
+        self.attn_backend.init_graph_state(self.buckets[-1], self.buckets[-1] * shape.width)
+        # Per key: the static batch a graph reads and the outputs its replays write.
+        self._captured: dict[ShapeKey, tuple[ForwardBatch, Any]] = {}
         self._loaded: tuple[ShapeKey, ForwardBatch] | None = None
         self.capture_time_s = 0.0
 
     # ---- keys and padding (the one place each is decided) ------------------------
 
-    def _make_graph_key(
-        self, size: int, stream_idx: int | None = None, variant: str | None = None
-    ) -> ShapeKey:
-        return ShapeKey(size=size, stream_idx=stream_idx, variant=variant)
+    def _make_graph_key(self, size: int) -> ShapeKey:
+        s = self.shape
+        return ShapeKey(size=size, mode=s.mode, width=s.width, variant=s.variant)
 
     def _pad_to_bucket(self, n: int) -> int | None:
         return pad_to_bucket(n, self.buckets, self.config.padding)
 
     @property
     def captured_sizes(self) -> list[int]:
-        return sorted(key.size for key in self.backend.keys())
+        return sorted(key.size for key in self._captured)
 
     # ---- capture -----------------------------------------------------------------
 
@@ -76,62 +84,67 @@ class GraphRunner(BaseRunner):
         with self.backend.capture_session():
             # Largest first: smaller graphs then reuse the pool memory it reserved.
             for size in reversed(self.buckets):
-                self.capture_one_shape(size, self._forward)
+                self.capture_one_shape(size)
         self.capture_time_s = time.perf_counter() - start
 
-    def capture_one_shape(
-        self,
-        size: int,
-        forward: Callable[[ForwardBatch], RunnerOutput],
-        stream_idx: int | None = None,
-        variant: str | None = None,
-    ) -> None:
-        key = self._make_graph_key(size, stream_idx, variant)
-        batch = self._static_batch(size)
-        self._static_batches[key] = batch
+    def capture_one_shape(self, size: int) -> None:
+        key = self._make_graph_key(size)
+        batch = self.buffers.set_batch(size, self.attn_backend.seq_len_fill_value())
 
         def init_metadata() -> None:
             self.attn_backend.init_metadata_for_capture(batch)
 
         init_metadata()
         # The hook re-arms metadata the warm-up runs may have advanced.
-        self.backend.capture_one(key, lambda: forward(batch), post_warmup_hook=init_metadata)
-
-    def _static_batch(self, size: int) -> ForwardBatch:
-        return self.buffers.set_batch(size, self.attn_backend.seq_len_fill_value(), self.mode)
+        outputs = self.backend.capture_one(
+            key, lambda: self.forward(batch), post_warmup_hook=init_metadata
+        )
+        self._captured[key] = (batch, outputs)
 
     def cleanup(self) -> None:
         self.backend.cleanup()
-        self._static_batches.clear()
+        self._captured.clear()
         self._loaded = None
 
     # ---- the runner contract -----------------------------------------------------
 
     def can_run_graph(self, batch: ForwardBatch) -> bool:
-        if batch.mode is not self.mode:
+        if batch.mode is not self.shape.mode:
+            return False
+        if batch.num_tokens != batch.batch_size * self.shape.width:
             return False
         size = self._pad_to_bucket(batch.batch_size)
-        return size is not None and self.backend.can_run(batch, self._make_graph_key(size))
+        return size is not None and self.backend.can_run(self._make_graph_key(size))
 
     def load_batch(self, batch: ForwardBatch) -> None:
         key = self._make_graph_key(self._pad_to_bucket(batch.batch_size))
-        static = self._static_batches[key]
+        static, _ = self._captured[key]
         self.buffers.copy_from(batch, static, self.attn_backend.seq_len_fill_value())
         self.attn_backend.init_metadata_for_replay(static)
         self._loaded = (key, static)
 
     @torch.inference_mode()
-    def execute(self, batch: ForwardBatch) -> RunnerOutput:
+    def execute(self, batch: ForwardBatch) -> Any:
         self.load_batch(batch)
         key, static = self._loaded
-        return self._slice_output(self._replay_graph(key, static), batch.batch_size)
-
-    def _slice_output(self, out: RunnerOutput, bs: int) -> RunnerOutput:
-        # Cloned, not sliced views: replay outputs live in graph memory that the
-        # next replay overwrites (upstream returned views and served garbage).
-        return RunnerOutput(logits=out.logits[:bs].clone(), hidden=out.hidden[:bs].clone())
-
-    def _replay_graph(self, key: ShapeKey, static: ForwardBatch) -> RunnerOutput:
         self.backend.update_inputs(key, seq_lens_cpu=static.seq_lens_cpu)
         with self.backend.replay_session():
-            return self.backend.replay(key, static)
+            fresh = self.backend.replay(key)
+        outputs = self._captured[key][1] if fresh is None else fresh
+        return real_rows(outputs, static.batch_size, batch.batch_size)
+
+
+def real_rows(outputs: Any, size: int, bs: int) -> Any:
+    """The rows of the ``bs`` real requests in the outputs of a ``size``-request graph.
+
+    Every output's leading dimension is a whole number of rows per request.
+    Cloned, not sliced views: replay outputs live in graph memory that the next
+    replay overwrites (upstream returned views and served garbage).
+    """
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return t[: t.shape[0] // size * bs].clone()
+
+    if isinstance(outputs, RunnerOutput):
+        return RunnerOutput(logits=take(outputs.logits), hidden=take(outputs.hidden))
+    return tuple(take(t) for t in outputs)

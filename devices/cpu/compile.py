@@ -36,7 +36,7 @@ class CompiledGraphBackend(ExecutionBackend):
         key: ShapeKey,
         run_once: Callable[[], Any],
         post_warmup_hook: Callable[[], None] | None = None,
-    ) -> None:
+    ) -> None:  # no static outputs: compiled code returns fresh ones from every call
         # dynamic=False: each bucket gets code specialised to its shapes, as a
         # device graph would be; fullgraph=True: a graph break is an error, not
         # a silent eager fallback. Nothing runs here (lazy); see the module docstring.
@@ -44,10 +44,10 @@ class CompiledGraphBackend(ExecutionBackend):
         if post_warmup_hook is not None:
             post_warmup_hook()
 
-    def can_run(self, batch: Any, key: ShapeKey) -> bool:
+    def can_run(self, key: ShapeKey) -> bool:
         return key in self._compiled
 
-    def replay(self, key: ShapeKey, batch: Any) -> Any:
+    def replay(self, key: ShapeKey) -> Any:
         return self._compiled[key]()
 
     def keys(self) -> Iterator[ShapeKey]:

@@ -1,13 +1,17 @@
-"""The Triton attention backend: the paged decode kernel, the torch reference elsewhere.
+"""The Triton attention backend: paged decode, draft and tree-verify kernels.
 
 DECODE stores the step's K/V with ``triton_decode.store_kv`` (one launch for
-k and v) and runs ``triton_decode.decode_attention``; every other mode
-(extend, verify, draft) is the torch reference's, inherited unchanged.
+k and v) and runs ``triton_decode.decode_attention``. DRAFT rows (the MTP
+drafter's query-only steps over the target's KV) run the same decode kernel
+and store nothing: it reads each row's live prefix only. TARGET_VERIFY stores
+the tree nodes' K/V, then runs ``triton_verify.tree_verify_attention`` (each
+node over its request's prefix plus its ancestors). EXTEND (prefill, eager)
+is the torch reference's, inherited unchanged.
 
-Scratch (the kernel's per-split partials) is shared by every layer of one
-(num_heads, head_dim) and allocated on first use outside capture: the graph
-runner's warm-up runs, largest bucket first, allocate it for the largest
-graph batch before any capture begins.
+Scratch (the kernels' per-split partials) is shared by every layer of one
+(num_heads, head_dim, splits) and allocated on first use outside capture:
+the graph runner's warm-up runs, largest bucket first, allocate it for the
+largest graph batch before any capture begins.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from graphrt.devices.cuda.triton_decode import (
     decode_attention,
     store_kv,
 )
+from graphrt.devices.cuda.triton_verify import tree_verify_attention
 
 
 @dataclass
@@ -43,8 +48,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
         super().__init__(kv_pool, req_to_token_pool)
         self.num_kv_splits = num_kv_splits
         self._graph_bs = 0  # rows every scratch buffer holds once graphs are in use
-        # (num_heads, head_dim) -> (partial_out, partial_lse), shared across layers.
-        self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (num_heads, head_dim, splits) -> (partial_out, partial_lse), shared across layers.
+        self._scratch: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # NOTE: captured graphs keep raw pointers into scratch; a buffer replaced by
         # a larger one stays referenced here so it is never freed under a graph.
         self._retired: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -57,10 +62,11 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     def init_graph_state(self, max_bs: int, max_tokens: int) -> None:
         super().init_graph_state(max_bs, max_tokens)
-        self._graph_bs = max(self._graph_bs, max_bs)
-        for (num_heads, head_dim), (partial_out, _) in list(self._scratch.items()):
+        # Rows, not requests: a verify graph's rows are its tokens.
+        self._graph_bs = max(self._graph_bs, max_tokens)
+        for key, (partial_out, _) in list(self._scratch.items()):
             if partial_out.shape[0] < self._graph_bs:
-                self._grow(num_heads, head_dim, self._graph_bs, partial_out.device)
+                self._grow(key, self._graph_bs, partial_out.device)
 
     def init_metadata_for_capture(self, batch: ForwardBatch) -> None:
         super().init_metadata_for_capture(batch)
@@ -84,63 +90,81 @@ class TritonAttentionBackend(TorchAttentionBackend):
     # ---- forward -----------------------------------------------------------------
 
     def forward(self, q, k, v, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
-        if batch.mode is not ForwardMode.DECODE:
+        if batch.mode is ForwardMode.EXTEND:
             return super().forward(q, k, v, spec, batch)
         k_buffer = self.kv_pool.k_buffers[spec.cache_index]
         v_buffer = self.kv_pool.v_buffers[spec.cache_index]
         if spec.writes_kv:
             # Its own launch, before attention: every split of a row must see the new K/V.
             store_kv(
-                k.view(-1, spec.num_kv_heads, spec.head_dim),  # (B, Hkv, D)
+                k.view(-1, spec.num_kv_heads, spec.head_dim),  # (T, Hkv, D)
                 v.view(-1, spec.num_kv_heads, spec.head_dim),
                 k_buffer,
                 v_buffer,
                 batch.out_cache_loc,
             )
-        q = q.view(-1, spec.num_heads, spec.head_dim)  # (B, H, D)
+        q = q.view(-1, spec.num_heads, spec.head_dim)  # (T, H, D)
         # Inside a graph this comes from the graph's pool, which owns it.
         out = torch.empty_like(q)
-        partial_out, partial_lse = self._scratch_for(spec.num_heads, spec.head_dim, q)
         meta = batch.attn_metadata
-        decode_attention(
-            q,
-            k_buffer,
-            v_buffer,
-            self.req_to_token_pool.req_to_token,
-            meta.req_pool_indices,
-            meta.seq_lens,
-            out,
-            partial_out,
-            partial_lse,
-            spec.scaling,
-            spec.sliding_window,
-        )
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            # One extra split beyond the prefix's: the tree nodes themselves.
+            scratch = self._scratch_for(spec.num_heads, spec.head_dim, self.num_kv_splits + 1, q)
+            tree_verify_attention(
+                q,
+                k_buffer,
+                v_buffer,
+                self.req_to_token_pool.req_to_token,
+                meta.req_pool_indices,
+                meta.seq_lens,
+                batch.positions,
+                batch.out_cache_loc,
+                batch.spec_info.tree_mask,
+                out,
+                *scratch,
+                spec.scaling,
+                spec.sliding_window,
+            )
+        else:  # DECODE, and DRAFT rows (which wrote nothing above)
+            scratch = self._scratch_for(spec.num_heads, spec.head_dim, self.num_kv_splits, q)
+            decode_attention(
+                q,
+                k_buffer,
+                v_buffer,
+                self.req_to_token_pool.req_to_token,
+                meta.req_pool_indices,
+                meta.seq_lens,
+                out,
+                *scratch,
+                spec.scaling,
+                spec.sliding_window,
+            )
         return out.view(-1, spec.num_heads * spec.head_dim)
 
     # ---- scratch -----------------------------------------------------------------
 
     def _scratch_for(
-        self, num_heads: int, head_dim: int, q: torch.Tensor
+        self, num_heads: int, head_dim: int, splits: int, q: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        bs = q.shape[0]
-        scratch = self._scratch.get((num_heads, head_dim))
-        if scratch is None or scratch[0].shape[0] < bs:
+        rows, key = q.shape[0], (num_heads, head_dim, splits)
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch[0].shape[0] < rows:
             if q.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise GraphrtError(
-                    f"triton decode scratch for {num_heads} heads x {head_dim} dims, batch {bs}, "
-                    "is missing during graph capture; run a warm-up forward before capturing"
+                    f"triton attention scratch for {num_heads} heads x {head_dim} dims x {splits} "
+                    f"splits, {rows} rows, is missing during graph capture; run a warm-up forward first"
                 )
             # Powers of two: a run of growing eager batches reallocates a few times only.
-            rows = max(1 << (bs - 1).bit_length(), self._graph_bs)
-            scratch = self._grow(num_heads, head_dim, rows, q.device)
+            scratch = self._grow(key, max(1 << (rows - 1).bit_length(), self._graph_bs), q.device)
         return scratch
 
     def _grow(
-        self, num_heads: int, head_dim: int, rows: int, device: torch.device
+        self, key: tuple[int, int, int], rows: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        old = self._scratch.get((num_heads, head_dim))
+        old = self._scratch.get(key)
         if old is not None and self._graph_bs:  # graphs may have captured it
             self._retired.append(old)
-        scratch = allocate_decode_scratch(rows, num_heads, head_dim, device, self.num_kv_splits)
-        self._scratch[(num_heads, head_dim)] = scratch
+        num_heads, head_dim, splits = key
+        scratch = allocate_decode_scratch(rows, num_heads, head_dim, device, splits)
+        self._scratch[key] = scratch
         return scratch

@@ -315,6 +315,27 @@ def _spy_capture(backend: ExecutionBackend, log: list) -> None:
     backend.capture_one = spy_capture_one
 
 
+def case_device(case: GraphCase):
+    """A graphrt Device that hands out the case's attention and graph backends, so that
+    an Engine built from it runs exactly the case's pair."""
+    from graphrt.devices.cpu import CpuDevice
+    from graphrt.devices.cuda import CudaDevice
+
+    base = CudaDevice if case.device.type == "cuda" else CpuDevice
+
+    class CaseDevice(base):
+        def create_attention_backend(self, kv_pool, req_to_token_pool):
+            return case.make_attention(kv_pool, req_to_token_pool)
+
+        def _graph_backend_factories(self):
+            return {case.id: case.make_backend}
+
+        def default_dtype(self):
+            return case.dtype
+
+    return CaseDevice()
+
+
 def loaded_model(case: GraphCase, cache: dict):
     key = ("model", case.device, case.dtype)
     if key not in cache:

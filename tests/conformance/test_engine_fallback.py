@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from harness import CONTEXT, KV_SLOTS, MAX_REQUESTS, GraphCase
+from harness import CONTEXT, KV_SLOTS, MAX_REQUESTS, GraphCase, case_device
 from helpers import random_prompts
 
 from graphrt.core.batch import ForwardBatch, ForwardMode
@@ -34,13 +34,8 @@ def _config(**overrides) -> EngineConfig:
 
 
 def _engine(case: GraphCase, loaded, graphs: bool, **overrides) -> Engine:
-    return Engine(
-        loaded,
-        case.device,
-        _config(**overrides),
-        attention_factory=case.make_attention,
-        graph_backend=case.make_backend() if graphs else None,
-    )
+    runner = "graph" if graphs else "eager"
+    return Engine(loaded, _config(runner=runner, **overrides), case_device(case))
 
 
 @pytest.fixture
@@ -127,7 +122,7 @@ def test_exact_mode_runs_graphs_only_at_captured_sizes(case, loaded, graph_engin
     replayed = []
     replay = engine.graph_backend.replay
     monkeypatch.setattr(
-        engine.graph_backend, "replay", lambda key, b: replayed.append(key) or replay(key, b)
+        engine.graph_backend, "replay", lambda key: replayed.append(key) or replay(key)
     )
     prompts = random_prompts(LENS, seed=13, vocab=loaded.model.vocab_size)
     reference, _ = _run_staggered(_engine(case, loaded, graphs=False), prompts)

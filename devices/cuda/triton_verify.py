@@ -1,0 +1,341 @@
+"""Tree-masked verify attention in Triton: speculative decoding's TARGET_VERIFY step.
+
+Each of B requests carries a tree of n draft nodes (node 0 the root), flattened
+request-major into rows r = b * n + i. Their K/V are already in the token pool
+at ``out_cache_loc``. Node i attends to its request's cached prefix (positions
+0 .. seq_len - n - 1, slots from ``req_to_token``) and to the tree nodes j that
+``tree_mask[b, i, j]`` marks (itself and its ancestors), each key subject to
+the sliding window ``k_pos > q_pos - window``, in one softmax.
+
+Work decomposition, as in triton_decode.py's flash-decoding: stage 1 runs one
+program per (node row, KV head, split), grid B*n x Hkv x (S + 1), and each
+program serves the G query heads of its KV head with ``tl.dot`` (G padded to
+16 rows). Splits 0 .. S-1 cut the node's visible prefix range into S equal
+chunks; split S takes the n tree keys, masked by the node's tree-mask row and
+the window, as one padded block (blocks of BLOCK_N when n is larger). Stage 2
+is triton_decode.py's log-sum-exp combine over the S + 1 partials of each
+(node row, query head). The n nodes of a request each re-read the shared
+prefix, mostly from L2 at n <= 16, and one program per node keeps each node's
+window range its own; a program per (request, KV head, split) serving all
+n * G rows would read the prefix once, the next step if verify is bandwidth-bound.
+
+Capture-safe: the launches read only device tensors and host shapes, never
+sync, allocate nothing (the caller owns ``out`` and the scratch), and their
+grids depend on B, n, the head counts and the scratch's fixed split count
+alone, so an eager run and a graph replay of the same inputs are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphrt.devices.cuda.triton_decode import (
+    MIN_DOT,
+    NUM_KV_SPLITS,
+    TILE_BYTES,
+    _decode_combine_kernel,
+    default_block_n,
+)
+
+
+@triton.jit
+def _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over a block of keys; returns the new (m, l_sum, acc).
+
+    q (BLOCK_G, BLOCK_D), k (BLOCK_D, BLOCK_K), v (BLOCK_K, BLOCK_D), visible (BLOCK_K,).
+    """
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_G, BLOCK_K)
+    scores = tl.where(visible[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    # A tree block can hold no visible key (window, padding rows): m_new stays
+    # -inf, and shifting by 0 instead makes every exp 0 rather than NaN.
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - shift)
+    p = tl.exp(scores - shift[:, None])
+    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # (BLOCK_G, BLOCK_D)
+    return m_new, l_sum * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _verify_partial_kernel(
+    Q,  # (B*n, H, D)
+    K,  # (num_slots + 1, Hkv, D)
+    V,
+    ReqToToken,  # (max_reqs + 1, max_ctx)
+    ReqPoolIndices,  # (B,)
+    SeqLens,  # (B,) prefix + n
+    Positions,  # (B*n,)
+    OutCacheLoc,  # (B*n,) the tree nodes' slots
+    TreeMask,  # (B, n, n) uint8 view of the bool mask
+    PartialOut,  # (>= B*n, H, S + 1, D) float32
+    PartialLse,  # (>= B*n, H, S + 1) float32
+    sm_scale,
+    window,  # 0 = no sliding window
+    num_nodes,  # n
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_req,
+    stride_mb,
+    stride_mi,
+    stride_pot,
+    stride_poh,
+    stride_pos,
+    stride_plt,
+    stride_plh,
+    KV_GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,  # KV_GROUP padded to a power of two >= MIN_DOT
+    NUM_PREFIX_SPLITS: tl.constexpr,  # S; split S is the tree split
+    BLOCK_N: tl.constexpr,  # prefix keys per loop step
+    BLOCK_T: tl.constexpr,  # tree keys per loop step (n padded, at most BLOCK_N)
+    HEAD_DIM: tl.constexpr,  # constant, so K/V rows load as 16-byte vectors
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= MIN_DOT
+    DOT_PRECISION: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv_h = tl.program_id(1)
+    split = tl.program_id(2)
+    b = row // num_nodes
+    node = row - b * num_nodes
+
+    req = tl.load(ReqPoolIndices + b).to(tl.int64)
+    # Padding rows may carry seq_len < n: their prefix is empty, not negative.
+    prefix = tl.maximum(tl.load(SeqLens + b).to(tl.int32) - num_nodes, 0)
+    q_pos = tl.load(Positions + row).to(tl.int32)
+    # Prefix key j (position j) is visible iff j > q_pos - window; node positions
+    # are >= prefix, so the window can only cut the range's start.
+    lo = tl.where(window > 0, tl.maximum(q_pos - window + 1, 0), 0)
+    lo = tl.minimum(lo, prefix)
+    chunk = tl.cdiv(prefix - lo, NUM_PREFIX_SPLITS)
+    # The tree split starts at lo + S * chunk >= prefix: its prefix loop is empty.
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, prefix)
+    # ... and only the tree split walks the tree keys.
+    num_tree = tl.where(split == NUM_PREFIX_SPLITS, num_nodes, 0)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < KV_GROUP  # rows past the group are zero queries, never stored
+    heads = kv_h * KV_GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    # q in the cache's dtype, as the torch reference casts it: the dots then
+    # take native operands and accumulate in float32.
+    q = tl.load(
+        Q + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(K.dtype.element_ty)  # (BLOCK_G, BLOCK_D)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
+    l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+
+    # Prefix splits: a contiguous range of positions, all visible.
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(
+            K + slots[None, :] * stride_kt + kv_h * stride_kh + offs_d[:, None],
+            mask=mask_d[:, None] & mask_n[None, :],
+            other=0.0,
+        )  # (BLOCK_D, BLOCK_N): loaded transposed for the dot
+        v = tl.load(
+            V + slots[:, None] * stride_vt + kv_h * stride_vh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_D)
+        m, l_sum, acc = _attend_block(q, k, v, mask_n, m, l_sum, acc, sm_scale, DOT_PRECISION)
+
+    # Tree split: the request's n nodes, visible through the tree mask and the window.
+    node_rows = b * num_nodes  # row of the request's root
+    for t0 in range(0, num_tree, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < num_tree
+        slots = tl.load(OutCacheLoc + node_rows + offs_t, mask=mask_t, other=0).to(tl.int64)
+        k_pos = tl.load(Positions + node_rows + offs_t, mask=mask_t, other=0).to(tl.int32)
+        in_tree = tl.load(
+            TreeMask + b * stride_mb + node * stride_mi + offs_t, mask=mask_t, other=0
+        )  # (BLOCK_T,) node j is this node or its ancestor
+        visible = mask_t & (in_tree != 0) & ((window == 0) | (k_pos > q_pos - window))
+        k = tl.load(
+            K + slots[None, :] * stride_kt + kv_h * stride_kh + offs_d[:, None],
+            mask=mask_d[:, None] & mask_t[None, :],
+            other=0.0,
+        )  # (BLOCK_D, BLOCK_T)
+        v = tl.load(
+            V + slots[:, None] * stride_vt + kv_h * stride_vh + offs_d[None, :],
+            mask=mask_t[:, None] & mask_d[None, :],
+            other=0.0,
+        )  # (BLOCK_T, BLOCK_D)
+        m, l_sum, acc = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
+
+    # An empty split (short or windowed prefixes) writes zeros and lse = -inf,
+    # so stage 2 gives it weight 0 without reading uninitialised scratch.
+    nonempty = l_sum > 0
+    safe_sum = tl.where(nonempty, l_sum, 1.0)
+    out = acc / safe_sum[:, None]
+    lse = tl.where(nonempty, m + tl.log(safe_sum), float("-inf"))
+    po = PartialOut + row * stride_pot + heads[:, None] * stride_poh + split * stride_pos
+    tl.store(po + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(PartialLse + row * stride_plt + heads * stride_plh + split, lse, mask=mask_g)
+
+
+def allocate_verify_scratch(
+    max_rows: int,
+    num_heads: int,
+    head_dim: int,
+    device: torch.device,
+    num_kv_splits: int = NUM_KV_SPLITS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partials (max_rows, H, S + 1, D) and log-sum-exps (max_rows, H, S + 1), float32.
+
+    S prefix splits plus the tree split; ``max_rows`` is the largest B * n.
+    One pair serves every layer of that (H, D): layers run one after another.
+    """
+    partial_out = torch.empty(
+        (max_rows, num_heads, num_kv_splits + 1, head_dim), dtype=torch.float32, device=device
+    )
+    partial_lse = torch.empty(
+        (max_rows, num_heads, num_kv_splits + 1), dtype=torch.float32, device=device
+    )
+    return partial_out, partial_lse
+
+
+def verify_block_n(head_dim: int, element_size: int) -> int:
+    """Prefix keys per loop step: default_block_n, halved (not below MIN_DOT) while a K
+    plus a V tile passes TILE_BYTES.
+
+    default_block_n stops at 32, and at D = 512 (Gemma 4's full layers) a 32-key bf16
+    K plus V tile is 64 KB, twice the budget: 16 keys keep both the pipeline's shared
+    memory and the dot operands' registers at the D = 256 level.
+    """
+    block_d = max(triton.next_power_of_2(head_dim), MIN_DOT)
+    block_n = default_block_n(head_dim, element_size)
+    while block_n > MIN_DOT and 2 * block_n * block_d * element_size > TILE_BYTES:
+        block_n //= 2
+    return block_n
+
+
+def tree_verify_attention(
+    q: torch.Tensor,  # (B*n, H, D), any float dtype
+    k_buffer: torch.Tensor,  # (num_slots + 1, Hkv, D)
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,  # (max_reqs + 1, max_ctx) int64
+    req_pool_indices: torch.Tensor,  # (B,) int64
+    seq_lens: torch.Tensor,  # (B,) int32: prefix + n
+    positions: torch.Tensor,  # (B*n,) int64
+    out_cache_loc: torch.Tensor,  # (B*n,) int64, the nodes' K/V already stored there
+    tree_mask: torch.Tensor,  # (B, n, n) bool: node j is node i or its ancestor
+    out: torch.Tensor,  # (B*n, H, D), written, q's dtype
+    partial_out: torch.Tensor,  # (>= B*n, H, S + 1, D) float32 scratch
+    partial_lse: torch.Tensor,  # (>= B*n, H, S + 1) float32 scratch
+    sm_scale: float,
+    sliding_window: int | None = None,
+    block_n: int | None = None,  # prefix keys per loop step (>= 16); None: verify_block_n
+) -> torch.Tensor:
+    """Each tree node's attention over its prefix and its tree ancestors; returns ``out``.
+
+    The prefix split count S is the scratch's third dimension minus one. Shapes
+    are checked on the host only (no device sync), so this may be captured.
+    """
+    bs, num_nodes = tree_mask.shape[:2]
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    num_splits = partial_out.shape[2]  # S + 1
+    assert tree_mask.shape == (bs, num_nodes, num_nodes) and tree_mask.dtype == torch.bool
+    assert num_rows == bs * num_nodes, f"{num_rows} query rows for {bs} trees of {num_nodes}"
+    assert req_pool_indices.shape == seq_lens.shape == (bs,)
+    assert positions.shape == out_cache_loc.shape == (num_rows,)
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads, {num_kv_heads} KV heads"
+    assert k_buffer.shape[2] == head_dim and v_buffer.shape[1:] == k_buffer.shape[1:]
+    assert k_buffer.dtype == v_buffer.dtype
+    assert num_splits >= 2, "the scratch holds S >= 1 prefix splits plus the tree split"
+    assert partial_out.shape[0] >= num_rows
+    assert partial_out.shape[1:] == (num_heads, num_splits, head_dim)
+    assert partial_lse.shape[0] >= num_rows and partial_lse.shape[1:] == (num_heads, num_splits)
+    assert partial_out.dtype == partial_lse.dtype == torch.float32
+    assert out.shape == q.shape
+    # The kernels index the last dimension (and the 1-D inputs) with unit stride.
+    for name, t in (("q", q), ("k", k_buffer), ("v", v_buffer), ("out", out)):
+        assert t.stride(-1) == 1, f"{name} must be contiguous in head_dim"
+    assert partial_out.stride(-1) == 1 and partial_lse.stride(-1) == 1
+    assert req_to_token.stride(1) == 1 and tree_mask.stride(2) == 1
+    for t in (req_pool_indices, seq_lens, positions, out_cache_loc):
+        assert t.stride(0) == 1
+    if num_rows == 0:
+        return out
+
+    block_d = max(triton.next_power_of_2(head_dim), MIN_DOT)
+    if block_n is None:
+        block_n = verify_block_n(head_dim, k_buffer.element_size())
+    assert block_n >= MIN_DOT and block_n == triton.next_power_of_2(block_n), block_n
+    window = 0 if sliding_window is None else int(sliding_window)
+    assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
+    group = num_heads // num_kv_heads
+
+    _verify_partial_kernel[(num_rows, num_kv_heads, num_splits)](
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        positions,
+        out_cache_loc,
+        tree_mask.view(torch.uint8),  # same bytes; sidesteps Triton's 1-bit pointers
+        partial_out,
+        partial_lse,
+        float(sm_scale),
+        window,
+        num_nodes,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        req_to_token.stride(0),
+        tree_mask.stride(0),
+        tree_mask.stride(1),
+        partial_out.stride(0),
+        partial_out.stride(1),
+        partial_out.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
+        KV_GROUP=group,
+        BLOCK_G=max(triton.next_power_of_2(group), MIN_DOT),
+        NUM_PREFIX_SPLITS=num_splits - 1,
+        BLOCK_N=block_n,
+        BLOCK_T=min(max(triton.next_power_of_2(num_nodes), MIN_DOT), block_n),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        # float32 caches keep float32 products (tf32 would cost ~1e-3 relative);
+        # the precision only applies to float32 operands, so 16-bit caches ignore it.
+        DOT_PRECISION="ieee" if k_buffer.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=2,
+    )
+    _decode_combine_kernel[(num_rows, num_heads)](
+        partial_out,
+        partial_lse,
+        out,
+        partial_out.stride(0),
+        partial_out.stride(1),
+        partial_out.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        NUM_KV_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=2,
+    )
+    return out

@@ -1,0 +1,194 @@
+"""Frozen-KV MTP decoding: every decode step of the engine becomes a speculative round.
+
+A round, device work end to end (gpt-fast's ``speculative_decode``, on graphs):
+
+1. draft: the drafter's whole loop, one captured graph per request batch size;
+2. verify: the target scores every tree node in one TARGET_VERIFY forward,
+   one captured graph per request batch size at the tree's width;
+3. accept: the target's token at every node (argmax, or a draw), then the
+   accepted path, as tensor operations over the fixed-size tree;
+4. commit: the path's KV slots written into each request's token table and
+   the next seed hidden gathered, on the device;
+5. one host read per round: accepted lengths, path nodes and tokens, in one
+   pinned copy waited on through an event. The host then frees the rejected
+   nodes' slots (their ids are known on the host since it allocated them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphrt.core.engine import Engine
+from graphrt.core.engine.request import Request
+from graphrt.core.engine.sampling import draw
+from graphrt.core.engine.strategy import DecodeStrategy
+from graphrt.core.host import read_host, to_device
+from graphrt.core.models.loader import LoadedModel
+from graphrt.core.runners import EagerRunner, GraphRunner, RunnerOutput
+from graphrt.spec.accept import Acceptance, accept, commit_kv
+from graphrt.spec.config import SpecConfig
+from graphrt.spec.draft import captured_draft_loop, draft_batch, draft_shape, draft_tree
+from graphrt.spec.tree import VerifyTree, build_verify_tree
+from graphrt.spec.verify import verify_batch, verify_shape
+
+
+@dataclass
+class RoundInputs:
+    """What a round starts from, per request (device tensors unless ``_cpu``)."""
+
+    root: torch.Tensor  # (B,) last emitted token, not cached yet
+    seed_hidden: torch.Tensor  # (B, H) the target hidden that produced it
+    req_slots: torch.Tensor  # (B,)
+    kv_lens: torch.Tensor  # (B,) int32: cached tokens = the root's position
+    kv_lens_cpu: list[int]
+    max_accept: torch.Tensor  # (B,) drafts each request may still cache (the context's end)
+
+
+class MTPDecoding(DecodeStrategy):
+    name = "speculative"
+
+    def __init__(self, drafter: LoadedModel, config: SpecConfig | None = None):
+        self.drafter = drafter
+        self.cfg = config or SpecConfig()
+        self.draft_graph: GraphRunner | None = None
+        self.verify_graph: GraphRunner | None = None
+
+    def extra_kv_slots(self) -> int:
+        return self.cfg.num_draft_tokens  # a round holds a whole verify tree's slots briefly
+
+    def setup(self, engine: Engine) -> None:
+        self.engine = engine
+        target, drafter = engine.loaded.model, self.drafter.model
+        drafter.bind_target(target)
+        self.draft_eager = EagerRunner(drafter, engine.attn_backend)
+        if engine.graph_backend is None:
+            return
+        args = (engine.graph_backend, engine.graph_runner_config(), engine.torch_device)
+        hidden = draft_shape(target.config.hidden_size, next(target.parameters()).dtype)
+        loop = captured_draft_loop(drafter, engine.attn_backend, self.cfg)
+        self.verify_graph = GraphRunner(
+            target, engine.attn_backend, *args, shape=verify_shape(self.cfg.num_draft_tokens)
+        )
+        # One backend, one pool: the verify graphs (the larger) first, then the draft loops.
+        engine.capture(self.verify_graph)
+        # The loop's steps derive their rows inside the graph, so their attention metadata
+        # must be the capture-safe kind; attention that needs host lengths per step (a
+        # breakable backend's) drafts eagerly and verifies on graphs.
+        if engine.attn_backend.capture_safe:
+            self.draft_graph = GraphRunner(
+                drafter, engine.attn_backend, *args, hidden, forward=loop
+            )
+            engine.capture(self.draft_graph)
+
+    def after_prefill(self, reqs: list[Request], out: RunnerOutput) -> None:
+        for i, req in enumerate(reqs):
+            req.spec_seed = out.hidden[i]  # the hidden that produced the token: the first seed
+
+    def cleanup(self) -> None:
+        for runner in (self.draft_graph, self.verify_graph):
+            if runner is not None:
+                runner.cleanup()
+
+    # ---- one round ---------------------------------------------------------------
+
+    def decode(self, reqs: list[Request]) -> list[list[int]]:
+        inputs = self.round_inputs(reqs)
+        tree, drafted_on_graph = self.draft(inputs)
+        locs_host = self.engine.kv_pool.alloc_host(len(reqs) * tree.num_nodes)
+        out, verified_on_graph = self.verify(inputs, tree, locs_host)
+        acc = accept(tree, self.target_tokens(reqs, out, tree.num_nodes), inputs.max_accept)
+        if drafted_on_graph and verified_on_graph:
+            self.engine.stats.graph_rounds += len(reqs)
+        return self.commit(reqs, inputs, tree, out, acc, locs_host)
+
+    def round_inputs(self, reqs: list[Request]) -> RoundInputs:
+        dev, ctx = self.engine.torch_device, self.engine.max_context_len
+        kv_lens_cpu = [r.kv_len for r in reqs]
+        return RoundInputs(
+            root=to_device([r.output_ids[-1] for r in reqs], dev),
+            seed_hidden=torch.stack([r.spec_seed for r in reqs]),
+            req_slots=to_device([r.req_slot for r in reqs], dev),
+            kv_lens=to_device(kv_lens_cpu, dev, torch.int32),
+            kv_lens_cpu=kv_lens_cpu,
+            max_accept=to_device([ctx - 1 - n for n in kv_lens_cpu], dev),
+        )
+
+    def draft(self, inputs: RoundInputs, graphs: bool = True) -> tuple[VerifyTree, bool]:
+        """The draft tree, from the draft-loop graph where one fits; -> (tree, graph used)."""
+        args = (inputs.root, inputs.seed_hidden, inputs.req_slots, inputs.kv_lens)
+        batch = draft_batch(*args, inputs.kv_lens_cpu)
+        on_graph = graphs and self.draft_graph is not None and self.draft_graph.can_run_graph(batch)
+        if on_graph:
+            drafted = self.draft_graph.execute(batch)
+        else:
+            drafted = draft_tree(self.draft_eager.execute, self.cfg, *args, inputs.kv_lens_cpu)
+        return build_verify_tree(inputs.root, *drafted, self.cfg.topk), on_graph
+
+    def verify(
+        self, inputs: RoundInputs, tree: VerifyTree, locs_host: torch.Tensor, graphs: bool = True
+    ) -> tuple[RunnerOutput, bool]:
+        """The target over every node (KV into ``locs_host``'s slots); -> (output, graph used)."""
+        locs = to_device(locs_host, self.engine.torch_device)  # (B * n,) node-major
+        batch = verify_batch(
+            tree,
+            inputs.req_slots,
+            inputs.kv_lens,
+            inputs.kv_lens_cpu,
+            locs,
+            self.engine.max_context_len - 1,
+        )
+        graph = self.verify_graph if graphs else None
+        on_graph = graph is not None and graph.can_run_graph(batch)
+        return self.engine.run_forward(batch, graph), on_graph
+
+    def target_tokens(self, reqs: list[Request], out: RunnerOutput, n: int) -> torch.Tensor:
+        """(B, n) the target's token after every node: its argmax, or a draw per node."""
+        logits = out.logits.view(len(reqs), n, -1)  # (B, n, V)
+        tokens = logits.argmax(dim=-1)
+        for b, req in enumerate(reqs):
+            if not req.params.greedy:
+                tokens[b] = draw(logits[b], req.params, req.generator)
+        return tokens
+
+    def commit(
+        self,
+        reqs: list[Request],
+        inputs: RoundInputs,
+        tree: VerifyTree,
+        out: RunnerOutput,
+        acc: Acceptance,
+        locs_host: torch.Tensor,
+    ) -> list[list[int]]:
+        engine, bs, n = self.engine, len(reqs), tree.num_nodes
+        locs = locs_host.view(bs, n)
+        commit_kv(
+            engine.req_pool.req_to_token,
+            inputs.req_slots,
+            inputs.kv_lens,
+            to_device(locs, engine.torch_device),
+            acc,
+        )
+        rows = torch.arange(bs, device=out.hidden.device)
+        seeds = out.hidden.view(bs, n, -1)[rows, acc.last_node]  # (B, H) the next seeds
+        # The round's one host read: accepted lengths, path nodes, tokens, drafts.
+        packed = torch.cat([acc.accept_len.unsqueeze(1), acc.path, acc.tokens, tree.tokens], 1)
+        emitted = []
+        for b, (req, row) in enumerate(zip(reqs, read_host(packed))):
+            accepted = row[0]
+            path, tokens = row[1 : 2 + accepted], row[1 + n : 2 + n + accepted]
+            engine.req_pool.host[req.req_slot, req.kv_len : req.kv_len + accepted + 1] = locs[
+                b, path
+            ]
+            rejected = torch.ones(n, dtype=torch.bool)
+            rejected[path] = False
+            engine.kv_pool.free(locs[b][rejected])
+            req.kv_len += accepted + 1  # the root and the accepted drafts are cached now
+            req.spec_seed = seeds[b]
+            req.spec_rounds.append(
+                {"draft_tokens": row[2 + 2 * n :], "accepted_tokens": tokens[:-1]}
+            )
+            engine.stats.record_accept(accepted, self.cfg.num_steps)
+            emitted.append(tokens)
+        return emitted

@@ -1,0 +1,174 @@
+"""Speculative rounds on every graph backend: a graph round equals an eager round.
+
+Two engines over the same Gemma 4 target and MTP assistant (made by transformers),
+one capturing the draft loop and the verify forward as graphs, one eager, step in
+lockstep. After every step they must agree on the drafts, the accepted and emitted
+tokens, each live request's token-table entries (device and host copies) and the KV
+stored at them. Cases: batches that shrink between rounds (padded replays), mixed
+accept lengths driven by an oracle drafter (the verify graph, acceptance and commit
+under every accept length), and exact mode. float32: greedy near-ties between two
+kernels would make a bfloat16 comparison about rounding, not about graphrt.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import CASES, case_device
+from helpers import OracleDraftRunner, random_prompts, rel_err
+
+from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+from graphrt.core.models import load_model
+from graphrt.spec import MTPDecoding, SpecConfig
+
+SPEC_CASES = [c for c in CASES if c.dtype == torch.float32]
+BUCKETS = (2, 4)
+PROMPT_LENS = (9, 16, 12, 5)  # longer and shorter than the sliding window (6)
+# Request i stops after LIMITS[i] tokens: the batch shrinks 4 -> 3 -> 2 -> 1 over the rounds.
+LIMITS = (4, 9, 14, 20)
+
+
+@pytest.fixture(params=[pytest.param(c, id=c.id, marks=c.marks) for c in SPEC_CASES])
+def spec_case(request):
+    return request.param
+
+
+def _engine(case, target, drafter, graphs: bool, topk: int, **overrides) -> Engine:
+    strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, topk=topk))
+    config = EngineConfig(
+        max_running_requests=4,
+        max_context_len=64,
+        runner="graph" if graphs else "eager",
+        graph_buckets=BUCKETS,
+        **overrides,
+    )
+    return Engine(target, config, case_device(case), strategy)
+
+
+@pytest.fixture
+def engines(spec_case, gemma4_tiny, gemma4_assistant, session_cache):
+    """(graph engine, eager engine) per case, topk and padding mode, captured once."""
+
+    def get(topk: int = 1, padding: bool = True) -> tuple[Engine, Engine]:
+        models = ("spec-models", spec_case.device)
+        if models not in session_cache:
+            session_cache[models] = tuple(
+                load_model(str(c.path), spec_case.device, spec_case.dtype)
+                for c in (gemma4_tiny, gemma4_assistant)
+            )
+        key = ("spec-engines", spec_case.id, topk, padding)
+        if key not in session_cache:
+            target, drafter = session_cache[models]
+            session_cache[key] = (
+                _engine(spec_case, target, drafter, True, topk, graph_padding=padding),
+                _engine(spec_case, target, drafter, False, topk),
+            )
+        return session_cache[key]
+
+    return get
+
+
+def _assert_same_state(graph: Engine, eager: Engine, pairs, rtol: float) -> None:
+    for g, e in pairs:
+        assert g.output_ids == e.output_ids
+        assert g.spec_rounds == e.spec_rounds  # drafts and accepted tokens, round by round
+        assert g.kv_len == e.kv_len and g.finished == e.finished
+        if g.finished:
+            continue
+        # Both engines allocate alike, so the same slots hold the same tokens' KV.
+        slots = g.req_slot, e.req_slot
+        g_table = graph.req_pool.req_to_token[slots[0], : g.kv_len]
+        e_table = eager.req_pool.req_to_token[slots[1], : e.kv_len]
+        assert torch.equal(g_table, e_table)
+        assert torch.equal(g_table.cpu(), graph.req_pool.host[slots[0], : g.kv_len])
+        for g_k, e_k in zip(graph.kv_pool.k_buffers, eager.kv_pool.k_buffers):
+            assert rel_err(g_k[g_table], e_k[e_table]) <= rtol
+
+
+def _lockstep(graph: Engine, eager: Engine, prompts, rtol: float, before_decode=None):
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in LIMITS]
+    pairs = [(graph.add_request(p, s), eager.add_request(p, s)) for p, s in zip(prompts, params)]
+    while graph.has_work or eager.has_work:
+        if before_decode is not None and not graph.waiting:
+            before_decode(graph, eager)
+            before_decode = None
+        graph.step()
+        eager.step()
+        _assert_same_state(graph, eager, pairs, rtol)
+    for engine in (graph, eager):
+        assert engine.kv_pool.available() == engine.kv_pool.num_slots
+    return [g for g, _ in pairs]
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_graph_rounds_equal_eager_rounds_as_the_batch_shrinks(spec_case, engines, topk):
+    graph, eager = engines(topk)
+    vocab = graph.loaded.model.vocab_size
+    rounds0 = graph.stats.graph_rounds, graph.stats.spec_rounds
+    _lockstep(graph, eager, random_prompts(PROMPT_LENS, seed=5, vocab=vocab), spec_case.rtol)
+    graph_rounds = graph.stats.graph_rounds - rounds0[0]
+    spec_rounds = graph.stats.spec_rounds - rounds0[1]
+    # Every round replayed both graphs: 4 and 3 requests padded to 4, then 2, then 1 -> 2.
+    # Attention that is not capture-safe (a breakable backend's) drafts eagerly.
+    drafts_on_graphs = graph.strategy.draft_graph is not None
+    assert drafts_on_graphs is graph.attn_backend.capture_safe
+    assert graph_rounds == (spec_rounds if drafts_on_graphs else 0) and spec_rounds > 0
+    assert eager.stats.graph_rounds == 0
+
+
+def test_mixed_accept_lengths_from_an_oracle_drafter(spec_case, engines):
+    """The oracle proposes each request's true continuation except at chosen steps, so
+    rounds accept 0 to 3 drafts; verify, acceptance and commit run on the graphs."""
+    graph, eager = engines()
+    vocab = graph.loaded.model.vocab_size
+    prompts = random_prompts(PROMPT_LENS, seed=6, vocab=vocab)
+    plain = Engine(graph.loaded, EngineConfig(runner="eager"), case_device(spec_case))
+    truth = {  # prompt -> its whole greedy sequence, from a plain eager engine
+        tuple(p): p
+        + plain.generate([p], SamplingParams(max_new_tokens=n + 4, ignore_eos=True))[0].output_ids
+        for p, n in zip(prompts, LIMITS)
+    }
+    saved = [(e.strategy, e.strategy.draft_eager) for e in (graph, eager)]
+
+    def use_oracle(*pair):
+        for engine in pair:
+            strategy = engine.strategy
+            by_slot = {r.req_slot: truth[tuple(r.prompt_ids)] for r in engine.running}
+            strategy.draft_eager = OracleDraftRunner(engine, by_slot, topk=1)
+            # The oracle runs eagerly; the verify forward still replays its graph.
+            strategy.draft = lambda inputs, graphs=True, s=strategy: type(s).draft(s, inputs, False)
+
+    eager0 = graph.stats.eager_steps
+    try:
+        reqs = _lockstep(graph, eager, prompts, spec_case.rtol, before_decode=use_oracle)
+    finally:
+        for strategy, draft_eager in saved:
+            strategy.__dict__.pop("draft", None)
+            strategy.draft_eager = draft_eager
+    accepted = {len(rnd["accepted_tokens"]) for r in reqs for rnd in r.spec_rounds}
+    assert {0, 1, 2, 3} <= accepted, accepted
+    assert graph.stats.eager_steps - eager0 == 1  # the prefill: every verify replayed a graph
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == truth[tuple(p)][len(p) : len(p) + len(r.output_ids)]
+
+
+def test_exact_mode_runs_rounds_on_graphs_at_captured_sizes_only(spec_case, engines):
+    graph, eager = engines(padding=False)
+    vocab = graph.loaded.model.vocab_size
+    sizes = []
+    decode = graph.strategy.decode
+
+    def spy(reqs):
+        before = graph.stats.graph_rounds
+        out = decode(reqs)
+        sizes.append((len(reqs), graph.stats.graph_rounds > before))
+        return out
+
+    graph.strategy.decode = spy
+    try:
+        _lockstep(graph, eager, random_prompts(PROMPT_LENS, seed=7, vocab=vocab), spec_case.rtol)
+    finally:
+        del graph.strategy.decode
+    on_graphs = graph.strategy.draft_graph is not None  # see the shrinking-batch test
+    expected = {4: on_graphs, 3: False, 2: on_graphs, 1: False}
+    assert {size: on_graph for size, on_graph in sizes} == expected

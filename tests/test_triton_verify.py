@@ -1,0 +1,374 @@
+"""Triton tree-masked verify attention (devices/cuda/triton_verify.py) against naive
+float64 softmax attention and a batched masked-SDPA reference written here.
+
+Every case scatters slots over the pool (slot order unrelated to position order),
+poisons the padding slot 0 with large K, builds random draft trees (each node's
+parent an earlier node; the mask is a node's ancestors and itself) over mixed
+prefix lengths, and fills ``out`` with NaN first, so an unwritten element shows.
+CPU lane: the kernels under Triton's interpreter, in a subprocess (TRITON_INTERPRET=1
+must be set before triton is first imported), whose errors come back as JSON.
+CUDA lane: real sizes in float32 / bfloat16 (Gemma 4's head_dim 256 and 512 with
+8 query heads on one KV head among them), and a CUDA graph replay against eager.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import OLD_INTERPRETER, needs_gpu, needs_triton, rel_err, run_under_triton_interpreter
+
+PADDING_K = 50.0  # large, finite garbage in the padding slot's K: a row reading it shows
+
+
+@dataclass
+class VerifyInputs:
+    """One TARGET_VERIFY batch: B trees of n nodes over a scattered paged pool."""
+
+    q: torch.Tensor  # (B*n, H, D)
+    k_buffer: torch.Tensor  # (num_slots + 1, Hkv, D)
+    v_buffer: torch.Tensor
+    req_to_token: torch.Tensor  # (max_reqs + 1, context)
+    req_pool_indices: torch.Tensor  # (B,)
+    seq_lens: torch.Tensor  # (B,) int32, prefix + n
+    positions: torch.Tensor  # (B*n,)
+    out_cache_loc: torch.Tensor  # (B*n,)
+    tree_mask: torch.Tensor  # (B, n, n) bool
+    prefix_lens: list[int]
+    window: int | None
+    sm_scale: float
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tree_mask.shape[1]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [
+            self.q,
+            self.k_buffer,
+            self.v_buffer,
+            self.req_to_token,
+            self.req_pool_indices,
+            self.seq_lens,
+            self.positions,
+            self.out_cache_loc,
+            self.tree_mask,
+        ]
+
+
+def random_tree(num_nodes: int, gen: torch.Generator, chain: bool) -> list[int]:
+    """Parent of each node (-1 for the root); a parent always precedes its child."""
+    if chain:
+        return [i - 1 for i in range(num_nodes)]
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, num_nodes)]
+
+
+def make_inputs(
+    prefix_lens: list[int],
+    num_nodes: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device,
+    seed: int,
+    window: int | None = None,
+    gapped: bool = False,  # node positions: parent's + 1..3 (root: prefix + 0..3), not depth
+    chain: bool = False,  # every tree a chain, as deep as it is long
+    context: int | None = None,  # req_to_token width; the pool holds B * context slots
+) -> VerifyInputs:
+    gen = torch.Generator().manual_seed(seed)
+    bs = len(prefix_lens)
+    context = context or max(prefix_lens) + 4 * num_nodes
+    num_slots = bs * context
+    k_buffer = torch.randn(num_slots + 1, num_kv_heads, head_dim, generator=gen)
+    v_buffer = torch.randn(num_slots + 1, num_kv_heads, head_dim, generator=gen)
+    k_buffer[0] = PADDING_K
+    # Scattered slots and request rows, as after frees and reuse; row 0 and
+    # every unowned position of req_to_token stay slot 0.
+    free = (torch.randperm(num_slots, generator=gen) + 1).tolist()
+    req_rows = (torch.randperm(bs + 2, generator=gen)[:bs] + 1).tolist()
+    req_to_token = torch.zeros(bs + 3, context, dtype=torch.int64)
+    positions, out_cache_loc = [], []
+    tree_mask = torch.zeros(bs, num_nodes, num_nodes, dtype=torch.bool)
+    for b, prefix in enumerate(prefix_lens):
+        req_to_token[req_rows[b], :prefix] = torch.tensor([free.pop() for _ in range(prefix)])
+        out_cache_loc += [free.pop() for _ in range(num_nodes)]
+        parents = random_tree(num_nodes, gen, chain)
+        pos = []
+        for i, parent in enumerate(parents):
+            step = int(torch.randint(0 if parent < 0 else 1, 4, (1,), generator=gen))
+            if parent < 0:
+                pos.append(prefix + (step if gapped else 0))
+            else:
+                pos.append(pos[parent] + (step if gapped else 1))
+                tree_mask[b, i] = tree_mask[b, parent]
+            tree_mask[b, i, i] = True
+        positions += pos
+    rows = bs * num_nodes
+    return VerifyInputs(
+        q=torch.randn(rows, num_heads, head_dim, generator=gen).to(device, dtype),
+        k_buffer=k_buffer.to(device, dtype),
+        v_buffer=v_buffer.to(device, dtype),
+        req_to_token=req_to_token.to(device),
+        req_pool_indices=torch.tensor(req_rows, device=device),
+        seq_lens=torch.tensor([p + num_nodes for p in prefix_lens], dtype=torch.int32).to(device),
+        positions=torch.tensor(positions, device=device),
+        out_cache_loc=torch.tensor(out_cache_loc, device=device),
+        tree_mask=tree_mask.to(device),
+        prefix_lens=list(prefix_lens),
+        window=window,
+        sm_scale=1.3 * head_dim**-0.5,
+    )
+
+
+def naive_verify(inp: VerifyInputs) -> torch.Tensor:
+    """Explicit softmax in float64, node by node, over the keys the semantics name -> (B*n, H, D)."""
+    q, k_buffer, v_buffer, req_to_token, req_rows, _, positions, locs, tree_mask = (
+        t.cpu() for t in inp.tensors()
+    )
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_buffer.shape[1]
+    group = num_heads // num_kv_heads
+    n, window = inp.num_nodes, inp.window
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, prefix in enumerate(inp.prefix_lens):
+        for i in range(n):
+            row = b * n + i
+            q_pos = int(positions[row])
+            slots = [
+                int(req_to_token[req_rows[b], j])
+                for j in range(prefix)
+                if window is None or j > q_pos - window
+            ]
+            slots += [
+                int(locs[b * n + j])
+                for j in range(n)
+                if tree_mask[b, i, j] and (window is None or positions[b * n + j] > q_pos - window)
+            ]
+            if not slots:  # a padding row: the kernel's empty softmax is zeros
+                out[row] = 0.0
+                continue
+            key = k_buffer[slots].double()  # (L, Hkv, D)
+            value = v_buffer[slots].double()
+            qg = q[row].to(k_buffer.dtype).double().view(num_kv_heads, group, head_dim)
+            scores = torch.einsum("kgd,lkd->kgl", qg, key) * inp.sm_scale
+            weights = (scores - scores.amax(-1, keepdim=True)).exp()
+            weights = weights / weights.sum(-1, keepdim=True)
+            out[row] = torch.einsum("kgl,lkd->kgd", weights, value).reshape(num_heads, head_dim)
+    return out
+
+
+def sdpa_verify(inp: VerifyInputs) -> torch.Tensor:
+    """The same attention as one masked SDPA over [padded prefix | tree] keys -> (B*n, H, D)."""
+    q, k_buffer, v_buffer, req_to_token, req_rows, _, positions, locs, tree_mask = (
+        t.cpu() for t in inp.tensors()
+    )
+    bs, n = tree_mask.shape[:2]
+    num_heads, head_dim = q.shape[1:]
+    max_prefix = max(inp.prefix_lens)
+    slots = torch.cat([req_to_token[req_rows, :max_prefix], locs.view(bs, n)], dim=1)  # (B, L)
+    key = k_buffer[slots].double().transpose(1, 2)  # (B, Hkv, L, D)
+    value = v_buffer[slots].double().transpose(1, 2)
+    prefix_pos = torch.arange(max_prefix).expand(bs, max_prefix)  # (B, P)
+    in_prefix = prefix_pos < torch.tensor(inp.prefix_lens).view(bs, 1)
+    visible = torch.cat([in_prefix.unsqueeze(1).expand(bs, n, max_prefix), tree_mask], dim=2)
+    # visible: (B, n, L)
+    if inp.window is not None:
+        k_pos = torch.cat([prefix_pos, positions.view(bs, n)], dim=1)  # (B, L)
+        q_pos = positions.view(bs, n, 1)
+        visible &= k_pos.unsqueeze(1) > q_pos - inp.window
+    qb = q.to(k_buffer.dtype).double().view(bs, n, num_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        qb,  # (B, H, n, D)
+        key,
+        value,
+        attn_mask=visible.unsqueeze(1),
+        scale=inp.sm_scale,
+        enable_gqa=num_heads != key.shape[1],
+    )
+    return out.transpose(1, 2).reshape(bs * n, num_heads, head_dim)
+
+
+def run_kernel(
+    inp: VerifyInputs,
+    num_kv_splits: int | None = None,
+    block_n: int | None = None,
+    q: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The kernel into a NaN-filled ``out`` with scratch sized past B*n rows."""
+    from graphrt.devices.cuda.triton_verify import allocate_verify_scratch, tree_verify_attention
+
+    q = inp.q if q is None else q
+    rows, num_heads, head_dim = q.shape
+    splits = {} if num_kv_splits is None else {"num_kv_splits": num_kv_splits}
+    scratch = allocate_verify_scratch(rows + 3, num_heads, head_dim, q.device, **splits)
+    out = torch.full_like(inp.q, float("nan"))
+    result = tree_verify_attention(
+        q, *inp.tensors()[1:], out, *scratch, inp.sm_scale, inp.window, block_n=block_n
+    )
+    assert result is out
+    return out
+
+
+# ---- CPU lane: the kernels under Triton's interpreter ----------------------------------
+
+# 0: the root sees only itself; 3: shorter than the splits; 70: several 16-key steps
+# per split in the 3-split launches.
+CPU_PREFIX_LENS = [0, 3, 21, 70]
+# (head_dim, num_heads, num_kv_heads, n, window, gapped, chain, num_kv_splits, block_n):
+# KV groups 1, 2 and 8; head dims 16, 24 (masked lanes) and 64; n = 1, 2, 5, 7; windows
+# shorter than the tree (3 on a 7-chain), within it, and longer; positions by depth or gapped.
+INTERPRETER_CASES = [
+    (16, 2, 2, 5, None, False, False, 3, 16),
+    (24, 4, 2, 7, 3, False, True, 3, 16),
+    (64, 8, 1, 2, 20, True, False, 3, None),
+    (24, 8, 1, 7, 5, True, False, 2, 16),
+    (16, 2, 1, 1, 4, False, False, 3, None),
+    (64, 2, 1, 5, None, True, True, 3, 16),
+]
+
+
+def interpreter_results() -> dict:
+    """Runs in a TRITON_INTERPRET=1 subprocess; returns errors and flags for the test to check."""
+    errors, flags = {}, {}
+    for i, case in enumerate(INTERPRETER_CASES):
+        head_dim, num_heads, num_kv_heads, n, window, gapped, chain, splits, block_n = case
+        name = f"D{head_dim}-G{num_heads // num_kv_heads}-n{n}-window{window}-gapped{gapped}"
+        inp = make_inputs(
+            CPU_PREFIX_LENS, n, num_heads, num_kv_heads, head_dim, torch.float32, "cpu",
+            seed=i, window=window, gapped=gapped, chain=chain,
+        )  # fmt: skip
+        q = inp.q
+        if i == 0:  # q with a row stride wider than H * D, as a slice of a fused projection
+            wide = torch.zeros(q.shape[0], num_heads, head_dim + 8)
+            wide[:, :, :head_dim] = q
+            q = wide[:, :, :head_dim]
+        out = run_kernel(inp, splits, block_n, q)
+        naive, sdpa = naive_verify(inp), sdpa_verify(inp)
+        errors[f"{name}/vs_naive"] = rel_err(out, naive)
+        errors[f"{name}/vs_sdpa"] = rel_err(out, sdpa)
+        errors[f"{name}/sdpa_vs_naive"] = rel_err(sdpa, naive)
+        flags[f"{name}/written"] = bool(torch.isfinite(out).all())
+
+    # A padding request as a graph batch may hold one: request row 0, a seq_len short
+    # of n, slot 0 everywhere and no tree key visible. Its rows must stay NaN-free.
+    inp = make_inputs([5, 0], 3, 2, 1, 16, torch.float32, "cpu", seed=9)
+    inp.req_pool_indices[1], inp.seq_lens[1] = 0, 1
+    inp.out_cache_loc[3:], inp.tree_mask[1] = 0, False
+    out = run_kernel(inp, 3)
+    errors["padding/vs_naive"] = rel_err(out, naive_verify(inp))
+    flags["padding/zeros"] = torch.equal(out[3:], torch.zeros_like(out[3:]))
+    return {"errors": errors, "flags": flags}
+
+
+@needs_triton
+@pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
+def test_verify_kernel_under_interpreter_matches_naive_and_sdpa():
+    results = run_under_triton_interpreter(__file__)
+    # Per case: 3 errors and 1 flag; then the padding request's error and flag.
+    assert len(results["errors"]) == 3 * len(INTERPRETER_CASES) + 1
+    assert len(results["flags"]) == len(INTERPRETER_CASES) + 1
+    too_far = {name: err for name, err in results["errors"].items() if not err <= 1e-5}
+    assert not too_far, too_far
+    failed = [name for name, ok in results["flags"].items() if not ok]
+    assert not failed, failed
+
+
+def test_references_agree_on_cpu():
+    """The two references, without Triton: explicit per-node softmax and one masked SDPA."""
+    inp = make_inputs([0, 9, 30], 6, 4, 2, 8, torch.float32, "cpu", seed=3, window=7, gapped=True)
+    assert rel_err(sdpa_verify(inp), naive_verify(inp)) < 1e-12
+
+
+# ---- CUDA lane -----------------------------------------------------------------------
+
+CUDA_TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # relative, vs float64 naive
+# Up to ~600: empty, one key, under a split, a window's worth (512) and past it.
+CUDA_PREFIX_LENS = [0, 1, 17, 255, 511, 512, 600, 333]
+# (head_dim, num_heads, num_kv_heads): Gemma 4 E2B's full (512) and sliding (256) layers
+# serve 8 query heads from one KV head; then G = 4 at head_dim 64.
+CUDA_SHAPES = [(512, 8, 1), (256, 8, 1), (64, 16, 4)]
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
+@pytest.mark.parametrize("window", [None, 512])
+@pytest.mark.parametrize("num_nodes", [5, 13])
+@pytest.mark.parametrize("shape", CUDA_SHAPES, ids=lambda s: f"D{s[0]}-G{s[1] // s[2]}")
+@pytest.mark.parametrize("dtype", list(CUDA_TOLERANCES), ids=str)
+def test_cuda_verify_matches_naive(dtype, shape, num_nodes, window):
+    head_dim, num_heads, num_kv_heads = shape
+    inp = make_inputs(
+        CUDA_PREFIX_LENS, num_nodes, num_heads, num_kv_heads, head_dim, dtype, "cuda",
+        seed=head_dim + num_nodes, window=window, gapped=num_nodes == 13,
+    )  # fmt: skip
+    out = run_kernel(inp)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    naive = naive_verify(inp)
+    assert rel_err(sdpa_verify(inp), naive) < 1e-12
+    assert rel_err(out.cpu(), naive) < CUDA_TOLERANCES[dtype]
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
+@pytest.mark.parametrize("dtype", list(CUDA_TOLERANCES), ids=str)
+def test_cuda_graph_replay_matches_eager_bitwise(dtype):
+    """Captured once (a full and a windowed launch on one scratch), replayed after every
+    input is rewritten in place: new trees, prefixes, positions, slots, q and KV."""
+    from graphrt.devices.cuda.triton_verify import allocate_verify_scratch, tree_verify_attention
+
+    bs, num_nodes, num_heads, num_kv_heads, head_dim, context = 4, 5, 8, 1, 256, 700
+    windows = [None, 512]
+
+    def fresh(seed: int, prefix_lens: list[int]) -> VerifyInputs:
+        return make_inputs(
+            prefix_lens, num_nodes, num_heads, num_kv_heads, head_dim, dtype, "cuda",
+            seed=seed, gapped=seed % 2 == 1, context=context,
+        )  # fmt: skip
+
+    static = fresh(0, [1] * bs)
+    scratch = allocate_verify_scratch(bs * num_nodes, num_heads, head_dim, torch.device("cuda"))
+    static_outs = [torch.empty_like(static.q) for _ in windows]
+
+    def forward(inp: VerifyInputs, outs: list[torch.Tensor]) -> None:
+        for window, out in zip(windows, outs):
+            tree_verify_attention(
+                *inp.tensors(), out, *scratch, inp.sm_scale, sliding_window=window
+            )
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward(static, static_outs)  # warm-up: compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        forward(static, static_outs)
+
+    for seed, prefix_lens in ((1, [600, 0, 37, 512]), (2, [3, 511, 90, 1]), (3, [250] * bs)):
+        live = fresh(seed, prefix_lens)
+        for static_t, live_t in zip(static.tensors(), live.tensors()):
+            static_t.copy_(live_t)
+        for out in static_outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        replayed = [out.clone() for out in static_outs]
+        eager = [torch.full_like(static.q, float("nan")) for _ in windows]
+        forward(static, eager)
+        for window, got, want in zip(windows, replayed, eager):
+            assert torch.equal(got, want), f"replay != eager at window {window}, seed {seed}"
+            live.window = window
+            assert rel_err(got.cpu(), naive_verify(live)) < CUDA_TOLERANCES[dtype]
+    graph.reset()
+
+
+if __name__ == "__main__":
+    # The CPU lane's subprocess (TRITON_INTERPRET=1 is already in its environment).
+    torch.manual_seed(0)
+    print(json.dumps(interpreter_results()))
