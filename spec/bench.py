@@ -12,6 +12,7 @@ generation (``generate(..., assistant_model=...)``) on the same weights.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -81,13 +82,14 @@ def run_spec_bench(
     hf_peer: Callable[[], object] | None = None,
     report=print,
 ) -> list[SpecBatchResult]:
-    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    vocab = spec_engine.loaded.model.vocab_size
     results = []
     for bs in cfg.batch_sizes:
         result = SpecBatchResult(batch_size=bs)
-        prompts = torch.randint(0, spec_engine.loaded.model.vocab_size, (bs, cfg.prompt_len))
-        result.decode_ms = _decode_ms(plain_engine, prompts.tolist(), cfg, sync)
-        _time_round_pieces(spec_engine, prompts.tolist(), cfg, sync, result)
+        prompts = [[rng.randrange(vocab) for _ in range(cfg.prompt_len)] for _ in range(bs)]
+        result.decode_ms = _decode_ms(plain_engine, prompts, cfg, sync)
+        _time_round_pieces(spec_engine, prompts, cfg, sync, result)
         steps = spec_engine.strategy.cfg.num_steps
         result.decode_tokens_per_s = bs / result.decode_ms * 1e3
         result.spec_tokens_per_s = bs * result.accept_length_mean / result.round_ms * 1e3

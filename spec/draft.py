@@ -21,7 +21,7 @@ from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.runners import GraphShape, StaticField
 from graphrt.core.runners.base import RunnerOutput, forward_model
 from graphrt.spec.config import SpecConfig
-from graphrt.spec.tree import expand_step, organize_draft_results
+from graphrt.spec.tree import VerifyTree, build_verify_tree, expand_step, organize_draft_results
 
 
 @dataclass
@@ -62,6 +62,13 @@ def draft_tree(
     return organize_draft_results(score_list, token_list, parents_list, cfg.num_draft_tokens)
 
 
+def draft_verify_tree(run_step, cfg: SpecConfig, tokens, seed_hidden, *rows) -> VerifyTree:
+    """The round's verify tree: ``draft_tree`` (same arguments) built into mask, depths
+    and parents, with the last accepted tokens as roots."""
+    drafted = draft_tree(run_step, cfg, tokens, seed_hidden, *rows)
+    return build_verify_tree(tokens, *drafted, cfg.topk)
+
+
 def draft_batch(
     tokens, hidden, req_pool_indices, kv_lens, kv_lens_cpu, reps: int = 1
 ) -> ForwardBatch:
@@ -95,7 +102,8 @@ def draft_shape(seed_hidden_size: int, dtype: torch.dtype) -> GraphShape:
 
 def captured_draft_loop(drafter, attn: AttentionBackend, cfg: SpecConfig):
     """The function a draft-loop graph computes from its static request rows: the whole
-    ``draft_tree`` (every draft step, the top-k expansions and the organised results)."""
+    draft (every draft step, the top-k expansions, the organised results) and the verify
+    tree built from it, so the verify graph can follow with no eager work between."""
 
     def run_step(step: ForwardBatch) -> RunnerOutput:
         # Step rows are derived inside the graph from the static buffers; their
@@ -104,7 +112,7 @@ def captured_draft_loop(drafter, attn: AttentionBackend, cfg: SpecConfig):
         return forward_model(drafter, attn, step)
 
     def forward(static: ForwardBatch):
-        return draft_tree(
+        return draft_verify_tree(
             run_step,
             cfg,
             static.input_ids,
@@ -112,6 +120,6 @@ def captured_draft_loop(drafter, attn: AttentionBackend, cfg: SpecConfig):
             static.req_pool_indices,
             static.seq_lens,
             static.seq_lens_cpu,
-        )
+        ).tensors()
 
     return forward

@@ -2,7 +2,8 @@
 
 A round, device work end to end (gpt-fast's ``speculative_decode``, on graphs):
 
-1. draft: the drafter's whole loop, one captured graph per request batch size;
+1. draft: the drafter's whole loop and the verify tree built from it, one captured
+   graph per request batch size;
 2. verify: the target scores every tree node in one TARGET_VERIFY forward,
    one captured graph per request batch size at the tree's width;
 3. accept: the target's token at every node (argmax, or a draw), then the
@@ -29,8 +30,8 @@ from graphrt.core.models.loader import LoadedModel
 from graphrt.core.runners import EagerRunner, GraphRunner, RunnerOutput
 from graphrt.spec.accept import Acceptance, accept, commit_kv
 from graphrt.spec.config import SpecConfig
-from graphrt.spec.draft import captured_draft_loop, draft_batch, draft_shape, draft_tree
-from graphrt.spec.tree import VerifyTree, build_verify_tree
+from graphrt.spec.draft import captured_draft_loop, draft_batch, draft_shape, draft_verify_tree
+from graphrt.spec.tree import VerifyTree
 from graphrt.spec.verify import verify_batch, verify_shape
 
 
@@ -121,10 +122,9 @@ class MTPDecoding(DecodeStrategy):
         batch = draft_batch(*args, inputs.kv_lens_cpu)
         on_graph = graphs and self.draft_graph is not None and self.draft_graph.can_run_graph(batch)
         if on_graph:
-            drafted = self.draft_graph.execute(batch)
-        else:
-            drafted = draft_tree(self.draft_eager.execute, self.cfg, *args, inputs.kv_lens_cpu)
-        return build_verify_tree(inputs.root, *drafted, self.cfg.topk), on_graph
+            return VerifyTree(*self.draft_graph.execute(batch)), True
+        tree = draft_verify_tree(self.draft_eager.execute, self.cfg, *args, inputs.kv_lens_cpu)
+        return tree, False
 
     def verify(
         self, inputs: RoundInputs, tree: VerifyTree, locs_host: torch.Tensor, graphs: bool = True

@@ -89,6 +89,10 @@ class VerifyTree:
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The fields in order (``VerifyTree(*tree.tensors())`` rebuilds it): what a graph returns."""
+        return self.tokens, self.parents, self.depth, self.mask, self.valid
+
     def positions(self, root_positions: torch.Tensor) -> torch.Tensor:
         """(B, n) sequence positions: the root's plus the node's depth."""
         return root_positions.unsqueeze(1) + self.depth

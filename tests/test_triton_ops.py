@@ -43,7 +43,14 @@ BITWISE = ("rope_q", "rope_k", "add_rms_norm_sum")
 FLOAT32_MAX_REL = 1e-6
 MISMATCH_FRAC = {"bfloat16": 1e-3, "float16": 5e-3}  # of the elements that differ at all
 # Largest 16-bit difference per output (see the module docstring for why norms allow 2).
-MAX_ULP = {"rms_norm": 2, "add_rms_norm": 2, "silu_mul": 1}
+# Gemma's norm rounds once, after the float32 weight multiply: a flip is 1 ulp.
+MAX_ULP = {
+    "rms_norm": 2,
+    "add_rms_norm": 2,
+    "silu_mul": 1,
+    "gemma_norm": 1,
+    "gemma_norm_noscale": 1,
+}
 
 _BITS = {torch.float32: (torch.int32, 31), torch.bfloat16: (torch.int16, 15)}
 _BITS[torch.float16] = _BITS[torch.bfloat16]
@@ -129,6 +136,12 @@ def run_cases(ops, dtype, norm_shapes, silu_shapes, rope_shapes, device, seed=0)
         # The caller may still hold its inputs: they must come back untouched.
         intact = torch.equal(x, before[0]) and torch.equal(residual, before[1])
         results[f"{case}/add_rms_norm_sum"]["inputs_intact"] = intact
+        # Gemma's q/k norms: 3 heads of a (T, 3, D) view out of a wider projection.
+        heads = randn(num_rows, 3 * dim + 8)[:, : 3 * dim].view(num_rows, 3, dim)
+        got = ops.gemma_rms_norm(heads, weight, EPS)
+        results[f"{case}/gemma_norm"] = compare(got, TORCH_OPS.gemma_rms_norm(heads, weight, EPS))
+        got = ops.gemma_rms_norm(x, None, EPS)  # v_norm: no scale
+        results[f"{case}/gemma_norm_noscale"] = compare(got, TORCH_OPS.gemma_rms_norm(x, None, EPS))
 
     for num_rows, inter in silu_shapes:
         x = randn(num_rows, 2 * inter + 16, scale=3.0)[:, : 2 * inter]  # (T, 2I), strided rows
@@ -184,8 +197,8 @@ def interpreter_results() -> dict:
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_ops_under_interpreter_match_reference():
     results = run_under_triton_interpreter(__file__)
-    # 2 dtypes x (3 norm shapes x 3 outputs + 3 silu shapes + 3 rope shapes x 2 outputs)
-    assert len(results) == 2 * (9 + 3 + 6)
+    # 2 dtypes x (3 norm shapes x 5 outputs + 3 silu shapes + 3 rope shapes x 2 outputs)
+    assert len(results) == 2 * (15 + 3 + 6)
     bad = violations(results)
     assert not bad, bad
 

@@ -52,20 +52,17 @@ _SHARED_KV_TENSOR = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj
 
 class GemmaRMSNorm(nn.Module):
     """transformers' Gemma4RMSNorm: float32 norm (pow(-0.5), not rsqrt), times ``weight``
-    in float32, then rounded to the input dtype. ``ops.rms_norm`` rounds before the
-    weight multiply, so it is not used here (it differs in bfloat16)."""
+    in float32, then rounded to the input dtype (``ops.gemma_rms_norm``; ``ops.rms_norm``
+    rounds before the weight multiply, which differs in bfloat16)."""
 
-    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+    def __init__(self, dim: int, eps: float, with_scale: bool = True, ops: ModelOps = TORCH_OPS):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.weight is not None:
-            out = out * self.weight.float()
-        return out.type_as(x)
+        return self.ops.gemma_rms_norm(x, self.weight, self.eps)
 
 
 def proportional_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
@@ -100,6 +97,7 @@ class Gemma4Attention(nn.Module):
         layer_id: int,
         rotary: RotaryEmbedding,
         kv_spec: AttentionSpec | None = None,
+        ops: ModelOps = TORCH_OPS,
     ):
         """``kv_spec``: attend over another model's KV through this spec, computing no K/V
         (the MTP assistant reads its target's cache; its spec is bound to the target later)."""
@@ -118,9 +116,9 @@ class Gemma4Attention(nn.Module):
             if not self.k_eq_v:
                 shards["v_proj"] = self.kv_size
             self.qkv_proj = MergedLinear(c.hidden_size, shards, bias=c.attention_bias)
-            self.k_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps)
-            self.v_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps, with_scale=False)
-        self.q_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps, ops=ops)
+            self.v_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps, with_scale=False, ops=ops)
+        self.q_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps, ops=ops)
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.attention_bias)
         self.rotary = rotary
         self.spec = AttentionSpec(
@@ -167,23 +165,23 @@ class Gemma4DecoderLayer(nn.Module):
     ):
         super().__init__()
         c = config
-        self.self_attn = Gemma4Attention(c, layer_id, rotary, kv_spec)
+        self.self_attn = Gemma4Attention(c, layer_id, rotary, kv_spec, ops)
         wide = c.use_double_wide_mlp and c.is_kv_consumer(layer_id)
         self.mlp = GatedMLP(
             c.hidden_size, c.intermediate_size * (2 if wide else 1), c.hidden_act, ops=ops
         )
         eps = c.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(c.hidden_size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(c.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(c.hidden_size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(c.hidden_size, eps)
+        self.input_layernorm = GemmaRMSNorm(c.hidden_size, eps, ops=ops)
+        self.post_attention_layernorm = GemmaRMSNorm(c.hidden_size, eps, ops=ops)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(c.hidden_size, eps, ops=ops)
+        self.post_feedforward_layernorm = GemmaRMSNorm(c.hidden_size, eps, ops=ops)
         self.has_per_layer_input = bool(c.hidden_size_per_layer_input)
         if self.has_per_layer_input:
             ple = c.hidden_size_per_layer_input
             self.act = ACTIVATIONS[c.hidden_act]
             self.per_layer_input_gate = nn.Linear(c.hidden_size, ple, bias=False)
             self.per_layer_projection = nn.Linear(ple, c.hidden_size, bias=False)
-            self.post_per_layer_input_norm = GemmaRMSNorm(c.hidden_size, eps)
+            self.post_per_layer_input_norm = GemmaRMSNorm(c.hidden_size, eps, ops=ops)
         # A persistent buffer in transformers (saved in checkpoints): a parameter here so
         # that the loader fills it and checks it is present.
         self.layer_scalar = nn.Parameter(torch.ones(1))
@@ -221,13 +219,13 @@ class Gemma4Backbone(nn.Module):
             Gemma4DecoderLayer(c, i, self.rotary[c.layer_types[i]], ops)
             for i in range(c.num_layers)
         )
-        self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, ops=ops)
         if c.hidden_size_per_layer_input:
             ple, n = c.hidden_size_per_layer_input, c.num_layers
             self.embed_tokens_per_layer = nn.Embedding(c.vocab_size_per_layer_input, n * ple)
             self.register_buffer("per_layer_embed_scale", torch.tensor(ple**0.5), persistent=False)
             self.per_layer_model_projection = nn.Linear(c.hidden_size, n * ple, bias=False)
-            self.per_layer_projection_norm = GemmaRMSNorm(ple, c.rms_norm_eps)
+            self.per_layer_projection_norm = GemmaRMSNorm(ple, c.rms_norm_eps, ops=ops)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight

@@ -128,7 +128,7 @@ class Gemma4DraftBackbone(nn.Module):
             )
             for i in range(c.num_layers)
         )
-        self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, ops=ops)
 
 
 def _unbound_spec(c: Gemma4Config, layer: int) -> AttentionSpec:

@@ -27,6 +27,9 @@ class ModelOps:
     add_rms_norm: Callable[
         [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
     ]
+    # (x (..., D), weight (D,) or None, eps) -> Gemma's RMSNorm (..., D) in x's dtype: the
+    # norm and the weight multiply both in float32, one rounding at the end.
+    gemma_rms_norm: Callable[[torch.Tensor, torch.Tensor | None, float], torch.Tensor]
     # (x (T, 2I)) -> silu(x[:, :I]) * x[:, I:]  (T, I)
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
     # (positions (T,), q (T, H, D), k (T, Hkv, D), cos (P, R), sin (P, R)) -> rotated (q, k):
@@ -49,6 +52,15 @@ def torch_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     summed = x + residual
     return torch_rms_norm(summed, weight, eps), summed
+
+
+def torch_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    # transformers' Gemma4RMSNorm: pow(-0.5), not rsqrt; the weight multiplies in float32.
+    xf = x.float()
+    out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        out = out * weight.float()
+    return out.type_as(x)
 
 
 def torch_silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +94,7 @@ TORCH_OPS = ModelOps(
     name="torch",
     rms_norm=torch_rms_norm,
     add_rms_norm=torch_add_rms_norm,
+    gemma_rms_norm=torch_gemma_rms_norm,
     silu_mul=torch_silu_mul,
     rope=torch_rope,
 )

@@ -91,6 +91,40 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def _gemma_rms_norm_kernel(
+    X,  # (T, H, D): H rows of D per token (H = 1 for a plain (T, D))
+    Weight,  # (D,), read when HAS_WEIGHT
+    Out,  # (T, H, D) contiguous, x's dtype
+    eps,
+    stride_t,
+    stride_h,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TORCH_CUDA_MATH: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    token, head = row // H, row % H
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    dtype = X.dtype.element_ty
+    x = tl.load(X + token * stride_t + head * stride_h + offs, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if TORCH_CUDA_MATH:
+        # torch on CUDA: mean = sum * (1/D); pow(-0.5) is libdevice rsqrtf there.
+        inv_rms = libdevice.rsqrt(tl.sum(x * x, 0) * (1.0 / D) + eps)
+    else:
+        inv_rms = tl.math.div_rn(
+            1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(x * x, 0), D * 1.0) + eps)
+        )
+    normed = x * inv_rms  # float32, not rounded: Gemma multiplies the weight in first
+    if HAS_WEIGHT:
+        normed = normed * tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * D + offs, _round(normed, dtype).to(dtype), mask=mask)
+
+
+@triton.jit
 def _silu_mul_kernel(
     X,  # (T, 2I): gate | up
     Out,  # (T, I) contiguous
@@ -241,6 +275,35 @@ def triton_add_rms_norm(
     return _norm(x, residual, weight, eps)
 
 
+def triton_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm over the last dim of a (T, D) or (T, H, D) view, in one launch."""
+    rows = x if x.dim() == 3 else x.unsqueeze(1)  # (T, H, D)
+    assert rows.dim() == 3 and rows.stride(-1) == 1, f"x {tuple(x.shape)}: (T, [H,] D), unit stride"
+    num_tokens, heads, dim = rows.shape
+    if weight is not None:
+        assert weight.shape == (dim,) and weight.stride(0) == 1, f"weight {tuple(weight.shape)}"
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    block = triton.next_power_of_2(dim)
+    _gemma_rms_norm_kernel[(num_tokens * heads,)](
+        rows,
+        rows if weight is None else weight,
+        out,
+        float(eps),
+        rows.stride(0),
+        rows.stride(1),
+        H=heads,
+        D=dim,
+        HAS_WEIGHT=weight is not None,
+        BLOCK=block,
+        TORCH_CUDA_MATH=not _INTERPRETED,
+        num_warps=_norm_num_warps(block),
+        enable_fp_fusion=False,
+    )
+    return out
+
+
 def triton_silu_mul(x: torch.Tensor) -> torch.Tensor:
     _check_rows("x", x)
     num_rows, width = x.shape
@@ -314,6 +377,7 @@ TRITON_OPS = ModelOps(
     name="triton",
     rms_norm=triton_rms_norm,
     add_rms_norm=triton_add_rms_norm,
+    gemma_rms_norm=triton_gemma_rms_norm,
     silu_mul=triton_silu_mul,
     rope=triton_rope,
 )
