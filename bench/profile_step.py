@@ -51,17 +51,22 @@ def profile_batch(engine, bs: int, sync) -> None:
         ("graph replay", lambda: runner.backend.replay(key)),
     ]
     for name, fn in steps:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fn()
-            sync()
-        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        total = sum(e.self_device_time_total for e in events)
-        count = sum(e.count for e in events)
-        print(f"  {name}: {count} kernels, {total / 1e3:.3f} ms GPU time; top:")
-        for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
-            print(f"    {e.self_device_time_total / 1e3:7.3f} ms  x{e.count:<4} {e.key[:90]}")
+        print_kernels(name, fn, sync)
     for r in reqs:
         engine.abort(r)
+
+
+def print_kernels(name: str, fn, sync, top: int = 12) -> None:
+    """Run ``fn`` once under torch.profiler: kernel count, GPU time, the costliest kernels."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events)
+    count = sum(e.count for e in events)
+    print(f"  {name}: {count} kernels, {total / 1e3:.3f} ms GPU time; top:")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"    {e.self_device_time_total / 1e3:7.3f} ms  x{e.count:<4} {e.key[:90]}")
 
 
 if __name__ == "__main__":

@@ -51,8 +51,7 @@ def draft_tree(
         reps = 1 if step == 0 else cfg.topk
         batch = draft_batch(rows_tokens, rows_hidden, req_pool_indices, kv_lens, kv_lens_cpu, reps)
         out = run_step(batch)
-        probs = torch.softmax(out.logits, dim=-1)  # (rows, V)
-        topk_p, topk_index = probs.topk(cfg.topk, dim=-1)
+        topk_p, topk_index = top_probs(out.logits, cfg.topk)  # (rows, topk) each
         rows_tokens, rows_hidden, scores, (s, t, p) = expand_step(
             step, topk_p, topk_index, out.hidden, scores, cfg.topk
         )
@@ -60,6 +59,20 @@ def draft_tree(
         token_list.append(t)
         parents_list.append(p)
     return organize_draft_results(score_list, token_list, parents_list, cfg.num_draft_tokens)
+
+
+def top_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k likeliest tokens of each row and their softmax probabilities, (rows, k) each.
+
+    softmax(x)[i] = exp(x[i] - logsumexp(x)): no (rows, V) probability table. A one-row
+    softmax over a 262k vocabulary runs on one thread block (64 us on an H200), and
+    topk's radix select is several launches; logsumexp and max split the row over the GPU.
+    """
+    if k == 1:
+        top, index = logits.max(dim=-1, keepdim=True)
+    else:
+        top, index = logits.topk(k, dim=-1)
+    return (top - logits.logsumexp(dim=-1, keepdim=True)).exp(), index
 
 
 def draft_verify_tree(run_step, cfg: SpecConfig, tokens, seed_hidden, *rows) -> VerifyTree:
