@@ -200,12 +200,14 @@ def run_kernel(
     q: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernel into a NaN-filled ``out`` with scratch sized past B*n rows."""
-    from graphrt.devices.cuda.triton_verify import allocate_verify_scratch, tree_verify_attention
+    from graphrt.devices.cuda.triton_decode import NUM_KV_SPLITS, allocate_decode_scratch
+    from graphrt.devices.cuda.triton_verify import tree_verify_attention
 
     q = inp.q if q is None else q
     rows, num_heads, head_dim = q.shape
-    splits = {} if num_kv_splits is None else {"num_kv_splits": num_kv_splits}
-    scratch = allocate_verify_scratch(rows + 3, num_heads, head_dim, q.device, **splits)
+    # S prefix splits plus the tree split.
+    splits = (NUM_KV_SPLITS if num_kv_splits is None else num_kv_splits) + 1
+    scratch = allocate_decode_scratch(rows + 3, num_heads, head_dim, q.device, splits)
     out = torch.full_like(inp.q, float("nan"))
     result = tree_verify_attention(
         q, *inp.tensors()[1:], out, *scratch, inp.sm_scale, inp.window, block_n=block_n
@@ -321,7 +323,8 @@ def test_cuda_verify_matches_naive(dtype, shape, num_nodes, window):
 def test_cuda_graph_replay_matches_eager_bitwise(dtype):
     """Captured once (a full and a windowed launch on one scratch), replayed after every
     input is rewritten in place: new trees, prefixes, positions, slots, q and KV."""
-    from graphrt.devices.cuda.triton_verify import allocate_verify_scratch, tree_verify_attention
+    from graphrt.devices.cuda.triton_decode import NUM_KV_SPLITS, allocate_decode_scratch
+    from graphrt.devices.cuda.triton_verify import tree_verify_attention
 
     bs, num_nodes, num_heads, num_kv_heads, head_dim, context = 4, 5, 8, 1, 256, 700
     windows = [None, 512]
@@ -333,7 +336,9 @@ def test_cuda_graph_replay_matches_eager_bitwise(dtype):
         )  # fmt: skip
 
     static = fresh(0, [1] * bs)
-    scratch = allocate_verify_scratch(bs * num_nodes, num_heads, head_dim, torch.device("cuda"))
+    scratch = allocate_decode_scratch(
+        bs * num_nodes, num_heads, head_dim, torch.device("cuda"), NUM_KV_SPLITS + 1
+    )
     static_outs = [torch.empty_like(static.q) for _ in windows]
 
     def forward(inp: VerifyInputs, outs: list[torch.Tensor]) -> None:

@@ -73,6 +73,101 @@ def _store_kv_kernel(
 
 
 @triton.jit
+def _load_q_group(
+    Q, row, kv_h, stride_qb, stride_qh, dtype: tl.constexpr,
+    KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The G query heads of KV head ``kv_h`` in query row ``row`` -> (q, heads, masks).
+
+    q is (BLOCK_G, BLOCK_D) in the cache's dtype, as the torch reference casts it: the
+    dots then take native operands and accumulate in float32. Rows past the group are
+    zero queries, never stored.
+    """
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < KV_GROUP
+    heads = kv_h * KV_GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(dtype)
+    return q, heads, mask_g, offs_d, mask_d
+
+
+@triton.jit
+def _load_kv_block(
+    K, V, slots, mask_n, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh
+):
+    """K of the given token slots transposed (BLOCK_D, BLOCK_N) for the dot, and V (BLOCK_N, BLOCK_D)."""
+    k = tl.load(
+        K + slots[None, :] * stride_kt + kv_h * stride_kh + offs_d[:, None],
+        mask=mask_d[:, None] & mask_n[None, :],
+        other=0.0,
+    )
+    v = tl.load(
+        V + slots[:, None] * stride_vt + kv_h * stride_vh + offs_d[None, :],
+        mask=mask_n[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    return k, v
+
+
+@triton.jit
+def _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over a block of keys; returns the new (m, l_sum, acc).
+
+    q (BLOCK_G, BLOCK_D), k (BLOCK_D, BLOCK_K), v (BLOCK_K, BLOCK_D), visible (BLOCK_K,).
+    """
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_G, BLOCK_K)
+    scores = tl.where(visible[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    # A block can hold no visible key (a tree block under the window, padding rows):
+    # m_new stays -inf, and shifting by 0 instead makes every exp 0 rather than NaN.
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - shift)
+    p = tl.exp(scores - shift[:, None])
+    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # (BLOCK_G, BLOCK_D)
+    return m_new, l_sum * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _attend_cached(
+    q, m, l_sum, acc, K, V, ReqToToken, req, start, end, kv_h, offs_d, mask_d, sm_scale,
+    stride_req, stride_kt, stride_kh, stride_vt, stride_vh,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over the cached positions [start, end) of request row ``req``."""
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k, v = _load_kv_block(
+            K, V, slots, mask_n, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh
+        )
+        m, l_sum, acc = _attend_block(q, k, v, mask_n, m, l_sum, acc, sm_scale, DOT_PRECISION)
+    return m, l_sum, acc
+
+
+@triton.jit
+def _store_partial(
+    PartialOut, PartialLse, row, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
+    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+):  # fmt: skip
+    """One split's normalised output and log-sum-exp. An empty split (short or windowed
+    rows) writes zeros and lse = -inf, so the combine gives it weight 0 without reading
+    uninitialised scratch."""
+    nonempty = l_sum > 0
+    safe_sum = tl.where(nonempty, l_sum, 1.0)
+    out = acc / safe_sum[:, None]
+    lse = tl.where(nonempty, m + tl.log(safe_sum), float("-inf"))
+    po = PartialOut + row * stride_pob + heads[:, None] * stride_poh + split * stride_pos
+    tl.store(po + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(PartialLse + row * stride_plb + heads * stride_plh + split, lse, mask=mask_g)
+
+
+@triton.jit
 def _decode_partial_kernel(
     Q,  # (B, H, D)
     K,  # (num_slots + 1, Hkv, D)
@@ -119,55 +214,20 @@ def _decode_partial_kernel(
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
-    offs_g = tl.arange(0, BLOCK_G)
-    mask_g = offs_g < KV_GROUP  # rows past the group are zero queries, never stored
-    heads = kv_h * KV_GROUP + offs_g
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    # q in the cache's dtype, as the torch reference casts it: the dots then
-    # take native operands and accumulate in float32.
-    q = tl.load(
-        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_g[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(K.dtype.element_ty)  # (BLOCK_G, BLOCK_D)
-
+    q, heads, mask_g, offs_d, mask_d = _load_q_group(
+        Q, b, kv_h, stride_qb, stride_qh, K.dtype.element_ty, KV_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D
+    )  # (BLOCK_G, BLOCK_D)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
     l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(
-            K + slots[None, :] * stride_kt + kv_h * stride_kh + offs_d[:, None],
-            mask=mask_d[:, None] & mask_n[None, :],
-            other=0.0,
-        )  # (BLOCK_D, BLOCK_N): loaded transposed for the dot
-        v = tl.load(
-            V + slots[:, None] * stride_vt + kv_h * stride_vh + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )  # (BLOCK_N, BLOCK_D)
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_G, BLOCK_N)
-        scores = tl.where(mask_n[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))  # finite: the block holds a visible key
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # (BLOCK_G, BLOCK_D)
-        acc = acc * alpha[:, None] + pv
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        m = m_new
-
-    # An empty split (short or windowed rows) writes zeros and lse = -inf, so
-    # stage 2 gives it weight 0 without reading uninitialised scratch.
-    nonempty = l_sum > 0
-    safe_sum = tl.where(nonempty, l_sum, 1.0)
-    out = acc / safe_sum[:, None]
-    lse = tl.where(nonempty, m + tl.log(safe_sum), float("-inf"))
-    po = PartialOut + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos
-    tl.store(po + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
-    tl.store(PartialLse + b * stride_plb + heads * stride_plh + split, lse, mask=mask_g)
+    m, l_sum, acc = _attend_cached(
+        q, m, l_sum, acc, K, V, ReqToToken, req, start, end, kv_h, offs_d, mask_d, sm_scale,
+        stride_req, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    _store_partial(
+        PartialOut, PartialLse, b, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
+        stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+    )  # fmt: skip
 
 
 @triton.jit

@@ -7,7 +7,8 @@ at ``out_cache_loc``. Node i attends to its request's cached prefix (positions
 ``tree_mask[b, i, j]`` marks (itself and its ancestors), each key subject to
 the sliding window ``k_pos > q_pos - window``, in one softmax.
 
-Work decomposition, as in triton_decode.py's flash-decoding: stage 1 runs one
+Work decomposition, as in triton_decode.py's flash-decoding (whose building blocks,
+q loading, K/V blocks, the online-softmax step and the partial store, it shares): stage 1 runs one
 program per (node row, KV head, split), grid B*n x Hkv x (S + 1), and each
 program serves the G query heads of its KV head with ``tl.dot`` (G padded to
 16 rows). Splits 0 .. S-1 cut the node's visible prefix range into S equal
@@ -33,29 +34,15 @@ import triton.language as tl
 
 from graphrt.devices.cuda.triton_decode import (
     MIN_DOT,
-    NUM_KV_SPLITS,
     TILE_BYTES,
+    _attend_block,
+    _attend_cached,
     _decode_combine_kernel,
+    _load_kv_block,
+    _load_q_group,
+    _store_partial,
     default_block_n,
 )
-
-
-@triton.jit
-def _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step over a block of keys; returns the new (m, l_sum, acc).
-
-    q (BLOCK_G, BLOCK_D), k (BLOCK_D, BLOCK_K), v (BLOCK_K, BLOCK_D), visible (BLOCK_K,).
-    """
-    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_G, BLOCK_K)
-    scores = tl.where(visible[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, 1))
-    # A tree block can hold no visible key (window, padding rows): m_new stays
-    # -inf, and shifting by 0 instead makes every exp 0 rather than NaN.
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m - shift)
-    p = tl.exp(scores - shift[:, None])
-    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # (BLOCK_G, BLOCK_D)
-    return m_new, l_sum * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -118,40 +105,17 @@ def _verify_partial_kernel(
     # ... and only the tree split walks the tree keys.
     num_tree = tl.where(split == NUM_PREFIX_SPLITS, num_nodes, 0)
 
-    offs_g = tl.arange(0, BLOCK_G)
-    mask_g = offs_g < KV_GROUP  # rows past the group are zero queries, never stored
-    heads = kv_h * KV_GROUP + offs_g
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    # q in the cache's dtype, as the torch reference casts it: the dots then
-    # take native operands and accumulate in float32.
-    q = tl.load(
-        Q + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_g[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(K.dtype.element_ty)  # (BLOCK_G, BLOCK_D)
-
+    q, heads, mask_g, offs_d, mask_d = _load_q_group(
+        Q, row, kv_h, stride_qt, stride_qh, K.dtype.element_ty, KV_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D
+    )  # (BLOCK_G, BLOCK_D)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
     l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-
-    # Prefix splits: a contiguous range of positions, all visible.
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(
-            K + slots[None, :] * stride_kt + kv_h * stride_kh + offs_d[:, None],
-            mask=mask_d[:, None] & mask_n[None, :],
-            other=0.0,
-        )  # (BLOCK_D, BLOCK_N): loaded transposed for the dot
-        v = tl.load(
-            V + slots[:, None] * stride_vt + kv_h * stride_vh + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )  # (BLOCK_N, BLOCK_D)
-        m, l_sum, acc = _attend_block(q, k, v, mask_n, m, l_sum, acc, sm_scale, DOT_PRECISION)
-
+    # Prefix splits: a contiguous range of cached positions, all visible.
+    m, l_sum, acc = _attend_cached(
+        q, m, l_sum, acc, K, V, ReqToToken, req, start, end, kv_h, offs_d, mask_d, sm_scale,
+        stride_req, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
     # Tree split: the request's n nodes, visible through the tree mask and the window.
     node_rows = b * num_nodes  # row of the request's root
     for t0 in range(0, num_tree, BLOCK_T):
@@ -163,48 +127,14 @@ def _verify_partial_kernel(
             TreeMask + b * stride_mb + node * stride_mi + offs_t, mask=mask_t, other=0
         )  # (BLOCK_T,) node j is this node or its ancestor
         visible = mask_t & (in_tree != 0) & ((window == 0) | (k_pos > q_pos - window))
-        k = tl.load(
-            K + slots[None, :] * stride_kt + kv_h * stride_kh + offs_d[:, None],
-            mask=mask_d[:, None] & mask_t[None, :],
-            other=0.0,
-        )  # (BLOCK_D, BLOCK_T)
-        v = tl.load(
-            V + slots[:, None] * stride_vt + kv_h * stride_vh + offs_d[None, :],
-            mask=mask_t[:, None] & mask_d[None, :],
-            other=0.0,
-        )  # (BLOCK_T, BLOCK_D)
+        k, v = _load_kv_block(
+            K, V, slots, mask_t, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh
+        )  # (BLOCK_D, BLOCK_T), (BLOCK_T, BLOCK_D)
         m, l_sum, acc = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
-
-    # An empty split (short or windowed prefixes) writes zeros and lse = -inf,
-    # so stage 2 gives it weight 0 without reading uninitialised scratch.
-    nonempty = l_sum > 0
-    safe_sum = tl.where(nonempty, l_sum, 1.0)
-    out = acc / safe_sum[:, None]
-    lse = tl.where(nonempty, m + tl.log(safe_sum), float("-inf"))
-    po = PartialOut + row * stride_pot + heads[:, None] * stride_poh + split * stride_pos
-    tl.store(po + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
-    tl.store(PartialLse + row * stride_plt + heads * stride_plh + split, lse, mask=mask_g)
-
-
-def allocate_verify_scratch(
-    max_rows: int,
-    num_heads: int,
-    head_dim: int,
-    device: torch.device,
-    num_kv_splits: int = NUM_KV_SPLITS,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partials (max_rows, H, S + 1, D) and log-sum-exps (max_rows, H, S + 1), float32.
-
-    S prefix splits plus the tree split; ``max_rows`` is the largest B * n.
-    One pair serves every layer of that (H, D): layers run one after another.
-    """
-    partial_out = torch.empty(
-        (max_rows, num_heads, num_kv_splits + 1, head_dim), dtype=torch.float32, device=device
-    )
-    partial_lse = torch.empty(
-        (max_rows, num_heads, num_kv_splits + 1), dtype=torch.float32, device=device
-    )
-    return partial_out, partial_lse
+    _store_partial(
+        PartialOut, PartialLse, row, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
+        stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
+    )  # fmt: skip
 
 
 def verify_block_n(head_dim: int, element_size: int) -> int:
