@@ -259,13 +259,14 @@ def graph_device(backend: str):
 
 
 @pytest.mark.parametrize(("steps", "topk"), [(3, 1), (2, 3)])
-@pytest.mark.parametrize("backend", ["standin-cuda-full", "cpu-compile"])
+@pytest.mark.parametrize("backend", ["standin-cuda-full"])
 def test_rounds_on_graphs_per_request_batch_size(
     backend, steps, topk, gemma4_tiny, gemma4_assistant, hf_reference
 ):
     """The draft loop and the verify forward captured per request batch size: padded and
     exact sizes replay them, every round runs on graphs, the output stays lossless and the
-    graph drafts equal the eager loop's."""
+    graph drafts equal the eager loop's. (Every backend, CPU compile included, runs the
+    lockstep graph-vs-eager rounds of tests/conformance/test_spec_rounds.py.)"""
     prompts, expected = hf_reference
     engine = spec_engine(
         gemma4_tiny, gemma4_assistant, steps, topk, device=graph_device(backend),
