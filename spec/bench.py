@@ -152,7 +152,9 @@ def _time_round_pieces(engine: Engine, prompts, cfg, sync, result: SpecBatchResu
         setattr(result, name, ms)
     engine.kv_pool.free(locs)
     # Whole rounds, each advancing every request; replays timed with events.
-    gaps, rounds0, hist0 = [], engine.stats.spec_rounds, list(engine.stats.accept_histogram)
+    rounds0 = engine.stats.spec_rounds
+    hist0 = list(engine.stats.accept_histogram) or [0] * (strategy.cfg.num_steps + 1)
+    gaps = []
     with _replay_events(engine) as events:
 
         def one_round():
@@ -163,7 +165,7 @@ def _time_round_pieces(engine: Engine, prompts, cfg, sync, result: SpecBatchResu
         result.round_ms = median_ms(one_round, sync, cfg.steps, cfg.warmup)
     timed = [_gap_ms(e) for e in gaps[-cfg.steps :] if e]
     result.graph_gap_ms = median(timed) if timed else None
-    hist = [n - m for n, m in zip(engine.stats.accept_histogram, hist0 or [0] * 99)]
+    hist = [n - m for n, m in zip(engine.stats.accept_histogram, hist0)]
     counted = engine.stats.spec_rounds - rounds0
     result.accept_length_mean = sum((k + 1) * n for k, n in enumerate(hist)) / counted
     for req in reqs:

@@ -67,7 +67,7 @@ class MTPDecoding(DecodeStrategy):
         if engine.graph_backend is None:
             return
         args = (engine.graph_backend, engine.graph_runner_config(), engine.torch_device)
-        hidden = draft_shape(target.config.hidden_size, next(target.parameters()).dtype)
+        loop_shape = draft_shape(target.config.hidden_size, next(target.parameters()).dtype)
         loop = captured_draft_loop(drafter, engine.attn_backend, self.cfg)
         self.verify_graph = GraphRunner(
             target, engine.attn_backend, *args, shape=verify_shape(self.cfg.num_draft_tokens)
@@ -79,7 +79,7 @@ class MTPDecoding(DecodeStrategy):
         # breakable backend's) drafts eagerly and verifies on graphs.
         if engine.attn_backend.capture_safe:
             self.draft_graph = GraphRunner(
-                drafter, engine.attn_backend, *args, hidden, forward=loop
+                drafter, engine.attn_backend, *args, loop_shape, forward=loop
             )
             engine.capture(self.draft_graph)
 
