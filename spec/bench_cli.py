@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from graphrt.core.bench.plot import plot_spec_throughput
-from graphrt.core.cli.bench import versions
+from graphrt.core.cli.bench import versions, write_result
 from graphrt.core.errors import GraphrtError
 from graphrt.core.models import load_model
 from graphrt.core.models.loader import read_hf_config
@@ -93,13 +92,7 @@ def run_spec_bench_cli(args: argparse.Namespace, device, dtype) -> int:
     log(HEADER)
     for r in results:
         log(_row(r))
-    out.write_text(json.dumps(result, indent=2))
-    log(f"wrote {out}")
-    if args.plot and plot_spec_throughput(result, out.with_suffix(".png")):
-        log(f"wrote {out.with_suffix('.png')}")
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    return write_result(result, args, plot_spec_throughput, log)
 
 
 def _fmt(x, spec: str = ".3f") -> str:

@@ -450,3 +450,14 @@ def test_cuda_round_waits_on_the_device_once(topk, gemma4_tiny, gemma4_assistant
     assert len(waits) == rounds >= 3
     assert engine.stats.graph_rounds == engine.stats.spec_rounds
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
+
+
+def test_cli_spec_bench_refuses_a_missing_out_directory_before_running(
+    capsys, tmp_path, gemma4_tiny, gemma4_assistant
+):
+    from graphrt.core.cli.main import main
+
+    argv = ["bench", "--model", str(gemma4_tiny.path), "--draft", str(gemma4_assistant.path)]
+    assert main([*argv, "--out", str(tmp_path / "missing" / "spec.json")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist" in err[0], err

@@ -91,10 +91,15 @@ def run_bench(args: argparse.Namespace) -> int:
             f"{result['captured_sizes'][-1]}) in {result['capture_time_s']:.2f} s, "
             f"graph memory {result['graph_memory_bytes'] / 2**20:.1f} MiB; copy bandwidth {bandwidth:.0f} GB/s"
         )
+    return write_result(result, args, plot_latency, log)
+
+
+def write_result(result: dict, args: argparse.Namespace, plot, log) -> int:
+    """The JSON at ``--out``, ``plot``'s PNG beside it, the JSON on stdout with ``--json``."""
     out = Path(args.out)
     out.write_text(json.dumps(result, indent=2))
     log(f"wrote {out}")
-    if args.plot and plot_latency(result, out.with_suffix(".png")):
+    if args.plot and plot(result, out.with_suffix(".png")):
         log(f"wrote {out.with_suffix('.png')}")
     if args.json:
         print(json.dumps(result))
