@@ -11,6 +11,7 @@ subpackage names its graph class and any capture options of its own.
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -43,9 +44,19 @@ class StreamGraphBackend(ExecutionBackend):
         # Capture must not run on the default stream (CUDA refuses it).
         self._stream = stream if stream is not None else self.module.Stream()
         free_before = self._free_memory()
+        # HAZARD: the cycle collector may run in the middle of a capture and destroy
+        # unreachable graphs (an engine dropped earlier: engine <-> strategy is a cycle),
+        # and destroying a graph while another one captures invalidates that capture
+        # (torch.cuda.graph only collects first when force_cudagraph_gc is set). Collect
+        # once, then hold the collector off until the whole session is captured.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             yield
         finally:
+            if collecting:
+                gc.enable()
             self._memory += max(0, free_before - self._free_memory())
 
     def capture_one(

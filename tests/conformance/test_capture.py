@@ -95,3 +95,38 @@ def test_many_runners_in_one_process_each_replay_their_own_graphs(graph_case: Ha
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_cycle_collector_runs_before_a_capture_session_and_never_during_it():
+    """Destroying a graph while another captures invalidates the capture (seen on an H200
+    when a dropped engine's graphs were collected mid-capture): device-graph sessions
+    collect garbage first, then hold the collector off until they end."""
+    import gc
+
+    from standin import StandInGraphModule
+
+    from graphrt.devices.cuda.graph import CudaFullGraphBackend
+
+    events = []
+
+    class Garbage:  # stands in for a dropped engine: unreachable, in a cycle
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            events.append("garbage collected")
+
+    backend = CudaFullGraphBackend(StandInGraphModule())
+    x = torch.ones(4)
+    Garbage()
+    with backend.capture_session():
+        events.append("session")
+
+        def run_once():
+            events.append(f"collector enabled: {gc.isenabled()}")
+            return x * 2
+
+        backend.capture_one(ShapeKey(1), run_once)
+    assert events[:2] == ["garbage collected", "session"]
+    assert set(events[2:]) == {"collector enabled: False"}  # warm-up runs and the capture
+    assert gc.isenabled()
