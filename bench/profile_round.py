@@ -32,7 +32,7 @@ def main() -> None:
     strategy = spec.strategy
     inputs = strategy.round_inputs(spec.running)
     tree, _ = strategy.draft(inputs)
-    locs = spec.kv_pool.alloc_host(tree.num_nodes)
+    locs = spec.kv_pool.alloc(tree.num_nodes)
     batch = plain.build_decode_batch(plain.running)
     for name, fn in [
         ("decode graph step", lambda: plain.graph_runner.execute(batch)),

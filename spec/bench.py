@@ -145,12 +145,13 @@ def _time_round_pieces(engine: Engine, prompts, cfg, sync, result: SpecBatchResu
         setattr(result, name, ms)
     tree, on_graph = strategy.draft(inputs)
     assert on_graph, f"no draft-loop graph for batch {len(reqs)}"
-    locs = engine.kv_pool.alloc_host(len(reqs) * tree.num_nodes)
+    locs_host = engine.kv_pool.alloc_host(len(reqs) * tree.num_nodes)
+    locs = locs_host.to(engine.torch_device)
     for graphs, name in ((True, "verify_ms"), (False, "verify_eager_ms")):
         steps = cfg.steps if graphs else eager_steps
         ms = median_ms(lambda g=graphs: strategy.verify(inputs, tree, locs, g), sync, steps, 1)
         setattr(result, name, ms)
-    engine.kv_pool.free(locs)
+    engine.kv_pool.free(locs_host)
     # Whole rounds, each advancing every request; replays timed with events.
     rounds0 = engine.stats.spec_rounds
     hist0 = list(engine.stats.accept_histogram) or [0] * (strategy.cfg.num_steps + 1)

@@ -97,23 +97,35 @@ class MTPDecoding(DecodeStrategy):
     def decode(self, reqs: list[Request]) -> list[list[int]]:
         inputs = self.round_inputs(reqs)
         tree, drafted_on_graph = self.draft(inputs)
+        # Node slots on both sides: the host frees the rejected ones without reading back.
         locs_host = self.engine.kv_pool.alloc_host(len(reqs) * tree.num_nodes)
-        out, verified_on_graph = self.verify(inputs, tree, locs_host)
+        locs = to_device(locs_host, self.engine.torch_device)  # (B * n,) node-major
+        out, verified_on_graph = self.verify(inputs, tree, locs)
         acc = accept(tree, self.target_tokens(reqs, out, tree.num_nodes), inputs.max_accept)
         if drafted_on_graph and verified_on_graph:
             self.engine.stats.graph_rounds += len(reqs)
-        return self.commit(reqs, inputs, tree, out, acc, locs_host)
+        return self.commit(reqs, inputs, tree, out, acc, locs, locs_host)
 
     def round_inputs(self, reqs: list[Request]) -> RoundInputs:
         dev, ctx = self.engine.torch_device, self.engine.max_context_len
         kv_lens_cpu = [r.kv_len for r in reqs]
+        # One pinned copy for all four per-request rows.
+        root, req_slots, kv_lens, max_accept = to_device(
+            [
+                [r.output_ids[-1] for r in reqs],
+                [r.req_slot for r in reqs],
+                kv_lens_cpu,
+                [ctx - 1 - n for n in kv_lens_cpu],
+            ],
+            dev,
+        )  # (4, B) -> four (B,) rows
         return RoundInputs(
-            root=to_device([r.output_ids[-1] for r in reqs], dev),
+            root=root,
             seed_hidden=torch.stack([r.spec_seed for r in reqs]),
-            req_slots=to_device([r.req_slot for r in reqs], dev),
-            kv_lens=to_device(kv_lens_cpu, dev, torch.int32),
+            req_slots=req_slots,
+            kv_lens=kv_lens.to(torch.int32),
             kv_lens_cpu=kv_lens_cpu,
-            max_accept=to_device([ctx - 1 - n for n in kv_lens_cpu], dev),
+            max_accept=max_accept,
         )
 
     def draft(self, inputs: RoundInputs, graphs: bool = True) -> tuple[VerifyTree, bool]:
@@ -127,10 +139,10 @@ class MTPDecoding(DecodeStrategy):
         return tree, False
 
     def verify(
-        self, inputs: RoundInputs, tree: VerifyTree, locs_host: torch.Tensor, graphs: bool = True
+        self, inputs: RoundInputs, tree: VerifyTree, locs: torch.Tensor, graphs: bool = True
     ) -> tuple[RunnerOutput, bool]:
-        """The target over every node (KV into ``locs_host``'s slots); -> (output, graph used)."""
-        locs = to_device(locs_host, self.engine.torch_device)  # (B * n,) node-major
+        """The target over every node, their KV into ``locs`` ((B * n,) device slots,
+        node-major); -> (output, graph used)."""
         batch = verify_batch(
             tree,
             inputs.req_slots,
@@ -159,17 +171,14 @@ class MTPDecoding(DecodeStrategy):
         tree: VerifyTree,
         out: RunnerOutput,
         acc: Acceptance,
+        locs: torch.Tensor,
         locs_host: torch.Tensor,
     ) -> list[list[int]]:
         engine, bs, n = self.engine, len(reqs), tree.num_nodes
-        locs = locs_host.view(bs, n)
         commit_kv(
-            engine.req_pool.req_to_token,
-            inputs.req_slots,
-            inputs.kv_lens,
-            to_device(locs, engine.torch_device),
-            acc,
+            engine.req_pool.req_to_token, inputs.req_slots, inputs.kv_lens, locs.view(bs, n), acc
         )
+        locs = locs_host.view(bs, n)
         rows = torch.arange(bs, device=out.hidden.device)
         seeds = out.hidden.view(bs, n, -1)[rows, acc.last_node]  # (B, H) the next seeds
         # The round's one host read: accepted lengths, path nodes, tokens, drafts.

@@ -308,24 +308,27 @@ class Engine:
 
     def build_decode_batch(self, reqs: list[Request]) -> ForwardBatch:
         """The next decode batch for ``reqs`` (running requests); allocates one KV slot each."""
-        dev = self.torch_device
-        locs_host = self.kv_pool.alloc_host(len(reqs))
-        slots_host = torch.tensor([r.req_slot for r in reqs])
-        positions_host = torch.tensor([r.kv_len for r in reqs])
-        self.req_pool.host[slots_host, positions_host] = locs_host
-        locs, slots, positions = (
-            to_device(t, dev) for t in (locs_host, slots_host, positions_host)
+        # (4, B) host rows: new KV slot, request slot, position, input token; one copy.
+        rows = torch.stack(
+            [
+                self.kv_pool.alloc_host(len(reqs)),
+                torch.tensor([r.req_slot for r in reqs]),
+                torch.tensor([r.kv_len for r in reqs]),
+                torch.tensor([r.output_ids[-1] for r in reqs]),
+            ]
         )
+        self.req_pool.host[rows[1], rows[2]] = rows[0]
+        locs, slots, positions, input_ids = to_device(rows, self.torch_device)
         self.req_pool.req_to_token[slots, positions] = locs
         for r in reqs:
             r.kv_len += 1
         seq_lens_cpu = [r.kv_len for r in reqs]
         return ForwardBatch(
             mode=ForwardMode.DECODE,
-            input_ids=to_device([r.output_ids[-1] for r in reqs], dev),
+            input_ids=input_ids,
             positions=positions,
             req_pool_indices=slots,
-            seq_lens=to_device(seq_lens_cpu, dev, torch.int32),
+            seq_lens=(positions + 1).to(torch.int32),  # the new token is cached now
             out_cache_loc=locs,
             seq_lens_cpu=seq_lens_cpu,
             extend_lens_cpu=[1] * len(reqs),
