@@ -2,6 +2,8 @@
 # One call on the lent H200: versions, the CUDA test lane, an end-to-end
 # generate, and the decode benchmark. Logs and JSON under $OUT; a short
 # table prints last. Usage: bash bench/h200.sh [tests|bench|spec|all] [bench runners] [spec topks]
+#   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
+#   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -33,9 +35,25 @@ if [[ $what == tests || $what == all ]]; then
     echo "generate exit $?: $(head -c 600 "$OUT/generate-cuda.json")"
 fi
 
+if [[ $what == kernels ]]; then
+    python -m pytest tests/test_triton_fused.py tests/test_triton_ops.py tests/test_gemma4.py -m cuda \
+        -q -p no:cacheprovider -ra ${2:+-k "$2"} 2>&1 \
+        | tee "$OUT/tests-kernels.log" | tail -n 25
+fi
+
+if [[ $what == profile ]]; then
+    python bench/profile_step.py "${2:-random:llama-1b,random:gemma4-e2b}" "${3:-1,32}" 2>&1 \
+        | grep -v Warning | tee "$OUT/profile-step.log" | tail -n 80
+fi
+
 if [[ $what == bench || $what == all ]]; then
-    graphrt bench --model random:llama-1b --dtype bfloat16 --prompt-len 512 --batch-sizes 1,8,32,64 \
-        --runners "$runners" --out "$OUT/bench-h200.json" 2>&1 | tee "$OUT/bench.log" | grep -v Warning
+    # One JSON per model. Gemma 4's sliding layers keep the transformers peer from
+    # compiling once (the bench says so and skips hf for it).
+    for model in llama-1b gemma4-e2b; do
+        graphrt bench --model "random:$model" --dtype bfloat16 --prompt-len 512 --batch-sizes 1,8,32,64 \
+            --runners "$runners" --out "$OUT/bench-h200-$model.json" 2>&1 \
+            | tee "$OUT/bench-$model.log" | grep -v Warning
+    done
 fi
 
 if [[ $what == spec || $what == all ]]; then

@@ -1,37 +1,80 @@
-"""Where a decode step's time goes on a GPU: execute vs replay vs input loading,
-and the kernels of one step (torch.profiler), for random:llama-1b in bf16.
+"""Where a decode step's time goes on a GPU: execute vs replay vs input loading, the
+kernels of one graph replay (torch.profiler), and the tuned matmuls against cuBLAS.
 
-Run on the device: python bench/profile_step.py [batch sizes, default 1,32]
+Each model runs twice, side by side: with the CUDA device's ops as shipped (tuned
+GEMV where it won) and with every matmul on cuBLAS (the same fused elementwise ops).
+
+Run on the device: python bench/profile_step.py [models, default random:llama-1b]
+[batch sizes, default 1,32]
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from graphrt import devices
 from graphrt.core.bench.decode import DecodeBenchConfig, make_engine
+from graphrt.core.bench.profile import device_events
 from graphrt.core.bench.timing import median_ms
 from graphrt.core.engine import SamplingParams
 from graphrt.core.models import load_model
+from graphrt.core.models.ops import torch_linear_act_mul
 
 
 def main() -> None:
-    sizes = [int(s) for s in (sys.argv[1] if len(sys.argv) > 1 else "1,32").split(",")]
+    models = (sys.argv[1] if len(sys.argv) > 1 else "random:llama-1b").split(",")
+    sizes = [int(s) for s in (sys.argv[2] if len(sys.argv) > 2 else "1,32").split(",")]
     device = devices.current("cuda")
-    loaded = load_model("random:llama-1b", device, torch.bfloat16)
-    cfg = DecodeBenchConfig(batch_sizes=tuple(sizes), max_running_requests=max(sizes))
-    engine = make_engine(loaded, device, cfg, graphs=True)
-    print(f"ops={loaded.model.model.norm.ops.name} attention={engine.attn_backend.name}")
-    for bs in sizes:
-        profile_batch(engine, bs, device.synchronize)
+    tuned = device.model_ops()
+    variants = {"tuned": tuned, "cublas": cublas_matmuls(tuned)}
+    summary = []
+    for model in models:
+        for variant, ops in variants.items():
+            loaded = load_model(model, device, torch.bfloat16, ops=ops)
+            cfg = DecodeBenchConfig(batch_sizes=tuple(sizes), max_running_requests=max(sizes))
+            engine = make_engine(loaded, device, cfg, graphs=True)
+            print(f"== {model} [{variant}] ops={ops.name} attention={engine.attn_backend.name}")
+            for bs in sizes:
+                replay, kernels = profile_batch(engine, bs, device.synchronize, loaded.model)
+                summary.append(
+                    f"{model:<22} {variant:<7} bs {bs:>3}: replay {replay:.3f} ms, {kernels} kernels"
+                )
+            engine.cleanup()
+            del engine, loaded
+            gc.collect()
+            torch.cuda.empty_cache()
+    from graphrt.devices.cuda.gemv_tuner import TUNER
+
+    print(f"== tuned matmuls ({TUNER.tuning_s:.1f} s of timing)")
+    # keys are (op, row class, weight rows, K, dtype, ...): bf16 weights
+    for line in TUNER.report(lambda key: key[2] * key[3] * 2):
+        print("  " + line)
+    print("== summary")
+    for line in summary:
+        print(line)
 
 
-def profile_batch(engine, bs: int, sync) -> None:
+def cublas_matmuls(ops):
+    """``ops`` with every matmul on torch's own (cuBLAS) and its activation unfused."""
+
+    def linear_act_mul(x, weight, bias, act, up=None):
+        return torch_linear_act_mul(x, weight, bias, act, up, act_mul=ops.act_mul)
+
+    return dataclasses.replace(
+        ops, name=f"{ops.name}+cublas", linear=F.linear, linear_act_mul=linear_act_mul
+    )
+
+
+def profile_batch(engine, bs: int, sync, model) -> tuple[float, int]:
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     reqs = [
-        engine.add_request(torch.randint(0, 128256, (512,)).tolist(), params) for _ in range(bs)
+        engine.add_request(torch.randint(0, model.vocab_size, (512,)).tolist(), params)
+        for _ in range(bs)
     ]
     while engine.waiting:
         engine.step()
@@ -42,31 +85,22 @@ def profile_batch(engine, bs: int, sync) -> None:
     runner.load_batch(batch)
     key, static = runner._loaded
     replay = median_ms(lambda: runner.backend.replay(key), sync, 100, 10)
-    eager = median_ms(lambda: engine.eager_runner.execute(batch), sync, 20, 3)
-    print(
-        f"bs={bs}: execute {execute:.3f} ms | load_batch {load:.3f} | replay only {replay:.3f} | eager {eager:.3f}"
-    )
-    steps = [
-        ("eager step", lambda: engine.eager_runner.execute(batch)),
-        ("graph replay", lambda: runner.backend.replay(key)),
-    ]
-    for name, fn in steps:
-        print_kernels(name, fn, sync)
+    print(f"bs={bs}: execute {execute:.3f} ms | load_batch {load:.3f} | replay only {replay:.3f}")
+    kernels = print_kernels("graph replay", lambda: runner.backend.replay(key), sync)
     for r in reqs:
         engine.abort(r)
+    return replay, kernels
 
 
-def print_kernels(name: str, fn, sync, top: int = 12) -> None:
+def print_kernels(name: str, fn, sync, top: int = 16) -> int:
     """Run ``fn`` once under torch.profiler: kernel count, GPU time, the costliest kernels."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        sync()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events = device_events(fn, sync, torch.device("cuda"))
     total = sum(e.self_device_time_total for e in events)
     count = sum(e.count for e in events)
     print(f"  {name}: {count} kernels, {total / 1e3:.3f} ms GPU time; top:")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
-        print(f"    {e.self_device_time_total / 1e3:7.3f} ms  x{e.count:<4} {e.key[:90]}")
+        print(f"    {e.self_device_time_total / 1e3:7.3f} ms  x{e.count:<4} {e.key[:100]}")
+    return count
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ class StreamGraphBackend(ExecutionBackend):
     """``full``: one device graph per key, all in one shared memory pool."""
 
     name = "full"
+    replays_into_static_outputs = True
     graph_class_name = "CUDAGraph"  # attribute of the device module
     warmup_runs = 2  # lazy initialisation (workspaces, autotuning) happens outside capture
 

@@ -2,17 +2,29 @@
 
 For each batch size, ``bs`` requests are prefilled to ``prompt_len`` tokens
 through the Engine, then one decode batch is executed repeatedly by each
-runner; the same batch, the same KV, side by side in one process.
+runner; the same batch, the same KV, side by side in one process. Beside each
+time: the bytes the step must read (weights, gathered embedding rows, KV), the
+bandwidth floor those bytes give, the bandwidth each runner achieved, and the
+device kernels of one step (counted under the profiler, after the timing).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 
-from graphrt.core.bench.timing import copy_bandwidth_gbps, floor_ms, median_ms, weight_bytes
+from graphrt.core.bench.profile import count_kernels
+from graphrt.core.bench.timing import (
+    achieved_gbps,
+    copy_bandwidth_gbps,
+    floor_ms,
+    median_ms,
+    step_bytes_read,
+    weight_bytes,
+)
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 
 
@@ -33,10 +45,20 @@ class BatchResult:
     eager_ms: float | None = None
     graph_ms: float | None = None
     hf_ms: float | None = None
+    # Bytes one decode step must read (timing.step_bytes_read), and that over the copy bandwidth.
+    bytes_read: int = 0
+    weight_bytes_read: int = 0
+    gathered_bytes_read: int = 0
+    kv_bytes_read: int = 0
     floor_ms: float = 0.0
     graph_over_floor: float | None = None
     graph_speedup_over_eager: float | None = None
     graph_speedup_over_hf: float | None = None
+    graph_gbps: float | None = None  # bytes_read / graph_ms
+    eager_gbps: float | None = None
+    # Device kernels (and copies) of one step as timed; None where the profiler sees none (CPU).
+    graph_kernels: int | None = None
+    eager_kernels: int | None = None
 
 
 @dataclass
@@ -79,7 +101,7 @@ def run_decode_bench(
     bandwidth = copy_bandwidth_gbps(engine.torch_device, sync)
     results = []
     for bs in cfg.batch_sizes:
-        results.append(_time_graphrt(engine, cfg, bs, params, weights, bandwidth, sync, report))
+        results.append(_time_graphrt(engine, cfg, bs, params, bandwidth, sync, report))
     # The peer runs after every graphrt measurement, not interleaved: its
     # torch.compile + CUDA-graph trees then never share the process's memory
     # state with graphrt's captured graphs while those still replay.
@@ -91,6 +113,8 @@ def run_decode_bench(
             )
             report(f"{result.batch_size:>4} transformers peer: {result.hf_ms:.3f} ms")
     for result in results:
+        result.graph_gbps = achieved_gbps(result.bytes_read, result.graph_ms)
+        result.eager_gbps = achieved_gbps(result.bytes_read, result.eager_ms)
         if result.graph_ms:
             result.graph_over_floor = result.graph_ms / result.floor_ms
             if result.eager_ms:
@@ -103,7 +127,7 @@ def run_decode_bench(
     return results, bandwidth, weights
 
 
-def _time_graphrt(engine, cfg, bs, params, weights, bandwidth, sync, report) -> BatchResult:
+def _time_graphrt(engine, cfg, bs, params, bandwidth, sync, report) -> BatchResult:
     vocab = engine.loaded.model.vocab_size
     reqs = [
         engine.add_request(torch.randint(0, vocab, (cfg.prompt_len,)).tolist(), params)
@@ -112,38 +136,52 @@ def _time_graphrt(engine, cfg, bs, params, weights, bandwidth, sync, report) -> 
     while engine.waiting:  # prefill every request (in as many steps as it takes)
         engine.step()
     batch = engine.build_decode_batch(reqs)
-    result = BatchResult(batch_size=bs)
-    kv_read = sum(batch.seq_lens_cpu) * engine.kv_pool.bytes_per_token
-    result.floor_ms = floor_ms(weights, kv_read, bandwidth)
+    read = step_bytes_read(engine.loaded.model, batch.seq_lens_cpu, engine.kv_pool.dtype)
+    result = BatchResult(
+        batch_size=bs,
+        bytes_read=read.total,
+        weight_bytes_read=read.weights,
+        gathered_bytes_read=read.gathered,
+        kv_bytes_read=read.kv,
+        floor_ms=floor_ms(read.total, bandwidth),
+    )
+    device = engine.torch_device
     if "eager" in cfg.runners:
-        result.eager_ms = median_ms(
-            lambda: engine.eager_runner.execute(batch), sync, cfg.steps, cfg.warmup
-        )
+        step = partial(engine.eager_runner.execute, batch)
+        result.eager_ms = median_ms(step, sync, cfg.steps, cfg.warmup)
+        result.eager_kernels = count_kernels(step, sync, device)  # profiled after, never timed
     if "graph" in cfg.runners and engine.graph_runner is not None:
         if not engine.graph_runner.can_run_graph(batch):
             report(f"batch {bs}: no captured graph fits; graph timing skipped")
         else:
-            result.graph_ms = median_ms(
-                lambda: engine.graph_runner.execute(batch), sync, cfg.steps, cfg.warmup
-            )
+            step = partial(engine.graph_runner.execute, batch)
+            result.graph_ms = median_ms(step, sync, cfg.steps, cfg.warmup)
+            result.graph_kernels = count_kernels(step, sync, device)
     for req in reqs:
         engine.abort(req)
     report(f"{bs:>4} eager {_fmt(result.eager_ms)} ms, graph {_fmt(result.graph_ms)} ms")
     return result
 
 
-def _fmt(x: float | None, spec: str = ".3f") -> str:
+def _fmt(x: float | int | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-HEADER = f"{'bs':>4} {'eager ms':>9} {'graph ms':>9} {'hf ms':>9} {'floor ms':>9} {'graph/floor':>11} {'graph x eager':>13} {'graph x hf':>10}"
+HEADER = (
+    f"{'bs':>4} {'eager ms':>9} {'graph ms':>9} {'hf ms':>9} {'floor ms':>9} {'graph/floor':>11} "
+    f"{'graph x eager':>13} {'graph x hf':>10} {'MB read w/emb/kv':>20} {'graph GB/s':>10} "
+    f"{'eager GB/s':>10} {'kernels g/e':>11}"
+)
 
 
 def _row(r: BatchResult) -> str:
+    mb = f"{r.weight_bytes_read / 1e6:.1f}/{r.gathered_bytes_read / 1e6:.2f}/{r.kv_bytes_read / 1e6:.1f}"
+    kernels = f"{_fmt(r.graph_kernels, 'd')}/{_fmt(r.eager_kernels, 'd')}"
     return (
         f"{r.batch_size:>4} {_fmt(r.eager_ms):>9} {_fmt(r.graph_ms):>9} {_fmt(r.hf_ms):>9} "
         f"{_fmt(r.floor_ms):>9} {_fmt(r.graph_over_floor, '.2f'):>11} "
-        f"{_fmt(r.graph_speedup_over_eager, '.2f'):>13} {_fmt(r.graph_speedup_over_hf, '.2f'):>10}"
+        f"{_fmt(r.graph_speedup_over_eager, '.2f'):>13} {_fmt(r.graph_speedup_over_hf, '.2f'):>10} "
+        f"{mb:>20} {_fmt(r.graph_gbps, '.0f'):>10} {_fmt(r.eager_gbps, '.0f'):>10} {kernels:>11}"
     )
 
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from graphrt.core.attention.base import AttentionSpec
 
 
 def median_ms(fn: Callable[[], object], sync: Callable[[], None], steps: int, warmup: int) -> float:
@@ -48,6 +51,73 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def floor_ms(weights: int, kv_bytes_read: int, bandwidth_gbps: float) -> float:
-    """A decode step reads every weight and every cached K/V once: that over bandwidth."""
-    return (weights + kv_bytes_read) / (bandwidth_gbps * 1e9) * 1e3
+@dataclass(frozen=True)
+class StepBytes:
+    """Bytes one decode step must read from device memory, at the least."""
+
+    weights: int  # parameters read whole: projections, norms, the LM head (once when tied)
+    gathered: int  # rows gathered from embedding tables that are not the LM head
+    kv: int  # cached K and V every attention layer attends over
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gathered + self.kv
+
+
+def step_bytes_read(model: nn.Module, seq_lens: Sequence[int], kv_dtype: torch.dtype) -> StepBytes:
+    """What a decode step over requests of ``seq_lens`` (each counting its new token) reads.
+
+    An embedding table only gathers the step's token rows, unless it is also the
+    LM head (tied), which multiplies by all of it.
+    """
+    tokens = len(seq_lens)  # one new token per request
+    head = model.lm_head_weight.data_ptr()
+    tables = {
+        m.weight.data_ptr()
+        for m in model.modules()
+        if isinstance(m, nn.Embedding) and m.weight.data_ptr() != head
+    }
+    seen, weights, gathered = set(), 0, 0
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        if p.data_ptr() in tables:
+            rows = min(tokens, p.shape[0])
+            gathered += rows * p[0].numel() * p.element_size()
+        else:
+            weights += p.numel() * p.element_size()
+    return StepBytes(weights, gathered, kv_bytes_read(model, seq_lens, kv_dtype))
+
+
+def kv_bytes_read(model: nn.Module, seq_lens: Sequence[int], kv_dtype: torch.dtype) -> int:
+    """K and V bytes the attention layers read for one decode token per request.
+
+    Every attention layer counts, KV-sharing ones too (they read another layer's
+    cache). A sliding layer sees the last ``window`` positions, its own included
+    (key j is visible to query p iff j > p - window), so min(seq_len, window).
+    """
+    total = 0
+    for spec in attention_specs(model):
+        window = spec.sliding_window
+        tokens = sum(s if window is None else min(s, window) for s in seq_lens)
+        total += tokens * spec.num_kv_heads * spec.head_dim * 2 * kv_dtype.itemsize
+    return total
+
+
+def attention_specs(model: nn.Module) -> Iterator[AttentionSpec]:
+    """The ``AttentionSpec`` of every attention layer of ``model``, in module order."""
+    for module in model.modules():
+        spec = getattr(module, "spec", None)
+        if isinstance(spec, AttentionSpec):
+            yield spec
+
+
+def floor_ms(bytes_read: int, bandwidth_gbps: float) -> float:
+    """The least time a step reading ``bytes_read`` can take at the measured bandwidth."""
+    return bytes_read / (bandwidth_gbps * 1e9) * 1e3
+
+
+def achieved_gbps(bytes_read: int, ms: float | None) -> float | None:
+    """The bandwidth a step of ``ms`` reading ``bytes_read`` achieved (None when untimed)."""
+    return None if not ms else bytes_read / (ms / 1e3) / 1e9

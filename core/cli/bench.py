@@ -15,6 +15,7 @@ from graphrt.core.bench.decode import (
     run_decode_bench,
 )
 from graphrt.core.bench.plot import plot_latency
+from graphrt.core.bench.timing import attention_specs
 from graphrt.core.errors import GraphrtError
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
@@ -53,7 +54,10 @@ def run_bench(args: argparse.Namespace) -> int:
     engine = make_engine(loaded, device, cfg, graphs, args.graph_backend)
     graph_backend = engine.graph_backend
     hf_peer = None
-    if "hf" in runners:
+    peer_problem = hf_peer_problem(loaded.model) if "hf" in runners else None
+    if peer_problem:
+        log(f"transformers peer skipped for {args.model}: {peer_problem}")
+    elif "hf" in runners:
         from graphrt.core.bench.peer_hf import HFPeer
         from graphrt.core.models.presets import preset_hf_config
 
@@ -92,6 +96,18 @@ def run_bench(args: argparse.Namespace) -> int:
             f"graph memory {result['graph_memory_bytes'] / 2**20:.1f} MiB; copy bandwidth {bandwidth:.0f} GB/s"
         )
     return write_result(result, args, plot_latency, log)
+
+
+def hf_peer_problem(model) -> str | None:
+    """Why the compiled transformers peer cannot time ``model``'s decode step, or None."""
+    if any(spec.sliding_window is not None for spec in attention_specs(model)):
+        # StaticSlidingWindowLayer.cumulative_length_int (transformers 5.x): dynamo guards
+        # on it, so the peer's column would time a recompile per step, not decoding.
+        return (
+            "its sliding-window layers keep their StaticCache length in a Python int that "
+            "torch.compile guards on, so every decode step would recompile"
+        )
+    return None
 
 
 def write_result(result: dict, args: argparse.Namespace, plot, log) -> int:

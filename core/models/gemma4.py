@@ -24,7 +24,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from graphrt.core.attention.base import AttentionBackend, AttentionSpec
@@ -32,8 +31,8 @@ from graphrt.core.batch import ForwardBatch
 from graphrt.core.memory import KVLayerSpec
 from graphrt.core.models.gemma4_config import FULL, SLIDING, Gemma4Config
 from graphrt.core.models.layers import (
-    ACTIVATIONS,
     GatedMLP,
+    Linear,
     MergedLinear,
     RotaryEmbedding,
     rope_inv_freq,
@@ -109,17 +108,18 @@ class Gemma4Attention(nn.Module):
         head_dim, kv_heads = c.head_dims[src], c.kv_heads[src]
         self.q_size = c.num_heads * head_dim
         self.kv_size = kv_heads * head_dim
+        self.ops = ops
         if self.shares_kv:  # no K/V projections or norms at all (transformers has none either)
-            self.q_proj = nn.Linear(c.hidden_size, self.q_size, bias=c.attention_bias)
+            self.q_proj = Linear(c.hidden_size, self.q_size, c.attention_bias, ops)
         else:
             shards = {"q_proj": self.q_size, "k_proj": self.kv_size}
             if not self.k_eq_v:
                 shards["v_proj"] = self.kv_size
-            self.qkv_proj = MergedLinear(c.hidden_size, shards, bias=c.attention_bias)
+            self.qkv_proj = MergedLinear(c.hidden_size, shards, c.attention_bias, ops)
             self.k_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps, ops=ops)
             self.v_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps, with_scale=False, ops=ops)
         self.q_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps, ops=ops)
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.attention_bias)
+        self.o_proj = Linear(self.q_size, c.hidden_size, c.attention_bias, ops)
         self.rotary = rotary
         self.spec = AttentionSpec(
             num_heads=c.num_heads,
@@ -135,22 +135,35 @@ class Gemma4Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         s = self.spec
+        rope = self.rotary
         if self.shares_kv:
-            q = self.q_norm(self.q_proj(x).view(-1, s.num_heads, s.head_dim))  # (T, H, D)
-            # ops.rope rotates q and k together; a one-head view of q stands in for k.
-            q, _ = self.rotary(batch.positions, q, q[:, :1])
-            return self.o_proj(attn.attend(q.flatten(1), None, None, s, batch))
-        qkv = self.qkv_proj(x)
-        if self.k_eq_v:
-            q, k = qkv.split([self.q_size, self.kv_size], dim=-1)
-            v = k  # V is the raw K projection, normed without a scale
+            q = self.q_proj(x).view(-1, s.num_heads, s.head_dim)  # (T, H, D)
+            k = v = k_weight = None
         else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, s.num_heads, s.head_dim))  # (T, H, D)
-        k = self.k_norm(k.view(-1, s.num_kv_heads, s.head_dim))  # (T, Hkv, D)
-        v = self.v_norm(v.view(-1, s.num_kv_heads, s.head_dim))
-        q, k = self.rotary(batch.positions, q, k)
-        out = attn.attend(q.flatten(1), k.flatten(1), v.flatten(1), s, batch)  # (T, H*D)
+            qkv = self.qkv_proj(x)
+            if self.k_eq_v:
+                q, k = qkv.split([self.q_size, self.kv_size], dim=-1)
+                v = k  # V is the raw K projection, normed without a scale
+            else:
+                q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(-1, s.num_heads, s.head_dim)  # (T, H, D)
+            k = k.view(-1, s.num_kv_heads, s.head_dim)  # (T, Hkv, D)
+            v = v.view(-1, s.num_kv_heads, s.head_dim)
+            k_weight = self.k_norm.weight
+        # q/k norms with scale, v's without, rope on q and k: one op.
+        q, k, v = self.ops.gemma_qkv_norm_rope(
+            batch.positions,
+            q,
+            k,
+            v,
+            self.q_norm.weight,
+            k_weight,
+            self.q_norm.eps,
+            rope.cos,
+            rope.sin,
+        )
+        kv = (None, None) if k is None else (k.flatten(1), v.flatten(1))
+        out = attn.attend(q.flatten(1), *kv, s, batch)  # (T, H*D)
         return self.o_proj(out)
 
 
@@ -178,30 +191,66 @@ class Gemma4DecoderLayer(nn.Module):
         self.has_per_layer_input = bool(c.hidden_size_per_layer_input)
         if self.has_per_layer_input:
             ple = c.hidden_size_per_layer_input
-            self.act = ACTIVATIONS[c.hidden_act]
-            self.per_layer_input_gate = nn.Linear(c.hidden_size, ple, bias=False)
-            self.per_layer_projection = nn.Linear(ple, c.hidden_size, bias=False)
+            self.act = c.hidden_act
+            self.per_layer_input_gate = Linear(c.hidden_size, ple, False, ops)
+            self.per_layer_projection = Linear(ple, c.hidden_size, False, ops)
             self.post_per_layer_input_norm = GemmaRMSNorm(c.hidden_size, eps, ops=ops)
         # A persistent buffer in transformers (saved in checkpoints): a parameter here so
         # that the loader fills it and checks it is present.
         self.layer_scalar = nn.Parameter(torch.ones(1))
+        self.ops = ops
 
     def forward(
         self,
         x: torch.Tensor,
+        normed: torch.Tensor,
         per_layer_input: torch.Tensor | None,
         batch: ForwardBatch,
         attn: AttentionBackend,
-    ) -> torch.Tensor:
+        next_norm: GemmaRMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, input_layernorm(x)) -> (x out, next_norm(x out)): each norm is fused into
+        the residual add before it, so the layer's input norm ran in the layer before."""
+        ops, eps = self.ops, self.input_layernorm.eps
         # Sandwich norms: each block's output is normed again before the residual add.
-        h = self.self_attn(self.input_layernorm(x), batch, attn)
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
-        x = x + self.post_feedforward_layernorm(h)
+        h = self.self_attn(normed, batch, attn)
+        x, h = ops.gemma_residual_norm(
+            h,
+            x,
+            self.post_attention_layernorm.weight,
+            eps,
+            None,
+            self.pre_feedforward_layernorm.weight,
+        )
+        h = self.mlp(h)
         if self.has_per_layer_input:
-            h = self.act(self.per_layer_input_gate(x)) * per_layer_input  # (T, ple)
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
-        return x * self.layer_scalar
+            x, _ = ops.gemma_residual_norm(h, x, self.post_feedforward_layernorm.weight, eps)
+            gate = self.per_layer_input_gate.weight
+            h = ops.linear_act_mul(x, gate, None, self.act, per_layer_input)  # (T, ple)
+            h = self.per_layer_projection(h)
+            last_norm = self.post_per_layer_input_norm
+        else:
+            last_norm = self.post_feedforward_layernorm
+        return ops.gemma_residual_norm(
+            h, x, last_norm.weight, eps, self.layer_scalar, next_norm.weight
+        )
+
+
+def run_layers(
+    layers: nn.ModuleList,
+    x: torch.Tensor,
+    per_layer: torch.Tensor | None,
+    batch: ForwardBatch,
+    attn: AttentionBackend,
+    final_norm: GemmaRMSNorm,
+) -> torch.Tensor:
+    """The decoder stack from the embedding ``x`` (T, hidden) to ``final_norm`` of its output."""
+    normed = layers[0].input_layernorm(x)
+    for i, layer in enumerate(layers):
+        next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+        layer_input = per_layer[:, i] if per_layer is not None else None  # (T, ple)
+        x, normed = layer(x, normed, layer_input, batch, attn, next_norm)
+    return normed
 
 
 class Gemma4Backbone(nn.Module):
@@ -209,6 +258,7 @@ class Gemma4Backbone(nn.Module):
         super().__init__()
         c = config
         self.config = c
+        self.ops = ops
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         # float32 scalars, rounded to the weight dtype when used (.to() converts them too),
         # as transformers' Gemma4TextScaledWordEmbedding does.
@@ -224,7 +274,7 @@ class Gemma4Backbone(nn.Module):
             ple, n = c.hidden_size_per_layer_input, c.num_layers
             self.embed_tokens_per_layer = nn.Embedding(c.vocab_size_per_layer_input, n * ple)
             self.register_buffer("per_layer_embed_scale", torch.tensor(ple**0.5), persistent=False)
-            self.per_layer_model_projection = nn.Linear(c.hidden_size, n * ple, bias=False)
+            self.per_layer_model_projection = Linear(c.hidden_size, n * ple, False, ops)
             self.per_layer_projection_norm = GemmaRMSNorm(ple, c.rms_norm_eps, ops=ops)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -234,21 +284,24 @@ class Gemma4Backbone(nn.Module):
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """(T, layers, ple): token-identity embedding plus a projection of the scaled embedding."""
         c = self.config
-        shape = (-1, c.num_layers, c.hidden_size_per_layer_input)
-        scale = self.per_layer_embed_scale.to(self.embed_tokens_per_layer.weight.dtype)
-        tokens = (self.embed_tokens_per_layer(input_ids) * scale).view(shape)
-        proj = self.per_layer_model_projection(x) * c.hidden_size**-0.5
-        proj = self.per_layer_projection_norm(proj.view(shape))
-        return (proj + tokens) * 2.0**-0.5
+        table = self.embed_tokens_per_layer.weight  # gathered, one row per token
+        return self.ops.gemma_per_layer_inputs(
+            input_ids,
+            table,
+            self.per_layer_embed_scale.to(table.dtype),
+            self.per_layer_model_projection(x),  # (T, layers * ple)
+            c.hidden_size**-0.5,
+            self.per_layer_projection_norm.weight,
+            c.rms_norm_eps,
+        )
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed(batch.input_ids)
         per_layer = None
         if self.config.hidden_size_per_layer_input:
             per_layer = self.per_layer_inputs(batch.input_ids, x)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, per_layer[:, i] if per_layer is not None else None, batch, attn)
-        return self.norm(x)  # (T, hidden): what the LM head and the assistant read
+        # (T, hidden): the final normed hidden, what the LM head and the assistant read
+        return run_layers(self.layers, x, per_layer, batch, attn, self.norm)
 
 
 class Gemma4ForCausalLM(nn.Module):
@@ -259,10 +312,11 @@ class Gemma4ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Gemma4Backbone(config, ops)
+        self.ops = ops
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size, False, ops)
         )
 
     @property
@@ -310,12 +364,11 @@ class Gemma4ForCausalLM(nn.Module):
         """The hidden the MTP assistant is seeded with: the final normed hidden itself."""
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.lm_head_weight)  # (N, vocab), model dtype
-        cap = self.config.final_logit_softcapping
-        if cap is not None:  # in the model dtype, as transformers does
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 (N, vocab), softcapped in the model dtype as transformers does; written
+        into ``out`` when given (graph runners share one logits buffer across batch sizes)."""
+        logits = self.ops.linear(hidden, self.lm_head_weight, None)  # (N, vocab), model dtype
+        return self.ops.softcap_logits(logits, self.config.final_logit_softcapping, out)
 
     def map_checkpoint_name(self, name: str) -> str | None:
         """Checkpoint tensor name -> this model's name; None skips the tensor."""

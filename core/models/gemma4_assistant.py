@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from graphrt.core.attention.base import AttentionBackend, AttentionSpec
@@ -30,8 +29,9 @@ from graphrt.core.batch import ForwardBatch
 from graphrt.core.errors import CheckpointError, GraphrtError
 from graphrt.core.memory import KVLayerSpec
 from graphrt.core.models.config import _positive_int, eos_ids
-from graphrt.core.models.gemma4 import Gemma4DecoderLayer, GemmaRMSNorm, _rotary
+from graphrt.core.models.gemma4 import Gemma4DecoderLayer, GemmaRMSNorm, _rotary, run_layers
 from graphrt.core.models.gemma4_config import FULL, Gemma4Config, gemma4_config_from_hf
+from graphrt.core.models.layers import Linear
 from graphrt.core.models.ops import TORCH_OPS, ModelOps
 
 _UNUSED_KV_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
@@ -146,12 +146,11 @@ class Gemma4AssistantForCausalLM(nn.Module):
         t = config.text
         self.config = config
         self.model = Gemma4DraftBackbone(t, ops)
-        self.pre_projection = nn.Linear(2 * config.backbone_hidden_size, t.hidden_size, bias=False)
-        self.post_projection = nn.Linear(t.hidden_size, config.backbone_hidden_size, bias=False)
+        self.ops = ops
+        self.pre_projection = Linear(2 * config.backbone_hidden_size, t.hidden_size, False, ops)
+        self.post_projection = Linear(t.hidden_size, config.backbone_hidden_size, False, ops)
         self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(t.hidden_size, t.vocab_size, bias=False)
+            None if config.tie_word_embeddings else Linear(t.hidden_size, t.vocab_size, False, ops)
         )
         self.masked_embedding = (
             CentroidMaskedHead(config) if config.use_ordered_embeddings else None
@@ -215,18 +214,18 @@ class Gemma4AssistantForCausalLM(nn.Module):
         emb = target.embed_tokens_scaled(batch.input_ids)  # (rows, backbone hidden)
         seed = batch.spec_info.hidden.to(emb.dtype)  # (rows, backbone hidden)
         x = self.pre_projection(torch.cat([emb, seed], dim=-1))  # (rows, hidden)
-        for layer in self.model.layers:
-            x = layer(x, None, batch, attn)
-        return self.model.norm(x)
+        return run_layers(self.model.layers, x, None, batch, attn, self.model.norm)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.masked_embedding is not None:
-            return self.masked_embedding(hidden, self.lm_head_weight).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+            logits = self.masked_embedding(hidden, self.lm_head_weight)
+        else:
+            logits = self.ops.linear(hidden, self.lm_head_weight, None)  # (N, vocab)
+        return self.ops.softcap_logits(logits, None, out)  # float32
 
     def next_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The next draft step's hidden input: ``post_projection`` back to the target's width."""

@@ -17,7 +17,7 @@ import torch
 
 from graphrt.core.errors import CheckpointError, UnsupportedModelError
 from graphrt.core.models.config import _positive_int, eos_ids, parse_dtype
-from graphrt.core.models.layers import ACTIVATIONS
+from graphrt.core.models.ops import ACTIVATIONS
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)

@@ -7,7 +7,6 @@ import math
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from graphrt.core.models.ops import TORCH_OPS, ModelOps
@@ -29,15 +28,29 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)  # (normed, x + residual)
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """``nn.Linear`` whose matmul is the device's ``ops.linear`` (CUDA: a tuned GEMV for
+    decode-sized batches, cuBLAS otherwise)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: ModelOps = TORCH_OPS):
+        super().__init__(in_features, out_features, bias=bias)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """One matmul over several checkpoint projections stacked along the output dim.
 
     ``shards`` maps a checkpoint name suffix (e.g. "q_proj") to its output rows;
     the loader calls ``load_shard`` for each and checks that all were loaded.
     """
 
-    def __init__(self, in_features: int, shards: Mapping[str, int], bias: bool):
-        super().__init__(in_features, sum(shards.values()), bias=bias)
+    def __init__(
+        self, in_features: int, shards: Mapping[str, int], bias: bool, ops: ModelOps = TORCH_OPS
+    ):
+        super().__init__(in_features, sum(shards.values()), bias, ops)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, size in shards.items():
@@ -53,6 +66,9 @@ class MergedLinear(nn.Linear):
 
 
 class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up as one stacked matmul whose activation and
+    product are one op (``ops.linear_act_mul``: on CUDA the GEMV's epilogue)."""
+
     def __init__(
         self,
         hidden: int,
@@ -63,25 +79,16 @@ class GatedMLP(nn.Module):
     ):
         super().__init__()
         self.gate_up_proj = MergedLinear(
-            hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias
+            hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias, ops
         )
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.act = ACTIVATIONS[act]
+        self.down_proj = Linear(intermediate, hidden, bias, ops)
+        self.act = act
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # (T, 2I)
-        if self.act is F.silu:
-            return self.down_proj(self.ops.silu_mul(gate_up))  # one fused kernel where available
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
-
-
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
+        proj = self.gate_up_proj
+        h = self.ops.linear_act_mul(x, proj.weight, proj.bias, self.act)  # (T, I)
+        return self.down_proj(h)
 
 
 def rope_inv_freq(

@@ -15,6 +15,7 @@ from graphrt.core.memory import KVLayerSpec
 from graphrt.core.models.config import LlamaConfig
 from graphrt.core.models.layers import (
     GatedMLP,
+    Linear,
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -32,9 +33,10 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             c.hidden_size,
             {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
-            bias=c.qkv_bias,
+            c.qkv_bias,
+            ops,
         )
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.o_proj_bias)
+        self.o_proj = Linear(self.q_size, c.hidden_size, c.o_proj_bias, ops)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, ops)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, ops)
@@ -120,10 +122,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaBackbone(config, ops)
+        self.ops = ops
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, ops)
 
     @property
     def vocab_size(self) -> int:
@@ -132,6 +135,10 @@ class LlamaForCausalLM(nn.Module):
     @property
     def max_context_len(self) -> int:
         return self.config.max_position_embeddings
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def kv_layer_specs(self) -> list[KVLayerSpec]:
         c = self.config
@@ -144,6 +151,8 @@ class LlamaForCausalLM(nn.Module):
         """The hidden a speculative draft step is fed: the final hidden itself."""
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()  # (N, vocab), float32
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 (N, vocab); written into ``out`` when given (graph runners share one
+        logits buffer across batch sizes)."""
+        logits = self.ops.linear(hidden, self.lm_head_weight, None)  # (N, vocab), model dtype
+        return self.ops.softcap_logits(logits, None, out)

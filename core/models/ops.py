@@ -30,8 +30,30 @@ class ModelOps:
     # (x (..., D), weight (D,) or None, eps) -> Gemma's RMSNorm (..., D) in x's dtype: the
     # norm and the weight multiply both in float32, one rounding at the end.
     gemma_rms_norm: Callable[[torch.Tensor, torch.Tensor | None, float], torch.Tensor]
-    # (x (T, 2I)) -> silu(x[:, :I]) * x[:, I:]  (T, I)
-    silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    # (gate (T, I), up (T, I), activation name) -> act(gate) * up  (T, I)
+    act_mul: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]
+    # (x (T, K), weight (N, K), bias (N,) or None) -> x @ weight.T + bias  (T, N)
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    # (x (T, K), weight, bias, act, up) -> act(x @ gate.T) * (x @ up.T) with weight = [gate; up]
+    # ((2I, K): a fused gate/up projection) when up is None, else act(x @ weight.T) * up.
+    linear_act_mul: Callable[..., torch.Tensor]
+    # (h, residual (T, D), weight, eps, scalar (1,) or None, next_weight or None) ->
+    # (x, gemma_rms_norm(x, next_weight) or None) with x = (residual + gemma_rms_norm(h,
+    # weight)) [* scalar]: Gemma's sandwich norm, residual add and layer scalar, then the
+    # norm that reads x next.
+    gemma_residual_norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    # (positions, q (T, H, D), k, v (T, Hkv, D) or None, q_weight, k_weight, eps, cos, sin)
+    # -> (rope(norm(q)), rope(norm(k)), norm(v) without scale); k, v None: q only.
+    gemma_qkv_norm_rope: Callable[
+        ..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+    ]
+    # (input_ids (T,), table (V, L*P), table_scale (), proj (T, L*P), proj_scale, norm_weight
+    # (P,), eps) -> Gemma 4's per-layer inputs (T, L, P): (gemma_rms_norm(proj * proj_scale)
+    # + table[input_ids] * table_scale) * 2^-0.5, per layer slice of P.
+    gemma_per_layer_inputs: Callable[..., torch.Tensor]
+    # (logits (N, V), cap or None, out (N, V) float32 or None) -> float32 logits, softcapped
+    # as tanh(logits / cap) * cap in the logits' dtype; written into out when given.
+    softcap_logits: Callable[..., torch.Tensor]
     # (positions (T,), q (T, H, D), k (T, Hkv, D), cos (P, R), sin (P, R)) -> rotated (q, k):
     # rotate-half rope over the first R dims of each head (R <= D, the rest passes through).
     rope: Callable[
@@ -63,9 +85,79 @@ def torch_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: floa
     return out.type_as(x)
 
 
-def torch_silu_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def torch_act_mul(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    return ACTIVATIONS[act](gate) * up
+
+
+def torch_linear_act_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    act: str,
+    up: torch.Tensor | None = None,
+    act_mul: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor] = torch_act_mul,
+) -> torch.Tensor:
+    """The unfused reference: one matmul, then ``act_mul`` (a device may pass its own)."""
+    out = F.linear(x, weight, bias)
+    if up is None:
+        out, up = out.chunk(2, dim=-1)
+    return act_mul(out, up, act)
+
+
+def torch_gemma_residual_norm(
+    h: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    scalar: torch.Tensor | None = None,
+    next_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x = residual + torch_gemma_rms_norm(h, weight, eps)
+    if scalar is not None:
+        x = x * scalar
+    return x, None if next_weight is None else torch_gemma_rms_norm(x, next_weight, eps)
+
+
+def torch_gemma_qkv_norm_rope(positions, q, k, v, q_weight, k_weight, eps, cos, sin):
+    q = torch_gemma_rms_norm(q, q_weight, eps)
+    if k is None:  # rope rotates q and k together: a one-head view of q stands in for k
+        return torch_rope(positions, q, q[:, :1], cos, sin)[0], None, None
+    k = torch_gemma_rms_norm(k, k_weight, eps)
+    v = torch_gemma_rms_norm(v, None, eps)
+    q, k = torch_rope(positions, q, k, cos, sin)
+    return q, k, v
+
+
+def torch_gemma_per_layer_inputs(
+    input_ids: torch.Tensor,
+    table: torch.Tensor,
+    table_scale: torch.Tensor,
+    proj: torch.Tensor,
+    proj_scale: float,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    shape = (input_ids.shape[0], -1, norm_weight.shape[0])  # (T, L, P)
+    tokens = (F.embedding(input_ids, table) * table_scale).view(shape)
+    proj = torch_gemma_rms_norm((proj * proj_scale).view(shape), norm_weight, eps)
+    return (proj + tokens) * 2.0**-0.5
+
+
+def torch_softcap_logits(
+    logits: torch.Tensor, cap: float | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    if cap is not None:  # in the logits' dtype, as transformers does
+        logits = torch.tanh(logits / cap) * cap
+    if out is None:
+        return logits.float()
+    return out.copy_(logits)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
 
 
 def torch_rope(
@@ -95,6 +187,12 @@ TORCH_OPS = ModelOps(
     rms_norm=torch_rms_norm,
     add_rms_norm=torch_add_rms_norm,
     gemma_rms_norm=torch_gemma_rms_norm,
-    silu_mul=torch_silu_mul,
+    act_mul=torch_act_mul,
     rope=torch_rope,
+    linear=F.linear,
+    linear_act_mul=torch_linear_act_mul,
+    gemma_residual_norm=torch_gemma_residual_norm,
+    gemma_qkv_norm_rope=torch_gemma_qkv_norm_rope,
+    gemma_per_layer_inputs=torch_gemma_per_layer_inputs,
+    softcap_logits=torch_softcap_logits,
 )

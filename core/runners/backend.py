@@ -33,6 +33,10 @@ class ShapeKey:
 
 class ExecutionBackend(abc.ABC):
     name: str = "abstract"
+    # True for device graphs: a replay writes into the outputs its capture returned, so the
+    # runner may hand every graph slices of one shared output buffer (compiled code returns
+    # fresh outputs instead).
+    replays_into_static_outputs: bool = False
 
     @abc.abstractmethod
     def capture_session(self, stream: Any = None) -> contextlib.AbstractContextManager:

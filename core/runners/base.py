@@ -46,9 +46,16 @@ class BaseRunner(abc.ABC):
         return forward_model(self.model, self.attn_backend, batch)
 
 
-def forward_model(model: nn.Module, attn: AttentionBackend, batch: ForwardBatch) -> RunnerOutput:
-    """One forward of ``model`` over ``batch``: logits and the hidden handed on."""
+def forward_model(
+    model: nn.Module,
+    attn: AttentionBackend,
+    batch: ForwardBatch,
+    logits_out: torch.Tensor | None = None,
+) -> RunnerOutput:
+    """One forward of ``model`` over ``batch``: logits (into ``logits_out`` (N, vocab)
+    float32 when given) and the hidden handed on."""
     hidden = model(batch, attn)  # (T, hidden)
     if batch.logits_indices is not None:
         hidden = hidden[batch.logits_indices]  # (N, hidden)
-    return RunnerOutput(logits=model.compute_logits(hidden), hidden=model.next_hidden(hidden))
+    logits = model.compute_logits(hidden, logits_out)
+    return RunnerOutput(logits=logits, hidden=model.next_hidden(hidden))

@@ -45,7 +45,7 @@ class CudaDevice(Device):
     def model_ops(self):
         """Fused Triton kernels when triton is installed (graphrt[cuda]), else torch's."""
         try:
-            from graphrt.devices.cuda.triton_ops import TRITON_OPS
+            from graphrt.devices.cuda.ops import TRITON_OPS
         except ImportError:
             return super().model_ops()
         return TRITON_OPS

@@ -30,9 +30,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from graphrt.core.models.ops import ModelOps
-
-SILU_BLOCK = 1024  # columns of one silu_mul program
+ACT_BLOCK = 1024  # columns of one act_mul program
 
 
 def _norm_num_warps(block: int) -> int:
@@ -91,6 +89,19 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def _gemma_inv_rms(x, eps, D: tl.constexpr, TORCH_CUDA_MATH: tl.constexpr):
+    """pow(mean(x^2) + eps, -0.5) of a float32 row (masked lanes hold 0), as torch computes it."""
+    if TORCH_CUDA_MATH:
+        # torch on CUDA: mean = sum * (1/D); pow(-0.5) is libdevice rsqrtf there.
+        inv_rms = libdevice.rsqrt(tl.sum(x * x, 0) * (1.0 / D) + eps)
+    else:
+        inv_rms = tl.math.div_rn(
+            1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(x * x, 0), D * 1.0) + eps)
+        )
+    return inv_rms
+
+
+@triton.jit
 def _gemma_rms_norm_kernel(
     X,  # (T, H, D): H rows of D per token (H = 1 for a plain (T, D))
     Weight,  # (D,), read when HAS_WEIGHT
@@ -111,41 +122,72 @@ def _gemma_rms_norm_kernel(
     dtype = X.dtype.element_ty
     x = tl.load(X + token * stride_t + head * stride_h + offs, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    if TORCH_CUDA_MATH:
-        # torch on CUDA: mean = sum * (1/D); pow(-0.5) is libdevice rsqrtf there.
-        inv_rms = libdevice.rsqrt(tl.sum(x * x, 0) * (1.0 / D) + eps)
-    else:
-        inv_rms = tl.math.div_rn(
-            1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(x * x, 0), D * 1.0) + eps)
-        )
-    normed = x * inv_rms  # float32, not rounded: Gemma multiplies the weight in first
+    normed = x * _gemma_inv_rms(
+        x, eps, D, TORCH_CUDA_MATH
+    )  # float32, not rounded: Gemma multiplies the weight in first
     if HAS_WEIGHT:
         normed = normed * tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Out + row * D + offs, _round(normed, dtype).to(dtype), mask=mask)
 
 
+# Activations by code, so one kernel serves each (fused epilogues read the same table).
+ACTIVATION_CODES = {None: 0, "silu": 1, "gelu_pytorch_tanh": 2}
+
+
+def activation_code(act: str | None) -> int:
+    if act not in ACTIVATION_CODES:
+        raise ValueError(f"no fused Triton kernel for activation {act!r}")
+    return ACTIVATION_CODES[act]
+
+
 @triton.jit
-def _silu_mul_kernel(
-    X,  # (T, 2I): gate | up
+def _tanh(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        t = libdevice.tanh(x)  # tanhf, as torch's CUDA gelu calls it
+    else:  # the interpreter has no libdevice: tanh from numpy's exp
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = tl.where(x < 0, -1.0, 1.0) * tl.math.div_rn(1.0 - e, 1.0 + e)
+    return t
+
+
+@triton.jit
+def _activate(x, ACT: tl.constexpr, PRECISE: tl.constexpr):
+    """float32 activation of float32 ``x`` (not rounded), as torch computes it in float32."""
+    if ACT == 1:  # F.silu: x / (1 + exp(-x))
+        if PRECISE:
+            e = libdevice.exp(-x)
+        else:
+            e = tl.exp(-x)
+        y = tl.math.div_rn(x, 1.0 + e)
+    elif ACT == 2:  # F.gelu(approximate="tanh"), ATen's order of operations
+        inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
+        y = (0.5 * x) * (1.0 + _tanh(inner, PRECISE))
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _act_mul_kernel(
+    Gate,  # (T, I)
+    Up,  # (T, I)
     Out,  # (T, I) contiguous
-    stride_x,
+    stride_g,
+    stride_u,
     inter,  # I
     BLOCK: tl.constexpr,
-    PRECISE_EXP: tl.constexpr,
+    ACT: tl.constexpr,
+    PRECISE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
-    gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(X + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    if PRECISE_EXP:
-        e = libdevice.exp(-gate)
-    else:
-        e = tl.exp(-gate)
-    # F.silu computes x / (1 + exp(-x)) in float32 and rounds; the multiply rounds again.
-    dtype = X.dtype.element_ty
-    silu = _round(tl.math.div_rn(gate, 1.0 + e), dtype)
-    tl.store(Out + row * inter + offs, _round(silu * up, dtype).to(dtype), mask=mask)
+    gate = tl.load(Gate + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(Up + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    # The activation rounds to the dtype (its own torch kernel), the product rounds again.
+    dtype = Gate.dtype.element_ty
+    act = _round(_activate(gate, ACT, PRECISE), dtype)
+    tl.store(Out + row * inter + offs, _round(act * up, dtype).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -217,10 +259,10 @@ def _rope_kernel(
 
 
 # Triton picks compiled or interpreted kernels when they are decorated (TRITON_INTERPRET=1
-# at import). Compiled: silu's exp is libdevice's expf, the one torch's CUDA silu calls
-# (tl.exp is an approximate exp2 there); the interpreter has no libdevice, and its tl.exp
-# is numpy's float32 exp.
-_INTERPRETED = type(_silu_mul_kernel).__name__ == "InterpretedFunction"
+# at import). Compiled: silu's exp and gelu's tanh are libdevice's expf / tanhf, the ones
+# torch's CUDA kernels call (tl.exp is an approximate exp2 there); the interpreter has no
+# libdevice, and its tl.exp is numpy's float32 exp.
+_INTERPRETED = type(_act_mul_kernel).__name__ == "InterpretedFunction"
 
 
 def _check_rows(name: str, t: torch.Tensor) -> None:
@@ -304,22 +346,26 @@ def triton_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: flo
     return out
 
 
-def triton_silu_mul(x: torch.Tensor) -> torch.Tensor:
-    _check_rows("x", x)
-    num_rows, width = x.shape
-    assert width % 2 == 0, f"silu_mul needs an even last dim, got {width}"
-    inter = width // 2
-    out = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)  # (T, I)
+def triton_act_mul(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """``act(gate) * up`` for (T, I) views (e.g. the halves of a gate/up projection)."""
+    _check_rows("gate", gate)
+    _check_rows("up", up)
+    assert gate.shape == up.shape and gate.dtype == up.dtype, f"{gate.shape} vs {up.shape}"
+    num_rows, inter = gate.shape
+    out = torch.empty((num_rows, inter), dtype=gate.dtype, device=gate.device)  # (T, I)
     if num_rows == 0 or inter == 0:
         return out
-    block = min(triton.next_power_of_2(inter), SILU_BLOCK)
-    _silu_mul_kernel[(num_rows, triton.cdiv(inter, block))](
-        x,
+    block = min(triton.next_power_of_2(inter), ACT_BLOCK)
+    _act_mul_kernel[(num_rows, triton.cdiv(inter, block))](
+        gate,
+        up,
         out,
-        x.stride(0),
+        gate.stride(0),
+        up.stride(0),
         inter,
         BLOCK=block,
-        PRECISE_EXP=not _INTERPRETED,
+        ACT=activation_code(act),
+        PRECISE=not _INTERPRETED,
         num_warps=4,
         enable_fp_fusion=False,
     )
@@ -371,13 +417,3 @@ def triton_rope(
         enable_fp_fusion=False,
     )
     return q_out, k_out
-
-
-TRITON_OPS = ModelOps(
-    name="triton",
-    rms_norm=triton_rms_norm,
-    add_rms_norm=triton_add_rms_norm,
-    gemma_rms_norm=triton_gemma_rms_norm,
-    silu_mul=triton_silu_mul,
-    rope=triton_rope,
-)

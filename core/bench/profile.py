@@ -1,0 +1,39 @@
+"""The device kernels of one call, as torch.profiler records them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity
+
+
+def kernel_activity(device: torch.device) -> ProfilerActivity | None:
+    """The profiler activity that records ``device``'s kernels (CUDA's, XPU's), or None
+    where the profiler records none: the CPU runs operators, not kernels."""
+    activity = getattr(ProfilerActivity, device.type.upper(), None)
+    if activity in (None, ProfilerActivity.CPU):
+        return None
+    return activity if activity in torch.profiler.supported_activities() else None
+
+
+def device_events(fn: Callable[[], object], sync: Callable[[], None], device: torch.device):
+    """Run ``fn`` once under the profiler: its device events (kernels and copies) averaged
+    by name, each with a ``count``; None where the profiler records no kernels."""
+    activity = kernel_activity(device)
+    if activity is None:
+        return None
+    sync()  # nothing queued before fn lands in the trace
+    with torch.profiler.profile(activities=[activity]) as prof:
+        fn()
+        sync()
+    return [e for e in prof.key_averages() if e.device_type != DeviceType.CPU]
+
+
+def count_kernels(
+    fn: Callable[[], object], sync: Callable[[], None], device: torch.device
+) -> int | None:
+    """Device kernels (and copies) one call of ``fn`` launches; None where none are seen."""
+    count = sum(e.count for e in device_events(fn, sync, device) or ())
+    return count or None  # 0: the profiler saw no kernels of this device

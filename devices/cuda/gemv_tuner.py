@@ -1,0 +1,129 @@
+"""Which kernel serves each skinny matmul: cuBLAS or a GEMV configuration, timed once.
+
+Per (op, row class, weight shape, dtype, epilogue) the first call times cuBLAS (plus
+the separate activation kernel the fused epilogue would save) against every
+``triton_gemv`` configuration, and keeps the fastest for the life of the process.
+
+Timing is done the way a decode step runs: inside a CUDA graph (no host launch
+cost, which would favour cuBLAS's cheaper launches over Triton's), over enough
+copies of the weight that each call reads it cold from memory rather than from
+L2, as a step streams every weight once. The graph runner's warm-up runs come
+before any capture, so every shape a graph uses is decided outside capture;
+eager and graph runs then use the same kernel and agree bitwise.
+
+Under the Triton interpreter (CPU tensors, the CPU test lane) nothing can be
+timed: the first GEMV configuration is taken, so the tests exercise the kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Hashable
+
+import torch
+
+from graphrt.core.errors import GraphrtError
+from graphrt.devices.cuda.triton_gemv import GemvConfig, configs_for
+
+log = logging.getLogger(__name__)
+
+CUBLAS = None  # the choice that means "not the GEMV": torch's own matmul
+MIN_CALLS = 16  # calls of the op per timed graph
+MAX_COPIES = 32  # weight copies rotated through (for weights far smaller than L2)
+REPLAYS = 5  # timed replays per candidate; the median counts
+
+Run = Callable[[GemvConfig | None, torch.Tensor], object]
+
+
+class GemvTuner:
+    def __init__(self) -> None:
+        self._choices: dict[Hashable, GemvConfig | None] = {}
+        # key -> (cuBLAS ms, the chosen candidate's ms) per call: what the bench reports
+        self.timings: dict[Hashable, tuple[float, float]] = {}
+        self.tuning_s = 0.0  # time spent tuning so far
+        # HAZARD: cuBLAS keeps a workspace (32 MiB on Hopper) per stream it ever ran on, for
+        # the life of the process: a fresh stream per tuned shape cycles through torch's 32
+        # pooled streams and pins up to 1 GiB. Timing runs on the caller's stream (a graph
+        # runner's warm-up: the capture stream, whose workspace its graphs use anyway), or
+        # on this one stream when the caller is on the default stream, which cannot capture.
+        self._stream: torch.cuda.Stream | None = None
+
+    def choose(self, key: Hashable, rows: int, weight: torch.Tensor, run: Run) -> GemvConfig | None:
+        """The configuration for ``key``; ``run(choice, weight)`` computes the op with a
+        choice on a weight of ``weight``'s shape (the tuner passes copies)."""
+        choice = self._choices.get(key, "unset")
+        if choice != "unset":
+            return choice
+        candidates = configs_for(rows)
+        if weight.device.type != "cuda":  # the interpreter: nothing to time
+            choice = candidates[0]
+        elif torch.cuda.is_current_stream_capturing():
+            raise GraphrtError(
+                f"matmul {key} was not tuned before graph capture; run a warm-up forward first"
+            )
+        else:
+            choice = self._time(key, (CUBLAS, *candidates), weight, run)
+        self._choices[key] = choice
+        return choice
+
+    def _time(self, key, candidates, weight: torch.Tensor, run: Run) -> GemvConfig | None:
+        start = time.perf_counter()
+        l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
+        copies = min(MAX_COPIES, max(2, -(-3 * l2 // weight.nbytes)))  # 3x L2 of weights
+        weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+        calls = weights * -(-MIN_CALLS // copies)
+        stream = torch.cuda.current_stream(weight.device)
+        if stream == torch.cuda.default_stream(weight.device):  # eager: capture refuses it
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(weight.device)
+            stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream())
+        per_call = []
+        with torch.cuda.stream(stream):
+            for choice in candidates:
+                run(choice, weight)  # compiles outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    for w in calls:
+                        run(choice, w)
+                graph.replay()
+                samples = []
+                for _ in range(REPLAYS):
+                    begin, end = torch.cuda.Event(True), torch.cuda.Event(True)
+                    begin.record(stream)
+                    graph.replay()
+                    end.record(stream)
+                    end.synchronize()
+                    samples.append(begin.elapsed_time(end) / len(calls))
+                per_call.append(statistics.median(samples))
+                graph.reset()
+        torch.cuda.current_stream().wait_stream(stream)
+        del weights, calls
+        best = min(range(len(candidates)), key=per_call.__getitem__)
+        self.tuning_s += time.perf_counter() - start
+        self.timings[key] = (per_call[0], per_call[best])
+        log.debug(
+            "gemv %s: %s %.4f ms (cuBLAS %.4f)", key, candidates[best], per_call[best], per_call[0]
+        )
+        return candidates[best]
+
+    def choices(self) -> dict[Hashable, GemvConfig | None]:
+        return dict(self._choices)
+
+    def report(self, weight_bytes: Callable[[Hashable], int] | None = None) -> list[str]:
+        """One line per timed key: its choice, that time and cuBLAS's (and GB/s of weight
+        read, given ``weight_bytes(key)``)."""
+        lines = []
+        for key, (cublas_ms, best_ms) in sorted(self.timings.items(), key=str):
+            choice = self._choices[key]
+            name = "cuBLAS" if choice is None else f"gemv {choice.block_n}x{choice.block_k}"
+            line = f"{key}: {name} {best_ms * 1e3:.1f} us (cuBLAS {cublas_ms * 1e3:.1f} us)"
+            if weight_bytes is not None:
+                line += f", {weight_bytes(key) / best_ms / 1e6:.0f} GB/s"
+            lines.append(line)
+        return lines
+
+
+TUNER = GemvTuner()  # one per process: the choice depends on the shape and the card only

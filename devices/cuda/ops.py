@@ -1,0 +1,97 @@
+"""``TRITON_OPS``: the CUDA device's ``ModelOps`` table (``CudaDevice.model_ops``).
+
+The elementwise kernels live in ``triton_ops`` (shared by every model) and
+``triton_gemma`` (Gemma 4's chains); skinny matmuls go to ``triton_gemv``
+where ``gemv_tuner`` measured it faster than cuBLAS for that shape, and to
+cuBLAS otherwise (prefill, batches over 16 rows, float32: the parity runs
+keep cuBLAS's arithmetic).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graphrt.core.models.ops import ModelOps, torch_linear_act_mul
+from graphrt.devices.cuda.gemv_tuner import TUNER
+from graphrt.devices.cuda.triton_gemma import (
+    gemma_per_layer_inputs,
+    gemma_qkv_norm_rope,
+    gemma_residual_norm,
+    softcap_logits,
+)
+from graphrt.devices.cuda.triton_gemv import MAX_ROWS, gemv
+from graphrt.devices.cuda.triton_ops import (
+    triton_act_mul,
+    triton_add_rms_norm,
+    triton_gemma_rms_norm,
+    triton_rms_norm,
+    triton_rope,
+)
+
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A decode-sized matmul the GEMV may serve (else cuBLAS, untuned)."""
+    return (
+        x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.dtype in _GEMV_DTYPES
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+        and weight.is_contiguous()
+    )
+
+
+def _row_class(x: torch.Tensor) -> str:
+    # One row runs the CUDA-core path, 2..16 rows one tensor-core tile: within a class
+    # the cost is the weight's read, whatever the rows, so one timing serves the class.
+    return "1" if x.shape[0] == 1 else f"2-{MAX_ROWS}"
+
+
+def triton_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    if not _skinny(x, weight):
+        return F.linear(x, weight, bias)
+
+    def run(config, w=weight):
+        return F.linear(x, w, bias) if config is None else gemv(x, w, bias, config)
+
+    key = ("linear", _row_class(x), *weight.shape, x.dtype, bias is not None)
+    return run(TUNER.choose(key, x.shape[0], weight, run))
+
+
+def triton_linear_act_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    act: str,
+    up: torch.Tensor | None = None,
+) -> torch.Tensor:
+    def run(config=None, w=weight):
+        if config is None:  # cuBLAS, then the activation kernel
+            return torch_linear_act_mul(x, w, bias, act, up, act_mul=triton_act_mul)
+        return gemv(x, w, bias, config, act=act, gated=up is None, up=up)
+
+    if not _skinny(x, weight):
+        return run()
+    key = ("act_mul", _row_class(x), *weight.shape, x.dtype, bias is not None, act, up is None)
+    return run(TUNER.choose(key, x.shape[0], weight, run))
+
+
+TRITON_OPS = ModelOps(
+    name="triton",
+    rms_norm=triton_rms_norm,
+    add_rms_norm=triton_add_rms_norm,
+    gemma_rms_norm=triton_gemma_rms_norm,
+    act_mul=triton_act_mul,
+    rope=triton_rope,
+    linear=triton_linear,
+    linear_act_mul=triton_linear_act_mul,
+    gemma_residual_norm=gemma_residual_norm,
+    gemma_qkv_norm_rope=gemma_qkv_norm_rope,
+    gemma_per_layer_inputs=gemma_per_layer_inputs,
+    softcap_logits=softcap_logits,
+)

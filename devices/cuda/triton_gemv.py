@@ -1,0 +1,211 @@
+"""Skinny matmuls for decode (M <= 16 rows): a Triton GEMV with fused epilogues.
+
+At batch 1 cuBLAS reads a 2048 x 2048 projection at about 45% of copy
+bandwidth on an H200 (bench profile, 2026-11-30). This kernel streams the
+weight once, ``BLOCK_N`` output rows per program, with no split-K (every
+program owns whole output rows, so no atomics, no workspace, no second
+launch), and can finish the layer's next elementwise op in registers:
+
+- ``GATED``: the weight stacks gate rows over up rows ((2I, K), as
+  ``GatedMLP.gate_up_proj``); the program reads both halves for its outputs
+  and writes ``act(gate) * up`` (T, I), one launch instead of matmul + act.
+- ``up`` given: ``act(x @ W^T) * up`` with ``up`` another tensor (Gemma 4's
+  per-layer-input gate).
+
+Rounding follows the unfused reference: the matmul's result is rounded to the
+activation dtype, then each elementwise step rounds as torch does
+(``triton_ops._round``); only the matmul's float32 summation order differs
+from cuBLAS. Which configuration (or cuBLAS) serves a shape is decided once by
+``gemv_tuner``; this module only launches.
+
+Capture-safe: no host reads of tensor values, outputs from ``torch.empty``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from graphrt.devices.cuda.triton_ops import _INTERPRETED, _activate, _round, activation_code
+
+MAX_ROWS = 16  # M above this goes to cuBLAS: tensor-core tiles win there
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # output rows per program
+    block_k: int  # reduction chunk per loop iteration
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# What the tuner tries (and the interpreter's default is the first): small blocks keep
+# every SM busy on 1536..4096-row projections; big K chunks keep bytes in flight.
+ROW_CONFIGS = (  # M == 1: a broadcast multiply and a row sum, no tensor cores
+    GemvConfig(8, 512),
+    GemvConfig(2, 1024),
+    GemvConfig(4, 2048, num_warps=8),  # a whole 1536/2048 row in one iteration
+    GemvConfig(2, 2048),
+    GemvConfig(8, 1024, num_warps=8),
+    GemvConfig(16, 512, num_warps=8),
+    GemvConfig(16, 256),
+)
+DOT_CONFIGS = (  # 2 <= M <= 16: one 16-row tensor-core tile, rows beyond M masked
+    GemvConfig(16, 256),
+    GemvConfig(16, 512, num_warps=8),
+    GemvConfig(16, 128, num_stages=4),
+    GemvConfig(32, 128),
+    GemvConfig(32, 256, num_warps=8),
+    GemvConfig(64, 128, num_warps=8),
+)
+
+
+def configs_for(rows: int) -> tuple[GemvConfig, ...]:
+    return ROW_CONFIGS if rows == 1 else DOT_CONFIGS
+
+
+@triton.jit
+def _dot(acc, x, w, PRECISE: tl.constexpr):
+    """acc (16, BLOCK_N) += x (16, BLOCK_K) @ w (BLOCK_N, BLOCK_K).T on tensor cores."""
+    if PRECISE:  # 16-bit products are exact in float32
+        if x.dtype == tl.float32:  # not TF32: float32 keeps float32 products
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    else:  # the interpreter's dot mishandles bfloat16 operands (triton 3.7): float32 ones
+        acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(
+    X,  # (M, K), unit stride in K
+    W,  # (N_w, K) row-major: N output rows, or 2N (gate rows, then up rows) when GATED
+    Bias,  # (N_w,), read when HAS_BIAS
+    Up,  # (M, N), read when HAS_UP
+    Out,  # (M, N) contiguous
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_um,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_UP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,  # activation_code(): 0 none
+    PRECISE: tl.constexpr,
+):
+    dtype = Out.dtype.element_ty
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1) row pointers
+    if BLOCK_M == 1:
+        # One row: elementwise products summed in a (BLOCK_N, BLOCK_K) float32 tile, reduced
+        # across K once at the end (a reduction per chunk costs shuffles every iteration).
+        part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        part_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            x = tl.load(X + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+            part += x * w.to(tl.float32)
+            if GATED:
+                w_up = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
+                part_up += x * w_up.to(tl.float32)
+        acc = tl.sum(part, axis=1)[None, :]  # (1, BLOCK_N)
+        acc_up = tl.sum(part_up, axis=1)[None, :]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            x = tl.load(
+                X + offs_m[:, None] * stride_xm + offs_k[None, :],
+                mask=m_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )  # (BLOCK_M, BLOCK_K)
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)  # (BLOCK_N, BLOCK_K)
+            acc = _dot(acc, x, w, PRECISE)
+            if GATED:
+                w_up = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
+                acc_up = _dot(acc_up, x, w_up, PRECISE)
+    # Epilogue, rounding where the unfused ops round: matmul output, activation, product.
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y = _round(acc, dtype)
+    if ACT != 0:
+        y = _round(_activate(y, ACT, PRECISE), dtype)
+    if GATED:
+        if HAS_BIAS:
+            acc_up += tl.load(Bias + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y = _round(y * _round(acc_up, dtype), dtype)
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_UP:
+        up = tl.load(Up + offs_m[:, None] * stride_um + offs_n[None, :], mask=out_mask, other=0.0)
+        y = _round(y * up.to(tl.float32), dtype)
+    tl.store(Out + offs_m[:, None] * N + offs_n[None, :], y.to(dtype), mask=out_mask)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemvConfig,
+    act: str | None = None,
+    gated: bool = False,
+    up: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for (M <= 16, K) ``x``, then optionally ``act`` and a product:
+    with ``gated`` the weight's second half is the up projection; with ``up`` the factor
+    is that (M, N) tensor. Returns a new (M, N) tensor in ``x``'s dtype."""
+    rows, k = x.shape
+    n = weight.shape[0] // (2 if gated else 1)
+    assert rows <= MAX_ROWS, f"gemv takes at most {MAX_ROWS} rows, got {rows}"
+    assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (
+        f"x {tuple(x.shape)} / weight {tuple(weight.shape)}: K must match, unit stride"
+    )
+    assert weight.dtype == x.dtype, f"weight {weight.dtype} vs x {x.dtype}"
+    if up is not None:
+        assert up.shape == (rows, n) and up.stride(1) == 1, f"up {tuple(up.shape)}"
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return out
+    block_m = 1 if rows == 1 else 16
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x,
+        weight,
+        weight if bias is None else bias,
+        out if up is None else up,
+        out,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        0 if up is None else up.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GATED=gated,
+        HAS_UP=up is not None,
+        HAS_BIAS=bias is not None,
+        ACT=activation_code(act),
+        PRECISE=not _INTERPRETED,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        enable_fp_fusion=False,
+    )
+    return out

@@ -1,0 +1,373 @@
+"""Fused Triton decode kernels against the torch reference table (``TORCH_OPS``):
+Gemma 4's chains (devices/cuda/triton_gemma.py) and the skinny-matmul GEMV with its
+epilogues (devices/cuda/triton_gemv.py, chosen by gemv_tuner.py).
+
+The contract, per output kind (see test_triton_ops.py for the elementwise one):
+- ``chain`` (residual norm, qkv norm + rope, softcap): every rounding where torch
+  rounds; the float32 differences are the norm's sum order and tanh/exp, so float32
+  outputs are within CHAIN_F32 of the reference relative to the tensor's largest
+  value, and 16-bit ones within 2 ulp of that largest value (a flipped rounding
+  early in the chain, carried through an add that may cancel).
+- ``matmul`` (GEMV, with or without epilogue): the float32 sum runs in another order
+  than the reference's matmul; relative to the output's largest value, float32 is
+  within MATMUL_F32 and 16-bit within 2 ulp (the matmul's rounding, then the
+  epilogue's).
+Both also require finite outputs of the right shape and dtype; a wrong row, a missing
+bias or a wrong activation misses these bounds by orders of magnitude.
+
+CPU lane: the kernels under TRITON_INTERPRET=1 in a subprocess (see test_triton_ops).
+CUDA lane: the same at Gemma 4 E2B / Llama-3.2-1B sizes, every GEMV configuration,
+and graph replay against eager, bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import OLD_INTERPRETER, needs_gpu, needs_triton, run_under_triton_interpreter
+
+from graphrt.core.models.ops import TORCH_OPS
+
+EPS = 1e-6
+CHAIN_F32 = 2e-6
+MATMUL_F32 = 2e-5
+ULP_16 = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}  # 1 ulp relative to magnitude
+
+
+def check(got, want, kind: str) -> dict:
+    """Metrics of one output and whether it holds the module's contract."""
+    ok_layout = got.shape == want.shape and got.dtype == want.dtype
+    if not ok_layout or want.numel() == 0:
+        return {"ok": ok_layout, "scaled": 0.0}
+    scale = want.double().abs().max().clamp_min(1e-30)
+    scaled = ((got.double() - want.double()).abs().max() / scale).item()
+    if got.dtype == torch.float32:
+        bound = CHAIN_F32 if kind == "chain" else MATMUL_F32
+    else:
+        bound = 2 * ULP_16[got.dtype]
+    finite = bool(torch.isfinite(got).all())
+    return {"ok": finite and scaled <= bound, "scaled": scaled, "bound": bound}
+
+
+def rope_tables(head_dim: int, rotated_pairs: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's proportional-rope layout: the table spans the head; pairs past
+    ``rotated_pairs`` have frequency 0 (cos 1, sin 0)."""
+    inv = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    inv[rotated_pairs:] = 0
+    freqs = torch.outer(torch.arange(256, dtype=torch.float32), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def gemma_cases(ops, dtype, shapes, device, seed=0) -> dict:
+    """Gemma's fused chains on random inputs -> {"dtype/case/output": metrics}.
+
+    shapes: (T, hidden, H, Hkv, D, rotated pairs, vocab).
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(device, dtype)
+
+    name = str(dtype).removeprefix("torch.")
+    results = {}
+    for t, hidden, heads, kv_heads, head_dim, pairs, vocab in shapes:
+        case = f"{name}/T{t}-D{hidden}-H{heads}x{kv_heads}x{head_dim}"
+        h = randn(t, hidden + 8, scale=4.0)[:, :hidden]  # strided rows, as a projection's view
+        residual = randn(t, hidden)
+        w, w_next = randn(hidden, scale=0.3) + 1, randn(hidden, scale=0.3) + 1
+        scalar = randn(1, scale=0.2) + 0.5
+        for label, kwargs in (
+            ("plain", {}),
+            ("scalar", {"scalar": scalar}),
+            ("next", {"next_weight": w_next}),
+            ("both", {"scalar": scalar, "next_weight": w_next}),
+        ):
+            got = ops.gemma_residual_norm(h, residual, w, EPS, **kwargs)
+            want = TORCH_OPS.gemma_residual_norm(h, residual, w, EPS, **kwargs)
+            results[f"{case}/residual_norm_{label}_x"] = check(got[0], want[0], "chain")
+            if "next_weight" in kwargs:
+                results[f"{case}/residual_norm_{label}_next"] = check(got[1], want[1], "chain")
+            else:
+                results[f"{case}/residual_norm_{label}_next"] = {"ok": got[1] is None}
+
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        qkv = randn(t, q_size + 2 * kv_size)
+        q = qkv[:, :q_size].view(t, heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(t, kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(t, kv_heads, head_dim)
+        q_w, k_w = randn(head_dim, scale=0.3) + 1, randn(head_dim, scale=0.3) + 1
+        cos, sin = rope_tables(head_dim, pairs, device)
+        positions = torch.randint(0, 256, (t,), generator=gen).to(device)
+        before = qkv.clone()
+        got = ops.gemma_qkv_norm_rope(positions, q, k, v, q_w, k_w, EPS, cos, sin)
+        want = TORCH_OPS.gemma_qkv_norm_rope(positions, q, k, v, q_w, k_w, EPS, cos, sin)
+        for part, g, e in zip("qkv", got, want):
+            results[f"{case}/qkv_norm_rope_{part}"] = check(g, e, "chain")
+        results[f"{case}/qkv_norm_rope_intact"] = {"ok": torch.equal(qkv, before)}
+        # k_eq_v: V is the raw K projection (the same view), normed without a scale.
+        got = ops.gemma_qkv_norm_rope(positions, q, k, k, q_w, k_w, EPS, cos, sin)
+        want = TORCH_OPS.gemma_qkv_norm_rope(positions, q, k, k, q_w, k_w, EPS, cos, sin)
+        results[f"{case}/qkv_norm_rope_keqv_v"] = check(got[2], want[2], "chain")
+        got = ops.gemma_qkv_norm_rope(positions, q, None, None, q_w, None, EPS, cos, sin)
+        want = TORCH_OPS.gemma_qkv_norm_rope(positions, q, None, None, q_w, None, EPS, cos, sin)
+        results[f"{case}/qkv_norm_rope_qonly"] = check(got[0], want[0], "chain")
+        results[f"{case}/qkv_norm_rope_qonly_none"] = {"ok": got[1] is None and got[2] is None}
+
+        num_layers, per_layer = 3, head_dim
+        table = randn(50, num_layers * per_layer)
+        proj = randn(t, num_layers * per_layer + 8, scale=8.0)[:, : num_layers * per_layer]
+        ids = torch.randint(0, 50, (t,), generator=gen).to(device)
+        args = (ids, table, torch.tensor(per_layer**0.5).to(device, dtype), proj, hidden**-0.5)
+        args += (randn(per_layer, scale=0.3) + 1, EPS)
+        got = ops.gemma_per_layer_inputs(*args)
+        results[f"{case}/per_layer_inputs"] = check(
+            got, TORCH_OPS.gemma_per_layer_inputs(*args), "chain"
+        )
+
+        logits = randn(t, vocab + 4, scale=20.0)[:, :vocab]
+        for cap in (30.0, None):
+            got = ops.softcap_logits(logits.contiguous(), cap)
+            want = TORCH_OPS.softcap_logits(logits.contiguous(), cap)
+            results[f"{case}/softcap_{cap}"] = check(got, want, "chain")
+        out = torch.full((t, vocab), float("nan"), device=device)
+        returned = ops.softcap_logits(logits.contiguous(), 30.0, out)
+        want = TORCH_OPS.softcap_logits(logits.contiguous(), 30.0)
+        results[f"{case}/softcap_into_out"] = {
+            **check(out, want, "chain"),
+            "same": returned.data_ptr() == out.data_ptr(),
+        }
+        results[f"{case}/softcap_into_out"]["ok"] &= results[f"{case}/softcap_into_out"]["same"]
+    return results
+
+
+def gemv_cases(dtype, shapes, configs_for_rows, device, seed=0) -> dict:
+    """The GEMV and its epilogues against F.linear + the reference act_mul, per config.
+
+    shapes: (M, N, K, bias); configs_for_rows(M) -> the configurations to run.
+    """
+    from graphrt.devices.cuda.triton_gemv import gemv
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(device, dtype)
+
+    name = str(dtype).removeprefix("torch.")
+    results = {}
+    for m, n, k, has_bias in shapes:
+        x = randn(m, k + 8)[:, :k]  # strided rows
+        weight = randn(2 * n, k, scale=k**-0.5)
+        bias = randn(2 * n) if has_bias else None
+        up = randn(m, n + 4)[:, :n]
+        half_bias = None if bias is None else bias[:n]
+        refs = {
+            "linear": torch.nn.functional.linear(x, weight[:n], half_bias),
+            "gated_silu": TORCH_OPS.linear_act_mul(x, weight, bias, "silu"),
+            "up_gelu": TORCH_OPS.linear_act_mul(x, weight[:n], half_bias, "gelu_pytorch_tanh", up),
+        }
+        for config in configs_for_rows(m):
+            runs = {
+                "linear": gemv(x, weight[:n], half_bias, config),
+                "gated_silu": gemv(x, weight, bias, config, act="silu", gated=True),
+                "up_gelu": gemv(x, weight[:n], half_bias, config, act="gelu_pytorch_tanh", up=up),
+            }
+            tag = f"{config.block_n}x{config.block_k}w{config.num_warps}"
+            for op, got in runs.items():
+                results[f"{name}/M{m}-N{n}-K{k}-b{int(has_bias)}/{tag}/{op}"] = check(
+                    got, refs[op], "matmul"
+                )
+    return results
+
+
+# ---- CPU lane ------------------------------------------------------------------------
+
+CPU_GEMMA_SHAPES = [(1, 48, 2, 1, 32, 8, 300), (3, 40, 2, 1, 16, 8, 100)]
+# K > BLOCK_K: the reduction loop runs several times; N not a multiple of BLOCK_N.
+CPU_GEMV_SHAPES = [(1, 20, 200, False), (3, 20, 200, True), (16, 36, 72, False)]
+
+
+def _cpu_configs(rows):
+    from graphrt.devices.cuda.triton_gemv import GemvConfig, configs_for
+
+    small = GemvConfig(8, 64) if rows == 1 else GemvConfig(16, 64)
+    return (small, configs_for(rows)[0])  # the tuner's interpreter pick, too
+
+
+def interpreter_results() -> dict:
+    from graphrt.devices.cuda.ops import TRITON_OPS
+
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        results.update(gemma_cases(TRITON_OPS, dtype, CPU_GEMMA_SHAPES, "cpu"))
+        results.update(gemv_cases(dtype, CPU_GEMV_SHAPES, _cpu_configs, "cpu"))
+        # Through the ops table (the tuner's interpreter choice: the first configuration).
+        gen = torch.Generator().manual_seed(5)
+        x = torch.randn(2, 64, generator=gen).to(dtype)
+        w = (0.1 * torch.randn(24, 64, generator=gen)).to(dtype)
+        name = str(dtype).removeprefix("torch.")
+        results[f"{name}/ops/linear"] = check(
+            TRITON_OPS.linear(x, w, None), TORCH_OPS.linear(x, w, None), "matmul"
+        )
+        results[f"{name}/ops/linear_act_mul"] = check(
+            TRITON_OPS.linear_act_mul(x, w, None, "gelu_pytorch_tanh"),
+            TORCH_OPS.linear_act_mul(x, w, None, "gelu_pytorch_tanh"),
+            "matmul",
+        )
+        # Past 16 rows: the matmul stays torch's, the activation is the Triton kernel.
+        tall = torch.randn(17, 64, generator=gen).to(dtype)
+        results[f"{name}/ops/linear_act_mul_17_rows"] = check(
+            TRITON_OPS.linear_act_mul(tall, w, None, "silu"),
+            TORCH_OPS.linear_act_mul(tall, w, None, "silu"),
+            "matmul",
+        )
+    return results
+
+
+@needs_triton
+@pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
+def test_fused_kernels_under_interpreter_match_reference():
+    results = run_under_triton_interpreter(__file__)
+    # 2 dtypes x (2 gemma shapes x 19 outputs + (2 + 2 + 2) gemv configs x 3 ops + 3 ops)
+    assert len(results) == 2 * (2 * 19 + 6 * 3 + 3)
+    bad = {key: m for key, m in results.items() if not m["ok"]}
+    assert not bad, bad
+
+
+def test_check_catches_a_wrong_result():
+    """The contract check itself: one flipped ulp at the top passes, a wrong value fails."""
+    want = torch.linspace(-3, 3, 64, dtype=torch.bfloat16)
+    one_ulp = want.clone().view(torch.int16)
+    one_ulp[-1] += 1
+    assert check(one_ulp.view(torch.bfloat16), want, "matmul")["ok"]
+    wrong = want.clone()
+    wrong[5] += 0.5
+    assert not check(wrong, want, "matmul")["ok"]
+    assert not check(want.float() * (1 + 1e-4), want.float(), "chain")["ok"]
+    assert not check(want[:-1], want, "chain")["ok"]
+
+
+@needs_triton
+def test_non_decode_matmuls_stay_with_torch():
+    """Prefill-sized or float32 matmuls never reach the GEMV or its tuner."""
+    from graphrt.devices.cuda.gemv_tuner import TUNER
+    from graphrt.devices.cuda.ops import triton_linear
+
+    before = TUNER.choices()
+    for rows, dtype in ((17, torch.bfloat16), (64, torch.bfloat16), (1, torch.float32)):
+        x, w = torch.randn(rows, 32).to(dtype), torch.randn(8, 32).to(dtype)
+        torch.testing.assert_close(triton_linear(x, w), torch.nn.functional.linear(x, w))
+    assert TUNER.choices() == before
+
+
+# ---- CUDA lane -----------------------------------------------------------------------
+
+# Gemma 4 E2B: hidden 1536, 8 q heads, 1 KV head, head_dim 256 (sliding) / 512 (full).
+CUDA_GEMMA_SHAPES = [
+    (1, 1536, 8, 1, 256, 128, 262144),
+    (16, 1536, 8, 1, 512, 64, 4096),
+    (5, 2048, 32, 8, 64, 32, 128256),
+]
+# Decode projections of Llama-3.2-1B and Gemma 4 E2B, M from 1 to 16.
+CUDA_GEMV_SHAPES = [
+    (1, 2048, 2048, False),
+    (1, 256, 1536, False),
+    (1, 1536, 6144, True),
+    (5, 2048, 2048, False),
+    (16, 3072, 2048, False),
+    (16, 1536, 12288, False),
+]
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_cuda_fused_kernels_match_reference(dtype):
+    from graphrt.devices.cuda.ops import TRITON_OPS
+    from graphrt.devices.cuda.triton_gemv import configs_for
+
+    results = gemma_cases(TRITON_OPS, dtype, CUDA_GEMMA_SHAPES, "cuda", seed=1)
+    # Every configuration in bfloat16; the first of each path in the other dtypes (each
+    # configuration x epilogue x dtype is a compile: minutes for all of them).
+    every = dtype == torch.bfloat16
+    results.update(
+        gemv_cases(
+            dtype,
+            CUDA_GEMV_SHAPES,
+            lambda rows: configs_for(rows) if every else configs_for(rows)[:1],
+            "cuda",
+            seed=2,
+        )
+    )
+    bad = {key: m for key, m in results.items() if not m["ok"]}
+    assert not bad, bad
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
+def test_cuda_tuned_ops_replay_bitwise_and_refuse_tuning_under_capture():
+    """A Gemma layer's fused ops and tuned matmuls, captured after a warm-up that tunes
+    them, replay on new inputs bit for bit as eager; a shape never tuned is refused
+    during capture instead of timing kernels inside it."""
+    from graphrt.core.errors import GraphrtError
+    from graphrt.devices.cuda.gemv_tuner import TUNER
+    from graphrt.devices.cuda.ops import TRITON_OPS as ops
+
+    dtype, t, hidden, inter, ple = torch.bfloat16, 4, 1536, 6144, 256
+    gen = torch.Generator(device="cuda").manual_seed(7)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen, device="cuda")).to(dtype)
+
+    w = {
+        "gate_up": randn(2 * inter, hidden, scale=hidden**-0.5),
+        "down": randn(hidden, inter, scale=inter**-0.5),
+        "ple_gate": randn(ple, hidden, scale=hidden**-0.5),
+        "norm": randn(hidden, scale=0.1) + 1,
+        "scalar": randn(1, scale=0.1) + 1,
+    }
+
+    def fresh() -> dict[str, torch.Tensor]:
+        return {"x": randn(t, hidden), "h": randn(t, hidden), "ple": randn(t, ple)}
+
+    def forward(inp):
+        x, h = ops.gemma_residual_norm(inp["h"], inp["x"], w["norm"], EPS, None, w["norm"])
+        h = ops.linear(ops.linear_act_mul(h, w["gate_up"], None, "gelu_pytorch_tanh"), w["down"])
+        gated = ops.linear_act_mul(x, w["ple_gate"], None, "gelu_pytorch_tanh", inp["ple"])
+        x, nxt = ops.gemma_residual_norm(h, x, w["norm"], EPS, w["scalar"], w["norm"])
+        return [x, nxt, gated, ops.softcap_logits(h, 30.0)]
+
+    static = fresh()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward(static)  # tunes every matmul shape of the step
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        static_out = forward(static)
+    for _ in range(3):
+        new = fresh()
+        for name, tensor in new.items():
+            static[name].copy_(tensor)
+        graph.replay()
+        replayed = [o.clone() for o in static_out]
+        for i, (got, want) in enumerate(zip(replayed, forward(new))):
+            assert torch.equal(got, want), f"output {i}: replay != eager"
+    graph.reset()
+
+    untuned = randn(3, 1000), randn(24, 1000)
+    assert ("linear", "2-16", 24, 1000, dtype, False) not in TUNER.choices()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(GraphrtError, match="not tuned before graph capture"):
+        with torch.cuda.graph(graph, stream=stream):
+            ops.linear(*untuned)
+
+
+if __name__ == "__main__":
+    # The CPU lane's subprocess (TRITON_INTERPRET=1 is already in its environment).
+    print(json.dumps(interpreter_results()))
