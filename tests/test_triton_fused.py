@@ -28,6 +28,7 @@ import pytest
 import torch
 from helpers import OLD_INTERPRETER, needs_gpu, needs_triton, run_under_triton_interpreter
 
+from graphrt.core.attention.base import KVWrite
 from graphrt.core.models.ops import TORCH_OPS
 
 EPS = 1e-6
@@ -107,6 +108,23 @@ def gemma_cases(ops, dtype, shapes, device, seed=0) -> dict:
         for part, g, e in zip("qkv", got, want):
             results[f"{case}/qkv_norm_rope_{part}"] = check(g, e, "chain")
         results[f"{case}/qkv_norm_rope_intact"] = {"ok": torch.equal(qkv, before)}
+        # With a KVWrite: k and v land in the cache rows at loc instead.
+        slots = 2 * t + 3
+        loc = torch.randperm(slots, generator=gen)[:t].to(device)
+        caches = []
+        for table in (ops, TORCH_OPS):
+            k_cache, v_cache = (
+                torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in "kv"
+            )
+            out = table.gemma_qkv_norm_rope(
+                positions, q, k, v, q_w, k_w, EPS, cos, sin, kv_write=KVWrite(k_cache, v_cache, loc)
+            )
+            caches.append((out, k_cache, v_cache))
+        (got, got_kc, got_vc), (want, want_kc, want_vc) = caches
+        results[f"{case}/qkv_kv_write_q"] = check(got[0], want[0], "chain")
+        results[f"{case}/qkv_kv_write_k"] = check(got_kc, want_kc, "chain")
+        results[f"{case}/qkv_kv_write_v"] = check(got_vc, want_vc, "chain")
+        results[f"{case}/qkv_kv_write_none"] = {"ok": got[1] is None and got[2] is None}
         # k_eq_v: V is the raw K projection (the same view), normed without a scale.
         got = ops.gemma_qkv_norm_rope(positions, q, k, k, q_w, k_w, EPS, cos, sin)
         want = TORCH_OPS.gemma_qkv_norm_rope(positions, q, k, k, q_w, k_w, EPS, cos, sin)
@@ -230,8 +248,8 @@ def interpreter_results() -> dict:
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_fused_kernels_under_interpreter_match_reference():
     results = run_under_triton_interpreter(__file__)
-    # 2 dtypes x (2 gemma shapes x 19 outputs + (2 + 2 + 2) gemv configs x 3 ops + 3 ops)
-    assert len(results) == 2 * (2 * 19 + 6 * 3 + 3)
+    # 2 dtypes x (2 gemma shapes x 23 outputs + (2 + 2 + 2) gemv configs x 3 ops + 3 ops)
+    assert len(results) == 2 * (2 * 23 + 6 * 3 + 3)
     bad = {key: m for key, m in results.items() if not m["ok"]}
     assert not bad, bad
 
@@ -260,6 +278,102 @@ def test_non_decode_matmuls_stay_with_torch():
         x, w = torch.randn(rows, 32).to(dtype), torch.randn(8, 32).to(dtype)
         torch.testing.assert_close(triton_linear(x, w), torch.nn.functional.linear(x, w))
     assert TUNER.choices() == before
+
+
+@needs_triton
+def test_triton_backend_lets_the_rope_kernel_write_kv_only_where_it_reads_the_cache():
+    """DECODE and TARGET_VERIFY layers that write KV get the cache and the step's slots;
+    prefill (EXTEND, the torch reference's path, which needs k and v) and layers that
+    write no KV (KV-sharing layers, the drafter) get None and keep the unfused path."""
+    from types import SimpleNamespace
+
+    from graphrt.core.attention.base import AttentionSpec
+    from graphrt.core.batch import ForwardMode
+    from graphrt.devices.cuda.attention import TritonAttentionBackend
+
+    caches = [torch.zeros(4, 1, 8) for _ in range(4)]
+    pool = SimpleNamespace(k_buffers=caches[:2], v_buffers=caches[2:])
+    backend = TritonAttentionBackend(pool, SimpleNamespace())
+    loc = torch.tensor([3, 1])
+    writer = AttentionSpec(2, 1, 8, 1.0, cache_index=1)
+    reader = AttentionSpec(2, 1, 8, 1.0, cache_index=1, writes_kv=False)
+    for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        target = backend.kv_write_target(writer, SimpleNamespace(mode=mode, out_cache_loc=loc))
+        assert target.k_buffer is caches[1] and target.v_buffer is caches[3]
+        assert target.loc is loc
+        assert (
+            backend.kv_write_target(reader, SimpleNamespace(mode=mode, out_cache_loc=loc)) is None
+        )
+    extend = SimpleNamespace(mode=ForwardMode.EXTEND, out_cache_loc=loc)
+    assert backend.kv_write_target(writer, extend) is None
+
+
+def engine_results(checkpoint: str) -> dict:
+    """A tiny Gemma 4 (KV sharing, per-layer inputs, double-wide MLP, softcapping) and
+    random:llama-tiny decoded eagerly with the CUDA device's kernels under the interpreter
+    (fused ops, GEMV, Triton attention, K/V stored by the rope kernel) and with the torch
+    reference, on the CPU."""
+    from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+    from graphrt.core.models import load_model
+    from graphrt.devices.cpu import CpuDevice
+    from graphrt.devices.cuda.attention import TritonAttentionBackend
+    from graphrt.devices.cuda.ops import TRITON_OPS
+
+    class TritonOnCpu(CpuDevice):
+        """The CUDA device's kernels, run by Triton's interpreter on CPU tensors."""
+
+        def model_ops(self):
+            return TRITON_OPS
+
+        def create_attention_backend(self, kv_pool, req_to_token_pool):
+            return TritonAttentionBackend(kv_pool, req_to_token_pool)
+
+    gen = torch.Generator().manual_seed(40)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (9, 5)]
+    results = {}
+    cases = [(checkpoint, torch.float32, 4), (checkpoint, torch.bfloat16, 1)]
+    cases += [("random:llama-tiny", torch.float32, 3), ("random:llama-tiny", torch.bfloat16, 1)]
+    for model, dtype, steps in cases:
+        params = SamplingParams(max_new_tokens=steps, ignore_eos=True, return_logits=True)
+        runs = []
+        for device in (TritonOnCpu(), CpuDevice()):
+            loaded = load_model(model, device, dtype)
+            engine = Engine(loaded, EngineConfig(max_context_len=64, runner="eager"), device)
+            runs.append(engine.generate(prompts, params))
+        name = f"{model.rpartition('/')[2]}-{str(dtype).removeprefix('torch.')}"
+        for i, (fused, reference) in enumerate(zip(*runs)):
+            logits = [
+                check(ours, theirs, "matmul" if dtype == torch.float32 else "chain")
+                for ours, theirs in zip(fused.output_logits, reference.output_logits)
+            ]
+            results[f"{name}/request{i}"] = {
+                "ok": fused.output_ids == reference.output_ids and all(m["ok"] for m in logits),
+                "ids": [fused.output_ids, reference.output_ids],
+                "scaled": [m["scaled"] for m in logits],
+            }
+    return results
+
+
+@pytest.mark.slow  # ~90 s on 2 cores: two models, two dtypes, every kernel interpreted
+@needs_triton
+@pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
+def test_fused_decoding_under_interpreter_matches_reference(gemma4_tiny):
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, __file__, "engine", str(gemma4_tiny.path)],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == 8  # 2 models x 2 dtypes x 2 requests
+    bad = {key: m for key, m in results.items() if not m["ok"]}
+    assert not bad, bad
 
 
 # ---- CUDA lane -----------------------------------------------------------------------
@@ -369,5 +483,10 @@ def test_cuda_tuned_ops_replay_bitwise_and_refuse_tuning_under_capture():
 
 
 if __name__ == "__main__":
-    # The CPU lane's subprocess (TRITON_INTERPRET=1 is already in its environment).
-    print(json.dumps(interpreter_results()))
+    # The CPU lane's subprocesses (TRITON_INTERPRET=1 is already in their environment).
+    import sys
+
+    if sys.argv[1:2] == ["engine"]:
+        print(json.dumps(engine_results(sys.argv[2])))
+    else:
+        print(json.dumps(interpreter_results()))

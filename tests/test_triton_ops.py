@@ -40,10 +40,18 @@ from helpers import (
     run_under_triton_interpreter,
 )
 
+from graphrt.core.attention.base import KVWrite
 from graphrt.core.models.ops import TORCH_OPS
 
 EPS = 1e-5
-BITWISE = ("rope_q", "rope_k", "add_rms_norm_sum")
+BITWISE = (
+    "rope_q",
+    "rope_k",
+    "rope_kv_write_q",
+    "rope_kv_write_k",
+    "rope_kv_write_v",
+    "add_rms_norm_sum",
+)
 FLOAT32_MAX_REL = 1e-6
 MISMATCH_FRAC = {"bfloat16": 1e-3, "float16": 5e-3}  # of the elements that differ at all
 # Largest 16-bit difference per output (see the module docstring for why norms allow 2).
@@ -176,6 +184,24 @@ def run_cases(ops, dtype, norm_shapes, silu_shapes, rope_shapes, device, seed=0)
         results[f"{case}/rope_q"] = compare(got_q, want_q)
         results[f"{case}/rope_k"] = compare(got_k, want_k)
         results[f"{case}/rope_q"]["inputs_intact"] = torch.equal(qkv, before)  # out of place
+        # With a KVWrite: rotated k and the raw v land in the cache rows at loc, bitwise.
+        slots = 2 * num_tokens + 3
+        loc = torch.randperm(slots, generator=gen)[:num_tokens].to(device)
+        v = qkv[:, (heads + kv_heads) * head_dim :].view(num_tokens, kv_heads, head_dim)
+        caches = []
+        for table in (ops, TORCH_OPS):
+            k_cache, v_cache = (
+                torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device) for _ in "kv"
+            )
+            out_q, out_k = table.rope(
+                positions, q, k, cos, sin, v=v, kv_write=KVWrite(k_cache, v_cache, loc)
+            )
+            caches.append((out_q, out_k, k_cache, v_cache))
+        (got_q, got_k, got_kc, got_vc), (want_q, _, want_kc, want_vc) = caches
+        results[f"{case}/rope_kv_write_k"] = compare(got_kc, want_kc)
+        results[f"{case}/rope_kv_write_v"] = compare(got_vc, want_vc)
+        results[f"{case}/rope_kv_write_v"]["inputs_intact"] = got_k is None
+        results[f"{case}/rope_kv_write_q"] = compare(got_q, want_q)
     return results
 
 
@@ -210,8 +236,8 @@ def interpreter_results() -> dict:
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_ops_under_interpreter_match_reference():
     results = run_under_triton_interpreter(__file__)
-    # 2 dtypes x (3 norm shapes x 5 outputs + 3 act shapes x 2 + 3 rope shapes x 2 outputs)
-    assert len(results) == 2 * (15 + 6 + 6)
+    # 2 dtypes x (3 norm shapes x 5 outputs + 3 act shapes x 2 + 3 rope shapes x 5 outputs)
+    assert len(results) == 2 * (15 + 6 + 15)
     bad = violations(results)
     assert not bad, bad
 

@@ -30,6 +30,16 @@ class AttentionSpec:
     writes_kv: bool = True  # False for KV-sharing consumers and the frozen-KV drafter
 
 
+@dataclass(frozen=True)
+class KVWrite:
+    """Where a layer's new K/V go when the model's fused q/k op writes them itself:
+    ``k_buffer[loc[t]] = k[t]``, the same for V (cast to the buffers' dtype)."""
+
+    k_buffer: torch.Tensor  # (slots, Hkv, D)
+    v_buffer: torch.Tensor
+    loc: torch.Tensor  # (T,) int64 token slots (padding rows: the padding slot)
+
+
 class AttentionBackend(abc.ABC):
     name: str = "abstract"
     # False: decode reads host metadata or has data-dependent shapes, so a graph
@@ -60,6 +70,12 @@ class AttentionBackend(abc.ABC):
         """Sequence length given to padding rows; must keep their attention finite."""
         return 1
 
+    def kv_write_target(self, spec: AttentionSpec, batch: ForwardBatch) -> KVWrite | None:
+        """Where the model may write this layer's new K/V itself, in the kernel that ropes
+        them (one launch fewer per layer); it then calls ``attend`` with k = v = None.
+        None (the default): the model passes k and v, and ``forward`` stores them."""
+        return None
+
     def attend(self, q, k, v, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
         """What models call: ``forward``, marked as a graph break when not capture-safe."""
         if self.capture_safe:
@@ -70,7 +86,8 @@ class AttentionBackend(abc.ABC):
     def forward(
         self,
         q: torch.Tensor,  # (T, H * D)
-        k: torch.Tensor | None,  # (T, Hkv * D), None when the layer writes no KV
+        k: torch.Tensor | None,  # (T, Hkv * D); None: no KV to write, or already written
+        # through ``kv_write_target``
         v: torch.Tensor | None,
         spec: AttentionSpec,
         batch: ForwardBatch,

@@ -150,7 +150,9 @@ class Gemma4Attention(nn.Module):
             k = k.view(-1, s.num_kv_heads, s.head_dim)  # (T, Hkv, D)
             v = v.view(-1, s.num_kv_heads, s.head_dim)
             k_weight = self.k_norm.weight
-        # q/k norms with scale, v's without, rope on q and k: one op.
+        # q/k norms with scale, v's without, rope on q and k: one op, which also stores k
+        # and v in the KV cache where the backend lets it (both then come back None).
+        kv_write = None if k is None else attn.kv_write_target(s, batch)
         q, k, v = self.ops.gemma_qkv_norm_rope(
             batch.positions,
             q,
@@ -161,6 +163,7 @@ class Gemma4Attention(nn.Module):
             self.q_norm.eps,
             rope.cos,
             rope.sin,
+            kv_write=kv_write,
         )
         kv = (None, None) if k is None else (k.flatten(1), v.flatten(1))
         out = attn.attend(q.flatten(1), *kv, s, batch)  # (T, H*D)

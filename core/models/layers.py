@@ -147,6 +147,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: (T, H, D), k: (T, Hkv, D), positions: (T,)
-        return self.ops.rope(positions, q, k, self.cos, self.sin)
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v=None, kv_write=None
+    ):
+        # q: (T, H, D), k, v: (T, Hkv, D), positions: (T,); with kv_write (the attention
+        # backend's ``kv_write_target``) k and v go into the KV cache: (q, None) returns.
+        if kv_write is None:
+            return self.ops.rope(positions, q, k, self.cos, self.sin)
+        return self.ops.rope(positions, q, k, self.cos, self.sin, v=v, kv_write=kv_write)

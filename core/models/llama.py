@@ -59,8 +59,14 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:  # over head_dim: (T*H, D) rows for the norm kernel
             q = self.q_norm(q.reshape(-1, s.head_dim)).view(-1, s.num_heads, s.head_dim)
             k = self.k_norm(k.reshape(-1, s.head_dim)).view(-1, s.num_kv_heads, s.head_dim)
-        q, k = self.rotary(batch.positions, q, k)
-        out = attn.attend(q.flatten(1), k.flatten(1), v, s, batch)  # (T, H*D)
+        kv_write = attn.kv_write_target(s, batch)
+        if kv_write is not None:  # rope stores k and v in the cache itself: one launch
+            v = v.view(-1, s.num_kv_heads, s.head_dim)
+            q, _ = self.rotary(batch.positions, q, k, v, kv_write)
+            out = attn.attend(q.flatten(1), None, None, s, batch)  # (T, H*D)
+        else:
+            q, k = self.rotary(batch.positions, q, k)
+            out = attn.attend(q.flatten(1), k.flatten(1), v, s, batch)
         return self.o_proj(out)
 
 

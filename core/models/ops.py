@@ -42,8 +42,9 @@ class ModelOps:
     # weight)) [* scalar]: Gemma's sandwich norm, residual add and layer scalar, then the
     # norm that reads x next.
     gemma_residual_norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
-    # (positions, q (T, H, D), k, v (T, Hkv, D) or None, q_weight, k_weight, eps, cos, sin)
-    # -> (rope(norm(q)), rope(norm(k)), norm(v) without scale); k, v None: q only.
+    # (positions, q (T, H, D), k, v (T, Hkv, D) or None, q_weight, k_weight, eps, cos, sin,
+    # kv_write=None) -> (rope(norm(q)), rope(norm(k)), norm(v) without scale); k, v None: q
+    # only. With kv_write, k and v go into the KV cache instead and (q, None, None) returns.
     gemma_qkv_norm_rope: Callable[
         ..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
     ]
@@ -54,12 +55,11 @@ class ModelOps:
     # (logits (N, V), cap or None, out (N, V) float32 or None) -> float32 logits, softcapped
     # as tanh(logits / cap) * cap in the logits' dtype; written into out when given.
     softcap_logits: Callable[..., torch.Tensor]
-    # (positions (T,), q (T, H, D), k (T, Hkv, D), cos (P, R), sin (P, R)) -> rotated (q, k):
-    # rotate-half rope over the first R dims of each head (R <= D, the rest passes through).
-    rope: Callable[
-        [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-        tuple[torch.Tensor, torch.Tensor],
-    ]
+    # (positions (T,), q (T, H, D), k (T, Hkv, D), cos (P, R), sin (P, R), v=None,
+    # kv_write=None) -> rotated (q, k): rotate-half rope over the first R dims of each head
+    # (R <= D, the rest passes through). With kv_write (a ``KVWrite``), rotated k and v go
+    # into the KV cache at its slots instead, and (q, None) comes back.
+    rope: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -118,14 +118,23 @@ def torch_gemma_residual_norm(
     return x, None if next_weight is None else torch_gemma_rms_norm(x, next_weight, eps)
 
 
-def torch_gemma_qkv_norm_rope(positions, q, k, v, q_weight, k_weight, eps, cos, sin):
+def torch_gemma_qkv_norm_rope(positions, q, k, v, q_weight, k_weight, eps, cos, sin, kv_write=None):
     q = torch_gemma_rms_norm(q, q_weight, eps)
     if k is None:  # rope rotates q and k together: a one-head view of q stands in for k
         return torch_rope(positions, q, q[:, :1], cos, sin)[0], None, None
     k = torch_gemma_rms_norm(k, k_weight, eps)
     v = torch_gemma_rms_norm(v, None, eps)
     q, k = torch_rope(positions, q, k, cos, sin)
-    return q, k, v
+    if kv_write is None:
+        return q, k, v
+    write_kv(kv_write, k, v)
+    return q, None, None
+
+
+def write_kv(kv_write, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``kv_write.k_buffer[loc] = k`` and the same for v (k, v (T, Hkv, D))."""
+    kv_write.k_buffer[kv_write.loc] = k.to(kv_write.k_buffer.dtype)
+    kv_write.v_buffer[kv_write.loc] = v.to(kv_write.v_buffer.dtype)
 
 
 def torch_gemma_per_layer_inputs(
@@ -166,10 +175,16 @@ def torch_rope(
     k: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    v: torch.Tensor | None = None,
+    kv_write=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     cos = cos[positions].unsqueeze(1)  # (T, 1, R)
     sin = sin[positions].unsqueeze(1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    if kv_write is None:
+        return q, k
+    write_kv(kv_write, k, v)
+    return q, None
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

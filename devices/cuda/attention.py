@@ -1,7 +1,8 @@
 """The Triton attention backend: paged decode, draft and tree-verify kernels.
 
 DECODE stores the step's K/V with ``triton_decode.store_kv`` (one launch for
-k and v) and runs ``triton_decode.decode_attention``. DRAFT rows (the MTP
+k and v), unless the model's rope kernel already wrote them where
+``kv_write_target`` pointed it, and runs ``triton_decode.decode_attention``. DRAFT rows (the MTP
 drafter's query-only steps over the target's KV) run the same decode kernel
 and store nothing: it reads each row's live prefix only. TARGET_VERIFY stores
 the tree nodes' K/V, then runs ``triton_verify.tree_verify_attention`` (each
@@ -20,7 +21,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from graphrt.core.attention.base import AttentionSpec
+from graphrt.core.attention.base import AttentionSpec, KVWrite
 from graphrt.core.attention.torch_ref import TorchAttentionBackend, TorchAttentionMetadata
 from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.errors import GraphrtError
@@ -89,12 +90,20 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     # ---- forward -----------------------------------------------------------------
 
+    def kv_write_target(self, spec: AttentionSpec, batch: ForwardBatch) -> KVWrite | None:
+        # DECODE and TARGET_VERIFY read the new K/V back from the cache, so the model's
+        # rope kernel may store them there; EXTEND (the torch reference's) needs k and v.
+        if not spec.writes_kv or batch.mode is ForwardMode.EXTEND:
+            return None
+        i = spec.cache_index
+        return KVWrite(self.kv_pool.k_buffers[i], self.kv_pool.v_buffers[i], batch.out_cache_loc)
+
     def forward(self, q, k, v, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
         if batch.mode is ForwardMode.EXTEND:
             return super().forward(q, k, v, spec, batch)
         k_buffer = self.kv_pool.k_buffers[spec.cache_index]
         v_buffer = self.kv_pool.v_buffers[spec.cache_index]
-        if spec.writes_kv:
+        if spec.writes_kv and k is not None:  # None: the model's rope kernel stored them
             # Its own launch, before attention: every split of a row must see the new K/V.
             store_kv(
                 k.view(-1, spec.num_kv_heads, spec.head_dim),  # (T, Hkv, D)

@@ -23,12 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
+from graphrt.core.attention.base import KVWrite
 from graphrt.devices.cuda.triton_ops import (
     _INTERPRETED,
     _gemma_inv_rms,
     _norm_num_warps,
     _round,
     _tanh,
+    kv_caches,
 )
 
 
@@ -147,7 +149,8 @@ def _norm_rope_head(
         a = _round(normed * cos, dtype)
         b = _round(rotated * sin, dtype)
         normed = tl.where(rot, _round(a + b, dtype), normed)
-    tl.store(dst + offs, normed.to(dtype), mask=mask)
+    # dst may be the KV cache (its dtype): the value is already rounded to the activations'.
+    tl.store(dst + offs, normed.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -161,6 +164,9 @@ def _qkv_norm_rope_kernel(
     QOut,  # (T, H, D) contiguous
     KOut,  # (T, Hkv, D) contiguous
     VOut,  # (T, Hkv, D) contiguous
+    KCache,  # (slots, Hkv, D): written instead of KOut / VOut when WRITE_KV
+    VCache,
+    Loc,  # (T,) token slots, read when WRITE_KV
     Cos,  # (P, R)
     Sin,
     eps,
@@ -173,16 +179,23 @@ def _qkv_norm_rope_kernel(
     stride_vh,
     stride_cos,
     stride_sin,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_slot,
+    stride_vc_head,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROT_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WRITE_KV: tl.constexpr,
     TORCH_CUDA_MATH: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # q heads, then k heads, then v heads
     pos = tl.load(Positions + t * stride_pos).to(tl.int64)
+    if WRITE_KV:
+        slot = tl.load(Loc + t).to(tl.int64)
     cos_row = Cos + pos * stride_cos
     sin_row = Sin + pos * stride_sin
     if h < NUM_Q_HEADS:
@@ -195,7 +208,10 @@ def _qkv_norm_rope_kernel(
     elif h < NUM_Q_HEADS + NUM_KV_HEADS:
         kv_h = h - NUM_Q_HEADS
         src = K + t * stride_kt + kv_h * stride_kh
-        dst = KOut + (t * NUM_KV_HEADS + kv_h) * HEAD_DIM
+        if WRITE_KV:
+            dst = KCache + slot * stride_kc_slot + kv_h * stride_kc_head
+        else:
+            dst = KOut + (t * NUM_KV_HEADS + kv_h) * HEAD_DIM
         _norm_rope_head(
             src, dst, KWeight, cos_row, sin_row, eps, True, True,
             HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
@@ -203,7 +219,10 @@ def _qkv_norm_rope_kernel(
     else:
         kv_h = h - NUM_Q_HEADS - NUM_KV_HEADS
         src = V + t * stride_vt + kv_h * stride_vh
-        dst = VOut + (t * NUM_KV_HEADS + kv_h) * HEAD_DIM
+        if WRITE_KV:
+            dst = VCache + slot * stride_vc_slot + kv_h * stride_vc_head
+        else:
+            dst = VOut + (t * NUM_KV_HEADS + kv_h) * HEAD_DIM
         _norm_rope_head(
             src, dst, QWeight, cos_row, sin_row, eps, False, False,
             HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
@@ -220,9 +239,11 @@ def gemma_qkv_norm_rope(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    kv_write: KVWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Normed, rotated (q, k) and normed v as new contiguous tensors; k and v None for a
-    layer that reads another layer's KV (q only). q/k/v may be strided views of one row."""
+    layer that reads another layer's KV (q only). q/k/v may be strided views of one row.
+    With ``kv_write``, k and v go into the KV cache at its slots: (q, None, None)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = 0 if k is None else k.shape[1]
     rot_dim = cos.shape[-1]
@@ -238,9 +259,10 @@ def gemma_qkv_norm_rope(
         assert t.stride(-1) == 1, f"{name} must be contiguous in its last dim"
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     k_out = v_out = None
-    if k is not None:
+    if k is not None and kv_write is None:
         k_out = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=q.dtype, device=q.device)
         v_out = torch.empty_like(k_out)
+    caches = kv_caches(kv_write, num_tokens, num_kv_heads, head_dim, unused=q_out)
     if num_tokens == 0:
         return q_out, k_out, v_out
     kv = (k, v) if k is not None else (q, q)
@@ -254,6 +276,9 @@ def gemma_qkv_norm_rope(
         q_out,
         q_out if k_out is None else k_out,
         q_out if v_out is None else v_out,
+        caches[0],
+        caches[1],
+        positions if kv_write is None else kv_write.loc,
         cos,
         sin,
         float(eps),
@@ -266,11 +291,16 @@ def gemma_qkv_norm_rope(
         kv[1].stride(1),
         cos.stride(0),
         sin.stride(0),
+        caches[0].stride(0),
+        caches[0].stride(1),
+        caches[1].stride(0),
+        caches[1].stride(1),
         NUM_Q_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         ROT_DIM=rot_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        WRITE_KV=kv_write is not None,
         TORCH_CUDA_MATH=not _INTERPRETED,
         num_warps=_norm_num_warps(triton.next_power_of_2(head_dim)),
         enable_fp_fusion=False,
