@@ -274,13 +274,16 @@ def _rope_kernel(
         else:
             dst = KOut + (t * NUM_KV_HEADS + kv_h) * HEAD_DIM
         _rope_one_head(src, dst, cos_row, sin_row, HEAD_DIM, ROT_DIM, BLOCK_D)
-    else:  # only launched when WRITE_KV: v goes into the cache as it is
-        kv_h = h - NUM_Q_HEADS - NUM_KV_HEADS
-        offs = tl.arange(0, BLOCK_D)
-        mask = offs < HEAD_DIM
-        row = tl.load(V + t * stride_vt + kv_h * stride_vh + offs, mask=mask)
-        dst = VCache + slot * stride_vc_slot + kv_h * stride_vc_head
-        tl.store(dst + offs, row.to(VCache.dtype.element_ty), mask=mask)
+    else:
+        # v heads, launched only when WRITE_KV: v goes into the cache as it is. The body
+        # sits under the constexpr too: this branch is compiled either way (h is runtime).
+        if WRITE_KV:
+            kv_h = h - NUM_Q_HEADS - NUM_KV_HEADS
+            offs = tl.arange(0, BLOCK_D)
+            mask = offs < HEAD_DIM
+            row = tl.load(V + t * stride_vt + kv_h * stride_vh + offs, mask=mask)
+            dst = VCache + slot * stride_vc_slot + kv_h * stride_vc_head
+            tl.store(dst + offs, row.to(VCache.dtype.element_ty), mask=mask)
 
 
 # Triton picks compiled or interpreted kernels when they are decorated (TRITON_INTERPRET=1

@@ -1,0 +1,128 @@
+"""Every fused decode kernel compiles for an H100/H200 (sm_90), on a machine without a GPU.
+
+The interpreter (the other Triton tests of the CPU lane) runs only the branches a launch
+takes; the compiler reads all of them, runtime branches included. A name defined under
+one constexpr and used in a branch compiled for the other fails only here (it did: the
+rope kernel's v branch, before its body moved under ``if WRITE_KV``). Compiling needs
+triton's bundled CUDA toolchain, not a GPU or a driver.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from helpers import needs_triton
+
+pytestmark = needs_triton
+
+# Pointer parameters that are not 16-bit activations; all other capitalised parameters
+# are (the kernels name tensors in capitals, scalars in lower case).
+POINTERS = {
+    "Positions": "i64",
+    "Loc": "i64",
+    "InputIds": "i64",
+    "Cos": "fp32",
+    "Sin": "fp32",
+}
+FLOATS = {"eps", "cap", "proj_scale"}
+
+
+def compile_for_sm90(kernel, constexprs: dict, types: dict | None = None):
+    """``types``: signature types by parameter for what the naming rule gets wrong
+    (e.g. the GEMV's scalar M, N, K; the softcap's float32 output)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in (types or {}):
+            signature[name] = types[name]
+        elif name[0].isupper():
+            signature[name] = "*" + POINTERS.get(name, "bf16")
+        else:
+            signature[name] = "fp32" if name in FLOATS else "i32"
+    missing = {p.name for p in kernel.params if p.is_constexpr} - set(constexprs)
+    assert not missing, f"constexprs not given: {missing}"
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+    )
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+
+def _cases():
+    from graphrt.devices.cuda import triton_gemma, triton_gemv, triton_ops
+
+    norm = {"D": 2048, "BLOCK": 2048, "TORCH_CUDA_MATH": True}
+    rope = {"NUM_Q_HEADS": 8, "NUM_KV_HEADS": 1, "HEAD_DIM": 256, "ROT_DIM": 256, "BLOCK_D": 256}
+    gemv = {"BLOCK_N": 16, "BLOCK_K": 256, "HAS_BIAS": False, "PRECISE": True}
+    yield "rms_norm", triton_ops._rms_norm_kernel, {**norm, "HAS_RESIDUAL": True}, None
+    yield (
+        "gemma_norm",
+        triton_ops._gemma_rms_norm_kernel,
+        {**norm, "H": 1, "HAS_WEIGHT": False},
+        None,
+    )
+    for act in (1, 2):
+        yield (
+            f"act_mul{act}",
+            triton_ops._act_mul_kernel,
+            {"BLOCK": 1024, "ACT": act, "PRECISE": True},
+            None,
+        )
+    for write in (False, True):
+        yield f"rope-write{write}", triton_ops._rope_kernel, {**rope, "WRITE_KV": write}, None
+        yield (
+            f"qkv_norm_rope-write{write}",
+            triton_gemma._qkv_norm_rope_kernel,
+            {**rope, "WRITE_KV": write, "TORCH_CUDA_MATH": True},
+            None,
+        )
+    for scalar, nxt in ((False, False), (True, True)):
+        yield (
+            f"residual_norm-{scalar}-{nxt}",
+            triton_gemma._residual_norm_kernel,
+            {**norm, "HAS_SCALAR": scalar, "HAS_NEXT": nxt},
+            None,
+        )
+    for cap in (False, True):
+        yield (
+            f"softcap-{cap}",
+            triton_gemma._softcap_kernel,
+            {"HAS_CAP": cap, "BLOCK": 2048, "TORCH_CUDA_MATH": True},
+            {"Out": "*fp32"},
+        )
+    yield (
+        "per_layer_inputs",
+        triton_gemma._per_layer_inputs_kernel,
+        {"NUM_LAYERS": 35, "P": 256, "BLOCK": 256, "TORCH_CUDA_MATH": True},
+        None,
+    )
+    for rows in (1, 16):
+        for gated, up, act in ((False, False, 0), (True, False, 1), (False, True, 2)):
+            yield (
+                f"gemv-M{rows}-gated{gated}-up{up}-act{act}",
+                triton_gemv._gemv_kernel,
+                {**gemv, "BLOCK_M": rows, "GATED": gated, "HAS_UP": up, "ACT": act},
+                {"M": "i32", "N": "i32", "K": "i32"},
+            )
+
+
+def _case_ids():
+    try:
+        return [case[0] for case in _cases()]
+    except ImportError:  # no triton: the whole module is skipped anyway
+        return ["no-triton"]
+
+
+@pytest.mark.parametrize("name", _case_ids())
+def test_kernel_compiles_for_sm90(name):
+    kernel, constexprs, types = next(c[1:] for c in _cases() if c[0] == name)
+    compiled = compile_for_sm90(kernel, constexprs, types)
+    assert compiled.asm["ptx"] and compiled.asm["cubin"]
