@@ -57,7 +57,7 @@ def compile_for_sm90(kernel, constexprs: dict, types: dict | None = None):
 
 
 def _cases():
-    from graphrt.devices.cuda import triton_gemma, triton_gemv, triton_ops
+    from graphrt.devices.cuda import triton_gemma, triton_gemv, triton_ops, triton_rope
 
     norm = {"D": 2048, "BLOCK": 2048, "TORCH_CUDA_MATH": True}
     rope = {"NUM_Q_HEADS": 8, "NUM_KV_HEADS": 1, "HEAD_DIM": 256, "ROT_DIM": 256, "BLOCK_D": 256}
@@ -77,7 +77,7 @@ def _cases():
             None,
         )
     for write in (False, True):
-        yield f"rope-write{write}", triton_ops._rope_kernel, {**rope, "WRITE_KV": write}, None
+        yield f"rope-write{write}", triton_rope._rope_kernel, {**rope, "WRITE_KV": write}, None
         yield (
             f"qkv_norm_rope-write{write}",
             triton_gemma._qkv_norm_rope_kernel,

@@ -1,4 +1,4 @@
-"""Triton elementwise ops (devices/cuda/triton_ops.py) against the torch reference table
+"""Triton elementwise ops (devices/cuda/triton_ops.py, triton_rope.py) against the torch reference table
 (core/models/ops.py, ``TORCH_OPS``).
 
 What a model swapping ``TRITON_OPS`` in relies on, per output:

@@ -26,8 +26,8 @@ from graphrt.devices.cuda.triton_ops import (
     triton_add_rms_norm,
     triton_gemma_rms_norm,
     triton_rms_norm,
-    triton_rope,
 )
+from graphrt.devices.cuda.triton_rope import triton_rope
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 

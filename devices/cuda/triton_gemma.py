@@ -30,8 +30,8 @@ from graphrt.devices.cuda.triton_ops import (
     _norm_num_warps,
     _round,
     _tanh,
-    kv_caches,
 )
+from graphrt.devices.cuda.triton_rope import kv_caches
 
 
 @triton.jit
