@@ -93,7 +93,7 @@ def _cases():
         )
     for cap in (False, True):
         yield (
-            f"softcap-{cap}",
+            f"float_logits-{cap}",
             triton_gemma._softcap_kernel,
             {"HAS_CAP": cap, "BLOCK": 2048, "TORCH_CUDA_MATH": True},
             {"Out": "*fp32"},

@@ -147,12 +147,12 @@ def gemma_cases(ops, dtype, shapes, device, seed=0) -> dict:
 
         logits = randn(t, vocab + 4, scale=20.0)[:, :vocab]
         for cap in (30.0, None):
-            got = ops.softcap_logits(logits.contiguous(), cap)
-            want = TORCH_OPS.softcap_logits(logits.contiguous(), cap)
+            got = ops.float_logits(logits.contiguous(), cap)
+            want = TORCH_OPS.float_logits(logits.contiguous(), cap)
             results[f"{case}/softcap_{cap}"] = check(got, want, "chain")
         out = torch.full((t, vocab), float("nan"), device=device)
-        returned = ops.softcap_logits(logits.contiguous(), 30.0, out)
-        want = TORCH_OPS.softcap_logits(logits.contiguous(), 30.0)
+        returned = ops.float_logits(logits.contiguous(), 30.0, out)
+        want = TORCH_OPS.float_logits(logits.contiguous(), 30.0)
         results[f"{case}/softcap_into_out"] = {
             **check(out, want, "chain"),
             "same": returned.data_ptr() == out.data_ptr(),
@@ -278,6 +278,27 @@ def test_non_decode_matmuls_stay_with_torch():
         x, w = torch.randn(rows, 32).to(dtype), torch.randn(8, 32).to(dtype)
         torch.testing.assert_close(triton_linear(x, w), torch.nn.functional.linear(x, w))
     assert TUNER.choices() == before
+
+
+@needs_triton
+def test_activations_without_a_fused_kernel_keep_torchs_arithmetic():
+    """An activation the kernels do not know (erf GELU) runs torch's ops on CUDA, at decode
+    sizes too, instead of failing in the first forward; an unknown name fails when the
+    model is built."""
+    from graphrt.core.models.layers import GatedMLP
+    from graphrt.devices.cuda.ops import TRITON_OPS
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 32, generator=gen).bfloat16()
+    w = torch.randn(16, 32, generator=gen).bfloat16()
+    gate, up = torch.randn(2, 3, 8, generator=gen).bfloat16()
+    for table in (TRITON_OPS, TORCH_OPS):  # no Triton launch: runs without a GPU
+        assert torch.equal(
+            table.linear_act_mul(x, w, None, "gelu"), TORCH_OPS.linear_act_mul(x, w, None, "gelu")
+        )
+        assert torch.equal(table.act_mul(gate, up, "gelu"), TORCH_OPS.act_mul(gate, up, "gelu"))
+    with pytest.raises(ValueError, match="unsupported activation 'relu6'"):
+        GatedMLP(32, 8, "relu6")
 
 
 @needs_triton
@@ -453,7 +474,7 @@ def test_cuda_tuned_ops_replay_bitwise_and_refuse_tuning_under_capture():
         h = ops.linear(ops.linear_act_mul(h, w["gate_up"], None, "gelu_pytorch_tanh"), w["down"])
         gated = ops.linear_act_mul(x, w["ple_gate"], None, "gelu_pytorch_tanh", inp["ple"])
         x, nxt = ops.gemma_residual_norm(h, x, w["norm"], EPS, w["scalar"], w["norm"])
-        return [x, nxt, gated, ops.softcap_logits(h, 30.0)]
+        return [x, nxt, gated, ops.float_logits(h, 30.0)]
 
     static = fresh()
     stream = torch.cuda.Stream()

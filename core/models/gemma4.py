@@ -186,7 +186,9 @@ class Gemma4DecoderLayer(nn.Module):
         self.mlp = GatedMLP(
             c.hidden_size, c.intermediate_size * (2 if wide else 1), c.hidden_act, ops=ops
         )
-        eps = c.rms_norm_eps
+        # Every norm of the model uses rms_norm_eps; the fused ops take that one eps for
+        # the block's post norm and the norm after it.
+        self.eps = eps = c.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(c.hidden_size, eps, ops=ops)
         self.post_attention_layernorm = GemmaRMSNorm(c.hidden_size, eps, ops=ops)
         self.pre_feedforward_layernorm = GemmaRMSNorm(c.hidden_size, eps, ops=ops)
@@ -214,7 +216,7 @@ class Gemma4DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, input_layernorm(x)) -> (x out, next_norm(x out)): each norm is fused into
         the residual add before it, so the layer's input norm ran in the layer before."""
-        ops, eps = self.ops, self.input_layernorm.eps
+        ops, eps = self.ops, self.eps
         # Sandwich norms: each block's output is normed again before the residual add.
         h = self.self_attn(normed, batch, attn)
         x, h = ops.gemma_residual_norm(
@@ -371,7 +373,7 @@ class Gemma4ForCausalLM(nn.Module):
         """float32 (N, vocab), softcapped in the model dtype as transformers does; written
         into ``out`` when given (graph runners share one logits buffer across batch sizes)."""
         logits = self.ops.linear(hidden, self.lm_head_weight, None)  # (N, vocab), model dtype
-        return self.ops.softcap_logits(logits, self.config.final_logit_softcapping, out)
+        return self.ops.float_logits(logits, self.config.final_logit_softcapping, out)
 
     def map_checkpoint_name(self, name: str) -> str | None:
         """Checkpoint tensor name -> this model's name; None skips the tensor."""

@@ -225,7 +225,7 @@ class Gemma4AssistantForCausalLM(nn.Module):
             logits = self.masked_embedding(hidden, self.lm_head_weight)
         else:
             logits = self.ops.linear(hidden, self.lm_head_weight, None)  # (N, vocab)
-        return self.ops.softcap_logits(logits, None, out)  # float32
+        return self.ops.float_logits(logits, None, out)  # float32
 
     def next_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The next draft step's hidden input: ``post_projection`` back to the target's width."""

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from graphrt.core.models.ops import TORCH_OPS, ModelOps
+from graphrt.core.models.ops import ACTIVATIONS, TORCH_OPS, ModelOps
 
 
 class RMSNorm(nn.Module):
@@ -78,6 +78,8 @@ class GatedMLP(nn.Module):
         ops: ModelOps = TORCH_OPS,
     ):
         super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}; known: {sorted(ACTIVATIONS)}")
         self.gate_up_proj = MergedLinear(
             hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias, ops
         )

@@ -161,4 +161,4 @@ class LlamaForCausalLM(nn.Module):
         """float32 (N, vocab); written into ``out`` when given (graph runners share one
         logits buffer across batch sizes)."""
         logits = self.ops.linear(hidden, self.lm_head_weight, None)  # (N, vocab), model dtype
-        return self.ops.softcap_logits(logits, None, out)
+        return self.ops.float_logits(logits, None, out)

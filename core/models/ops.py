@@ -54,7 +54,7 @@ class ModelOps:
     gemma_per_layer_inputs: Callable[..., torch.Tensor]
     # (logits (N, V), cap or None, out (N, V) float32 or None) -> float32 logits, softcapped
     # as tanh(logits / cap) * cap in the logits' dtype; written into out when given.
-    softcap_logits: Callable[..., torch.Tensor]
+    float_logits: Callable[..., torch.Tensor]
     # (positions (T,), q (T, H, D), k (T, Hkv, D), cos (P, R), sin (P, R), v=None,
     # kv_write=None) -> rotated (q, k): rotate-half rope over the first R dims of each head
     # (R <= D, the rest passes through). With kv_write (a ``KVWrite``), rotated k and v go
@@ -152,7 +152,7 @@ def torch_gemma_per_layer_inputs(
     return (proj + tokens) * 2.0**-0.5
 
 
-def torch_softcap_logits(
+def torch_float_logits(
     logits: torch.Tensor, cap: float | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     if cap is not None:  # in the logits' dtype, as transformers does
@@ -209,5 +209,5 @@ TORCH_OPS = ModelOps(
     gemma_residual_norm=torch_gemma_residual_norm,
     gemma_qkv_norm_rope=torch_gemma_qkv_norm_rope,
     gemma_per_layer_inputs=torch_gemma_per_layer_inputs,
-    softcap_logits=torch_softcap_logits,
+    float_logits=torch_float_logits,
 )

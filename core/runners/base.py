@@ -41,9 +41,10 @@ class BaseRunner(abc.ABC):
     def execute(self, batch: ForwardBatch) -> RunnerOutput:
         """Run one forward of ``batch``: ``load_batch`` then the model (or its graph)."""
 
-    def _forward(self, batch: ForwardBatch) -> RunnerOutput:
-        """The model itself, shared by eager execution and graph capture."""
-        return forward_model(self.model, self.attn_backend, batch)
+    def _forward(self, batch: ForwardBatch, logits_out: torch.Tensor | None = None) -> RunnerOutput:
+        """The model itself, shared by eager execution and graph capture (``logits_out``:
+        where the logits go, (N, vocab) float32; a graph runner's shared buffer)."""
+        return forward_model(self.model, self.attn_backend, batch, logits_out)
 
 
 def forward_model(

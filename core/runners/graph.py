@@ -22,7 +22,7 @@ from graphrt.core.attention.base import AttentionBackend
 from graphrt.core.batch import ForwardBatch
 from graphrt.core.errors import GraphrtError
 from graphrt.core.runners.backend import ExecutionBackend, ShapeKey
-from graphrt.core.runners.base import BaseRunner, RunnerOutput, forward_model
+from graphrt.core.runners.base import BaseRunner, RunnerOutput
 from graphrt.core.runners.buckets import pad_to_bucket, select_buckets
 from graphrt.core.runners.buffers import GraphInputBuffers, GraphShape
 
@@ -87,13 +87,18 @@ class GraphRunner(BaseRunner):
         if self._shared_logits is None:  # compiled code: fresh outputs every call
             return self._forward(batch)
         logits = self._shared_logits[: batch.num_tokens]  # graph batches: every token's logits
-        return forward_model(self.model, self.attn_backend, batch, logits_out=logits)
+        return self._forward(batch, logits_out=logits)
 
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
         with self.backend.capture_session():  # inside: the graph memory it reports counts this
-            if self.backend.replays_into_static_outputs and self._shared_logits is None:
+            shares_logits = self.forward == self._forward_into_shared_logits  # not the draft loop
+            if (
+                shares_logits
+                and self.backend.replays_into_static_outputs
+                and self._shared_logits is None
+            ):
                 rows = self.buckets[-1] * self.shape.width
                 device = self.buffers.input_ids.device
                 self._shared_logits = torch.empty(

@@ -8,8 +8,14 @@ Timing is done the way a decode step runs: inside a CUDA graph (no host launch
 cost, which would favour cuBLAS's cheaper launches over Triton's), over enough
 copies of the weight that each call reads it cold from memory rather than from
 L2, as a step streams every weight once. The graph runner's warm-up runs come
-before any capture, so every shape a graph uses is decided outside capture;
-eager and graph runs then use the same kernel and agree bitwise.
+before any capture, so every shape a graph uses is decided outside capture, and
+eager and graph runs of the same rows use the same kernel and agree bitwise.
+
+HAZARD (reproducibility): the choice is a timing, made anew in every process, and the
+row class is part of the key. Two processes may pick different kernels for one shape
+(float32 sums in another order: logits differ in the last bits, near-tie greedy tokens
+may too), and a batch padded into a graph bucket of another class (15 verify rows run
+eagerly vs 20 in the bucket-4 graph) runs another kernel than its eager twin.
 
 Under the Triton interpreter (CPU tensors, the CPU test lane) nothing can be
 timed: the first GEMV configuration is taken, so the tests exercise the kernel.
@@ -71,7 +77,9 @@ class GemvTuner:
     def _time(self, key, candidates, weight: torch.Tensor, run: Run) -> GemvConfig | None:
         start = time.perf_counter()
         l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
-        copies = min(MAX_COPIES, max(2, -(-3 * l2 // weight.nbytes)))  # 3x L2 of weights
+        # 3x L2 of weights, rotated, so each call reads cold; one past 2x L2 (never cached,
+        # and cloning an 800 MB LM head during capture is memory the card may not have).
+        copies = 1 if weight.nbytes >= 2 * l2 else min(MAX_COPIES, -(-3 * l2 // weight.nbytes))
         weights = [weight] + [weight.clone() for _ in range(copies - 1)]
         calls = weights * -(-MIN_CALLS // copies)
         stream = torch.cuda.current_stream(weight.device)

@@ -12,16 +12,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphrt.core.models.ops import ModelOps, torch_linear_act_mul
+from graphrt.core.models.ops import ModelOps, torch_act_mul, torch_linear_act_mul
 from graphrt.devices.cuda.gemv_tuner import TUNER
 from graphrt.devices.cuda.triton_gemma import (
+    float_logits,
     gemma_per_layer_inputs,
     gemma_qkv_norm_rope,
     gemma_residual_norm,
-    softcap_logits,
 )
 from graphrt.devices.cuda.triton_gemv import MAX_ROWS, gemv
 from graphrt.devices.cuda.triton_ops import (
+    ACTIVATION_CODES,
     triton_act_mul,
     triton_add_rms_norm,
     triton_gemma_rms_norm,
@@ -63,6 +64,13 @@ def triton_linear(
     return run(TUNER.choose(key, x.shape[0], weight, run))
 
 
+def act_mul(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """One Triton kernel for the activations it knows, torch's arithmetic for the rest."""
+    if act not in ACTIVATION_CODES:  # e.g. erf "gelu": no fused kernel (yet)
+        return torch_act_mul(gate, up, act)
+    return triton_act_mul(gate, up, act)
+
+
 def triton_linear_act_mul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -70,6 +78,9 @@ def triton_linear_act_mul(
     act: str,
     up: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if act not in ACTIVATION_CODES:  # no fused epilogue for it: torch's matmul and activation
+        return torch_linear_act_mul(x, weight, bias, act, up)
+
     def run(config=None, w=weight):
         if config is None:  # cuBLAS, then the activation kernel
             return torch_linear_act_mul(x, w, bias, act, up, act_mul=triton_act_mul)
@@ -86,12 +97,12 @@ TRITON_OPS = ModelOps(
     rms_norm=triton_rms_norm,
     add_rms_norm=triton_add_rms_norm,
     gemma_rms_norm=triton_gemma_rms_norm,
-    act_mul=triton_act_mul,
+    act_mul=act_mul,
     rope=triton_rope,
     linear=triton_linear,
     linear_act_mul=triton_linear_act_mul,
     gemma_residual_norm=gemma_residual_norm,
     gemma_qkv_norm_rope=gemma_qkv_norm_rope,
     gemma_per_layer_inputs=gemma_per_layer_inputs,
-    softcap_logits=softcap_logits,
+    float_logits=float_logits,
 )

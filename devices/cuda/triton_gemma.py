@@ -9,8 +9,9 @@ kernels a layer, each reading and writing the hidden row. Here:
   input norm) from the same registers: one launch per sandwich.
 - ``gemma_qkv_norm_rope``: q/k norms with scale, the v norm without, and rope
   on q and k, every head of a token in one launch.
-- ``softcap_logits``: ``tanh(logits / cap) * cap`` in the model dtype, written
-  as float32 (the LM head's three elementwise kernels and the cast).
+- ``float_logits``: the LM head's logits as float32, softcapped on the way
+  (``tanh(logits / cap) * cap`` in the model dtype) when the model caps them: the
+  LM head's three elementwise kernels and the cast in one.
 
 Arithmetic and rounding are transformers' (see ``core/models/ops.py`` for the
 reference and ``triton_ops`` for the rounding rules): every value torch
@@ -329,14 +330,16 @@ def _softcap_kernel(
     if HAS_CAP:
         dtype = Logits.dtype.element_ty
         if TORCH_CUDA_MATH:
-            scaled = x * (1.0 / cap)  # torch on CUDA divides by a scalar as a reciprocal multiply
+            # torch on CUDA divides by a scalar as a multiply by its reciprocal, which the
+            # host computes in IEEE float32 (div_rn; Triton's `/` is approximate).
+            scaled = x * tl.math.div_rn(1.0, cap)
         else:
             scaled = tl.math.div_rn(x, cap)
         x = _round(_round(_tanh(_round(scaled, dtype), TORCH_CUDA_MATH), dtype) * cap, dtype)
     tl.store(Out + row * vocab + offs, x, mask=mask)
 
 
-def softcap_logits(
+def float_logits(
     logits: torch.Tensor, cap: float | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """float32 ``tanh(logits / cap) * cap`` (each step in the logits' dtype), or plain float32

@@ -130,3 +130,24 @@ def test_cycle_collector_runs_before_a_capture_session_and_never_during_it():
     assert events[:2] == ["garbage collected", "session"]
     assert set(events[2:]) == {"collector enabled: False"}  # warm-up runs and the capture
     assert gc.isenabled()
+
+
+def test_device_graphs_share_one_logits_buffer(graph_case: Harness):
+    """Every bucket's logits are rows of one buffer sized for the largest bucket (device
+    graph backends; compiled code returns fresh outputs); the draft loop's runner, which
+    computes no model logits, holds none."""
+    h = graph_case
+    shared = h.runner._shared_logits
+    if not h.backend.replays_into_static_outputs:
+        assert shared is None
+        pytest.skip("compiled code returns fresh outputs: nothing to share")
+    largest = max(h.case.buckets)
+    assert shared.shape == (largest, h.model.vocab_size) and shared.dtype == torch.float32
+    for key, (_, outputs) in h.runner._captured.items():
+        assert outputs.logits.data_ptr() == shared.data_ptr(), key
+        assert outputs.logits.shape == (key.size, h.model.vocab_size)
+    own_loop = h.new_runner((1, 2), backend=h.case.make_backend())
+    own_loop.forward = lambda batch: (batch.input_ids + 1,)
+    own_loop.capture()
+    assert own_loop._shared_logits is None
+    own_loop.cleanup()
