@@ -3,7 +3,7 @@
 The interpreter (the other Triton tests of the CPU lane) runs only the branches a launch
 takes; the compiler reads all of them, runtime branches included. A name defined under
 one constexpr and used in a branch compiled for the other fails only here (it did: the
-rope kernel's v branch, before its body moved under ``if WRITE_KV``). Compiling needs
+rope kernel's v branch, which used a name defined only under ``if WRITE_KV``). Compiling needs
 triton's bundled CUDA toolchain, not a GPU or a driver.
 """
 
@@ -76,14 +76,14 @@ def _cases():
             {"BLOCK": 1024, "ACT": act, "PRECISE": True},
             None,
         )
-    for write in (False, True):
-        yield f"rope-write{write}", triton_rope._rope_kernel, {**rope, "WRITE_KV": write}, None
-        yield (
-            f"qkv_norm_rope-write{write}",
-            triton_gemma._qkv_norm_rope_kernel,
-            {**rope, "WRITE_KV": write, "TORCH_CUDA_MATH": True},
-            None,
-        )
+    for normed in (False, True):
+        for write in (False, True):
+            yield (
+                f"qkv_rope-norm{normed}-write{write}",
+                triton_rope._qkv_rope_kernel,
+                {**rope, "NORM": normed, "WRITE_KV": write, "TORCH_CUDA_MATH": True},
+                None,
+            )
     for scalar, nxt in ((False, False), (True, True)):
         yield (
             f"residual_norm-{scalar}-{nxt}",

@@ -17,7 +17,6 @@ from graphrt.devices.cuda.gemv_tuner import TUNER
 from graphrt.devices.cuda.triton_gemma import (
     float_logits,
     gemma_per_layer_inputs,
-    gemma_qkv_norm_rope,
     gemma_residual_norm,
 )
 from graphrt.devices.cuda.triton_gemv import MAX_ROWS, gemv
@@ -28,7 +27,7 @@ from graphrt.devices.cuda.triton_ops import (
     triton_gemma_rms_norm,
     triton_rms_norm,
 )
-from graphrt.devices.cuda.triton_rope import triton_rope
+from graphrt.devices.cuda.triton_rope import gemma_qkv_norm_rope, triton_rope
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -7,8 +7,9 @@ kernels a layer, each reading and writing the hidden row. Here:
 - ``gemma_residual_norm``: ``x = (residual + norm(h) * w) [* scalar]``, and the
   next norm of ``x`` (the following block's pre-norm, or the next layer's
   input norm) from the same registers: one launch per sandwich.
-- ``gemma_qkv_norm_rope``: q/k norms with scale, the v norm without, and rope
-  on q and k, every head of a token in one launch.
+- ``gemma_qkv_norm_rope`` (in ``triton_rope``, one kernel with plain rope): q/k norms
+  with scale, the v norm without, and rope on q and k, every head of a token in one
+  launch.
 - ``float_logits``: the LM head's logits as float32, softcapped on the way
   (``tanh(logits / cap) * cap`` in the model dtype) when the model caps them: the
   LM head's three elementwise kernels and the cast in one.
@@ -24,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from graphrt.core.attention.base import KVWrite
 from graphrt.devices.cuda.triton_ops import (
     _INTERPRETED,
     _gemma_inv_rms,
@@ -32,7 +32,6 @@ from graphrt.devices.cuda.triton_ops import (
     _round,
     _tanh,
 )
-from graphrt.devices.cuda.triton_rope import kv_caches
 
 
 @triton.jit
@@ -110,203 +109,6 @@ def gemma_residual_norm(
         enable_fp_fusion=False,
     )
     return x, nxt
-
-
-@triton.jit
-def _norm_rope_head(
-    src,  # this head's D raw values
-    dst,
-    weight,  # (D,), read when HAS_WEIGHT
-    cos_row,
-    sin_row,
-    eps,
-    HAS_WEIGHT: tl.constexpr,
-    ROPE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    ROT_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    TORCH_CUDA_MATH: tl.constexpr,
-):
-    dtype = src.dtype.element_ty
-    offs = tl.arange(0, BLOCK_D)
-    mask = offs < HEAD_DIM
-    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-    inv_rms = _gemma_inv_rms(x, eps, HEAD_DIM, TORCH_CUDA_MATH)
-    normed = x * inv_rms
-    if HAS_WEIGHT:
-        normed = normed * tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
-    normed = _round(normed, dtype)  # the norm's output, as rope reads it
-    if ROPE:
-        # Rope's partner lane, normed again from memory (same inv_rms: same value).
-        rot = offs < ROT_DIM
-        first_half = offs < ROT_DIM // 2
-        partner = tl.where(first_half, offs + ROT_DIM // 2, offs - ROT_DIM // 2)
-        xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32) * inv_rms
-        if HAS_WEIGHT:
-            xp = xp * tl.load(weight + partner, mask=rot, other=0.0).to(tl.float32)
-        rotated = tl.where(first_half, -1.0, 1.0) * _round(xp, dtype)
-        cos = _round(tl.load(cos_row + offs, mask=rot, other=0.0).to(tl.float32), dtype)
-        sin = _round(tl.load(sin_row + offs, mask=rot, other=0.0).to(tl.float32), dtype)
-        a = _round(normed * cos, dtype)
-        b = _round(rotated * sin, dtype)
-        normed = tl.where(rot, _round(a + b, dtype), normed)
-    # dst may be the KV cache (its dtype): the value is already rounded to the activations'.
-    tl.store(dst + offs, normed.to(dst.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _qkv_norm_rope_kernel(
-    Positions,  # (T,)
-    Q,  # (T, H, D)
-    K,  # (T, Hkv, D), read when Hkv > 0
-    V,  # (T, Hkv, D)
-    QWeight,  # (D,)
-    KWeight,  # (D,)
-    QOut,  # (T, H, D) contiguous
-    KOut,  # (T, Hkv, D) contiguous
-    VOut,  # (T, Hkv, D) contiguous
-    KCache,  # (slots, Hkv, D): written instead of KOut / VOut when WRITE_KV
-    VCache,
-    Loc,  # (T,) token slots, read when WRITE_KV
-    Cos,  # (P, R)
-    Sin,
-    eps,
-    stride_pos,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_cos,
-    stride_sin,
-    stride_kc_slot,
-    stride_kc_head,
-    stride_vc_slot,
-    stride_vc_head,
-    NUM_Q_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    ROT_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    WRITE_KV: tl.constexpr,
-    TORCH_CUDA_MATH: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)  # q heads, then k heads, then v heads
-    pos = tl.load(Positions + t * stride_pos).to(tl.int64)
-    if WRITE_KV:
-        slot = tl.load(Loc + t).to(tl.int64)
-    cos_row = Cos + pos * stride_cos
-    sin_row = Sin + pos * stride_sin
-    if h < NUM_Q_HEADS:
-        src = Q + t * stride_qt + h * stride_qh
-        dst = QOut + (t * NUM_Q_HEADS + h) * HEAD_DIM
-        _norm_rope_head(
-            src, dst, QWeight, cos_row, sin_row, eps, True, True,
-            HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
-        )  # fmt: skip
-    elif h < NUM_Q_HEADS + NUM_KV_HEADS:
-        kv_h = h - NUM_Q_HEADS
-        src = K + t * stride_kt + kv_h * stride_kh
-        if WRITE_KV:
-            dst = KCache + slot * stride_kc_slot + kv_h * stride_kc_head
-        else:
-            dst = KOut + (t * NUM_KV_HEADS + kv_h) * HEAD_DIM
-        _norm_rope_head(
-            src, dst, KWeight, cos_row, sin_row, eps, True, True,
-            HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
-        )  # fmt: skip
-    else:
-        kv_h = h - NUM_Q_HEADS - NUM_KV_HEADS
-        src = V + t * stride_vt + kv_h * stride_vh
-        if WRITE_KV:
-            dst = VCache + slot * stride_vc_slot + kv_h * stride_vc_head
-        else:
-            dst = VOut + (t * NUM_KV_HEADS + kv_h) * HEAD_DIM
-        _norm_rope_head(
-            src, dst, QWeight, cos_row, sin_row, eps, False, False,
-            HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
-        )  # fmt: skip
-
-
-def gemma_qkv_norm_rope(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor | None,
-    v: torch.Tensor | None,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor | None,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    kv_write: KVWrite | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Normed, rotated (q, k) and normed v as new contiguous tensors; k and v None for a
-    layer that reads another layer's KV (q only). q/k/v may be strided views of one row.
-    With ``kv_write``, k and v go into the KV cache at its slots: (q, None, None)."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = 0 if k is None else k.shape[1]
-    rot_dim = cos.shape[-1]
-    assert (k is None) == (v is None) == (k_weight is None), "k, v and k_weight go together"
-    assert positions.shape == (num_tokens,), f"positions {tuple(positions.shape)}"
-    assert cos.dim() == 2 and sin.shape == cos.shape, f"cos {cos.shape}, sin {sin.shape}"
-    assert rot_dim % 2 == 0 and 0 < rot_dim <= head_dim, f"rotary dim {rot_dim} of {head_dim}"
-    views = [("q", q), ("cos", cos), ("sin", sin)]
-    if k is not None:
-        assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim), f"{k.shape} {v.shape}"
-        views += [("k", k), ("v", v)]
-    for name, t in views:
-        assert t.stride(-1) == 1, f"{name} must be contiguous in its last dim"
-    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    k_out = v_out = None
-    if k is not None and kv_write is None:
-        k_out = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=q.dtype, device=q.device)
-        v_out = torch.empty_like(k_out)
-    caches = kv_caches(kv_write, num_tokens, num_kv_heads, head_dim, unused=q_out)
-    if num_tokens == 0:
-        return q_out, k_out, v_out
-    kv = (k, v) if k is not None else (q, q)
-    _qkv_norm_rope_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
-        positions,
-        q,
-        kv[0],
-        kv[1],
-        q_weight,
-        q_weight if k_weight is None else k_weight,
-        q_out,
-        q_out if k_out is None else k_out,
-        q_out if v_out is None else v_out,
-        caches[0],
-        caches[1],
-        positions if kv_write is None else kv_write.loc,
-        cos,
-        sin,
-        float(eps),
-        positions.stride(0),
-        q.stride(0),
-        q.stride(1),
-        kv[0].stride(0),
-        kv[0].stride(1),
-        kv[1].stride(0),
-        kv[1].stride(1),
-        cos.stride(0),
-        sin.stride(0),
-        caches[0].stride(0),
-        caches[0].stride(1),
-        caches[1].stride(0),
-        caches[1].stride(1),
-        NUM_Q_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        ROT_DIM=rot_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        WRITE_KV=kv_write is not None,
-        TORCH_CUDA_MATH=not _INTERPRETED,
-        num_warps=_norm_num_warps(triton.next_power_of_2(head_dim)),
-        enable_fp_fusion=False,
-    )
-    return q_out, k_out, v_out
 
 
 SOFTCAP_BLOCK = 2048  # logits per program

@@ -1,9 +1,12 @@
-"""Rotary embeddings as one Triton launch for q and k (Llama family), optionally storing
-k and v straight into the KV cache (``KVWrite``: one launch fewer per layer).
+"""Rotary embeddings for q and k, every head of a token in one launch: plain (Llama
+family, ``triton_rope``) or after Gemma's q/k/v RMSNorms (``gemma_qkv_norm_rope``),
+one kernel for both. Either can store k and v straight into the KV cache instead of
+returning them (``KVWrite``: one launch fewer per layer).
 
 Arithmetic: transformers' rotate-half rope with the tables cast to the activation
-dtype and each product and the sum rounded to it (``triton_ops._round``), so q and k
-are bitwise the reference's (core/models/ops.py ``torch_rope``).
+dtype and each product and the sum rounded to it (``triton_ops._round``), after the
+norm's own rounding; plain rope is bitwise the reference's (core/models/ops.py
+``torch_rope``), the normed one differs only by the norm's float32 row sum.
 """
 
 from __future__ import annotations
@@ -13,52 +16,80 @@ import triton
 import triton.language as tl
 
 from graphrt.core.attention.base import KVWrite
-from graphrt.devices.cuda.triton_ops import _round
+from graphrt.devices.cuda.triton_ops import (
+    _INTERPRETED,
+    _gemma_inv_rms,
+    _norm_num_warps,
+    _round,
+)
 
 
 @triton.jit
-def _rope_one_head(
+def _rope_head(
     src,  # this head's D values
-    dst,
+    dst,  # where they go: an output row or a KV cache row (its dtype)
+    weight,  # (D,): the norm's scale, read when HAS_WEIGHT
     cos_row,  # this token's R table values
     sin_row,
+    eps,
+    NORM: tl.constexpr,  # Gemma's RMSNorm over the head first
+    HAS_WEIGHT: tl.constexpr,
+    ROPE: tl.constexpr,  # False: v, stored (normed or as it is)
     HEAD_DIM: tl.constexpr,
     ROT_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    TORCH_CUDA_MATH: tl.constexpr,
 ):
     dtype = src.dtype.element_ty
     offs = tl.arange(0, BLOCK_D)
     mask = offs < HEAD_DIM
-    rot = offs < ROT_DIM
-    first_half = offs < ROT_DIM // 2
-    partner = tl.where(first_half, offs + ROT_DIM // 2, offs - ROT_DIM // 2)
-    x = tl.load(src + offs, mask=mask, other=0.0)
-    x_partner = tl.load(src + partner, mask=rot, other=0.0)
-    # cat(-x2, x1); a sign multiply, not 0 - x, so that -0.0 stays torch.neg's.
-    rotated = tl.where(first_half, -1.0, 1.0) * x_partner.to(tl.float32)
-    # The reference casts the tables to the activation dtype, then rounds each
-    # product and the sum to it (three torch kernels).
-    cos = _round(tl.load(cos_row + offs, mask=rot, other=0.0).to(tl.float32), dtype)
-    sin = _round(tl.load(sin_row + offs, mask=rot, other=0.0).to(tl.float32), dtype)
-    a = _round(x.to(tl.float32) * cos, dtype)
-    b = _round(rotated * sin, dtype)
-    out = tl.where(rot, _round(a + b, dtype).to(dtype), x)
-    tl.store(dst + offs, out.to(dst.dtype.element_ty), mask=mask)  # dst: maybe the KV cache
+    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        inv_rms = _gemma_inv_rms(x, eps, HEAD_DIM, TORCH_CUDA_MATH)
+        x = x * inv_rms
+        if HAS_WEIGHT:
+            x = x * tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _round(x, dtype)  # the norm's output, as rope reads it
+    if ROPE:
+        rot = offs < ROT_DIM
+        first_half = offs < ROT_DIM // 2
+        partner = tl.where(first_half, offs + ROT_DIM // 2, offs - ROT_DIM // 2)
+        xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
+        if NORM:  # the partner lane normed again from memory (same inv_rms: same value)
+            xp = xp * inv_rms
+            if HAS_WEIGHT:
+                xp = xp * tl.load(weight + partner, mask=rot, other=0.0).to(tl.float32)
+            xp = _round(xp, dtype)
+        # cat(-x2, x1); a sign multiply, not 0 - x, so that -0.0 stays torch.neg's.
+        rotated = tl.where(first_half, -1.0, 1.0) * xp
+        # The reference casts the tables to the activation dtype, then rounds each
+        # product and the sum to it (three torch kernels).
+        cos = _round(tl.load(cos_row + offs, mask=rot, other=0.0).to(tl.float32), dtype)
+        sin = _round(tl.load(sin_row + offs, mask=rot, other=0.0).to(tl.float32), dtype)
+        a = _round(x * cos, dtype)
+        b = _round(rotated * sin, dtype)
+        x = tl.where(rot, _round(a + b, dtype), x)
+    # x holds values of the activation dtype; the cache's dtype may differ (a cast).
+    tl.store(dst + offs, x.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rope_kernel(
+def _qkv_rope_kernel(
     Positions,  # (T,)
     Q,  # (T, H, D)
     K,  # (T, Hkv, D)
-    V,  # (T, Hkv, D), copied into VCache when WRITE_KV
+    V,  # (T, Hkv, D), read by the v programs (launched when V_HEADS)
+    QWeight,  # (D,), read when NORM
+    KWeight,
     QOut,  # (T, H, D) contiguous
     KOut,  # (T, Hkv, D) contiguous, written unless WRITE_KV
+    VOut,
     KCache,  # (slots, Hkv, D), written when WRITE_KV
     VCache,
     Loc,  # (T,) token slots, read when WRITE_KV
     Cos,  # (P, R)
     Sin,
+    eps,
     stride_pos,
     stride_qt,
     stride_qh,
@@ -77,10 +108,12 @@ def _rope_kernel(
     HEAD_DIM: tl.constexpr,
     ROT_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    NORM: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    TORCH_CUDA_MATH: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)  # q heads first, then k heads (then v heads): one launch for all
+    h = tl.program_id(1)  # q heads, then k heads, then (when launched) v heads
     pos = tl.load(Positions + t * stride_pos).to(tl.int64)
     cos_row = Cos + pos * stride_cos
     sin_row = Sin + pos * stride_sin
@@ -89,7 +122,10 @@ def _rope_kernel(
     if h < NUM_Q_HEADS:
         src = Q + t * stride_qt + h * stride_qh
         dst = QOut + (t * NUM_Q_HEADS + h) * HEAD_DIM
-        _rope_one_head(src, dst, cos_row, sin_row, HEAD_DIM, ROT_DIM, BLOCK_D)
+        _rope_head(
+            src, dst, QWeight, cos_row, sin_row, eps, NORM, NORM, True,
+            HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
+        )  # fmt: skip
     elif h < NUM_Q_HEADS + NUM_KV_HEADS:
         kv_h = h - NUM_Q_HEADS
         src = K + t * stride_kt + kv_h * stride_kh
@@ -97,17 +133,104 @@ def _rope_kernel(
             dst = KCache + slot * stride_kc_slot + kv_h * stride_kc_head
         else:
             dst = KOut + (t * NUM_KV_HEADS + kv_h) * HEAD_DIM
-        _rope_one_head(src, dst, cos_row, sin_row, HEAD_DIM, ROT_DIM, BLOCK_D)
-    else:
-        # v heads, launched only when WRITE_KV: v goes into the cache as it is. The body
-        # sits under the constexpr too: this branch is compiled either way (h is runtime).
+        _rope_head(
+            src, dst, KWeight, cos_row, sin_row, eps, NORM, NORM, True,
+            HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
+        )  # fmt: skip
+    else:  # v: normed without a scale (Gemma) or as it is (stored only)
+        kv_h = h - NUM_Q_HEADS - NUM_KV_HEADS
+        src = V + t * stride_vt + kv_h * stride_vh
         if WRITE_KV:
-            kv_h = h - NUM_Q_HEADS - NUM_KV_HEADS
-            offs = tl.arange(0, BLOCK_D)
-            mask = offs < HEAD_DIM
-            row = tl.load(V + t * stride_vt + kv_h * stride_vh + offs, mask=mask)
             dst = VCache + slot * stride_vc_slot + kv_h * stride_vc_head
-            tl.store(dst + offs, row.to(VCache.dtype.element_ty), mask=mask)
+        else:
+            dst = VOut + (t * NUM_KV_HEADS + kv_h) * HEAD_DIM
+        _rope_head(
+            src, dst, QWeight, cos_row, sin_row, eps, NORM, False, False,
+            HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
+        )  # fmt: skip
+
+
+def qkv_rope(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor | None, float] | None = None,
+    kv_write: KVWrite | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(q, k, v) out of one launch; the shared launcher of ``triton_rope`` and
+    ``gemma_qkv_norm_rope``. ``norm``: (q weight, k weight, eps) of Gemma's head norms.
+    v is normed (with ``norm``) and returned, or only stored (with ``kv_write``), or not
+    touched. k and v None: q only. Outputs are new contiguous tensors; None where
+    ``kv_write`` stored them or nothing was asked."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = 0 if k is None else k.shape[1]
+    rot_dim = cos.shape[-1]
+    assert positions.shape == (num_tokens,), f"positions {tuple(positions.shape)}"
+    assert cos.dim() == 2 and sin.shape == cos.shape, f"cos {cos.shape}, sin {sin.shape}"
+    assert rot_dim % 2 == 0 and 0 < rot_dim <= head_dim, f"rotary dim {rot_dim} of {head_dim}"
+    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin)):
+        assert t is None or t.stride(-1) == 1, f"{name} must be contiguous in its last dim"
+    for name, t in (("k", k), ("v", v)):
+        assert t is None or (
+            t.shape == (num_tokens, num_kv_heads, head_dim) and t.dtype == q.dtype
+        ), f"{name} {tuple(t.shape)} {t.dtype} vs q {tuple(q.shape)} {q.dtype}"
+    v_heads = v is not None and (norm is not None or kv_write is not None)
+    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = v_out = None
+    if k is not None and kv_write is None:
+        k_out = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=q.dtype, device=q.device)
+        v_out = torch.empty_like(k_out) if v_heads else None
+    caches = kv_caches(kv_write, num_tokens, num_kv_heads, head_dim, unused=q_out)
+    if num_tokens == 0:
+        return q_out, k_out, v_out
+    k_in = q if k is None else k
+    v_in = k_in if v is None else v
+    q_weight, k_weight, eps = norm if norm is not None else (q, None, 0.0)
+    block = triton.next_power_of_2(head_dim)
+    _qkv_rope_kernel[(num_tokens, num_heads + num_kv_heads * (2 if v_heads else 1))](
+        positions,
+        q,
+        k_in,
+        v_in,
+        q_weight,
+        q_weight if k_weight is None else k_weight,
+        q_out,
+        q_out if k_out is None else k_out,
+        q_out if v_out is None else v_out,
+        caches[0],
+        caches[1],
+        positions if kv_write is None else kv_write.loc,
+        cos,
+        sin,
+        float(eps),
+        positions.stride(0),
+        q.stride(0),
+        q.stride(1),
+        k_in.stride(0),
+        k_in.stride(1),
+        v_in.stride(0),
+        v_in.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        caches[0].stride(0),
+        caches[0].stride(1),
+        caches[1].stride(0),
+        caches[1].stride(1),
+        NUM_Q_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        ROT_DIM=rot_dim,
+        BLOCK_D=block,
+        NORM=norm is not None,
+        WRITE_KV=kv_write is not None,
+        TORCH_CUDA_MATH=not _INTERPRETED,
+        num_warps=_norm_num_warps(block),
+        enable_fp_fusion=False,
+    )
+    return q_out, k_out, v_out
 
 
 def triton_rope(
@@ -121,69 +244,35 @@ def triton_rope(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotated (q, k) as new contiguous tensors; q and k may be strided views of a qkv row.
     With ``kv_write``, rotated k and ``v`` go into the KV cache at its slots: (q, None)."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    rot_dim = cos.shape[-1]
-    assert k.shape == (num_tokens, num_kv_heads, head_dim) and k.dtype == q.dtype
-    assert positions.shape == (num_tokens,), f"positions {tuple(positions.shape)}"
-    assert cos.dim() == 2 and sin.shape == cos.shape, f"cos {cos.shape}, sin {sin.shape}"
-    assert rot_dim % 2 == 0 and 0 < rot_dim <= head_dim, f"rotary dim {rot_dim} of {head_dim}"
     assert (v is None) == (kv_write is None), "v goes with kv_write (it is only stored)"
-    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin), ("v", v)):
-        assert t is None or t.stride(-1) == 1, f"{name} must be contiguous in its last dim"
-    if v is not None:
-        assert v.shape == k.shape, f"v {tuple(v.shape)}, k {tuple(k.shape)}"
-    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    k_out = None
-    if kv_write is None:
-        k_out = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=k.dtype, device=k.device)
-    caches = kv_caches(kv_write, num_tokens, num_kv_heads, head_dim, unused=q_out)
-    if num_tokens == 0:
-        return q_out, k_out
-    v_in = k if v is None else v
-    heads = num_heads + num_kv_heads * (1 if kv_write is None else 2)
-    _rope_kernel[(num_tokens, heads)](
-        positions,
-        q,
-        k,
-        v_in,
-        q_out,
-        q_out if k_out is None else k_out,
-        caches[0],
-        caches[1],
-        positions if kv_write is None else kv_write.loc,
-        cos,
-        sin,
-        positions.stride(0),
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v_in.stride(0),
-        v_in.stride(1),
-        cos.stride(0),
-        sin.stride(0),
-        caches[0].stride(0),
-        caches[0].stride(1),
-        caches[1].stride(0),
-        caches[1].stride(1),
-        NUM_Q_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        ROT_DIM=rot_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        WRITE_KV=kv_write is not None,
-        num_warps=1,
-        enable_fp_fusion=False,
-    )
+    q_out, k_out, _ = qkv_rope(positions, q, k, v, cos, sin, kv_write=kv_write)
     return q_out, k_out
+
+
+def gemma_qkv_norm_rope(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_write: KVWrite | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Normed, rotated (q, k) and normed v as new contiguous tensors; k and v None for a
+    layer that reads another layer's KV (q only). q/k/v may be strided views of one row.
+    With ``kv_write``, k and v go into the KV cache at its slots: (q, None, None)."""
+    assert (k is None) == (v is None) == (k_weight is None), "k, v and k_weight go together"
+    return qkv_rope(positions, q, k, v, cos, sin, (q_weight, k_weight, eps), kv_write)
 
 
 def kv_caches(
     kv_write: KVWrite | None, num_tokens: int, num_kv_heads: int, head_dim: int, unused
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (K, V) caches a fused rope kernel writes, checked; ``unused`` (a 3-D tensor on
-    the kernel's device) twice when it writes none."""
+    """The (K, V) caches a rope kernel writes, checked; ``unused`` (a 3-D tensor on the
+    kernel's device) twice when it writes none."""
     if kv_write is None:
         return unused, unused
     k_cache, v_cache, loc = kv_write.k_buffer, kv_write.v_buffer, kv_write.loc
