@@ -154,6 +154,4 @@ class RotaryEmbedding(nn.Module):
     ):
         # q: (T, H, D), k, v: (T, Hkv, D), positions: (T,); with kv_write (the attention
         # backend's ``kv_write_target``) k and v go into the KV cache: (q, None) returns.
-        if kv_write is None:
-            return self.ops.rope(positions, q, k, self.cos, self.sin)
         return self.ops.rope(positions, q, k, self.cos, self.sin, v=v, kv_write=kv_write)

@@ -83,6 +83,18 @@ class GraphRunner(BaseRunner):
 
     # ---- capture -----------------------------------------------------------------
 
+    def _allocate_shared_logits(self) -> None:
+        """The logits buffer of the default forward on device graphs; none for compiled
+        code (fresh outputs every call) or a forward of its own (the draft loop)."""
+        if self._shared_logits is not None or not self.backend.replays_into_static_outputs:
+            return
+        if self.forward != self._forward_into_shared_logits:
+            return
+        rows = self.buckets[-1] * self.shape.width
+        self._shared_logits = torch.empty(
+            (rows, self.model.vocab_size), dtype=torch.float32, device=self.buffers.input_ids.device
+        )
+
     def _forward_into_shared_logits(self, batch: ForwardBatch) -> RunnerOutput:
         if self._shared_logits is None:  # compiled code: fresh outputs every call
             return self._forward(batch)
@@ -93,17 +105,7 @@ class GraphRunner(BaseRunner):
     def capture(self) -> None:
         start = time.perf_counter()
         with self.backend.capture_session():  # inside: the graph memory it reports counts this
-            shares_logits = self.forward == self._forward_into_shared_logits  # not the draft loop
-            if (
-                shares_logits
-                and self.backend.replays_into_static_outputs
-                and self._shared_logits is None
-            ):
-                rows = self.buckets[-1] * self.shape.width
-                device = self.buffers.input_ids.device
-                self._shared_logits = torch.empty(
-                    (rows, self.model.vocab_size), dtype=torch.float32, device=device
-                )
+            self._allocate_shared_logits()
             # Largest first: smaller graphs then reuse the pool memory it reserved.
             for size in reversed(self.buckets):
                 self.capture_one_shape(size)
