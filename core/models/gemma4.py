@@ -117,7 +117,7 @@ class Gemma4Attention(nn.Module):
                 shards["v_proj"] = self.kv_size
             self.qkv_proj = MergedLinear(c.hidden_size, shards, c.attention_bias, ops)
             self.k_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps, ops=ops)
-            self.v_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps, with_scale=False, ops=ops)
+            # v is normed without a scale: no parameters, done inside gemma_qkv_norm_rope.
         self.q_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps, ops=ops)
         self.o_proj = Linear(self.q_size, c.hidden_size, c.attention_bias, ops)
         self.rotary = rotary

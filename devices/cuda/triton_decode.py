@@ -369,18 +369,7 @@ def decode_attention(
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     num_splits = partial_out.shape[2]
-    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads, {num_kv_heads} KV heads"
-    assert k_buffer.shape[2] == head_dim and v_buffer.shape[1:] == k_buffer.shape[1:]
-    assert k_buffer.dtype == v_buffer.dtype
-    assert partial_out.shape[0] >= bs and partial_out.shape[1:] == (num_heads, num_splits, head_dim)
-    assert partial_lse.shape[0] >= bs and partial_lse.shape[1:] == (num_heads, num_splits)
-    assert partial_out.dtype == partial_lse.dtype == torch.float32
-    assert out.shape == q.shape
-    # The kernels index the last dimension (and the 1-D inputs) with unit stride.
-    for name, t in (("q", q), ("k", k_buffer), ("v", v_buffer), ("out", out)):
-        assert t.stride(-1) == 1, f"{name} must be contiguous in head_dim"
-    assert partial_out.stride(-1) == 1 and partial_lse.stride(-1) == 1
-    assert req_to_token.stride(1) == 1
+    check_paged_inputs(q, k_buffer, v_buffer, req_to_token, out, partial_out, partial_lse)
     assert req_pool_indices.stride(0) == 1 and seq_lens.stride(0) == 1
     if bs == 0:
         return out
@@ -428,7 +417,37 @@ def decode_attention(
         num_warps=4,
         num_stages=2,
     )
-    _decode_combine_kernel[(bs, num_heads)](
+    return combine_splits(partial_out, partial_lse, out)
+
+
+def check_paged_inputs(q, k_buffer, v_buffer, req_to_token, out, partial_out, partial_lse) -> None:
+    """Host-side shape checks shared by the decode and tree-verify launchers (no sync):
+    q and out (rows, H, D), the paged K/V buffers, the per-split float32 scratch."""
+    rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    num_splits = partial_out.shape[2]
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads, {num_kv_heads} KV heads"
+    assert k_buffer.shape[2] == head_dim and v_buffer.shape[1:] == k_buffer.shape[1:]
+    assert k_buffer.dtype == v_buffer.dtype
+    assert partial_out.shape[0] >= rows
+    assert partial_out.shape[1:] == (num_heads, num_splits, head_dim)
+    assert partial_lse.shape[0] >= rows and partial_lse.shape[1:] == (num_heads, num_splits)
+    assert partial_out.dtype == partial_lse.dtype == torch.float32
+    assert out.shape == q.shape
+    # The kernels index the last dimension (and the 1-D inputs) with unit stride.
+    for name, t in (("q", q), ("k", k_buffer), ("v", v_buffer), ("out", out)):
+        assert t.stride(-1) == 1, f"{name} must be contiguous in head_dim"
+    assert partial_out.stride(-1) == 1 and partial_lse.stride(-1) == 1
+    assert req_to_token.stride(1) == 1
+
+
+def combine_splits(
+    partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``out`` (rows, H, D) from every split's partial output and log-sum-exp: one launch."""
+    rows, num_heads, head_dim = out.shape
+    num_splits = partial_out.shape[2]
+    _decode_combine_kernel[(rows, num_heads)](
         partial_out,
         partial_lse,
         out,

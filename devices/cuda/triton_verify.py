@@ -37,10 +37,11 @@ from graphrt.devices.cuda.triton_decode import (
     TILE_BYTES,
     _attend_block,
     _attend_cached,
-    _decode_combine_kernel,
     _load_kv_block,
     _load_q_group,
     _store_partial,
+    check_paged_inputs,
+    combine_splits,
     default_block_n,
 )
 
@@ -182,20 +183,9 @@ def tree_verify_attention(
     assert num_rows == bs * num_nodes, f"{num_rows} query rows for {bs} trees of {num_nodes}"
     assert req_pool_indices.shape == seq_lens.shape == (bs,)
     assert positions.shape == out_cache_loc.shape == (num_rows,)
-    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads, {num_kv_heads} KV heads"
-    assert k_buffer.shape[2] == head_dim and v_buffer.shape[1:] == k_buffer.shape[1:]
-    assert k_buffer.dtype == v_buffer.dtype
     assert num_splits >= 2, "the scratch holds S >= 1 prefix splits plus the tree split"
-    assert partial_out.shape[0] >= num_rows
-    assert partial_out.shape[1:] == (num_heads, num_splits, head_dim)
-    assert partial_lse.shape[0] >= num_rows and partial_lse.shape[1:] == (num_heads, num_splits)
-    assert partial_out.dtype == partial_lse.dtype == torch.float32
-    assert out.shape == q.shape
-    # The kernels index the last dimension (and the 1-D inputs) with unit stride.
-    for name, t in (("q", q), ("k", k_buffer), ("v", v_buffer), ("out", out)):
-        assert t.stride(-1) == 1, f"{name} must be contiguous in head_dim"
-    assert partial_out.stride(-1) == 1 and partial_lse.stride(-1) == 1
-    assert req_to_token.stride(1) == 1 and tree_mask.stride(2) == 1
+    check_paged_inputs(q, k_buffer, v_buffer, req_to_token, out, partial_out, partial_lse)
+    assert tree_mask.stride(2) == 1
     for t in (req_pool_indices, seq_lens, positions, out_cache_loc):
         assert t.stride(0) == 1
     if num_rows == 0:
@@ -251,21 +241,4 @@ def tree_verify_attention(
         num_warps=4,
         num_stages=2,
     )
-    _decode_combine_kernel[(num_rows, num_heads)](
-        partial_out,
-        partial_lse,
-        out,
-        partial_out.stride(0),
-        partial_out.stride(1),
-        partial_out.stride(2),
-        partial_lse.stride(0),
-        partial_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
-        NUM_KV_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits),
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=2,
-    )
-    return out
+    return combine_splits(partial_out, partial_lse, out)
