@@ -1,8 +1,9 @@
 """Where a decode step's time goes on a GPU: execute vs replay vs input loading, the
 kernels of one graph replay (torch.profiler), and the tuned matmuls against cuBLAS.
 
-Each model runs twice, side by side: with the CUDA device's ops as shipped (tuned
-GEMV where it won) and with every matmul on cuBLAS (the same fused elementwise ops).
+Each model runs three times, side by side: with the CUDA device's ops as shipped (tuned
+GEMV where it won, programmatic dependent launch where the card has it), the same
+without PDL, and with every matmul on cuBLAS (the same fused elementwise ops).
 
 Run on the device: python bench/profile_step.py [models, default random:llama-1b]
 [batch sizes, default 1,32]
@@ -15,7 +16,6 @@ import gc
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from graphrt import devices
 from graphrt.core.bench.decode import DecodeBenchConfig, make_engine
@@ -23,22 +23,32 @@ from graphrt.core.bench.profile import device_events
 from graphrt.core.bench.timing import median_ms
 from graphrt.core.engine import SamplingParams
 from graphrt.core.models import load_model
-from graphrt.core.models.ops import torch_linear_act_mul
 
 
 def main() -> None:
     models = (sys.argv[1] if len(sys.argv) > 1 else "random:llama-1b").split(",")
     sizes = [int(s) for s in (sys.argv[2] if len(sys.argv) > 2 else "1,32").split(",")]
     device = devices.current("cuda")
+    from graphrt.devices.cuda import pdl
+
     tuned = device.model_ops()
-    variants = {"tuned": tuned, "cublas": cublas_matmuls(tuned)}
-    summary = []
+    variants = {
+        "tuned": (tuned, pdl.ENABLED),
+        "no-pdl": (tuned, False),
+        "cublas": (cublas_matmuls(tuned), pdl.ENABLED),
+    }
+    summary, tokens = [], {}
     for model in models:
-        for variant, ops in variants.items():
+        for variant, (ops, pdl_on) in variants.items():
+            pdl.ENABLED = pdl_on  # read at each launch: the graphs captured below keep it
             loaded = load_model(model, device, torch.bfloat16, ops=ops)
             cfg = DecodeBenchConfig(batch_sizes=tuple(sizes), max_running_requests=max(sizes))
             engine = make_engine(loaded, device, cfg, graphs=True)
-            print(f"== {model} [{variant}] ops={ops.name} attention={engine.attn_backend.name}")
+            print(
+                f"== {model} [{variant}] ops={ops.name} attention={engine.attn_backend.name}"
+                f" pdl={pdl_on}"
+            )
+            tokens[model, variant] = greedy_tokens(engine, loaded.model)
             for bs in sizes:
                 replay, kernels = profile_batch(engine, bs, device.synchronize, loaded.model)
                 summary.append(
@@ -57,16 +67,30 @@ def main() -> None:
     print("== summary")
     for line in summary:
         print(line)
+    for model in models:  # one kernel set, launched with and without PDL: same bits
+        same = tokens[model, "tuned"] == tokens[model, "no-pdl"]
+        print(f"{model}: greedy tokens with PDL == without: {same}")
+
+
+def greedy_tokens(engine, model) -> list[list[int]]:
+    """32 greedy tokens for 4 prompts through the graphs (a race shows as a difference)."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(0, model.vocab_size, (n,), generator=gen).tolist() for n in (7, 60, 300, 5)
+    ]
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    return [r.output_ids for r in engine.generate(prompts, params)]
 
 
 def cublas_matmuls(ops):
-    """``ops`` with every matmul on torch's own (cuBLAS) and its activation unfused."""
-
-    def linear_act_mul(x, weight, bias, act, up=None):
-        return torch_linear_act_mul(x, weight, bias, act, up, act_mul=ops.act_mul)
+    """``ops`` with every matmul on torch's own (cuBLAS), its norm and activation unfused."""
+    from graphrt.devices.cuda.ops import cublas_linear, cublas_linear_act_mul
 
     return dataclasses.replace(
-        ops, name=f"{ops.name}+cublas", linear=F.linear, linear_act_mul=linear_act_mul
+        ops,
+        name=f"{ops.name}+cublas",
+        linear=cublas_linear,
+        linear_act_mul=cublas_linear_act_mul,
     )
 
 

@@ -62,7 +62,7 @@ def _cases():
     norm = {"D": 2048, "BLOCK": 2048, "TORCH_CUDA_MATH": True}
     rope = {"NUM_Q_HEADS": 8, "NUM_KV_HEADS": 1, "HEAD_DIM": 256, "ROT_DIM": 256, "BLOCK_D": 256}
     gemv = {"BLOCK_N": 16, "BLOCK_K": 256, "HAS_BIAS": False, "PRECISE": True}
-    yield "rms_norm", triton_ops._rms_norm_kernel, {**norm, "HAS_RESIDUAL": True}, None
+    yield "rms_norm", triton_ops._rms_norm_kernel, norm, None
     yield (
         "gemma_norm",
         triton_ops._gemma_rms_norm_kernel,
@@ -88,7 +88,7 @@ def _cases():
         yield (
             f"residual_norm-{scalar}-{nxt}",
             triton_gemma._residual_norm_kernel,
-            {**norm, "HAS_SCALAR": scalar, "HAS_NEXT": nxt},
+            {**norm, "HAS_SCALAR": scalar, "HAS_NEXT": nxt, "LAUNCH_DEPENDENTS": nxt},
             None,
         )
     for cap in (False, True):
@@ -104,12 +104,32 @@ def _cases():
         {"NUM_LAYERS": 35, "P": 256, "BLOCK": 256, "TORCH_CUDA_MATH": True},
         None,
     )
+    # (gated, up, act, norm, residual, one chunk + PDL): each epilogue, and Llama's two
+    # fused shapes (norm + gate/up with the weight read before the PDL wait; residual add).
+    variants = (
+        (False, False, 0, False, False, False),
+        (True, False, 1, False, False, False),
+        (False, True, 2, False, False, False),
+        (True, False, 1, True, False, True),
+        (False, False, 0, True, True, True),
+        (False, False, 0, False, True, False),
+    )
     for rows in (1, 16):
-        for gated, up, act in ((False, False, 0), (True, False, 1), (False, True, 2)):
+        for gated, up, act, norm, residual, pdl in variants:
             yield (
-                f"gemv-M{rows}-gated{gated}-up{up}-act{act}",
+                f"gemv-M{rows}-gated{gated}-up{up}-act{act}-norm{norm}-res{residual}-pdl{pdl}",
                 triton_gemv._gemv_kernel,
-                {**gemv, "BLOCK_M": rows, "GATED": gated, "HAS_UP": up, "ACT": act},
+                {
+                    **gemv,
+                    "BLOCK_M": rows,
+                    "GATED": gated,
+                    "HAS_UP": up,
+                    "ACT": act,
+                    "NORM": norm,
+                    "HAS_RESIDUAL": residual,
+                    "ONE_CHUNK": pdl,
+                    "USE_PDL": pdl,
+                },
                 {"M": "i32", "N": "i32", "K": "i32"},
             )
 

@@ -29,7 +29,7 @@ import torch
 from helpers import OLD_INTERPRETER, needs_gpu, needs_triton, run_under_triton_interpreter
 
 from graphrt.core.attention.base import KVWrite
-from graphrt.core.models.ops import TORCH_OPS
+from graphrt.core.models.ops import TORCH_OPS, PreNorm
 
 EPS = 1e-6
 CHAIN_F32 = 2e-6
@@ -162,7 +162,8 @@ def gemma_cases(ops, dtype, shapes, device, seed=0) -> dict:
 
 
 def gemv_cases(dtype, shapes, configs_for_rows, device, seed=0) -> dict:
-    """The GEMV and its epilogues against F.linear + the reference act_mul, per config.
+    """The GEMV, its RMSNorm prologue and its epilogues against the reference ops (norm,
+    F.linear, act_mul, residual add), per config.
 
     shapes: (M, N, K, bias); configs_for_rows(M) -> the configurations to run.
     """
@@ -181,13 +182,23 @@ def gemv_cases(dtype, shapes, configs_for_rows, device, seed=0) -> dict:
         bias = randn(2 * n) if has_bias else None
         up = randn(m, n + 4)[:, :n]
         half_bias = None if bias is None else bias[:n]
+        norm = PreNorm(randn(k, scale=0.2) + 1, EPS)
+        residual = randn(m, n + 2)[:, :n]
         refs = {
+            "norm_residual": TORCH_OPS.linear(
+                x, weight[:n], half_bias, norm=norm, residual=residual
+            ),
+            "norm_gated_silu": TORCH_OPS.linear_act_mul(x, weight, bias, "silu", norm=norm),
             "linear": torch.nn.functional.linear(x, weight[:n], half_bias),
             "gated_silu": TORCH_OPS.linear_act_mul(x, weight, bias, "silu"),
             "up_gelu": TORCH_OPS.linear_act_mul(x, weight[:n], half_bias, "gelu_pytorch_tanh", up),
         }
         for config in configs_for_rows(m):
             runs = {
+                "norm_residual": gemv(
+                    x, weight[:n], half_bias, config, norm=norm, residual=residual
+                ),
+                "norm_gated_silu": gemv(x, weight, bias, config, act="silu", gated=True, norm=norm),
                 "linear": gemv(x, weight[:n], half_bias, config),
                 "gated_silu": gemv(x, weight, bias, config, act="silu", gated=True),
                 "up_gelu": gemv(x, weight[:n], half_bias, config, act="gelu_pytorch_tanh", up=up),
@@ -229,6 +240,13 @@ def interpreter_results() -> dict:
         results[f"{name}/ops/linear"] = check(
             TRITON_OPS.linear(x, w, None), TORCH_OPS.linear(x, w, None), "matmul"
         )
+        norm = PreNorm(torch.rand(64, generator=gen).to(dtype) + 0.5, EPS)
+        residual = torch.randn(2, 24, generator=gen).to(dtype)
+        results[f"{name}/ops/norm_linear_residual"] = check(
+            TRITON_OPS.linear(x, w, None, norm=norm, residual=residual),
+            TORCH_OPS.linear(x, w, None, norm=norm, residual=residual),
+            "matmul",
+        )
         results[f"{name}/ops/linear_act_mul"] = check(
             TRITON_OPS.linear_act_mul(x, w, None, "gelu_pytorch_tanh"),
             TORCH_OPS.linear_act_mul(x, w, None, "gelu_pytorch_tanh"),
@@ -248,8 +266,8 @@ def interpreter_results() -> dict:
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_fused_kernels_under_interpreter_match_reference():
     results = run_under_triton_interpreter(__file__)
-    # 2 dtypes x (2 gemma shapes x 23 outputs + (2 + 2 + 2) gemv configs x 3 ops + 3 ops)
-    assert len(results) == 2 * (2 * 23 + 6 * 3 + 3)
+    # 2 dtypes x (2 gemma shapes x 23 outputs + (2 + 2 + 2) gemv configs x 5 ops + 4 ops)
+    assert len(results) == 2 * (2 * 23 + 6 * 5 + 4)
     bad = {key: m for key, m in results.items() if not m["ok"]}
     assert not bad, bad
 

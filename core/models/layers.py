@@ -9,12 +9,12 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from graphrt.core.models.ops import ACTIVATIONS, TORCH_OPS, ModelOps
+from graphrt.core.models.ops import ACTIVATIONS, TORCH_OPS, ModelOps, PreNorm
 
 
 class RMSNorm(nn.Module):
-    """RMS norm in float32, as transformers computes it; with ``residual`` the
-    residual add is fused in and the new residual returned too."""
+    """RMS norm in float32, as transformers computes it. ``pre_norm()`` hands it to the
+    matmul that reads its output (``Linear(x, norm=)``), which may fuse it."""
 
     def __init__(self, dim: int, eps: float, ops: ModelOps = TORCH_OPS):
         super().__init__()
@@ -22,22 +22,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps)
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)  # (normed, x + residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def pre_norm(self) -> PreNorm:
+        return PreNorm(self.weight, self.eps)
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose matmul is the device's ``ops.linear`` (CUDA: a tuned GEMV for
-    decode-sized batches, cuBLAS otherwise)."""
+    decode-sized batches, cuBLAS otherwise), optionally with an RMSNorm before it and a
+    residual add after it (``norm(x) @ W.T + b + residual``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops: ModelOps = TORCH_OPS):
         super().__init__(in_features, out_features, bias=bias)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+    def forward(
+        self, x: torch.Tensor, norm: PreNorm | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias, norm=norm, residual=residual)
 
 
 class MergedLinear(Linear):
@@ -87,10 +91,13 @@ class GatedMLP(nn.Module):
         self.act = act
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, norm: PreNorm | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # residual + down(act(gate(norm(x))) * up(norm(x))): norm and add ride in the matmuls
         proj = self.gate_up_proj
-        h = self.ops.linear_act_mul(x, proj.weight, proj.bias, self.act)  # (T, I)
-        return self.down_proj(h)
+        h = self.ops.linear_act_mul(x, proj.weight, proj.bias, self.act, norm=norm)  # (T, I)
+        return self.down_proj(h, residual=residual)
 
 
 def rope_inv_freq(

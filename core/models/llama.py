@@ -21,7 +21,7 @@ from graphrt.core.models.layers import (
     RotaryEmbedding,
     rope_inv_freq,
 )
-from graphrt.core.models.ops import TORCH_OPS, ModelOps
+from graphrt.core.models.ops import TORCH_OPS, ModelOps, PreNorm
 
 
 class LlamaAttention(nn.Module):
@@ -51,9 +51,12 @@ class LlamaAttention(nn.Module):
             sliding_window=c.layer_windows[layer_id],
         )
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, norm: PreNorm, batch: ForwardBatch, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """x + o_proj(attention(norm(x))): the residual stream after the attention block."""
         s = self.spec
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, norm).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)  # (T, H, D)
         k = k.view(-1, s.num_kv_heads, s.head_dim)  # (T, Hkv, D)
         if self.qk_norm:  # over head_dim: (T*H, D) rows for the norm kernel
@@ -67,7 +70,7 @@ class LlamaAttention(nn.Module):
         else:
             q, k = self.rotary(batch.positions, q, k)
             out = attn.attend(q.flatten(1), k.flatten(1), v, s, batch)
-        return self.o_proj(out)
+        return self.o_proj(out, residual=x)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -79,22 +82,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, ops)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        batch: ForwardBatch,
-        attn: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of each block is fused into the next norm:
-        # (x, residual) -> (norm(x + residual), x + residual).
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, batch, attn)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        # x is the residual stream (T, hidden). Each norm rides in the matmul that reads it
+        # and each residual add in the matmul that ends its block: on CUDA at decode sizes
+        # both are the GEMV's, so a layer is 7 launches (qkv, rope, attention x2, o,
+        # gate/up, down).
+        h = self.self_attn(x, self.input_layernorm.pre_norm(), batch, attn)
+        return self.mlp(h, self.post_attention_layernorm.pre_norm(), residual=h)
 
 
 class LlamaBackbone(nn.Module):
@@ -115,10 +109,9 @@ class LlamaBackbone(nn.Module):
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)  # (T, hidden)
-        residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, batch, attn)
-        return self.norm(x, residual)[0]
+            x = layer(x, batch, attn)
+        return self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):

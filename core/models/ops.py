@@ -12,9 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+
+class PreNorm(NamedTuple):
+    """Llama's RMSNorm applied to a matmul's input inside the matmul op (``linear(...,
+    norm=)``): a device may fuse it into the matmul, saving the norm's launch."""
+
+    weight: torch.Tensor  # (K,)
+    eps: float
 
 
 @dataclass(frozen=True)
@@ -22,20 +31,19 @@ class ModelOps:
     name: str
     # (x (T, D), weight (D,), eps) -> (T, D) in x's dtype
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-    # (x, residual (T, D), weight, eps) -> (rms_norm(x + residual), x + residual); the sum is
-    # rounded to x's dtype before the norm reads it, as transformers' residual add does.
-    add_rms_norm: Callable[
-        [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
-    ]
     # (x (..., D), weight (D,) or None, eps) -> Gemma's RMSNorm (..., D) in x's dtype: the
     # norm and the weight multiply both in float32, one rounding at the end.
     gemma_rms_norm: Callable[[torch.Tensor, torch.Tensor | None, float], torch.Tensor]
     # (gate (T, I), up (T, I), activation name) -> act(gate) * up  (T, I)
     act_mul: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]
-    # (x (T, K), weight (N, K), bias (N,) or None) -> x @ weight.T + bias  (T, N)
-    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-    # (x (T, K), weight, bias, act, up) -> act(x @ gate.T) * (x @ up.T) with weight = [gate; up]
-    # ((2I, K): a fused gate/up projection) when up is None, else act(x @ weight.T) * up.
+    # (x (T, K), weight (N, K), bias (N,) or None, *, norm=None, residual=None) ->
+    # rms_norm(x) @ weight.T + bias [+ residual (T, N)]  (T, N); norm a ``PreNorm``.
+    # HAZARD: residual is consumed: a device may accumulate into it and return it (CUDA's
+    # cuBLAS path does), so the caller must not read it again.
+    linear: Callable[..., torch.Tensor]
+    # (x (T, K), weight, bias, act, up, *, norm=None) -> act(x @ gate.T) * (x @ up.T) with
+    # weight = [gate; up] ((2I, K): a fused gate/up projection) when up is None, else
+    # act(x @ weight.T) * up; x RMS-normalised first with a ``PreNorm``.
     linear_act_mul: Callable[..., torch.Tensor]
     # (h, residual (T, D), weight, eps, scalar (1,) or None, next_weight or None) ->
     # (x, gemma_rms_norm(x, next_weight) or None) with x = (residual + gemma_rms_norm(h,
@@ -69,13 +77,6 @@ def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * x.to(dtype)
 
 
-def torch_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    summed = x + residual
-    return torch_rms_norm(summed, weight, eps), summed
-
-
 def torch_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     # transformers' Gemma4RMSNorm: pow(-0.5), not rsqrt; the weight multiplies in float32.
     xf = x.float()
@@ -89,15 +90,35 @@ def torch_act_mul(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tenso
     return ACTIVATIONS[act](gate) * up
 
 
+def torch_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm: PreNorm | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if norm is not None:
+        x = torch_rms_norm(x, norm.weight, norm.eps)
+    out = F.linear(x, weight, bias)
+    return out if residual is None else residual + out
+
+
 def torch_linear_act_mul(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     act: str,
     up: torch.Tensor | None = None,
+    *,
+    norm: PreNorm | None = None,
     act_mul: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor] = torch_act_mul,
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The unfused reference: one matmul, then ``act_mul`` (a device may pass its own)."""
+    """The unfused reference: the norm, one matmul, then ``act_mul`` (a device may pass its
+    own norm and act_mul)."""
+    if norm is not None:
+        x = (rms_norm or torch_rms_norm)(x, norm.weight, norm.eps)
     out = F.linear(x, weight, bias)
     if up is None:
         out, up = out.chunk(2, dim=-1)
@@ -200,11 +221,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 TORCH_OPS = ModelOps(
     name="torch",
     rms_norm=torch_rms_norm,
-    add_rms_norm=torch_add_rms_norm,
     gemma_rms_norm=torch_gemma_rms_norm,
     act_mul=torch_act_mul,
     rope=torch_rope,
-    linear=F.linear,
+    linear=torch_linear,
     linear_act_mul=torch_linear_act_mul,
     gemma_residual_norm=torch_gemma_residual_norm,
     gemma_qkv_norm_rope=torch_gemma_qkv_norm_rope,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphrt.core.models.ops import ModelOps, torch_act_mul, torch_linear_act_mul
+from graphrt.core.models.ops import ModelOps, PreNorm, torch_act_mul, torch_linear_act_mul
 from graphrt.devices.cuda.gemv_tuner import TUNER
 from graphrt.devices.cuda.triton_gemma import (
     float_logits,
@@ -23,7 +23,6 @@ from graphrt.devices.cuda.triton_gemv import MAX_ROWS, gemv
 from graphrt.devices.cuda.triton_ops import (
     ACTIVATION_CODES,
     triton_act_mul,
-    triton_add_rms_norm,
     triton_gemma_rms_norm,
     triton_rms_norm,
 )
@@ -32,10 +31,11 @@ from graphrt.devices.cuda.triton_rope import gemma_qkv_norm_rope, triton_rope
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _skinny(x: torch.Tensor, weight: torch.Tensor, norm: PreNorm | None = None) -> bool:
     """A decode-sized matmul the GEMV may serve (else cuBLAS, untuned)."""
     return (
-        x.dim() == 2
+        (norm is None or norm.weight.dtype == x.dtype)
+        and x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
         and x.dtype in _GEMV_DTYPES
         and weight.dtype == x.dtype
@@ -50,16 +50,52 @@ def _row_class(x: torch.Tensor) -> str:
     return "1" if x.shape[0] == 1 else f"2-{MAX_ROWS}"
 
 
-def triton_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+def cublas_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm: PreNorm | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if not _skinny(x, weight):
+    """``linear`` without the GEMV: the norm kernel, then cuBLAS. A 16-bit residual rides in
+    cuBLAS's epilogue, accumulated into ``residual`` itself (``addmm_``: one launch, one
+    rounding where torch rounds twice; an out-of-place addmm would copy it first, a
+    second launch), as ``ModelOps.linear`` allows; float32 keeps the reference's separate
+    add (the parity runs)."""
+    if norm is not None:
+        x = triton_rms_norm(x, norm.weight, norm.eps)
+    if residual is None:
         return F.linear(x, weight, bias)
+    if bias is None and x.dim() == 2 and x.dtype in _GEMV_DTYPES and residual.is_contiguous():
+        return residual.addmm_(x, weight.t())
+    return residual + F.linear(x, weight, bias)
 
+
+def cublas_linear_act_mul(x, weight, bias, act, up=None, *, norm=None) -> torch.Tensor:
+    """``linear_act_mul`` without the GEMV: norm kernel, cuBLAS, the act_mul kernel."""
+    return torch_linear_act_mul(
+        x, weight, bias, act, up, norm=norm, act_mul=act_mul, rms_norm=triton_rms_norm
+    )
+
+
+def triton_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm: PreNorm | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     def run(config, w=weight):
-        return F.linear(x, w, bias) if config is None else gemv(x, w, bias, config)
+        if config is None:
+            return cublas_linear(x, w, bias, norm=norm, residual=residual)
+        return gemv(x, w, bias, config, norm=norm, residual=residual)
 
+    if not _skinny(x, weight, norm):
+        return run(None)
     key = ("linear", _row_class(x), *weight.shape, x.dtype, bias is not None)
+    key += (norm is not None, residual is not None)
     return run(TUNER.choose(key, x.shape[0], weight, run))
 
 
@@ -76,25 +112,25 @@ def triton_linear_act_mul(
     bias: torch.Tensor | None,
     act: str,
     up: torch.Tensor | None = None,
+    *,
+    norm: PreNorm | None = None,
 ) -> torch.Tensor:
-    if act not in ACTIVATION_CODES:  # no fused epilogue for it: torch's matmul and activation
-        return torch_linear_act_mul(x, weight, bias, act, up)
-
     def run(config=None, w=weight):
-        if config is None:  # cuBLAS, then the activation kernel
-            return torch_linear_act_mul(x, w, bias, act, up, act_mul=triton_act_mul)
-        return gemv(x, w, bias, config, act=act, gated=up is None, up=up)
+        if config is None:  # norm kernel, cuBLAS, then the activation kernel
+            return cublas_linear_act_mul(x, w, bias, act, up, norm=norm)
+        return gemv(x, w, bias, config, act=act, gated=up is None, up=up, norm=norm)
 
-    if not _skinny(x, weight):
+    # An activation without a fused epilogue (erf GELU) keeps torch's matmul and activation.
+    if act not in ACTIVATION_CODES or not _skinny(x, weight, norm):
         return run()
     key = ("act_mul", _row_class(x), *weight.shape, x.dtype, bias is not None, act, up is None)
+    key += (norm is not None,)
     return run(TUNER.choose(key, x.shape[0], weight, run))
 
 
 TRITON_OPS = ModelOps(
     name="triton",
     rms_norm=triton_rms_norm,
-    add_rms_norm=triton_add_rms_norm,
     gemma_rms_norm=triton_gemma_rms_norm,
     act_mul=act_mul,
     rope=triton_rope,

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphrt.devices.cuda import pdl
+
 # Fixed, not tuned per batch: changing it changes the float summation order.
 # 16 fills an H200 at batch 1 with 8 KV heads; at large batches the extra
 # partials cost B * H * 16 * D * 8 bytes of scratch traffic, small next to the KV.
@@ -246,7 +248,10 @@ def _decode_combine_kernel(
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,  # the o projection's GEMV may start reading its weight
 ):
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -462,6 +467,7 @@ def combine_splits(
         BLOCK_S=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        LAUNCH_DEPENDENTS=pdl.ENABLED,
         num_warps=2,
     )
     return out

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphrt.devices.cuda import pdl
 from graphrt.devices.cuda.triton_ops import (
     _INTERPRETED,
     _gemma_inv_rms,
@@ -51,7 +52,10 @@ def _residual_norm_kernel(
     HAS_NEXT: tl.constexpr,
     BLOCK: tl.constexpr,
     TORCH_CUDA_MATH: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,  # the GEMV reading x next may start reading its weight
 ):
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -105,6 +109,7 @@ def gemma_residual_norm(
         HAS_NEXT=next_weight is not None,
         BLOCK=block,
         TORCH_CUDA_MATH=not _INTERPRETED,
+        LAUNCH_DEPENDENTS=pdl.ENABLED,
         num_warps=_norm_num_warps(block),
         enable_fp_fusion=False,
     )

@@ -11,6 +11,19 @@ launch), and can finish the layer's next elementwise op in registers:
   and writes ``act(gate) * up`` (T, I), one launch instead of matmul + act.
 - ``up`` given: ``act(x @ W^T) * up`` with ``up`` another tensor (Gemma 4's
   per-layer-input gate).
+- ``norm`` given (a ``PreNorm``): x is first RMS-normalised as Llama's RMSNorm does
+  (``weight * (x * inv_rms).to(dtype)``), each program computing the row's inv_rms
+  itself (a first pass over x, an L1 hit in the second), so the norm is no launch.
+- ``residual`` given: ``residual + x @ W^T``, the block's residual add, in the store.
+
+With ``norm`` before the projection that reads the residual stream and ``residual``
+after the one that writes it, a Llama layer is 7 launches: qkv, rope, attention
+(2), o, gate/up, down.
+
+Launched with programmatic dependent launch where the card has it (``pdl``: read
+that file's contract before touching the order of loads here): with one K chunk the
+weight tile is read before ``griddepcontrol.wait``, while the previous kernel drains;
+x, ``up`` and ``residual`` after it.
 
 Rounding follows the unfused reference: the matmul's result is rounded to the
 activation dtype, then each elementwise step rounds as torch does
@@ -29,7 +42,15 @@ import torch
 import triton
 import triton.language as tl
 
-from graphrt.devices.cuda.triton_ops import _INTERPRETED, _activate, _round, activation_code
+from graphrt.core.models.ops import PreNorm
+from graphrt.devices.cuda import pdl
+from graphrt.devices.cuda.triton_ops import (
+    _INTERPRETED,
+    _activate,
+    _round,
+    activation_code,
+    inv_rms,
+)
 
 MAX_ROWS = 16  # M above this goes to cuBLAS: tensor-core tiles win there
 
@@ -81,11 +102,55 @@ def _dot(acc, x, w, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def _load_w(w_rows, up_offset, k0, K, n_mask, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    """The (BLOCK_N, BLOCK_K) weight tile at k0, and the up half's when GATED (else the same)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    w_mask = n_mask[:, None] & (offs_k < K)[None, :]
+    w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+    w_up = w
+    if GATED:
+        w_up = tl.load(w_rows + up_offset + offs_k[None, :], mask=w_mask, other=0.0)
+    return w, w_up
+
+
+@triton.jit
+def _inv_rms_rows(
+    x_rows, m_mask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE: tl.constexpr
+):
+    """(BLOCK_M, 1) float32 inv_rms of the x rows, as the RMSNorm kernel computes it."""
+    sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = m_mask[:, None] & (offs_k < K)[None, :]
+        x = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        sq += x * x
+    return inv_rms(tl.sum(sq, axis=1)[:, None], K, eps, PRECISE)
+
+
+@triton.jit
+def _load_x(
+    x_rows, m_mask, NormWeight, row_inv_rms, k0, K, BLOCK_K: tl.constexpr, NORM: tl.constexpr, dtype
+):
+    """The (BLOCK_M, BLOCK_K) x chunk at k0 in float32, RMS-normalised when NORM, rounding as
+    Llama's RMSNorm: (x * inv_rms) to the dtype, times the weight, to the dtype again."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    x = x.to(tl.float32)
+    if NORM:
+        g = tl.load(NormWeight + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        x = _round(g * _round(x * row_inv_rms, dtype), dtype)
+    return x
+
+
+@triton.jit
 def _gemv_kernel(
     X,  # (M, K), unit stride in K
     W,  # (N_w, K) row-major: N output rows, or 2N (gate rows, then up rows) when GATED
     Bias,  # (N_w,), read when HAS_BIAS
     Up,  # (M, N), read when HAS_UP
+    Residual,  # (M, N), read when HAS_RESIDUAL
+    NormWeight,  # (K,), read when NORM
     Out,  # (M, N) contiguous
     M,
     N,
@@ -93,14 +158,20 @@ def _gemv_kernel(
     stride_xm,
     stride_wn,
     stride_um,
+    stride_rm,
+    eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,  # K <= BLOCK_K: the weight tile is loaded before the PDL wait
     GATED: tl.constexpr,
     HAS_UP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    NORM: tl.constexpr,
     ACT: tl.constexpr,  # activation_code(): 0 none
     PRECISE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     dtype = Out.dtype.element_ty
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,40 +179,54 @@ def _gemv_kernel(
     n_mask = offs_n < N
     m_mask = offs_m < M
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1) row pointers
+    x_rows = X + offs_m[:, None] * stride_xm  # (BLOCK_M, 1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start its weight reads
+    # One chunk: the whole weight tile is read first, overlapping the previous kernel's tail.
+    if ONE_CHUNK:
+        w_first, w_up_first = _load_w(w_rows, N * stride_wn, 0, K, n_mask, BLOCK_K, GATED)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's outputs (x, up, residual) are ready
+    if NORM:
+        row_inv_rms = _inv_rms_rows(
+            x_rows, m_mask, K, eps, BLOCK_M, BLOCK_K, PRECISE
+        )  # (BLOCK_M, 1)
+    else:
+        row_inv_rms = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     if BLOCK_M == 1:
         # One row: elementwise products summed in a (BLOCK_N, BLOCK_K) float32 tile, reduced
         # across K once at the end (a reduction per chunk costs shuffles every iteration).
         part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         part_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            x = tl.load(X + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-            w_mask = n_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
-            part += x * w.to(tl.float32)
+        if ONE_CHUNK:
+            x = _load_x(x_rows, m_mask, NormWeight, row_inv_rms, 0, K, BLOCK_K, NORM, dtype)
+            part += x * w_first.to(tl.float32)
             if GATED:
-                w_up = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
-                part_up += x * w_up.to(tl.float32)
+                part_up += x * w_up_first.to(tl.float32)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                x = _load_x(x_rows, m_mask, NormWeight, row_inv_rms, k0, K, BLOCK_K, NORM, dtype)
+                w, w_up = _load_w(w_rows, N * stride_wn, k0, K, n_mask, BLOCK_K, GATED)
+                part += x * w.to(tl.float32)
+                if GATED:
+                    part_up += x * w_up.to(tl.float32)
         acc = tl.sum(part, axis=1)[None, :]  # (1, BLOCK_N)
         acc_up = tl.sum(part_up, axis=1)[None, :]
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            x = tl.load(
-                X + offs_m[:, None] * stride_xm + offs_k[None, :],
-                mask=m_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )  # (BLOCK_M, BLOCK_K)
-            w_mask = n_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)  # (BLOCK_N, BLOCK_K)
-            acc = _dot(acc, x, w, PRECISE)
+        if ONE_CHUNK:
+            x = _load_x(x_rows, m_mask, NormWeight, row_inv_rms, 0, K, BLOCK_K, NORM, dtype)
+            acc = _dot(acc, x.to(dtype), w_first, PRECISE)
             if GATED:
-                w_up = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
-                acc_up = _dot(acc_up, x, w_up, PRECISE)
+                acc_up = _dot(acc_up, x.to(dtype), w_up_first, PRECISE)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                x = _load_x(x_rows, m_mask, NormWeight, row_inv_rms, k0, K, BLOCK_K, NORM, dtype)
+                w, w_up = _load_w(w_rows, N * stride_wn, k0, K, n_mask, BLOCK_K, GATED)
+                acc = _dot(acc, x.to(dtype), w, PRECISE)  # (BLOCK_M, BLOCK_K) x (BLOCK_N, BLOCK_K)
+                if GATED:
+                    acc_up = _dot(acc_up, x.to(dtype), w_up, PRECISE)
     # Epilogue, rounding where the unfused ops round: matmul output, activation, product.
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -156,6 +241,9 @@ def _gemv_kernel(
     if HAS_UP:
         up = tl.load(Up + offs_m[:, None] * stride_um + offs_n[None, :], mask=out_mask, other=0.0)
         y = _round(y * up.to(tl.float32), dtype)
+    if HAS_RESIDUAL:  # torch's residual add: in float32, rounded once
+        res = tl.load(Residual + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_mask)
+        y = _round(y + res.to(tl.float32), dtype)
     tl.store(Out + offs_m[:, None] * N + offs_n[None, :], y.to(dtype), mask=out_mask)
 
 
@@ -167,10 +255,13 @@ def gemv(
     act: str | None = None,
     gated: bool = False,
     up: torch.Tensor | None = None,
+    norm: PreNorm | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for (M <= 16, K) ``x``, then optionally ``act`` and a product:
-    with ``gated`` the weight's second half is the up projection; with ``up`` the factor
-    is that (M, N) tensor. Returns a new (M, N) tensor in ``x``'s dtype."""
+    """``norm(x) @ weight.T (+ bias)`` for (M <= 16, K) ``x``, then optionally ``act`` and a
+    product (with ``gated`` the weight's second half is the up projection; with ``up`` the
+    factor is that (M, N) tensor), then ``+ residual``. Returns a new (M, N) tensor in
+    ``x``'s dtype."""
     rows, k = x.shape
     n = weight.shape[0] // (2 if gated else 1)
     assert rows <= MAX_ROWS, f"gemv takes at most {MAX_ROWS} rows, got {rows}"
@@ -180,6 +271,14 @@ def gemv(
     assert weight.dtype == x.dtype, f"weight {weight.dtype} vs x {x.dtype}"
     if up is not None:
         assert up.shape == (rows, n) and up.stride(1) == 1, f"up {tuple(up.shape)}"
+    if residual is not None:
+        assert residual.shape == (rows, n) and residual.stride(1) == 1, (
+            f"residual {tuple(residual.shape)}, expected {(rows, n)}"
+        )
+    if norm is not None:
+        assert norm.weight.shape == (k,) and norm.weight.dtype == x.dtype, (
+            f"norm weight {tuple(norm.weight.shape)} {norm.weight.dtype}, x {x.dtype} K={k}"
+        )
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
@@ -189,6 +288,8 @@ def gemv(
         weight,
         weight if bias is None else bias,
         out if up is None else up,
+        out if residual is None else residual,
+        weight if norm is None else norm.weight,
         out,
         rows,
         n,
@@ -196,16 +297,23 @@ def gemv(
         x.stride(0),
         weight.stride(0),
         0 if up is None else up.stride(0),
+        0 if residual is None else residual.stride(0),
+        0.0 if norm is None else float(norm.eps),
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        ONE_CHUNK=k <= config.block_k,
         GATED=gated,
         HAS_UP=up is not None,
         HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None,
+        NORM=norm is not None,
         ACT=activation_code(act),
         PRECISE=not _INTERPRETED,
+        USE_PDL=pdl.ENABLED,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         enable_fp_fusion=False,
+        launch_pdl=pdl.ENABLED,
     )
     return out

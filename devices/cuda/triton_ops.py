@@ -55,15 +55,11 @@ def _round(x, dtype: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(
     X,  # (T, D)
-    Residual,  # (T, D), read when HAS_RESIDUAL
     Weight,  # (D,)
     Out,  # (T, D) contiguous, promote(x, weight) dtype
-    SumOut,  # (T, D) contiguous, x's dtype; written when HAS_RESIDUAL
     eps,
     stride_x,
-    stride_r,
     D: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     TORCH_CUDA_MATH: tl.constexpr,
 ):
@@ -72,11 +68,6 @@ def _rms_norm_kernel(
     mask = offs < D
     dtype = X.dtype.element_ty
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(Residual + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-        # torch adds in float32 and rounds once to the dtype; the norm reads the rounded sum.
-        x = _round(x + r, dtype)
-        tl.store(SumOut + row * D + offs, x.to(dtype), mask=mask)
     if TORCH_CUDA_MATH:
         # torch on CUDA: mean = sum * (1/D), rsqrt = libdevice rsqrtf (2 ulp, not 1/sqrt).
         mean_sq = tl.sum(x * x, 0) * (1.0 / D)
@@ -89,6 +80,16 @@ def _rms_norm_kernel(
     w = tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)
     out_dtype = Out.dtype.element_ty
     tl.store(Out + row * D + offs, _round(w * normed, out_dtype).to(out_dtype), mask=mask)
+
+
+@triton.jit
+def inv_rms(sum_sq, n, eps, TORCH_CUDA_MATH: tl.constexpr):
+    """rsqrt(sum_sq / n + eps) for float32 row sums of squares over n (a runtime int) columns,
+    as torch computes RMSNorm's (and Gemma's pow(-0.5)) on CUDA, or exactly elsewhere."""
+    count = n.to(tl.float32)
+    if TORCH_CUDA_MATH:
+        return libdevice.rsqrt(sum_sq * tl.math.div_rn(1.0, count) + eps)
+    return tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(sum_sq, count) + eps))
 
 
 @triton.jit
@@ -205,51 +206,29 @@ def _check_rows(name: str, t: torch.Tensor) -> None:
     assert t.stride(-1) == 1 or t.shape[-1] <= 1, f"{name} must be contiguous in its last dim"
 
 
-def _norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check_rows("x", x)
     num_rows, dim = x.shape
     assert weight.shape == (dim,) and weight.stride(0) == 1, f"weight {tuple(weight.shape)}"
     out = torch.empty(
         (num_rows, dim), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device
     )
-    summed = None
-    if residual is not None:
-        _check_rows("residual", residual)
-        assert residual.shape == x.shape and residual.dtype == x.dtype
-        summed = torch.empty((num_rows, dim), dtype=x.dtype, device=x.device)
     if num_rows == 0:
-        return out, summed
+        return out
     block = triton.next_power_of_2(dim)
     _rms_norm_kernel[(num_rows,)](
         x,
-        x if residual is None else residual,
         weight,
         out,
-        out if summed is None else summed,
         float(eps),
         x.stride(0),
-        x.stride(0) if residual is None else residual.stride(0),
         D=dim,
-        HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         TORCH_CUDA_MATH=not _INTERPRETED,
         num_warps=_norm_num_warps(block),
         enable_fp_fusion=False,
     )
-    return out, summed
-
-
-def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _norm(x, None, weight, eps)[0]
-
-
-def triton_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual) as new tensors; the inputs are left as they are."""
-    return _norm(x, residual, weight, eps)
+    return out
 
 
 def triton_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
