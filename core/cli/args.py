@@ -1,8 +1,14 @@
-"""The command line's flags, and nothing else: subcommands map them onto configs."""
+"""The command line's flags, and nothing else: subcommands map them onto configs.
+
+Every flag's help says its default, as ``(default: %(default)s)`` or in words
+where the default is decided at run time (tests/test_cli.py checks this).
+"""
 
 from __future__ import annotations
 
 import argparse
+
+from graphrt.core.cli.version import package_version
 
 DEVICES = ["auto", "cpu", "cuda", "npu", "xpu"]
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
@@ -57,7 +63,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "--device", choices=DEVICES, default=None, help="default: GRAPHRT_DEVICE, else probe"
     )
     p.add_argument(
-        "--dtype", choices=DTYPES, default="auto", help="auto: the checkpoint's (float32 on cpu)"
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="auto: the checkpoint's (float32 on cpu) (default: %(default)s)",
     )
 
 
@@ -65,10 +74,21 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft",
         default=None,
-        help="MTP assistant (drafter): checkpoint directory or random:PRESET",
+        help="MTP assistant (drafter): checkpoint directory or random:PRESET "
+        "(default: none, no speculative decoding)",
     )
-    p.add_argument("--spec-steps", type=_positive, default=4, help="draft steps per round")
-    p.add_argument("--spec-topk", type=_positive, default=1, help="branches per draft step")
+    p.add_argument(
+        "--spec-steps",
+        type=_positive,
+        default=4,
+        help="draft steps per round (default: %(default)s)",
+    )
+    p.add_argument(
+        "--spec-topk",
+        type=_positive,
+        default=1,
+        help="branches per draft step (default: %(default)s)",
+    )
     p.add_argument(
         "--spec-draft-tokens",
         type=_positive,
@@ -81,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="graphrt", description="Accelerator-agnostic LLM decoding runtime."
     )
+    parser.add_argument("--version", action="version", version=f"graphrt {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate tokens for one or more prompts")
@@ -89,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt",
         dest="prompts",
         action=_AppendPrompt,
-        help="prompt text (repeatable; needs tokenizer.json)",
+        help="prompt text (repeatable; needs tokenizer.json); "
+        "give at least one --prompt or --prompt-ids",
     )
     gen.add_argument(
         "--prompt-ids",
@@ -98,7 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_token_ids,
         help="prompt token ids, e.g. 1,2,3 (repeatable)",
     )
-    gen.add_argument("--max-new-tokens", type=_positive, default=32)
+    gen.add_argument(
+        "--max-new-tokens",
+        type=_positive,
+        default=32,
+        help="tokens generated per prompt, fewer if EOS comes first (default: %(default)s)",
+    )
     gen.add_argument(
         "--runner",
         choices=["eager", "graph"],
@@ -108,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--graph-backend",
         default=None,
-        help="cuda: full (default) | breakable; cpu: compile; npu, xpu: full",
+        help="cuda: full | breakable; cpu: compile; npu, xpu: full "
+        "(default: the device's first, e.g. full on cuda)",
     )
     gen.add_argument(
         "--graph-bs",
@@ -122,14 +150,32 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="run only exactly captured batch sizes as graphs; others run eager",
     )
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)"
+    )
+    gen.add_argument(
+        "--top-p", type=float, default=1.0, help="1 = no nucleus cut (default: %(default)s)"
+    )
+    gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut (default: %(default)s)")
+    gen.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        # engine.add_request: request i's generator is seeded with seed * 1000003 + i.
+        help="sampling is seeded with 0 unless --seed is given; each request's generator is "
+        "derived from this seed and the request's position; greedy decoding "
+        "(--temperature 0) draws nothing (default: %(default)s)",
+    )
     gen.add_argument(
         "--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens"
     )
-    gen.add_argument("--max-running-requests", type=_positive, default=32)
+    gen.add_argument(
+        "--max-running-requests",
+        type=_positive,
+        default=32,
+        help="requests decoded together in one batch; graphs are captured up to this "
+        "(default: %(default)s)",
+    )
     gen.add_argument(
         "--max-context-len", type=_positive, default=None, help="default: the model's, at most 4096"
     )
@@ -143,36 +189,75 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="decode step latency per batch size: eager, graph, transformers"
     )
     bench.add_argument(
-        "--model", default="random:llama-1b", help="checkpoint directory or random:PRESET"
+        "--model",
+        default="random:llama-1b",
+        help="checkpoint directory or random:PRESET (default: %(default)s)",
     )
-    bench.add_argument("--device", choices=DEVICES, default=None)
     bench.add_argument(
-        "--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on accelerators"
+        "--device", choices=DEVICES, default=None, help="default: GRAPHRT_DEVICE, else probe"
     )
-    bench.add_argument("--prompt-len", type=_positive, default=512)
-    bench.add_argument("--batch-sizes", type=_size_list, default=(1, 8, 32, 64))
+    bench.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="auto: bfloat16 on accelerators (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--prompt-len",
+        type=_positive,
+        default=512,
+        help="random prompt tokens prefilled per request before timing (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--batch-sizes",
+        type=_size_list,
+        default=(1, 8, 32, 64),
+        help="comma list of batch sizes to time (default: 1,8,32,64)",
+    )
     bench.add_argument(
         "--runners",
         type=lambda s: tuple(x for x in s.split(",") if x),
         default=("eager", "graph"),
-        help="comma list of eager, graph, hf (transformers static cache + torch.compile)",
+        help="comma list of eager, graph, hf (transformers static cache + torch.compile) "
+        "(default: eager,graph)",
     )
-    bench.add_argument("--graph-backend", default=None)
-    bench.add_argument("--steps", type=_positive, default=50, help="timed decode steps per runner")
-    bench.add_argument("--warmup", type=_positive, default=5)
     bench.add_argument(
-        "--max-running-requests", type=_positive, default=256, help="graphs captured up to this"
+        "--graph-backend", default=None, help="the device's graph backend (default: its first)"
     )
-    bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
-        "--out", default="bench-decode.json", help="JSON results (a PNG plot lands beside it)"
+        "--steps",
+        type=_positive,
+        default=50,
+        help="timed decode steps per runner (default: %(default)s)",
     )
-    bench.add_argument("--no-plot", dest="plot", action="store_false")
+    bench.add_argument(
+        "--warmup",
+        type=_positive,
+        default=5,
+        help="untimed decode steps before timing (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--max-running-requests",
+        type=_positive,
+        default=256,
+        help="graphs captured up to this (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--seed", type=int, default=0, help="seeds the random prompt tokens (default: %(default)s)"
+    )
+    bench.add_argument(
+        "--out",
+        default="bench-decode.json",
+        help="JSON results (a PNG plot lands beside it) (default: %(default)s)",
+    )
+    bench.add_argument("--no-plot", dest="plot", action="store_false", help="write no PNG plot")
     bench.add_argument("--json", action="store_true", help="print the JSON result on stdout")
     _add_spec_flags(bench)  # with --draft: the speculative round's pieces, per batch size
 
     info = sub.add_parser(
         "info", help="the selected device, available backends and library versions"
     )
-    info.add_argument("--device", choices=DEVICES, default=None)
+    info.add_argument(
+        "--device", choices=DEVICES, default=None, help="default: GRAPHRT_DEVICE, else probe"
+    )
     return parser

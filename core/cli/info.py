@@ -7,6 +7,7 @@ import platform
 
 from graphrt import devices
 from graphrt.core.attention import TorchAttentionBackend
+from graphrt.core.cli.version import package_version
 from graphrt.core.errors import GraphrtError
 
 
@@ -24,6 +25,7 @@ def run_info(args: argparse.Namespace) -> int:
             state = str(e)
         print(f"  {name:<8} {state}")
     print("versions:")
+    print(f"  {'graphrt':<12} {package_version()}")
     print(f"  {'python':<12} {platform.python_version()}")
     for lib, version in device.library_versions().items():
         print(f"  {lib:<12} {version}")
