@@ -88,6 +88,10 @@ class Device(abc.ABC):
         """Names of the graph backends this device offers; the first is the default."""
         return tuple(self._graph_backend_factories())
 
+    def default_runner(self) -> str:
+        """The runner when none is asked for: graphs where the device has a backend."""
+        return "graph" if self.graph_backends() else "eager"
+
     def create_graph_backend(self, name: str | None = None) -> ExecutionBackend:
         """A fresh execution backend (``--graph-backend``); None picks the device's default."""
         factories = self._graph_backend_factories()

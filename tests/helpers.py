@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,19 @@ GEMMA4_WINDOW = 6  # shorter than every parity prompt (9-20 tokens): prefill its
 class Checkpoint:
     path: Path  # directory holding config.json + safetensors
     hf: Any  # the transformers model it was saved from (float32, eval)
+
+
+# What `graphrt generate` may print on stderr before an error: its phase lines.
+_STATUS_LINE = re.compile(r"[^\n]+: \d+\.\d s")
+
+
+def cli_error_line(err: str) -> str:
+    """The CLI's one error line, last on stderr; before it only phase lines ("loaded ...:
+    0.1 s"): no traceback, no second error."""
+    *status, error = err.strip().splitlines()
+    assert error.startswith("graphrt: error:"), err
+    assert all(_STATUS_LINE.fullmatch(line) for line in status), err
+    return error
 
 
 def make_checkpoint(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import hf_greedy, make_tokenizer
+from helpers import cli_error_line, hf_greedy, make_tokenizer
 
 from graphrt.core.cli import version
 from graphrt.core.cli.args import build_parser
@@ -28,6 +28,7 @@ STATS_KEYS = {
     "captured_sizes",
     "tokens_per_s",
     "capture_time_s",
+    "compile_time_s",
     "graph_memory_bytes",
 }
 
@@ -99,19 +100,26 @@ def test_prompt_text_is_tokenized_and_output_decoded(capsys, ckpt_with_tokenizer
     assert first["text"] == tok.decode(first["output_ids"], skip_special_tokens=True)
 
 
-def test_graph_runner_is_the_cpu_default_and_matches_eager(capsys):
+def test_eager_is_the_cpu_default_and_graph_matches_it(capsys):
+    """On CPU no --runner means eager (compiling costs more than a short job saves);
+    --runner graph still runs every fitting decode step on its compiled bucket."""
     argv = ["--model", "random:llama-tiny", "--prompt-ids", "1,2,3", "--prompt-ids", "9,8,7,6,5"]
     argv += ["--max-new-tokens", "6", "--ignore-eos", "--graph-bs", "2"]
     graph = run_json(capsys, *argv, "--runner", "graph")
     assert main(["generate", *argv, "--json"]) == 0  # no --runner: the device default
     default = json.loads(capsys.readouterr().out)
     eager = run_json(capsys, *argv, "--runner", "eager")
-    assert default["stats"]["runner"] == graph["stats"]["runner"] == "graph"
+    assert default["stats"]["runner"] == "eager" and graph["stats"]["runner"] == "graph"
+    assert default["stats"]["compile_time_s"] == 0.0
+    assert graph["stats"]["compile_time_s"] > 0  # the bucket compiled at its first step
     assert graph["stats"]["captured_sizes"] == [2]
     assert (
         graph["stats"]["graph_steps"] == 5 and graph["stats"]["eager_steps"] == 1
     )  # prefill is eager
     assert [r["output_ids"] for r in graph["requests"]] == [
+        r["output_ids"] for r in eager["requests"]
+    ]
+    assert [r["output_ids"] for r in default["requests"]] == [
         r["output_ids"] for r in eager["requests"]
     ]
 
@@ -185,10 +193,7 @@ def test_bad_input_is_one_line_error(capsys, argv, needle):
     assert main(["generate", "--model", "random:llama-tiny", *argv, *runner]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""  # nothing half-printed on stdout
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("graphrt: error:") and needle in lines[0], (
-        captured.err
-    )
+    assert needle in cli_error_line(captured.err), captured.err
 
 
 def test_bad_checkpoints_are_one_line_errors(capsys, tmp_path, llama_tied):

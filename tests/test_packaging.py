@@ -86,6 +86,10 @@ def test_wheel_installs_everything_under_graphrt(wheel):
     assert "graphrt/core/__init__.py" in names
     for package in _package_dirs():
         assert f"{package.replace('.', '/')}/__init__.py" in names
+    # The embedded pair is package data: `graphrt generate` with no --model needs it.
+    for model in ("gemma4-code-target", "gemma4-code-assistant"):
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            assert f"graphrt/core/pretrained/{model}/{name}" in names
     # graphrt itself is a namespace package: no graphrt/__init__.py to shadow.
     assert "graphrt/__init__.py" not in names
     assert ENTRY_POINT in entry_points.splitlines()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
@@ -15,6 +18,14 @@ from graphrt.core.errors import GraphrtError, RequestError
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
 from graphrt.spec import MTPDecoding, SpecConfig
+
+
+@contextmanager
+def _phase(what: str) -> Iterator[None]:
+    """One status line on stderr per phase, with its time (stdout stays the result's)."""
+    start = time.perf_counter()
+    yield
+    print(f"{what}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def _tokenizer(path: Path | None):
@@ -55,12 +66,28 @@ def _request_json(req, decode, spec: bool) -> dict:
     return out
 
 
+def _model_and_draft(args: argparse.Namespace) -> tuple[str, str | None]:
+    """--model and --draft as given, the embedded pair where --model is not."""
+    from graphrt.core import pretrained
+
+    if args.no_draft and args.draft is not None:
+        raise RequestError("--draft and --no-draft contradict each other; pass one")
+    model, draft = args.model, args.draft
+    if model is None:
+        model = str(pretrained.TARGET_DIR)
+        if draft is None and not args.no_draft:
+            draft = str(pretrained.ASSISTANT_DIR)
+    return model, draft
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    args.model, args.draft = _model_and_draft(args)
     device = devices.current(args.device)
     spec_config = None
     if args.draft is not None:
         spec_config = SpecConfig(args.spec_steps, args.spec_topk, args.spec_draft_tokens)
-    runner = args.runner or ("graph" if device.graph_backends() else "eager")
+    # --graph-backend asks for graphs: it implies --runner graph where the runner is unset.
+    runner = args.runner or ("graph" if args.graph_backend else device.default_runner())
     if runner == "graph":
         device.create_graph_backend(
             args.graph_backend
@@ -74,10 +101,12 @@ def run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         ignore_eos=args.ignore_eos,
     )
-    loaded = load_model(args.model, device, dtype)
+    with _phase(f"loaded {args.model} on {device.name}"):
+        loaded = load_model(args.model, device, dtype)
     drafter = None
     if args.draft is not None:
-        drafter = load_model(args.draft, device, dtype)
+        with _phase(f"loaded drafter {args.draft}"):
+            drafter = load_model(args.draft, device, dtype)
     tokenizer = _tokenizer(loaded.tokenizer_path)
     prompts = _encode_prompts(args.prompts, tokenizer)
     config = EngineConfig(
@@ -91,7 +120,11 @@ def run_generate(args: argparse.Namespace) -> int:
         graph_padding=args.graph_padding,
     )
     strategy = MTPDecoding(drafter, spec_config) if drafter is not None else None
-    engine = Engine(loaded, config, device, strategy)
+    setup = "captured graphs" if runner == "graph" else "set up the engine"
+    if runner == "graph" and device.name == "cpu":
+        setup = "set up the engine (graphs compile lazily, at each bucket's first step)"
+    with _phase(setup):
+        engine = Engine(loaded, config, device, strategy)
     # Validate every prompt before generating anything, so a bad one costs no work.
     for prompt in prompts:
         engine.validate_request(prompt, params)
@@ -115,6 +148,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "captured_sizes": engine.stats.captured_sizes,
         "tokens_per_s": round(engine.stats.tokens_per_s, 3),
         "capture_time_s": round(engine.stats.capture_time_s, 3),
+        "compile_time_s": round(engine.stats.compile_time_s, 3),
         "graph_memory_bytes": engine.stats.graph_memory_bytes,
     }
     if drafter is not None:
@@ -131,21 +165,28 @@ def run_generate(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out))
         return 0
+    for i, r in enumerate(reqs):
+        print(
+            f"[{i}] {len(r.prompt_ids)} prompt tokens, {len(r.output_ids)} generated, "
+            f"finished: {r.finish_reason.value}"
+        )
+        text = decode(r.output_ids)
+        if text is None:  # no tokenizer (random presets, --prompt-ids only checkpoints)
+            print(f"    output_ids: {r.output_ids}")
+        else:  # the prompt, then its continuation, as one text
+            print(decode(r.prompt_ids) + text)
+    compiled = engine.stats.compile_time_s
+    summary = (
+        f"{engine.stats.generated_tokens} tokens in {engine.stats.elapsed_s:.2f} s: "
+        f"{stats['tokens_per_s']:.1f} tok/s decoding"
+        + (f" ({compiled:.1f} s compiling graphs not counted)" if compiled else "")
+        + f" on {device.name}, runner {runner}"
+    )
     if drafter is not None:
         spec = stats["spec"]
-        print(
-            f"speculative: {spec['rounds']} rounds, {spec['accept_length_mean']:.2f} tokens per round, "
-            f"accepted drafts histogram {spec['accept_histogram']}"
+        summary += (
+            f"; speculative: accept length {spec['accept_length_mean']:.2f} tokens per round "
+            f"over {spec['rounds']} rounds, drafts accepted per round {spec['accept_histogram']}"
         )
-    for i, r in enumerate(reqs):
-        text = decode(r.output_ids)
-        print(f"[{i}] prompt: {len(r.prompt_ids)} tokens, finished: {r.finish_reason.value}")
-        print(f"    output_ids: {r.output_ids}")
-        if text is not None:
-            print(f"    text: {text}")
-    print(
-        f"{engine.stats.generated_tokens} tokens in {engine.stats.elapsed_s:.2f} s "
-        f"({stats['tokens_per_s']:.1f} tok/s) on {device.name}, runner {runner}: "
-        f"{stats['graph_steps']} graph steps, {stats['eager_steps']} eager steps"
-    )
+    print(summary)
     return 0

@@ -82,3 +82,8 @@ class ExecutionBackend(abc.ABC):
     def memory_bytes(self) -> int:
         """Device memory held by the captured graphs, as far as the device can tell."""
         return 0
+
+    def lazy_compile_s(self) -> float:
+        """Seconds spent compiling inside replays so far (lazy backends: CPU ``compile``);
+        the engine keeps them out of its tokens/s."""
+        return 0.0

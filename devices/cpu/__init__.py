@@ -34,6 +34,12 @@ class CpuDevice(Device):
 
         return torch.float32
 
+    def default_runner(self) -> str:
+        # Compiling costs more than it saves for a job of a few hundred tokens: on 2 cores
+        # the embedded pair's draft and verify graphs take minutes to compile, while eager
+        # decodes ~60 tokens/s (BENCHMARKS.md, issue 9). `--runner graph` still compiles.
+        return "eager"
+
     def describe(self) -> str:
         return f"cpu ({_usable_cores()} cores)"
 

@@ -1,0 +1,199 @@
+"""Speculative decoding on the trained pair: accept length, decode speed, output equality.
+
+Measures graphrt's frozen-KV MTP decoding with the small Gemma 4 target and its
+assistant from scripts/train_pair.py on fixed held-out code prompts: the first
+``--prompt-len`` tokens of each of the first ``--files`` held-out files (files are
+split at the target's <eos>; files shorter than prompt-len + 8 tokens are skipped).
+Every configuration decodes the same prompts greedily, ``--max-new-tokens`` each
+(fewer where <eos> comes first): no draft, then steps {3, 5} x topk {1, 3} with
+``SpecConfig``'s default verify-tree size. Per configuration it reports
+
+- accept length: tokens emitted per verify round (accepted drafts + the target's
+  bonus token), ``EngineStats.accept_length_mean`` as ``graphrt generate`` prints it;
+- decode tok/s: tokens emitted by decode steps / wall time of those steps, measured
+  after an untimed warm-up (which compiles any lazily compiled graphs); model loading,
+  graph capture, compilation and prefill steps are excluded;
+- whether every request's output ids equal the no-draft run's (greedy: they must).
+
+Run from the repository root (prints a markdown table; --out also writes JSON):
+
+    python scripts/eval_pair.py [--runner eager|graph] [--device cpu] [--out eval.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+from graphrt import devices
+from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+from graphrt.core.engine.engine import EngineStats
+from graphrt.core.models import load_model
+from graphrt.core.models.config import parse_dtype
+from graphrt.spec import MTPDecoding, SpecConfig
+
+SPEC_CONFIGS = [SpecConfig(steps, topk) for steps in (3, 5) for topk in (1, 3)]
+HEADROOM = max(spec.num_draft_tokens for spec in SPEC_CONFIGS)  # KV slots a round holds
+
+
+def heldout_prompts(ids: torch.Tensor, eos_ids, files: int, prompt_len: int) -> list[list[int]]:
+    """The first ``prompt_len`` ids of each of the first ``files`` held-out files
+    (the stream is each file's ids then <eos>) that has at least prompt_len + 8 ids."""
+    ends = torch.isin(ids, torch.tensor(eos_ids, dtype=ids.dtype)).nonzero().flatten().tolist()
+    starts = [0] + [e + 1 for e in ends[:-1]]
+    return [
+        ids[s : s + prompt_len].tolist()
+        for s, e in list(zip(starts, ends))[:files]
+        if e - s >= prompt_len + 8
+    ]
+
+
+class StepClock:
+    """``Engine.generate``'s on_step hook: splits its wall time into prefill and decode steps."""
+
+    def __init__(self) -> None:
+        self.prefill_s = self.decode_s = 0.0
+        self.last = time.perf_counter()
+
+    def __call__(self, stepped) -> None:
+        now = time.perf_counter()
+        # A prefill step steps freshly admitted requests, each holding just its first token;
+        # a decode step (or speculative round) leaves every request it steps with two or more.
+        if all(len(r.output_ids) == 1 for r in stepped):
+            self.prefill_s += now - self.last
+        else:
+            self.decode_s += now - self.last
+        self.last = now
+
+
+def run_config(target, drafter, spec: SpecConfig | None, prompts, args, device) -> dict:
+    # Room for the deepest verify tree past the last token: no round is cut short by the
+    # context's end. Kept tight because graphs attend over the whole context.
+    context = args.prompt_len + args.max_new_tokens + HEADROOM
+    config = EngineConfig(
+        max_running_requests=args.batch_size,
+        max_context_len=context,
+        kv_pool_tokens=args.batch_size * (context + HEADROOM),
+        runner=args.runner,
+        # One bucket, smaller batches padded up to it: the warm-up compiles every graph used.
+        graph_buckets=(args.batch_size,),
+    )
+    strategy = MTPDecoding(drafter, spec) if spec is not None else None
+    start = time.perf_counter()
+    engine = Engine(target, config, device, strategy)  # captures graphs (cpu: lazily)
+    capture_s = engine.stats.capture_time_s
+    engine.generate(prompts[: args.batch_size], SamplingParams(max_new_tokens=16))  # warm-up
+    warmup_s = time.perf_counter() - start
+    engine.stats = EngineStats()  # count the timed run only
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    clock = StepClock()
+    reqs = engine.generate(prompts, params, on_step=clock)
+    engine.cleanup()
+    decode_tokens = sum(len(r.output_ids) - 1 for r in reqs)  # each request's first is prefill's
+    stats = engine.stats
+    return {
+        "spec": asdict(spec) if spec is not None else None,
+        "accept_length_mean": stats.accept_length_mean if spec is not None else 1.0,
+        "accept_histogram": stats.accept_histogram,
+        "spec_rounds": stats.spec_rounds,
+        "graph_rounds": stats.graph_rounds,
+        "graph_steps": stats.graph_steps,
+        "eager_steps": stats.eager_steps,
+        "generated_tokens": stats.generated_tokens,
+        "decode_tokens": decode_tokens,
+        "decode_s": clock.decode_s,
+        "prefill_s": clock.prefill_s,
+        "decode_tokens_per_s": decode_tokens / clock.decode_s,
+        "capture_time_s": capture_s,
+        "setup_and_warmup_s": warmup_s,
+        "output_ids": [r.output_ids for r in reqs],
+    }
+
+
+def config_name(spec: SpecConfig | None) -> str:
+    if spec is None:
+        return "no draft"
+    return f"steps {spec.num_steps}, topk {spec.topk} ({spec.num_draft_tokens} verified)"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--target", default="build/pair/ckpt/target", help="target checkpoint")
+    p.add_argument("--draft", default="build/pair/ckpt/assistant", help="MTP assistant checkpoint")
+    p.add_argument("--tokens", default="build/pair/tokens.pt", help="train_pair.py tokenize output")
+    p.add_argument("--files", type=int, default=16, help="held-out files to take prompts from")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per file")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument("--batch-size", type=int, default=1, help="requests decoded together")
+    p.add_argument(
+        "--runner", choices=["eager", "graph"], default="eager", help="graph: cpu compiles lazily"
+    )
+    p.add_argument("--device", default="cpu", help="graphrt device: cpu, cuda, npu, xpu, auto")
+    p.add_argument("--dtype", default="auto", help="auto: the device's (float32 on cpu)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads, 0: torch's default (this model's ops are too small to share; "
+        "on a busy 2-core machine 2 threads made a decode step 16x slower than 1)",
+    )
+    p.add_argument("--out", default=None, help="JSON results file; none: print only")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    device = devices.current(args.device)
+    dtype = None if args.dtype == "auto" else parse_dtype(args.dtype)
+    target = load_model(args.target, device, dtype)
+    drafter = load_model(args.draft, device, dtype)
+    heldout = torch.load(args.tokens)["heldout"]
+    prompts = heldout_prompts(heldout, target.eos_token_ids, args.files, args.prompt_len)
+    print(
+        f"{len(prompts)} prompts of {args.prompt_len} tokens, {args.max_new_tokens} new tokens "
+        f"each, batch {args.batch_size}, runner {args.runner} on {device.describe()}, "
+        f"{torch.get_num_threads()} threads",
+        file=sys.stderr,
+    )
+
+    results = {}
+    for spec in [None, *SPEC_CONFIGS]:
+        name = config_name(spec)
+        results[name] = run_config(target, drafter, spec, prompts, args, device)
+        print(f"  {name}: {results[name]['decode_s']:.1f} s decoding", file=sys.stderr)
+
+    base = results["no draft"]
+    print(
+        "\ntok/s: decode steps only (tokens they emitted / their wall time), after a warm-up;"
+        " excludes loading, capture, compilation and prefill.\n"
+    )
+    print("| config | accept length | tok/s | speedup | outputs equal |")
+    print("|---|---:|---:|---:|---|")
+    for name, r in results.items():
+        r["speedup"] = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        same = [a == b for a, b in zip(r["output_ids"], base["output_ids"])]
+        r["outputs_equal"] = all(same)
+        r["requests_differing"] = [i for i, ok in enumerate(same) if not ok]
+        equal = "yes" if all(same) else f"no ({len(same) - sum(same)}/{len(same)} differ)"
+        print(
+            f"| {name} | {r['accept_length_mean']:.2f} | {r['decode_tokens_per_s']:.1f} "
+            f"| {r['speedup']:.2f}x | {equal} |"
+        )
+    if args.out:
+        meta = {k: v for k, v in vars(args).items() if k != "out"}
+        meta["device_name"], meta["prompts"] = device.describe(), prompts
+        with open(args.out, "w") as f:
+            json.dump({"args": meta, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
