@@ -4,6 +4,7 @@
 # table prints last. Usage: bash bench/h200.sh [tests|bench|spec|all] [bench runners] [spec topks]
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
 #   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
+#   bash bench/h200.sh pair ["train flags"]: train the embedded Gemma 4 pair, eval on cuda
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -44,6 +45,25 @@ fi
 if [[ $what == profile ]]; then
     python bench/profile_step.py "${2:-random:llama-1b,random:gemma4-e2b}" "${3:-1,32}" 2>&1 \
         | grep -v Warning | tee "$OUT/profile-step.log" | tail -n 80
+fi
+
+if [[ $what == pair ]]; then
+    # Issue 9: train the Gemma 4 pair and measure decoding with and without its drafter on
+    # the GPU (graphs). Needs build/pair/tokens.pt carried (`carry: ["build/pair"]`), made
+    # here by: python scripts/train_pair.py tokenize --tokenizer core/pretrained/gemma4-code-target
+    #   --out build/pair/tokens.pt. Extra train flags in $2, e.g. "--distill-sequences 512".
+    # $OUT holds at most 8 files: the checkpoints come back as two tars.
+    python scripts/train_pair.py train --tokens build/pair/tokens.pt \
+        --tokenizer core/pretrained/gemma4-code-target --out pair ${2:-} > "$OUT/train-pair.log" 2>&1
+    echo "train exit $?"; grep -v "step\|Writing" "$OUT/train-pair.log" | tail -n 12
+    for m in target assistant; do tar cf "$OUT/pair-$m.tar" -C pair "$m"; done
+    cp pair/report.json "$OUT/pair-report.json"
+    for which in shipped trained; do
+        dirs=(core/pretrained/gemma4-code-target core/pretrained/gemma4-code-assistant)
+        [[ $which == trained ]] && dirs=(pair/target pair/assistant)
+        python scripts/eval_pair.py --device cuda --runner graph --target "${dirs[0]}" \
+            --draft "${dirs[1]}" --out "$OUT/eval-$which-cuda.json" 2>&1 | grep -v Warning | tail -n 9
+    done
 fi
 
 if [[ $what == bench || $what == all ]]; then

@@ -31,6 +31,7 @@ from dataclasses import asdict
 import torch
 
 from graphrt import devices
+from graphrt.core import pretrained
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.engine.engine import EngineStats
 from graphrt.core.models import load_model
@@ -127,8 +128,12 @@ def main() -> int:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--target", default="build/pair/ckpt/target", help="target checkpoint")
-    p.add_argument("--draft", default="build/pair/ckpt/assistant", help="MTP assistant checkpoint")
+    p.add_argument(
+        "--target", default=str(pretrained.TARGET_DIR), help="target (default: the embedded one)"
+    )
+    p.add_argument(
+        "--draft", default=str(pretrained.ASSISTANT_DIR), help="assistant (default: embedded)"
+    )
     p.add_argument("--tokens", default="build/pair/tokens.pt", help="train_pair.py tokenize output")
     p.add_argument("--files", type=int, default=16, help="held-out files to take prompts from")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per file")

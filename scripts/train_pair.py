@@ -56,6 +56,11 @@ class TrainConfig:
     weight_decay: float = 0.05
     budget_s: float = 120.0  # per phase: stops early past it
     seed: int = 0
+    # Half the assistant's windows come from the target's own continuations (half greedy,
+    # half sampled at temperature 1) of this many train prompts: the text it drafts on at
+    # generation time. 0: corpus windows only.
+    distill_sequences: int = 0
+    distill_prompt: int = 32  # prompt tokens of each continuation
 
 
 # The target's shapes the assistant must match (it reads the target's KV and hidden).
@@ -311,15 +316,50 @@ def train_assistant(target, tokens: dict, cfg: TrainConfig, device: torch.device
     assistant = Gemma4AssistantForCausalLM(assistant_config(vocab)).to(device).train()
     train_ids = tokens["train"]
     gen = torch.Generator().manual_seed(cfg.seed + 1)
+    continuations = None
+    if cfg.distill_sequences:
+        continuations = target_continuations(target, train_ids, cfg, gen, device)
+        log(f"assistant: {continuations.shape[0]} target continuations of {continuations.shape[1]}")
 
     def loss_fn(step):
         seq = windows(train_ids, cfg, gen)[:, :-1].to(device)
+        if continuations is not None:  # every other batch: the target's own text
+            if step % 2:
+                pick = torch.randint(0, continuations.shape[0], (cfg.batch,), generator=gen)
+                seq = continuations[pick.to(continuations.device)]
         with autocast(device):
             target_logp, drafts = draft_logits(target, assistant, seq, cfg.draft_steps)
         return draft_loss(target_logp, drafts)
 
     steps = train_loop("assistant", assistant, loss_fn, cfg.assistant_steps, cfg, log)
     return assistant.eval(), steps
+
+
+def target_continuations(target, ids: torch.Tensor, cfg: TrainConfig, gen, device):
+    """(distill_sequences, window) token windows: a train prompt of ``distill_prompt``
+    tokens, then the target's continuation (half greedy, half sampled at temperature 1)."""
+    starts = torch.randint(
+        0, ids.numel() - cfg.distill_prompt, (cfg.distill_sequences,), generator=gen
+    )
+    prompts = torch.stack([ids[s : s + cfg.distill_prompt] for s in starts.tolist()]).long()
+    new = cfg.window - cfg.distill_prompt
+    out = []
+    with torch.no_grad(), autocast(device):
+        for i, chunk in enumerate(prompts.split(256)):
+            sample = i % 2 == 1
+            seqs = target.generate(
+                chunk.to(device),
+                attention_mask=torch.ones_like(chunk, device=device),
+                max_new_tokens=new,
+                min_new_tokens=new,  # fixed-length windows: <eos> is just another token
+                do_sample=sample,
+                temperature=1.0 if sample else None,
+                top_k=0 if sample else None,
+                top_p=1.0 if sample else None,
+                pad_token_id=PAD_ID,
+            )
+            out.append(seqs[:, : cfg.window])
+    return torch.cat(out)
 
 
 def draft_accuracy(target, assistant, tokens: dict, cfg: TrainConfig, device) -> list[float]:

@@ -219,6 +219,7 @@ def trained(tmp_path_factory) -> Path:
     argv = ["train", "--tokens", str(root / "tokens.pt"), "--tokenizer", str(root / "tokenizer")]
     argv += ["--out", str(root / "out"), "--window", "32", "--batch", "2", "--target-steps", "2"]
     argv += ["--assistant-steps", "2", "--draft-steps", "2", "--device", "cpu", "--budget-s", "30"]
+    argv += ["--distill-sequences", "3", "--distill-prompt", "8"]  # the target's own text too
     tp.main(argv)
     return root / "out"
 
@@ -304,3 +305,23 @@ def test_cli_speculative_generate_on_the_pair_equals_transformers_greedy(capsys,
     out = json.loads(capsys.readouterr().out)
     assert out["requests"][0]["output_ids"] == expected
     assert out["stats"]["spec"]["rounds"] > 0
+
+
+def test_target_continuations_are_train_prompts_continued_by_the_target():
+    from transformers import Gemma4ForCausalLM
+
+    torch.manual_seed(0)
+    target = Gemma4ForCausalLM(tp.target_config(300)).eval()
+    ids = torch.randint(3, 300, (500,), dtype=torch.int32)
+    cfg = tp.TrainConfig(window=24, distill_sequences=3, distill_prompt=8)
+    seqs = tp.target_continuations(
+        target, ids, cfg, torch.Generator().manual_seed(0), torch.device("cpu")
+    )
+    assert seqs.shape == (3, 24) and seqs.dtype == torch.long
+    windows = ids.long().unfold(0, 8, 1)  # every 8-token window of the stream
+    for row in seqs:
+        assert (windows == row[:8]).all(-1).any(), "the prompt is not a window of the train ids"
+    # The first chunk is greedy: its first new token is the target's argmax after the prompt.
+    with torch.no_grad():
+        first = target(input_ids=seqs[:, :8]).logits[:, -1].argmax(-1)
+    assert torch.equal(first, seqs[:, 8])
