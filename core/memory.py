@@ -48,6 +48,11 @@ class ReqToTokenPool:
         assert slot != PADDING_SLOT and slot not in self._free, f"bad request slot {slot}"
         self._free.append(slot)
 
+    def keep_only(self, held: Sequence[int]) -> None:
+        """Every slot but ``held`` free again (after a failed step: nothing else is used)."""
+        kept = set(held)
+        self._free = [s for s in range(self.max_requests, 0, -1) if s not in kept]
+
 
 @dataclass(frozen=True)
 class KVLayerSpec:
@@ -114,6 +119,14 @@ class TokenKVPool:
         # Cheap guard against a double free corrupting every later allocation.
         assert self._free.numel() + slots.numel() <= self.num_slots, "KV slots freed twice"
         self._free = torch.cat([self._free, slots])
+
+    def keep_only(self, held: torch.Tensor) -> None:
+        """Every slot but the ``held`` host tensor free again (after a failed step, whose
+        half-done allocations nothing else tracks)."""
+        used = torch.zeros(self.num_slots + 1, dtype=torch.bool)
+        used[held.to(torch.int64)] = True
+        used[PADDING_SLOT] = True
+        self._free = torch.nonzero(~used).flatten()
 
     def set_kv(self, cache_index: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         # loc: (T,), k/v: (T, Hkv, D)

@@ -23,6 +23,24 @@ from helpers import (  # noqa: E402
 )
 
 
+@pytest.fixture(autouse=True)
+def _engine_step_failures_fail_the_test(request, monkeypatch):
+    """``Engine.step`` turns a step that raises into failed requests and carries on (a
+    server must); in the tests such a failure would hide behind shorter outputs, so it
+    fails the test, except in tests that inject failures (marker ``step_failures``)."""
+    if request.node.get_closest_marker("step_failures"):
+        return
+    from graphrt.core.engine.engine import Engine
+
+    real_fail = Engine._fail
+
+    def fail_loudly(self, reqs, error):
+        real_fail(self, reqs, error)
+        raise AssertionError(f"an engine step failed: {error!r}") from error
+
+    monkeypatch.setattr(Engine, "_fail", fail_loudly)
+
+
 def _save(tmp_path_factory, name: str, config, **kwargs) -> Checkpoint:
     return make_checkpoint(tmp_path_factory.mktemp(name), config, **kwargs)
 

@@ -426,8 +426,7 @@ def test_cuda_round_waits_on_the_device_once(topk, gemma4_tiny, gemma4_assistant
     prompts = random_prompts([9, 16, 12], seed=4)
     sampled = SamplingParams(max_new_tokens=10, temperature=0.7, top_p=0.9, ignore_eos=True)
     greedy = SamplingParams(max_new_tokens=14, ignore_eos=True)
-    for prompt, params in zip(prompts, (greedy, sampled, greedy)):
-        engine.add_request(prompt, params)
+    reqs = [engine.add_request(p, params) for p, params in zip(prompts, (greedy, sampled, greedy))]
     engine.step()  # prefill (samples on the host; not a round)
     waits = []
     read_host = strategy_module.read_host
@@ -449,6 +448,9 @@ def test_cuda_round_waits_on_the_device_once(topk, gemma4_tiny, gemma4_assistant
             rounds += 1
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    # A sync the debug mode refused fails its step (engine.step keeps the engine going):
+    # no request may have failed.
+    assert all(r.error is None for r in reqs), [r.error for r in reqs]
     assert len(waits) == rounds >= 3
     assert engine.stats.graph_rounds == engine.stats.spec_rounds
     assert engine.kv_pool.available() == engine.kv_pool.num_slots

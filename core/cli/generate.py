@@ -63,7 +63,19 @@ def _request_json(req, decode, spec: bool) -> dict:
     }
     if spec:
         out["spec_rounds"] = req.spec_rounds
+    if req.error is not None:
+        out["error"] = req.error
     return out
+
+
+def _raise_failures(reqs) -> None:
+    """After every output is out: one error line (via main) if any request failed."""
+    failed = [i for i, r in enumerate(reqs) if r.error is not None]
+    if failed:
+        first = reqs[failed[0]]
+        raise GraphrtError(
+            f"{len(failed)} of {len(reqs)} requests failed (request {failed[0]}: {first.error})"
+        )
 
 
 def _model_and_draft(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -164,6 +176,7 @@ def run_generate(args: argparse.Namespace) -> int:
             "stats": stats,
         }
         print(json.dumps(out))
+        _raise_failures(reqs)
         return 0
     for i, r in enumerate(reqs):
         print(
@@ -189,4 +202,5 @@ def run_generate(args: argparse.Namespace) -> int:
             f"over {spec['rounds']} rounds, drafts accepted per round {spec['accept_histogram']}"
         )
     print(summary)
+    _raise_failures(reqs)
     return 0

@@ -11,6 +11,7 @@ in FIFO order, and one that could never fit is refused when it is added.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -32,6 +33,7 @@ from graphrt.core.runners.base import RunnerOutput
 from graphrt.devices.base import Device
 
 RUNNERS = ("graph", "eager")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -234,7 +236,12 @@ class Engine:
         params: SamplingParams | None = None,
         on_step: Callable[[list[Request]], None] | None = None,
     ) -> list[Request]:
-        """Run the given prompts to completion; returns requests in input order."""
+        """Run the given prompts to completion; returns requests in input order. Every
+        prompt is validated before any is queued (a bad one queues nothing); a request
+        whose step failed comes back finished with ``FinishReason.ERROR``."""
+        prompts = [[int(t) for t in p] for p in prompts]
+        for prompt in prompts:
+            self.validate_request(prompt, params or SamplingParams())
         reqs = [self.add_request(p, params) for p in prompts]
         start = time.perf_counter()
         while self.has_work:
@@ -250,8 +257,36 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One step: a prefill of newly admitted requests, else a decode step (or
-        speculative round) of all running ones. Returns the requests that received tokens."""
+        speculative round) of all running ones. Returns the requests that received tokens,
+        or that failed: if the step raises, its requests finish with ``FinishReason.ERROR``
+        (the error in ``Request.error``, logged), their slots come back, and the engine
+        goes on serving the others."""
         admitted = self._admit()
+        stepping = admitted or list(self.running)
+        try:
+            return self._step(admitted)
+        except Exception as e:  # noqa: BLE001 (any failure: the requests must not leak)
+            self._fail(stepping, e)
+            return stepping
+
+    def _fail(self, reqs: list[Request], error: Exception) -> None:
+        """Finish ``reqs`` with an error and rebuild the pools' free lists from the requests
+        still running: a step that failed midway may hold slots nothing else tracks."""
+        message = f"{type(error).__name__}: {error}".splitlines()[0]
+        log.warning(
+            "a step of %d requests failed (%s); they finish with 'error'", len(reqs), message
+        )
+        for req in reqs:
+            req.finish_reason, req.error = FinishReason.ERROR, message
+            if req in self.running:
+                self.running.remove(req)
+            req.req_slot = None
+        held = [self.req_pool.host[r.req_slot, : r.kv_len] for r in self.running]
+        self.kv_pool.keep_only(torch.cat(held) if held else torch.zeros(0, dtype=torch.int64))
+        self.req_pool.keep_only([r.req_slot for r in self.running])
+        self.reserved_tokens = sum(r.kv_budget for r in self.running)
+
+    def _step(self, admitted: list[Request]) -> list[Request]:
         if admitted:
             out = self.run_forward(self._prefill_batch(admitted), None)
             tokens = self.sample_tokens(admitted, out)

@@ -38,6 +38,7 @@ class SamplingParams:
 class FinishReason(enum.Enum):
     STOP = "stop"  # sampled an end-of-sequence token
     LENGTH = "length"  # max_new_tokens or the context length reached
+    ERROR = "error"  # a step it was in failed: ``Request.error`` says how
 
 
 @dataclass(eq=False)
@@ -47,6 +48,7 @@ class Request:
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    error: str | None = None  # with FinishReason.ERROR: the failure, in one line
     output_logits: list[torch.Tensor] = field(default_factory=list, repr=False)
     # Engine-owned state while running.
     req_slot: int | None = field(default=None, repr=False)

@@ -1,0 +1,135 @@
+"""A failed step loses nothing (issue 10, item 3): the requests of a step that raises
+finish with ``FinishReason.ERROR`` and the error, every KV and request slot comes back,
+and the engine serves later requests exactly as a fresh one would. A ``generate`` call
+with one bad prompt queues none of them.
+
+Failures are injected where a step can fail: sampling, a forward (eager, or a graph
+replay), and a speculative round.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import CPU, cli_error_line, cpu_engine, random_prompts
+
+from graphrt.core.cli.main import main
+from graphrt.core.engine import FinishReason, SamplingParams
+from graphrt.core.engine import engine as engine_module
+from graphrt.core.errors import RequestError
+from graphrt.core.models import load_model
+
+pytestmark = pytest.mark.step_failures  # these tests make steps fail on purpose
+GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded(llama_gqa_untied):
+    return load_model(str(llama_gqa_untied.path), CPU, torch.float32)
+
+
+def _assert_idle(engine) -> None:
+    assert not engine.running and not engine.waiting
+    assert engine.kv_pool.available() == engine.kv_pool.num_slots
+    assert engine.req_pool.available() == engine.config.max_running_requests
+    assert engine.reserved_tokens == 0
+
+
+def _fail_on_call(monkeypatch, obj, name: str, call: int) -> list[int]:
+    """Make ``obj.name`` raise on its ``call``-th call (1-based), once; returns the counter."""
+    real = getattr(obj, name)
+    calls = [0]
+
+    def flaky(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == call:
+            raise RuntimeError("injected failure\nsecond line")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, flaky)
+    return calls
+
+
+def _fresh(loaded, prompts, **config) -> list[list[int]]:
+    engine = cpu_engine(loaded, max_context_len=64, **config)
+    return [r.output_ids for r in engine.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("call", [1, 3], ids=["in-prefill", "in-decode"])
+def test_a_sampling_failure_fails_its_step_only_and_frees_every_slot(loaded, monkeypatch, call):
+    engine = cpu_engine(loaded, max_context_len=64, max_running_requests=2)
+    prompts = random_prompts((5, 9, 7))  # the third waits: 2 running at most
+    _fail_on_call(monkeypatch, engine_module, "sample", call)
+    reqs = engine.generate(prompts, GREEDY)
+    failed = [r for r in reqs if r.finish_reason is FinishReason.ERROR]
+    assert [r.error for r in failed] == ["RuntimeError: injected failure"] * 2  # one line
+    assert all(r.req_slot is None for r in reqs)
+    # The request that waited behind the failed step ran afterwards, as if alone.
+    (survivor,) = [r for r in reqs if r.finish_reason is FinishReason.LENGTH]
+    assert survivor is reqs[2] and survivor.output_ids == _fresh(loaded, [prompts[2]])[0]
+    _assert_idle(engine)
+    # The engine serves the next call as a fresh engine would.
+    again = random_prompts((6, 11), seed=3)
+    assert [r.output_ids for r in engine.generate(again, GREEDY)] == _fresh(loaded, again)
+    _assert_idle(engine)
+
+
+def test_a_forward_failure_in_a_graph_replay_frees_every_slot(loaded, monkeypatch):
+    engine = cpu_engine(loaded, max_context_len=64, runner="graph", graph_buckets=(1, 2, 4))
+    prompts = random_prompts((5, 9))
+    _fail_on_call(monkeypatch, engine.graph_runner, "execute", 2)
+    reqs = engine.generate(prompts, GREEDY)
+    assert all(r.finish_reason is FinishReason.ERROR for r in reqs)
+    _assert_idle(engine)
+    again = random_prompts((4, 8, 12), seed=5)
+    got = [r.output_ids for r in engine.generate(again, GREEDY)]
+    assert got == _fresh(loaded, again)
+    assert engine.stats.graph_steps > 0  # the graphs still serve after the failure
+    _assert_idle(engine)
+
+
+def test_a_failed_speculative_round_frees_its_tree_slots(
+    gemma4_tiny, gemma4_assistant, monkeypatch
+):
+    from graphrt.spec import MTPDecoding, SpecConfig
+
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    engine = cpu_engine(target, MTPDecoding(drafter, SpecConfig(num_steps=3)), max_context_len=64)
+    strategy = engine.strategy
+    # The verify forward fails after the draft tree's KV slots were allocated.
+    _fail_on_call(monkeypatch, strategy, "verify", 2)
+    prompts = random_prompts((5, 9), seed=7)
+    reqs = engine.generate(prompts, GREEDY)
+    assert all(r.finish_reason is FinishReason.ERROR for r in reqs)
+    _assert_idle(engine)
+    plain = cpu_engine(target, MTPDecoding(drafter, SpecConfig(num_steps=3)), max_context_len=64)
+    again = random_prompts((6, 10), seed=8)
+    want = [r.output_ids for r in plain.generate(again, GREEDY)]
+    assert [r.output_ids for r in engine.generate(again, GREEDY)] == want
+    _assert_idle(engine)
+
+
+def test_generate_with_one_bad_prompt_queues_nothing(loaded):
+    engine = cpu_engine(loaded, max_context_len=64)
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        engine.generate([[1, 2], [3, 4], [10**9]], GREEDY)
+    _assert_idle(engine)  # the two good prompts were not left queued
+    reqs = engine.generate([[5, 6]], GREEDY)
+    assert len(reqs) == 1 and len(reqs[0].output_ids) == GREEDY.max_new_tokens
+
+
+def test_cli_prints_what_was_produced_then_one_error_line(capsys, monkeypatch):
+    _fail_on_call(monkeypatch, engine_module, "sample", 2)  # request 0's first decode step
+    argv = ["generate", "--model", "random:llama-tiny", "--runner", "eager", "--json"]
+    argv += ["--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--max-running-requests", "1"]
+    assert main([*argv, "--max-new-tokens", "4", "--ignore-eos"]) == 1
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)  # the whole result still came out
+    first, second = out["requests"]
+    assert first["error"] == "RuntimeError: injected failure" and "error" not in second
+    assert len(second["output_ids"]) == 4
+    error = cli_error_line(captured.err)
+    assert "1 of 2 requests failed (request 0: RuntimeError: injected failure)" in error
