@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -245,6 +246,64 @@ def test_usage_error_exits_2(capsys):
             ]
         )
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["generate", "--max-new-tokens", "0", "--prompt-ids", "1"], "--max-new-tokens"),
+        (["generate", "--prompt-ids", "1,,2"], "'1,,2'"),  # a typo, not [1, 2]
+        (["generate", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+        (["bench", "--runners", ""], "runners are eager, graph, hf"),
+        (["bench", "--runners", "graph,fast"], "runners are eager, graph, hf"),
+    ],
+)
+def test_usage_errors_are_one_line_with_exit_2(capsys, argv, needle):
+    """argparse's value errors too: one line naming the problem, not the usage block."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("graphrt: error:") and needle in err[0], err
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--temperature", "nan"], "temperature must be a finite number"),
+        (["--temperature", "inf"], "temperature must be a finite number"),
+        (["--temperature", "1e-40"], "too small to sample with"),  # was: NaN probabilities
+        (["--device", "bogus"], "known devices are cpu"),  # plugin names are listed too
+    ],
+)
+def test_bad_values_are_one_line_errors_before_any_work(capsys, flags, needle):
+    argv = ["generate", "--model", "random:llama-tiny", "--prompt-ids", "1", *flags]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert needle in cli_error_line(captured.err), captured.err
+
+
+def test_any_integer_seed_runs(capsys):
+    """--seed beyond 64 bits (was: a RuntimeError from the generator) seeds modulo 2^64."""
+    argv = ["--model", "random:llama-tiny", "--prompt-ids", "1", "--temperature", "0.8"]
+    out = run_json(capsys, *argv, "--seed", str(2**70), "--max-new-tokens", "3")
+    assert len(out["requests"][0]["output_ids"]) == 3
+
+
+def test_info_into_a_closed_pipe_exits_quietly():
+    """`graphrt info | head -1`: the reader is gone before info writes; no traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody will read: every write raises BrokenPipeError
+    proc = subprocess.run(
+        [sys.executable, "-m", "graphrt.core.cli.main", "info"],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )
+    os.close(write_end)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_version_prints_the_package_version(capsys):

@@ -266,3 +266,21 @@ def test_bad_prompts_rejected(loaded, prompt, words):
 def test_bad_sampling_params_rejected(kwargs):
     with pytest.raises(RequestError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({"top_k": 2.5}, "top_k must be an integer"),  # was: a sampling crash mid-step
+        ({"max_new_tokens": 1.5}, "max_new_tokens must be an integer"),
+        ({"max_new_tokens": True}, "max_new_tokens must be an integer"),
+        ({"temperature": float("nan")}, "finite number"),
+        ({"temperature": float("inf")}, "finite number"),
+        ({"temperature": 1e-40}, "too small to sample with"),
+        ({"seed": 2**64}, "seed must fit in 64 bits"),
+        ({"seed": "7"}, "seed must be an integer"),
+    ],
+)
+def test_sampling_params_refuse_what_would_fail_a_step(fields, needle):
+    with pytest.raises(RequestError, match=needle):
+        SamplingParams(**fields)

@@ -10,18 +10,34 @@ import argparse
 
 from graphrt.core.cli.version import package_version
 
-DEVICES = ["auto", "cpu", "cuda", "npu", "xpu"]
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line naming the problem (exit 2), not the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"graphrt: error: {message} (see {self.prog} --help)\n")
+
+
 def _token_ids(text: str) -> list[int]:
+    if not text.strip():
+        return []  # the engine refuses the empty prompt, naming it
     try:
-        ids = [int(t) for t in text.split(",") if t.strip()]
+        ids = [int(t) for t in text.split(",")]  # "1,,2" is a typo, not [1, 2]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--prompt-ids wants comma-separated integers, got {text!r}"
         ) from None
     return ids
+
+
+def _runner_list(text: str) -> tuple[str, ...]:
+    runners = tuple(text.split(","))
+    unknown = [r for r in runners if r not in ("eager", "graph", "hf")]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"runners are eager, graph, hf; got {text!r}")
+    return runners
 
 
 class _AppendPrompt(argparse.Action):
@@ -62,7 +78,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "its assistant unless --no-draft)",
     )
     p.add_argument(
-        "--device", choices=DEVICES, default=None, help="default: GRAPHRT_DEVICE, else probe"
+        "--device",
+        default=None,
+        # Not argparse choices: plugin devices (the graphrt.devices entry points) count too,
+        # and an unknown name gets the list of known ones from the registry.
+        help="auto, cpu, cuda, npu, xpu or a plugin device (default: GRAPHRT_DEVICE, else probe)",
     )
     p.add_argument(
         "--dtype",
@@ -102,9 +122,7 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="graphrt", description="Accelerator-agnostic LLM decoding runtime."
-    )
+    parser = OneLineParser(prog="graphrt", description="Accelerator-agnostic LLM decoding runtime.")
     parser.add_argument("--version", action="version", version=f"graphrt {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -204,7 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint directory or random:PRESET (default: %(default)s)",
     )
     bench.add_argument(
-        "--device", choices=DEVICES, default=None, help="default: GRAPHRT_DEVICE, else probe"
+        "--device",
+        default=None,
+        # Not argparse choices: plugin devices (the graphrt.devices entry points) count too,
+        # and an unknown name gets the list of known ones from the registry.
+        help="auto, cpu, cuda, npu, xpu or a plugin device (default: GRAPHRT_DEVICE, else probe)",
     )
     bench.add_argument(
         "--dtype",
@@ -226,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--runners",
-        type=lambda s: tuple(x for x in s.split(",") if x),
+        type=_runner_list,
         default=("eager", "graph"),
         help="comma list of eager, graph, hf (transformers static cache + torch.compile) "
         "(default: eager,graph)",
@@ -268,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
         "info", help="the selected device, available backends and library versions"
     )
     info.add_argument(
-        "--device", choices=DEVICES, default=None, help="default: GRAPHRT_DEVICE, else probe"
+        "--device",
+        default=None,
+        # Not argparse choices: plugin devices (the graphrt.devices entry points) count too,
+        # and an unknown name gets the list of known ones from the registry.
+        help="auto, cpu, cuda, npu, xpu or a plugin device (default: GRAPHRT_DEVICE, else probe)",
     )
     return parser

@@ -7,6 +7,7 @@ errors exit 2. Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from graphrt import devices
@@ -39,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("graphrt: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `graphrt info | head -1`: the reader left; nothing to report
+        # Point stdout at devnull so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     raise AssertionError(f"unhandled command {args.command}")
 
 

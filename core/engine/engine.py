@@ -193,7 +193,9 @@ class Engine:
         self.validate_request(prompt_ids, params)
         req = Request(rid=self._next_rid, prompt_ids=prompt_ids, params=params)
         req.kv_budget = self.kv_budget(len(prompt_ids), params)
-        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + req.rid
+        seed = params.seed
+        if seed is None:  # modulo 2^64: any integer --seed is a valid generator seed
+            seed = (self.config.seed * 1_000_003 + req.rid) % 2**64
         if not params.greedy:
             req.generator = torch.Generator(device=self.torch_device).manual_seed(seed)
         self._next_rid += 1

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from graphrt.core.errors import RequestError
+
+MIN_TEMPERATURE = 1e-6
+
+
+def _require_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{name} must be an integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -21,10 +29,23 @@ class SamplingParams:
     return_logits: bool = False  # keep each step's logits on the request (tests, logprobs)
 
     def __post_init__(self):
+        # Integers are integers: 1.5 tokens or top_k 2.5 is a caller's bug, not a rounding.
+        for name in ("max_new_tokens", "top_k"):
+            _require_int(name, getattr(self, name))
+        if self.seed is not None:
+            _require_int("seed", self.seed)
+            if not -(2**63) <= self.seed < 2**64:
+                raise RequestError(f"seed must fit in 64 bits, got {self.seed}")
         if self.max_new_tokens < 1:
             raise RequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # logits / temperature overflows to inf and the softmax to NaN
+            raise RequestError(
+                f"temperature {self.temperature} is too small to sample with (>= "
+                f"{MIN_TEMPERATURE}); use 0 for greedy"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
