@@ -5,6 +5,8 @@
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
 #   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
 #   bash bench/h200.sh pair ["train flags"]: train the embedded Gemma 4 pair, eval on cuda
+#     (EVAL_CONFIGS=3x1,5x1,... picks the speculative configurations measured)
+#   bash bench/h200.sh paireval ["name=target:assistant ..."]: eval pairs on cuda
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -47,10 +49,16 @@ if [[ $what == profile ]]; then
         | grep -v Warning | tee "$OUT/profile-step.log" | tail -n 80
 fi
 
+eval_pair() {  # eval_pair NAME TARGET_DIR ASSISTANT_DIR [eval_pair.py flags]
+    python scripts/eval_pair.py --device cuda --runner graph --target "$2" --draft "$3" \
+        --configs "${EVAL_CONFIGS:-3x1,3x3,5x1,5x3,7x1}" --out "$OUT/eval-$1-cuda.json" "${@:4}" \
+        2>&1 | grep -v "Warning\|Loading weights" | tail -n 12
+}
+
 if [[ $what == pair ]]; then
     # Issue 9: train the Gemma 4 pair and measure decoding with and without its drafter on
-    # the GPU (graphs). Needs build/pair/tokens.pt carried (`carry: ["build/pair"]`), made
-    # here by: python scripts/train_pair.py tokenize --tokenizer core/pretrained/gemma4-code-target
+    # the GPU (graphs). Needs build/pair/tokens.pt carried (`carry: ["build/pair/tokens.pt"]`),
+    # made here by: python scripts/train_pair.py tokenize --tokenizer core/pretrained/gemma4-code-target
     #   --out build/pair/tokens.pt. Extra train flags in $2, e.g. "--distill-sequences 512".
     # $OUT holds at most 8 files: the checkpoints come back as two tars.
     python scripts/train_pair.py train --tokens build/pair/tokens.pt \
@@ -58,12 +66,26 @@ if [[ $what == pair ]]; then
     echo "train exit $?"; grep -v "step\|Writing" "$OUT/train-pair.log" | tail -n 12
     for m in target assistant; do tar cf "$OUT/pair-$m.tar" -C pair "$m"; done
     cp pair/report.json "$OUT/pair-report.json"
-    for which in shipped trained; do
-        dirs=(core/pretrained/gemma4-code-target core/pretrained/gemma4-code-assistant)
-        [[ $which == trained ]] && dirs=(pair/target pair/assistant)
-        python scripts/eval_pair.py --device cuda --runner graph --target "${dirs[0]}" \
-            --draft "${dirs[1]}" --out "$OUT/eval-$which-cuda.json" 2>&1 | grep -v Warning | tail -n 9
+    eval_pair shipped core/pretrained/gemma4-code-target core/pretrained/gemma4-code-assistant
+    eval_pair trained pair/target pair/assistant
+fi
+
+if [[ $what == paireval ]]; then
+    # bash bench/h200.sh paireval "name=target_dir:assistant_dir[:dtype] ..." (default: the
+    # shipped pair): eval_pair for each (--explain: where outputs differ, the target's
+    # top-2 gap), the speculative round's pieces timed for the last, then the README's
+    # first command on the GPU.
+    for item in ${2:-shipped=core/pretrained/gemma4-code-target:core/pretrained/gemma4-code-assistant}; do
+        IFS=: read -r target assistant dtype <<< "${item#*=}"
+        eval_pair "${item%%=*}" "$target" "$assistant" --explain --dtype "${dtype:-auto}"
     done
+    graphrt bench --model "$target" --draft "$assistant" --prompt-len 32 --batch-sizes 1 \
+        --spec-steps 5 --spec-topk 1 --steps 50 --runners graph --out "$OUT/bench-spec-pair.json" \
+        2>&1 | grep -v Warning | tail -n 4
+    dirs="$target:$assistant"
+    graphrt generate --model "${dirs%%:*}" --draft "${dirs#*:}" --device cuda \
+        --prompt "def fibonacci(n):" > "$OUT/generate-pair-cuda.txt" 2>&1
+    echo "generate exit $?"; tail -n 4 "$OUT/generate-pair-cuda.txt"
 fi
 
 if [[ $what == bench || $what == all ]]; then

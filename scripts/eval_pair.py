@@ -5,8 +5,8 @@ assistant from scripts/train_pair.py on fixed held-out code prompts: the first
 ``--prompt-len`` tokens of each of the first ``--files`` held-out files (files are
 split at the target's <eos>; files shorter than prompt-len + 8 tokens are skipped).
 Every configuration decodes the same prompts greedily, ``--max-new-tokens`` each
-(fewer where <eos> comes first): no draft, then steps {3, 5} x topk {1, 3} with
-``SpecConfig``'s default verify-tree size. Per configuration it reports
+(fewer where <eos> comes first): no draft, then ``--configs`` (default steps {3, 5} x
+topk {1, 3}) with ``SpecConfig``'s default verify-tree size. Per configuration it reports
 
 - accept length: tokens emitted per verify round (accepted drafts + the target's
   bonus token), ``EngineStats.accept_length_mean`` as ``graphrt generate`` prints it;
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -38,8 +39,16 @@ from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
 from graphrt.spec import MTPDecoding, SpecConfig
 
-SPEC_CONFIGS = [SpecConfig(steps, topk) for steps in (3, 5) for topk in (1, 3)]
-HEADROOM = max(spec.num_draft_tokens for spec in SPEC_CONFIGS)  # KV slots a round holds
+DEFAULT_CONFIGS = "3x1,3x3,5x1,5x3"  # steps x topk
+
+
+def parse_configs(text: str) -> list[SpecConfig]:
+    """ "3x1,5x3" -> [SpecConfig(3, 1), SpecConfig(5, 3)]."""
+    try:
+        pairs = [item.split("x") for item in text.split(",")]
+        return [SpecConfig(int(steps), int(topk)) for steps, topk in pairs]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected STEPSxTOPK[,...], got {text!r} ({e})") from e
 
 
 def heldout_prompts(ids: torch.Tensor, eos_ids, files: int, prompt_len: int) -> list[list[int]]:
@@ -75,11 +84,12 @@ class StepClock:
 def run_config(target, drafter, spec: SpecConfig | None, prompts, args, device) -> dict:
     # Room for the deepest verify tree past the last token: no round is cut short by the
     # context's end. Kept tight because graphs attend over the whole context.
-    context = args.prompt_len + args.max_new_tokens + HEADROOM
+    headroom = max(spec.num_draft_tokens for spec in args.configs)  # KV slots a round holds
+    context = args.prompt_len + args.max_new_tokens + headroom
     config = EngineConfig(
         max_running_requests=args.batch_size,
         max_context_len=context,
-        kv_pool_tokens=args.batch_size * (context + HEADROOM),
+        kv_pool_tokens=args.batch_size * (context + headroom),
         runner=args.runner,
         # One bucket, smaller batches padded up to it: the warm-up compiles every graph used.
         graph_buckets=(args.batch_size,),
@@ -117,6 +127,51 @@ def run_config(target, drafter, spec: SpecConfig | None, prompts, args, device) 
     }
 
 
+def first_differences(results: dict, prompts) -> list[tuple[int, int]]:
+    """(request, index) of each request's first output id where some configuration's
+    output differs from the no-draft run's."""
+    base = results["no draft"]["output_ids"]
+    found = set()
+    for r in results.values():
+        for i, (got, want) in enumerate(zip(r["output_ids"], base)):
+            at = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+            if at is not None:
+                found.add((i, at))
+    return sorted(found)
+
+
+def explain_differences(target_dir: str, results: dict, prompts, device) -> list[dict]:
+    """For each first difference: the target's top-2 logit gap there, from transformers
+    in float32 on the same prefix (the plain run's text up to the difference). Gaps far
+    below bfloat16's resolution of the logits say the difference is rounding (the verify
+    forward multiplies several rows at once, a decode step one), not a wrong token."""
+    from transformers import Gemma4ForCausalLM
+
+    hf = Gemma4ForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    hf = hf.to(device.torch_device()).eval()
+    base = results["no draft"]["output_ids"]
+    out = []
+    for i, at in first_differences(results, prompts):
+        ids = torch.tensor([prompts[i] + base[i][:at]], device=device.torch_device())
+        with torch.no_grad():
+            logits = hf(input_ids=ids).logits[0, -1].float()
+        top = logits.topk(2)
+        spec_tokens = sorted(
+            {r["output_ids"][i][at] for r in results.values() if len(r["output_ids"][i]) > at}
+        )
+        out.append(
+            {
+                "request": i,
+                "index": at,
+                "tokens": spec_tokens,
+                "top2": top.indices.tolist(),
+                "top2_gap": (top.values[0] - top.values[1]).item(),
+                "logit": top.values[0].item(),
+            }
+        )
+    return out
+
+
 def config_name(spec: SpecConfig | None) -> str:
     if spec is None:
         return "no draft"
@@ -140,6 +195,12 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument("--batch-size", type=int, default=1, help="requests decoded together")
     p.add_argument(
+        "--configs",
+        type=parse_configs,
+        default=DEFAULT_CONFIGS,
+        help="speculative configurations, STEPSxTOPK each (verify tree: SpecConfig's default)",
+    )
+    p.add_argument(
         "--runner", choices=["eager", "graph"], default="eager", help="graph: cpu compiles lazily"
     )
     p.add_argument("--device", default="cpu", help="graphrt device: cpu, cuda, npu, xpu, auto")
@@ -151,6 +212,11 @@ def main() -> int:
         help="torch CPU threads, 0: torch's default (this model's ops are too small to share; "
         "on a busy 2-core machine 2 threads made a decode step 16x slower than 1)",
     )
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="where outputs differ: the target's top-2 logit gap there (transformers, float32)",
+    )
     p.add_argument("--out", default=None, help="JSON results file; none: print only")
     args = p.parse_args()
     if args.threads:
@@ -159,7 +225,7 @@ def main() -> int:
     device = devices.current(args.device)
     dtype = None if args.dtype == "auto" else parse_dtype(args.dtype)
     target = load_model(args.target, device, dtype)
-    drafter = load_model(args.draft, device, dtype)
+    drafter = load_model(args.draft, device, dtype or target.dtype)  # they share KV
     heldout = torch.load(args.tokens)["heldout"]
     prompts = heldout_prompts(heldout, target.eos_token_ids, args.files, args.prompt_len)
     print(
@@ -170,7 +236,7 @@ def main() -> int:
     )
 
     results = {}
-    for spec in [None, *SPEC_CONFIGS]:
+    for spec in [None, *args.configs]:
         name = config_name(spec)
         results[name] = run_config(target, drafter, spec, prompts, args, device)
         print(f"  {name}: {results[name]['decode_s']:.1f} s decoding", file=sys.stderr)
@@ -192,8 +258,20 @@ def main() -> int:
             f"| {name} | {r['accept_length_mean']:.2f} | {r['decode_tokens_per_s']:.1f} "
             f"| {r['speedup']:.2f}x | {equal} |"
         )
+    explained = None
+    if args.explain and first_differences(results, prompts):
+        explained = explain_differences(args.target, results, prompts, device)
+        gaps = sorted(d["top2_gap"] for d in explained)
+        tied = sum(set(d["tokens"]) <= set(d["top2"]) for d in explained)
+        print(
+            f"\n{len(explained)} first differences; the target's top-2 logit gap there "
+            f"(transformers, float32): median {statistics.median(gaps):.4f}, max {gaps[-1]:.4f}; "
+            f"the differing tokens are its top two at {tied} of them"
+        )
     if args.out:
         meta = {k: v for k, v in vars(args).items() if k != "out"}
+        meta["explained_differences"] = explained
+        meta["configs"] = [asdict(spec) for spec in args.configs]
         meta["device_name"], meta["prompts"] = device.describe(), prompts
         with open(args.out, "w") as f:
             json.dump({"args": meta, "results": results}, f, indent=1)

@@ -56,11 +56,15 @@ class TrainConfig:
     weight_decay: float = 0.05
     budget_s: float = 120.0  # per phase: stops early past it
     seed: int = 0
-    # Half the assistant's windows come from the target's own continuations (half greedy,
-    # half sampled at temperature 1) of this many train prompts: the text it drafts on at
-    # generation time. 0: corpus windows only.
+    # Self-distillation: the target's own continuations of this many train prompts (the
+    # text it drafts on at generation time) make up ``distill_share`` of the assistant's
+    # batches, ``distill_greedy`` of them greedy, the rest sampled at temperature 1.
+    # Under greedy decoding an accepted draft chain is the target's greedy text, so that
+    # is what teacher forcing should feed. 0: corpus windows only.
     distill_sequences: int = 0
     distill_prompt: int = 32  # prompt tokens of each continuation
+    distill_share: float = 0.5
+    distill_greedy: float = 0.5
 
 
 # The target's shapes the assistant must match (it reads the target's KV and hidden).
@@ -323,10 +327,12 @@ def train_assistant(target, tokens: dict, cfg: TrainConfig, device: torch.device
 
     def loss_fn(step):
         seq = windows(train_ids, cfg, gen)[:, :-1].to(device)
-        if continuations is not None:  # every other batch: the target's own text
-            if step % 2:
-                pick = torch.randint(0, continuations.shape[0], (cfg.batch,), generator=gen)
-                seq = continuations[pick.to(continuations.device)]
+        # distill_share of the batches (evenly spread): the target's own text
+        if continuations is not None and int((step + 1) * cfg.distill_share) > int(
+            step * cfg.distill_share
+        ):
+            pick = torch.randint(0, continuations.shape[0], (cfg.batch,), generator=gen)
+            seq = continuations[pick.to(continuations.device)]
         with autocast(device):
             target_logp, drafts = draft_logits(target, assistant, seq, cfg.draft_steps)
         return draft_loss(target_logp, drafts)
@@ -337,16 +343,19 @@ def train_assistant(target, tokens: dict, cfg: TrainConfig, device: torch.device
 
 def target_continuations(target, ids: torch.Tensor, cfg: TrainConfig, gen, device):
     """(distill_sequences, window) token windows: a train prompt of ``distill_prompt``
-    tokens, then the target's continuation (half greedy, half sampled at temperature 1)."""
+    tokens, then the target's continuation (the first ``distill_greedy`` of them greedy,
+    the rest sampled at temperature 1)."""
     starts = torch.randint(
         0, ids.numel() - cfg.distill_prompt, (cfg.distill_sequences,), generator=gen
     )
     prompts = torch.stack([ids[s : s + cfg.distill_prompt] for s in starts.tolist()]).long()
     new = cfg.window - cfg.distill_prompt
+    greedy = round(cfg.distill_sequences * cfg.distill_greedy)
+    chunks = [(c, False) for c in prompts[:greedy].split(512)]
+    chunks += [(c, True) for c in prompts[greedy:].split(512)]
     out = []
     with torch.no_grad(), autocast(device):
-        for i, chunk in enumerate(prompts.split(256)):
-            sample = i % 2 == 1
+        for chunk, sample in chunks:
             seqs = target.generate(
                 chunk.to(device),
                 attention_mask=torch.ones_like(chunk, device=device),
@@ -417,6 +426,11 @@ def main(argv: list[str] | None = None) -> None:
     train.add_argument("--tokenizer", type=Path, required=True, help="copied into both outputs")
     train.add_argument("--out", type=Path, required=True, help="writes target/, assistant/")
     train.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    train.add_argument(
+        "--target-from",
+        type=Path,
+        help="a trained target checkpoint: train only the assistant against it",
+    )
     for field, default in asdict(TrainConfig()).items():
         train.add_argument(
             f"--{field.replace('_', '-')}",
@@ -447,8 +461,16 @@ def main(argv: list[str] | None = None) -> None:
     tokens = torch.load(args.tokens)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     report: dict = {"config": asdict(cfg), "device": str(device)}
-    with phase("target"):
-        target, report["target_steps_run"] = train_target(tokens, cfg, device, log)
+    if args.target_from is not None:
+        from transformers import Gemma4ForCausalLM
+
+        with phase(f"target from {args.target_from}"):
+            target = Gemma4ForCausalLM.from_pretrained(args.target_from, dtype=torch.float32)
+            target = target.to(device).eval()
+            report["target_from"] = str(args.target_from)
+    else:
+        with phase("target"):
+            target, report["target_steps_run"] = train_target(tokens, cfg, device, log)
     with phase("held-out bits per byte"):
         report["heldout_bits_per_byte"] = heldout_bits_per_byte(target, tokens, cfg, device)
     with phase("assistant"):

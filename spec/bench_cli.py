@@ -54,7 +54,7 @@ def run_spec_bench_cli(args: argparse.Namespace, device, dtype) -> int:
         seed=args.seed,
     )
     target = load_model(args.model, device, dtype)
-    drafter = load_model(args.draft, device, dtype)
+    drafter = load_model(args.draft, device, dtype or target.dtype)  # they share KV
     log(
         f"graphrt bench: {args.model} + {args.draft} {str(dtype).removeprefix('torch.')} on "
         f"{device.describe()}, steps {spec.num_steps}, topk {spec.topk}; capturing graphs..."

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from graphrt.core import pretrained
 from graphrt.core.cli.main import main
+from graphrt.core.models import load_model
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self"]
 ACCEPT_FLOOR = 2.0
@@ -26,6 +29,16 @@ def _generate(capsys, *flags: str) -> dict:
         argv += ["--prompt", prompt]
     assert main([*argv, *flags]) == 0
     return json.loads(capsys.readouterr().out)
+
+
+def test_the_pair_loads_in_the_dtype_it_was_saved_in():
+    """transformers writes the assistant's dtype at the top level and "dtype": null in its
+    text_config: the null must not win (a float32 assistant beside a bfloat16 target
+    crashed the first capture on CUDA)."""
+    cpu = torch.device("cpu")  # a plain torch device: the checkpoint's own dtype
+    target = load_model(str(pretrained.TARGET_DIR), cpu)
+    assistant = load_model(str(pretrained.ASSISTANT_DIR), cpu)
+    assert target.dtype == assistant.dtype == torch.bfloat16
 
 
 def test_files_fit_the_package_budget():

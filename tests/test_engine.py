@@ -4,6 +4,7 @@ sampling, request validation."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -284,3 +285,25 @@ def test_bad_sampling_params_rejected(kwargs):
 def test_sampling_params_refuse_what_would_fail_a_step(fields, needle):
     with pytest.raises(RequestError, match=needle):
         SamplingParams(**fields)
+
+
+def test_decoding_speed_leaves_out_prefill_steps(loaded, monkeypatch):
+    """tokens_per_s counts what decode steps emitted over their time: a prefill step that
+    stalls (on a GPU the first one JIT-compiles eager kernels) must not count."""
+    engine = _engine(loaded, max_running_requests=2)
+    prefill = engine._prefill_batch
+
+    def slow_prefill(admitted):
+        time.sleep(0.3)
+        return prefill(admitted)
+
+    monkeypatch.setattr(engine, "_prefill_batch", slow_prefill)
+    prompts = random_prompts((5, 9, 7), seed=3)  # 2 admitted at once, the third later
+    reqs = engine.generate(prompts, GREEDY)
+    stats = engine.stats
+    assert stats.prefill_tokens == 3 and stats.generated_tokens == 3 * GREEDY.max_new_tokens
+    assert stats.prefill_s >= 0.6  # two prefill steps, each stalled
+    decode_s = stats.elapsed_s - stats.prefill_s - stats.compile_time_s
+    assert 0 < decode_s < stats.elapsed_s - 0.6
+    assert stats.tokens_per_s == pytest.approx((3 * GREEDY.max_new_tokens - 3) / decode_s)
+    assert all(len(r.output_ids) == GREEDY.max_new_tokens for r in reqs)

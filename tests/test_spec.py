@@ -241,6 +241,15 @@ def test_cli_draft_for_a_non_gemma_target_is_a_one_line_error(capsys, gemma4_ass
     assert "Gemma 4 target" in cli_error_line(err), err
 
 
+def test_a_drafter_in_another_dtype_than_its_target_is_refused(gemma4_tiny, gemma4_assistant):
+    from graphrt.core.errors import GraphrtError
+
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.bfloat16)
+    with pytest.raises(GraphrtError, match="torch.bfloat16 but the target's are torch.float32"):
+        drafter.model.bind_target(target.model)
+
+
 def graph_device(backend: str):
     """A CPU device whose graph backend is the stand-in CUDA graph or torch.compile."""
     from graphrt.devices.cpu import CpuDevice

@@ -321,7 +321,25 @@ def test_target_continuations_are_train_prompts_continued_by_the_target():
     windows = ids.long().unfold(0, 8, 1)  # every 8-token window of the stream
     for row in seqs:
         assert (windows == row[:8]).all(-1).any(), "the prompt is not a window of the train ids"
-    # The first chunk is greedy: its first new token is the target's argmax after the prompt.
+    # distill_greedy (0.5) of 3, rounded: the first 2 are greedy, their first new token the
+    # target's argmax after the prompt.
     with torch.no_grad():
-        first = target(input_ids=seqs[:, :8]).logits[:, -1].argmax(-1)
-    assert torch.equal(first, seqs[:, 8])
+        first = target(input_ids=seqs[:2, :8]).logits[:, -1].argmax(-1)
+    assert torch.equal(first, seqs[:2, 8])
+
+
+def test_train_from_a_trained_target_trains_the_assistant_only(trained, tmp_path):
+    from safetensors.torch import load_file
+
+    argv = ["train", "--tokens", str(trained.parent / "tokens.pt"), "--target-from"]
+    argv += [str(trained / "target"), "--tokenizer", str(trained.parent / "tokenizer")]
+    argv += ["--out", str(tmp_path), "--window", "32", "--batch", "2", "--assistant-steps", "2"]
+    argv += ["--draft-steps", "2", "--device", "cpu", "--budget-s", "30"]
+    tp.main(argv)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["target_from"] == str(trained / "target") and "target_steps_run" not in report
+    assert report["assistant_steps_run"] == 2
+    given = load_file(trained / "target" / "model.safetensors")
+    written = load_file(tmp_path / "target" / "model.safetensors")
+    assert given.keys() == written.keys()
+    assert all(torch.equal(given[k], written[k]) for k in given)  # bf16 -> f32 -> bf16: exact

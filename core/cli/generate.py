@@ -118,7 +118,8 @@ def run_generate(args: argparse.Namespace) -> int:
     drafter = None
     if args.draft is not None:
         with _phase(f"loaded drafter {args.draft}"):
-            drafter = load_model(args.draft, device, dtype)
+            # auto: the target's dtype, whatever the assistant was saved in (they share KV).
+            drafter = load_model(args.draft, device, dtype or loaded.dtype)
     tokenizer = _tokenizer(loaded.tokenizer_path)
     prompts = _encode_prompts(args.prompts, tokenizer)
     config = EngineConfig(
@@ -160,6 +161,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "tokens_per_s": round(engine.stats.tokens_per_s, 3),
         "capture_time_s": round(engine.stats.capture_time_s, 3),
         "compile_time_s": round(engine.stats.compile_time_s, 3),
+        "prefill_time_s": round(engine.stats.prefill_s, 3),
         "graph_memory_bytes": engine.stats.graph_memory_bytes,
     }
     if drafter is not None:
@@ -187,12 +189,13 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"    output_ids: {r.output_ids}")
         else:  # the prompt, then its continuation, as one text
             print(decode(r.prompt_ids) + text)
-    compiled = engine.stats.compile_time_s
+    not_counted = f"prefill {engine.stats.prefill_s:.2f} s"
+    if engine.stats.compile_time_s:
+        not_counted += f", compiling graphs {engine.stats.compile_time_s:.1f} s"
     summary = (
         f"{engine.stats.generated_tokens} tokens in {engine.stats.elapsed_s:.2f} s: "
-        f"{stats['tokens_per_s']:.1f} tok/s decoding"
-        + (f" ({compiled:.1f} s compiling graphs not counted)" if compiled else "")
-        + f" on {device.name}, runner {runner}"
+        f"{stats['tokens_per_s']:.1f} tok/s decoding ({not_counted} not counted)"
+        f" on {device.name}, runner {runner}"
     )
     if drafter is not None:
         spec = stats["spec"]

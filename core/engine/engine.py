@@ -66,9 +66,13 @@ class EngineStats:
     eager_steps: int = 0  # target forwards run eagerly (prefills, decode steps, verifies)
     graph_steps: int = 0  # target forwards replayed from a graph
     generated_tokens: int = 0
-    elapsed_s: float = 0.0  # in generate(), lazy compiles included
+    elapsed_s: float = 0.0  # in generate(), prefills and lazy compiles included
     capture_time_s: float = 0.0
     compile_time_s: float = 0.0  # lazy compiles inside elapsed_s (CPU `compile` backend)
+    # Prefill steps (each emits a request's first token): on a GPU the first one also pays
+    # the eager kernels' JIT compiles, seconds that are no measure of decoding.
+    prefill_s: float = 0.0
+    prefill_tokens: int = 0
     graph_memory_bytes: int = 0
     captured_sizes: list[int] = field(default_factory=list)
     # Speculative rounds, one per request per verify forward.
@@ -90,9 +94,11 @@ class EngineStats:
 
     @property
     def tokens_per_s(self) -> float:
-        """Decoding speed: generated tokens over generate()'s time without lazy compiles."""
-        decoding_s = self.elapsed_s - self.compile_time_s
-        return self.generated_tokens / decoding_s if decoding_s > 0 else 0.0
+        """Decoding speed: the tokens decode steps (or speculative rounds) emitted over
+        their time in generate(); prefill steps and lazy compiles are not counted."""
+        decoding_s = self.elapsed_s - self.prefill_s - self.compile_time_s
+        tokens = self.generated_tokens - self.prefill_tokens
+        return tokens / decoding_s if decoding_s > 0 and tokens > 0 else 0.0
 
 
 class Engine:
@@ -265,11 +271,16 @@ class Engine:
         goes on serving the others."""
         admitted = self._admit()
         stepping = admitted or list(self.running)
+        start = time.perf_counter()
         try:
             return self._step(admitted)
         except Exception as e:  # noqa: BLE001 (any failure: the requests must not leak)
             self._fail(stepping, e)
             return stepping
+        finally:
+            if admitted:
+                self.stats.prefill_s += time.perf_counter() - start
+                self.stats.prefill_tokens += sum(len(r.output_ids) > 0 for r in admitted)
 
     def _fail(self, reqs: list[Request], error: Exception) -> None:
         """Finish ``reqs`` with an error and rebuild the pools' free lists from the requests

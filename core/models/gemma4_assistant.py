@@ -67,7 +67,11 @@ def gemma4_assistant_config_from_hf(
             raise CheckpointError(f"Gemma 4 assistant text_config {key!r} must be 0")
     # Every assistant layer reads the target's KV; parse its shapes as if unshared.
     text = {**text, "num_kv_shared_layers": 0, "model_type": "gemma4_text"}
-    text.setdefault("dtype", cfg.get("dtype") or cfg.get("torch_dtype"))
+    # The top-level dtype is the one save_pretrained writes: transformers 5.17 also writes a
+    # text_config "dtype": null, which must not hide it (the weights would load as float32).
+    text["dtype"] = (
+        cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    )
     parsed = gemma4_config_from_hf(text, architecture)
     if not parsed.eos_token_ids and eos_ids(cfg):
         parsed = Gemma4Config(**{**parsed.__dict__, "eos_token_ids": eos_ids(cfg)})
@@ -183,6 +187,12 @@ class Gemma4AssistantForCausalLM(nn.Module):
                 f"assistant (backbone hidden {self.config.backbone_hidden_size}, vocab {t.vocab_size}) does "
                 f"not fit target (hidden {target.config.hidden_size}, vocab {target.vocab_size})"
             )
+        dtypes = [_float_dtype(m) for m in (self, target)]
+        if dtypes[0] != dtypes[1]:
+            raise GraphrtError(
+                f"the assistant's weights are {dtypes[0]} but the target's are {dtypes[1]}: "
+                "load both in one dtype (they share KV and hidden states)"
+            )
         producers = target.shared_kv_layers()
         for i, layer in enumerate(self.model.layers):
             kind = t.layer_types[i]
@@ -234,3 +244,7 @@ class Gemma4AssistantForCausalLM(nn.Module):
     def map_checkpoint_name(self, name: str) -> str | None:
         # Writers may keep K/V weights the assistant never uses (it reads the target's KV).
         return None if _UNUSED_KV_TENSOR.match(name) else name
+
+
+def _float_dtype(module: nn.Module) -> torch.dtype:
+    return next(p.dtype for p in module.parameters() if p.is_floating_point())

@@ -35,6 +35,11 @@ class LoadedModel:
     tokenizer_path: Path | None
     eos_token_ids: tuple[int, ...]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the weights were loaded in (the first floating parameter's)."""
+        return next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+
 
 def read_hf_config(path: Path) -> dict[str, Any]:
     if not path.is_dir():
