@@ -7,6 +7,7 @@
 #   bash bench/h200.sh pair ["train flags"]: train the embedded Gemma 4 pair, eval on cuda
 #     (EVAL_CONFIGS=3x1,5x1,... picks the speculative configurations measured)
 #   bash bench/h200.sh paireval ["name=target:assistant ..."]: eval pairs on cuda
+#   bash bench/h200.sh reliability [steps]: capture under a memory cap, differential, soak
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -86,6 +87,17 @@ if [[ $what == paireval ]]; then
     graphrt generate --model "${dirs%%:*}" --draft "${dirs#*:}" --device cuda \
         --prompt "def fibonacci(n):" > "$OUT/generate-pair-cuda.txt" 2>&1
     echo "generate exit $?"; tail -n 4 "$OUT/generate-pair-cuda.txt"
+fi
+
+if [[ $what == reliability ]]; then
+    # Issue 10, items 5-7: captures failing under a memory cap, then the differential
+    # (eager vs graphs) and the soak, each 10,000 decode steps ($2: steps).
+    timeout 150 python bench/capture_oom.py --out "$OUT/capture-oom.json" 2>"$OUT/capture-oom.err" \
+        | tail -n 12
+    echo "capture_oom exit ${PIPESTATUS[0]}"; grep -v "^{" "$OUT/capture-oom.err" | tail -n 3
+    timeout 240 python bench/soak.py --device cuda --steps "${2:-10000}" --out "$OUT/soak.json" \
+        2>"$OUT/soak.err" | tail -n 8
+    echo "soak exit ${PIPESTATUS[0]}"; grep -v "step/s" "$OUT/soak.err" | tail -n 5
 fi
 
 if [[ $what == bench || $what == all ]]; then

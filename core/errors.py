@@ -1,26 +1,49 @@
-"""User-facing errors.
+"""User-facing errors, each with the CLI exit status of its kind.
 
 Every error a user can cause (bad flags, bad checkpoints, bad prompts, a
-device whose library is missing) is a `GraphrtError`: the CLI prints its
-message on one line and exits non-zero without a traceback. Anything else
-is a bug in graphrt and keeps its traceback.
+device whose library is missing, sizes that do not fit in memory) is a
+`GraphrtError`: the CLI prints its message on one line and exits with the
+class's ``exit_code``, without a traceback. Anything else is a bug in graphrt
+and keeps its traceback.
+
+Exit statuses: 1 a request or run that cannot be served (``GraphrtError``,
+``RequestError``), 2 usage (``UsageError``; argparse's own errors too), 3 a bad
+checkpoint, 4 an unavailable device, 5 out of memory, 130 interrupted.
 """
 
 
 class GraphrtError(Exception):
     """An error caused by input or environment, explained in one line."""
 
+    exit_code = 1
+
+
+class UsageError(GraphrtError):
+    """Command-line flags or API arguments that are wrong in themselves or together."""
+
+    exit_code = 2
+
 
 class CheckpointError(GraphrtError):
     """A checkpoint directory is missing, malformed or does not fit the model."""
 
+    exit_code = 3
 
-class UnsupportedModelError(GraphrtError):
+
+class UnsupportedModelError(CheckpointError):
     """The checkpoint's architecture is not one graphrt implements."""
 
 
 class DeviceUnavailableError(GraphrtError):
     """The requested device is unknown, absent, or its library is not installed."""
+
+    exit_code = 4
+
+
+class OutOfMemoryError(GraphrtError):
+    """An allocation graphrt was asked to make (KV pool, buffers, weights) does not fit."""
+
+    exit_code = 5
 
 
 class RequestError(GraphrtError):
@@ -29,3 +52,14 @@ class RequestError(GraphrtError):
 
 class KVPoolExhaustedError(GraphrtError):
     """The KV pool has no room for an allocation that cannot wait."""
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation failure: torch.OutOfMemoryError (an accelerator),
+    the CPU allocator's RuntimeError ("can't allocate memory") or Python's MemoryError."""
+    if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "can't allocate memory" in text or "out of memory" in text.lower()
+    )

@@ -17,7 +17,7 @@ import importlib.metadata
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
-from graphrt.core.errors import DeviceUnavailableError, GraphrtError
+from graphrt.core.errors import DeviceUnavailableError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -96,10 +96,10 @@ class Device(abc.ABC):
         """A fresh execution backend (``--graph-backend``); None picks the device's default."""
         factories = self._graph_backend_factories()
         if not factories:
-            raise GraphrtError(f"device '{self.name}' has no graph backend; use --runner eager")
+            raise UsageError(f"device '{self.name}' has no graph backend; use --runner eager")
         name = name or next(iter(factories))
         if name not in factories:
-            raise GraphrtError(
+            raise UsageError(
                 f"device '{self.name}' has no graph backend {name!r}; it offers {', '.join(factories)}"
             )
         return factories[name]()

@@ -109,6 +109,11 @@ class StreamGraphBackend(ExecutionBackend):
     def keys(self) -> Iterator[ShapeKey]:
         return iter(self._graphs)
 
+    def forget(self, key: ShapeKey) -> None:
+        graph = self._graphs.pop(key, None)
+        if graph is not None:
+            graph.reset()
+
     def memory_bytes(self) -> int:
         return self._memory
 
@@ -157,7 +162,14 @@ class BreakableStreamGraphBackend(StreamGraphBackend):
 
         with self.module.stream(self._stream), breaks_handled_by(on_break):
             begin()
-            outputs = run_once()
+            try:
+                outputs = run_once()
+            except BaseException:
+                # End the open segment's capture: the stream must not stay capturing
+                # for the buckets the runner captures next.
+                with contextlib.suppress(Exception):
+                    segments[-1].capture_end()
+                raise
             end()
         self._graphs[key] = _Segments(steps, segments)
         return outputs

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from graphrt.core.bench.plot import plot_spec_throughput
 from graphrt.core.cli.bench import versions, write_result
-from graphrt.core.errors import GraphrtError
+from graphrt.core.errors import UsageError
 from graphrt.core.models import load_model
 from graphrt.core.models.loader import read_hf_config
 from graphrt.core.models.presets import preset_hf_config
@@ -34,16 +34,9 @@ def _hf_config(source: str) -> dict:
 
 
 def run_spec_bench_cli(args: argparse.Namespace, device, dtype) -> int:
-    unknown = set(args.runners) - {"eager", "graph", "hf"}
-    if unknown:
-        raise GraphrtError(
-            f"unknown runner(s) {', '.join(sorted(unknown))}; choose from eager, graph, hf"
-        )
-    out = Path(args.out)
-    if not out.parent.is_dir():  # before the benchmark runs, not after
-        raise GraphrtError(f"--out: directory {str(out.parent)!r} does not exist")
+    # run_bench checked --runners and --out before dispatching here.
     if not device.graph_backends():
-        raise GraphrtError(f"device '{device.name}' has no graph backend to benchmark")
+        raise UsageError(f"device '{device.name}' has no graph backend to benchmark")
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     spec = SpecConfig(args.spec_steps, args.spec_topk, args.spec_draft_tokens)
     cfg = SpecBenchConfig(
@@ -53,8 +46,9 @@ def run_spec_bench_cli(args: argparse.Namespace, device, dtype) -> int:
         warmup=args.warmup,
         seed=args.seed,
     )
-    target = load_model(args.model, device, dtype)
-    drafter = load_model(args.draft, device, dtype or target.dtype)  # they share KV
+    target = load_model(args.model, device, dtype, check_finite=args.check_weights)
+    # They share KV: the drafter in the target's dtype.
+    drafter = load_model(args.draft, device, dtype or target.dtype, check_finite=args.check_weights)
     log(
         f"graphrt bench: {args.model} + {args.draft} {str(dtype).removeprefix('torch.')} on "
         f"{device.describe()}, steps {spec.num_steps}, topk {spec.topk}; capturing graphs..."

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphrt.core.errors import GraphrtError
+from graphrt.core.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,14 @@ class SpecConfig:
     num_draft_tokens: int | None = None
 
     def __post_init__(self):
+        for name in ("num_steps", "topk", "num_draft_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise UsageError(f"SpecConfig.{name} must be an integer, got {value!r}")
         if self.num_steps < 1:
-            raise GraphrtError(f"--spec-steps must be >= 1, got {self.num_steps}")
+            raise UsageError(f"--spec-steps must be >= 1, got {self.num_steps}")
         if self.topk < 1:
-            raise GraphrtError(f"--spec-topk must be >= 1, got {self.topk}")
+            raise UsageError(f"--spec-topk must be >= 1, got {self.topk}")
         if self.num_draft_tokens is None:
             object.__setattr__(
                 self,
@@ -34,7 +38,7 @@ class SpecConfig:
                 else min(self.max_draft_tokens, 2 * self.num_steps + 2),
             )
         if not 2 <= self.num_draft_tokens <= self.max_draft_tokens:
-            raise GraphrtError(
+            raise UsageError(
                 f"--spec-draft-tokens must be in [2, {self.max_draft_tokens}] for "
                 f"{self.num_steps} steps and topk {self.topk}, got {self.num_draft_tokens}"
             )

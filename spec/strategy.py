@@ -25,6 +25,7 @@ from graphrt.core.engine import Engine
 from graphrt.core.engine.request import Request
 from graphrt.core.engine.sampling import draw
 from graphrt.core.engine.strategy import DecodeStrategy
+from graphrt.core.errors import UsageError
 from graphrt.core.host import read_host, to_device
 from graphrt.core.models.loader import LoadedModel
 from graphrt.core.runners import EagerRunner, GraphRunner, RunnerOutput
@@ -62,6 +63,16 @@ class MTPDecoding(DecodeStrategy):
     def setup(self, engine: Engine) -> None:
         self.engine = engine
         target, drafter = engine.loaded.model, self.drafter.model
+        if not hasattr(drafter, "bind_target"):
+            raise UsageError(
+                f"the drafter {self.drafter.source} is a {type(drafter).__name__}, not a "
+                "frozen-KV MTP assistant (such as a Gemma 4 assistant checkpoint)"
+            )
+        if self.cfg.topk > drafter.vocab_size:
+            raise UsageError(
+                f"--spec-topk {self.cfg.topk} is larger than the drafter's vocabulary "
+                f"({drafter.vocab_size} tokens)"
+            )
         drafter.bind_target(target)
         self.draft_eager = EagerRunner(drafter, engine.attn_backend)
         if engine.graph_backend is None:

@@ -220,3 +220,29 @@ OLD_INTERPRETER = HAS_TRITON and tuple(
     int(part) for part in importlib.metadata.version("triton").split(".")[:2]
 ) < (3, 7)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+def standin_device(capture_safe: bool = True):
+    """A CPU device whose graph backends are the real CUDA (``cuda-full``,
+    ``cuda-breakable``) and NPU (``npu``) backends over the stand-in device module of
+    tests/conformance/standin.py: graphrt's capture and replay logic, on CPU tensors.
+    ``capture_safe=False``: the attention a breakable backend pairs with (host lengths)."""
+    from conformance.standin import StandInGraphModule
+
+    from graphrt.core.attention import TorchAttentionBackend
+    from graphrt.devices.cpu import CpuDevice
+    from graphrt.devices.cuda.graph import CudaBreakableGraphBackend, CudaFullGraphBackend
+    from graphrt.devices.npu.graph import NpuGraphBackend
+
+    class StandInDevice(CpuDevice):
+        def _graph_backend_factories(self):
+            return {
+                "cuda-full": lambda: CudaFullGraphBackend(StandInGraphModule()),
+                "cuda-breakable": lambda: CudaBreakableGraphBackend(StandInGraphModule()),
+                "npu": lambda: NpuGraphBackend(StandInGraphModule()),
+            }
+
+        def create_attention_backend(self, kv_pool, req_to_token_pool):
+            return TorchAttentionBackend(kv_pool, req_to_token_pool, capture_safe=capture_safe)
+
+    return StandInDevice()

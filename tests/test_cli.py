@@ -162,37 +162,32 @@ def test_info_names_device_and_versions(capsys):
     assert torch.__version__ in out
 
 
+GRAPH = ["--prompt-ids", "1", "--runner", "graph"]
+
+
 @pytest.mark.parametrize(
-    ("argv", "needle"),
+    ("argv", "needle", "status"),
     [
-        (["--prompt-ids", "1,2,999999"], "outside the vocabulary"),
-        (["--prompt-ids", ""], "empty prompt"),
+        (["--prompt-ids", "1,2,999999"], "outside the vocabulary", 1),
+        (["--prompt-ids", ""], "empty prompt", 1),
         (
             ["--prompt-ids", ",".join(["5"] * 9), "--max-context-len", "8"],
             "longer than the context",
+            1,
         ),
-        (["--prompt", "hi"], "tokenizer.json"),
-        ([], "no prompt"),
-        (["--prompt-ids", "1", "--runner", "graph", "--graph-backend", "bogus"], "offers compile"),
-        (
-            [
-                "--prompt-ids",
-                "1",
-                "--runner",
-                "graph",
-                "--graph-bs",
-                "64",
-                "--max-running-requests",
-                "8",
-            ],
-            "no graph batch size",
-        ),
-        (["--prompt-ids", "1", "--device", "npu"], "graphrt[npu]"),
+        (["--prompt", "hi"], "tokenizer.json", 1),
+        ([], "no prompt", 1),
+        ([*GRAPH, "--graph-backend", "bogus"], "offers compile", 2),
+        ([*GRAPH, "--graph-bs", "64", "--max-running-requests", "8"], "no graph batch size", 2),
+        (["--prompt-ids", "1", "--device", "npu"], "graphrt[npu]", 4),
+        # Sizes that cannot be allocated: one line and status 5, before any step.
+        (["--prompt-ids", "1", "--kv-pool-tokens", str(10**13)], "do not fit in cpu memory", 5),
     ],
 )
-def test_bad_input_is_one_line_error(capsys, argv, needle):
+def test_bad_input_is_one_line_error(capsys, argv, needle, status):
+    """Exit status by kind (graphrt.core.errors): 1 request, 2 usage, 4 device, 5 memory."""
     runner = [] if "--runner" in argv else ["--runner", "eager"]
-    assert main(["generate", "--model", "random:llama-tiny", *argv, *runner]) == 1
+    assert main(["generate", "--model", "random:llama-tiny", *argv, *runner]) == status
     captured = capsys.readouterr()
     assert captured.out == ""  # nothing half-printed on stdout
     assert needle in cli_error_line(captured.err), captured.err
@@ -212,7 +207,7 @@ def test_bad_checkpoints_are_one_line_errors(capsys, tmp_path, llama_tied):
         (malformed, "not valid JSON"),
         (no_weights, "no safetensors"),
     ]:
-        assert main(["generate", "--model", str(path), "--prompt-ids", "1"]) == 1
+        assert main(["generate", "--model", str(path), "--prompt-ids", "1"]) == 3  # checkpoint
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0], err
 
@@ -224,7 +219,7 @@ def test_console_script_error_has_no_traceback(tmp_path):
          "--prompt-ids", "1"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert proc.returncode == 1
+    assert proc.returncode == 3  # a bad checkpoint's status
     assert "Traceback" not in proc.stderr
     assert (
         proc.stderr.strip().startswith("graphrt: error:")
@@ -269,17 +264,17 @@ def test_usage_errors_are_one_line_with_exit_2(capsys, argv, needle):
 
 
 @pytest.mark.parametrize(
-    "flags, needle",
+    "flags, needle, status",
     [
-        (["--temperature", "nan"], "temperature must be a finite number"),
-        (["--temperature", "inf"], "temperature must be a finite number"),
-        (["--temperature", "1e-40"], "too small to sample with"),  # was: NaN probabilities
-        (["--device", "bogus"], "known devices are cpu"),  # plugin names are listed too
+        (["--temperature", "nan"], "temperature must be a finite number", 1),
+        (["--temperature", "inf"], "temperature must be a finite number", 1),
+        (["--temperature", "1e-40"], "too small to sample with", 1),  # was: NaN probabilities
+        (["--device", "bogus"], "known devices are cpu", 4),  # plugin names are listed too
     ],
 )
-def test_bad_values_are_one_line_errors_before_any_work(capsys, flags, needle):
+def test_bad_values_are_one_line_errors_before_any_work(capsys, flags, needle, status):
     argv = ["generate", "--model", "random:llama-tiny", "--prompt-ids", "1", *flags]
-    assert main(argv) == 1
+    assert main(argv) == status
     captured = capsys.readouterr()
     assert captured.out == ""
     assert needle in cli_error_line(captured.err), captured.err

@@ -73,6 +73,6 @@ def test_draft_and_no_draft_together_is_a_one_line_error(capsys):
     code = main(
         ["generate", "--prompt", "x", "--draft", str(pretrained.ASSISTANT_DIR), "--no-draft"]
     )
-    assert code == 1
+    assert code == 2  # usage
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("graphrt: error:") and "--no-draft" in err[-1]

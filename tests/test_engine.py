@@ -4,6 +4,7 @@ sampling, request validation."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import pytest
@@ -280,6 +281,9 @@ def test_bad_sampling_params_rejected(kwargs):
         ({"temperature": 1e-40}, "too small to sample with"),
         ({"seed": 2**64}, "seed must fit in 64 bits"),
         ({"seed": "7"}, "seed must be an integer"),
+        ({"temperature": "0.5"}, "temperature must be a number"),  # was: TypeError
+        ({"top_p": None}, "top_p must be a number"),
+        ({"ignore_eos": "false"}, "ignore_eos must be True or False"),  # a truthy string
     ],
 )
 def test_sampling_params_refuse_what_would_fail_a_step(fields, needle):
@@ -307,3 +311,50 @@ def test_decoding_speed_leaves_out_prefill_steps(loaded, monkeypatch):
     assert 0 < decode_s < stats.elapsed_s - 0.6
     assert stats.tokens_per_s == pytest.approx((3 * GREEDY.max_new_tokens - 3) / decode_s)
     assert all(len(r.output_ids) == GREEDY.max_new_tokens for r in reqs)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "needle"),
+    [
+        ([5, "6"], "prompt token 1 is '6' (str)"),
+        ([5, 6.0], "prompt token 1 is 6.0 (float)"),  # was: silently int(6.0)
+        ([5, 1.9], "prompt token 1 is 1.9 (float)"),  # was: silently 1
+        ([True, 5], "prompt token 0 is True (bool)"),
+        ("hello", "got the string 'hello'"),
+        (7, "a prompt is a sequence of token ids, got 7"),
+        (torch.tensor([1.0, 2.0]), "1-D and integer"),
+    ],
+    ids=["str", "float-whole", "float", "bool", "text", "int", "float-tensor"],
+)
+def test_token_ids_are_integers_never_coerced(loaded, prompt, needle):
+    """The API refuses what is not a token id with the typed error, for add_request and
+    for generate (before queueing anything)."""
+    engine = _engine(loaded)
+    with pytest.raises(RequestError, match=re.escape(needle)):
+        engine.add_request(prompt, GREEDY)
+    with pytest.raises(RequestError, match=re.escape(needle)):
+        engine.generate([[5, 6], prompt], GREEDY)
+    assert not engine.waiting and not engine.running
+
+
+def test_integer_prompts_of_other_types_are_taken(loaded):
+    import numpy as np
+
+    engine = _engine(loaded)
+    prompts = [np.array([5, 6, 7]).tolist(), [np.int64(5), 6, 7], torch.tensor([5, 6, 7])]
+    outputs = [r.output_ids for r in engine.generate(prompts, GREEDY)]
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_generate_refuses_params_of_another_type(loaded):
+    engine = _engine(loaded)
+    with pytest.raises(RequestError, match="params must be a SamplingParams, got dict"):
+        engine.generate([[5, 6]], {"max_new_tokens": 4})
+    assert not engine.waiting
+
+
+def test_pools_too_large_to_allocate_are_one_typed_error(loaded):
+    from graphrt.core.errors import OutOfMemoryError
+
+    with pytest.raises(OutOfMemoryError, match="do not fit in cpu memory: lower --kv-pool"):
+        _engine(loaded, kv_pool_tokens=10**13)

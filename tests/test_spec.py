@@ -227,7 +227,7 @@ def test_cli_draft_errors_are_one_line(capsys, extra, needle, gemma4_tiny, gemma
     from graphrt.core.cli.main import main
 
     argv = ["generate", "--model", str(gemma4_tiny.path), "--draft", str(gemma4_assistant.path)]
-    assert main([*argv, "--prompt-ids", "5,6,7", "--spec-steps", "2", *extra]) == 1
+    assert main([*argv, "--prompt-ids", "5,6,7", "--spec-steps", "2", *extra]) == 2  # usage
     err = capsys.readouterr().err
     assert needle in cli_error_line(err), err
 
@@ -236,9 +236,29 @@ def test_cli_draft_for_a_non_gemma_target_is_a_one_line_error(capsys, gemma4_ass
     from graphrt.core.cli.main import main
 
     argv = ["generate", "--model", str(llama_tied.path), "--draft", str(gemma4_assistant.path)]
-    assert main([*argv, "--prompt-ids", "5,6,7"]) == 1
+    assert main([*argv, "--prompt-ids", "5,6,7"]) == 2  # usage: the pair does not fit
     err = capsys.readouterr().err
     assert "Gemma 4 target" in cli_error_line(err), err
+
+
+@pytest.mark.parametrize(
+    ("pair", "extra", "needle"),
+    [
+        (("gemma4_tiny", "llama_tied"), [], "not a frozen-KV MTP assistant"),  # was AttributeError
+        (("gemma4_tiny", "gemma4_assistant"), ["--spec-topk", "100000"], "larger than the drafter"),
+        (("gemma4_assistant", None), [], "keeps no KV cache of its own"),  # was ZeroDivisionError
+    ],
+    ids=["draft-not-an-assistant", "topk-above-vocab", "assistant-as-model"],
+)
+def test_cli_mismatched_models_are_usage_errors(capsys, request, pair, extra, needle):
+    from graphrt.core.cli.main import main
+
+    model, draft = (request.getfixturevalue(n).path if n else None for n in pair)
+    argv = ["generate", "--model", str(model), "--prompt-ids", "5,6,7", "--device", "cpu"]
+    argv += ["--draft", str(draft)] if draft else []
+    assert main([*argv, *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and needle in cli_error_line(captured.err), captured.err
 
 
 def test_a_drafter_in_another_dtype_than_its_target_is_refused(gemma4_tiny, gemma4_assistant):
@@ -471,6 +491,8 @@ def test_cli_spec_bench_refuses_a_missing_out_directory_before_running(
     from graphrt.core.cli.main import main
 
     argv = ["bench", "--model", str(gemma4_tiny.path), "--draft", str(gemma4_assistant.path)]
-    assert main([*argv, "--out", str(tmp_path / "missing" / "spec.json")]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "does not exist" in err[0], err
+    for draft in ([], argv[-2:]):  # the plain decode bench too (it lost its results)
+        out = tmp_path / "missing" / "bench.json"
+        assert main([*argv[:3], *draft, "--out", str(out), "--device", "cpu"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "does not exist" in err[0], err

@@ -8,7 +8,7 @@ from helpers import chi2_quantile
 
 from graphrt.core.engine import SamplingParams
 from graphrt.core.engine.sampling import draw
-from graphrt.core.errors import GraphrtError
+from graphrt.core.errors import GraphrtError, UsageError
 from graphrt.spec.accept import accept
 from graphrt.spec.config import SpecConfig
 from graphrt.spec.tree import build_verify_tree, expand_step, organize_draft_results
@@ -251,3 +251,6 @@ def test_spec_config_defaults_and_errors():
         SpecConfig(num_steps=2, topk=1, num_draft_tokens=4)
     with pytest.raises(GraphrtError, match="spec-steps"):
         SpecConfig(num_steps=0)
+    for bad in ({"num_steps": 2.5}, {"topk": True}, {"num_draft_tokens": "4"}):
+        with pytest.raises(UsageError, match="must be an integer"):
+            SpecConfig(**bad)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from graphrt.core.bench.decode import (
 )
 from graphrt.core.bench.plot import plot_latency
 from graphrt.core.bench.timing import attention_specs
-from graphrt.core.errors import GraphrtError
+from graphrt.core.errors import UsageError
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
 
@@ -27,9 +28,15 @@ def run_bench(args: argparse.Namespace) -> int:
     runners = tuple(args.runners)
     unknown = set(runners) - {"eager", "graph", "hf"}
     if unknown:
-        raise GraphrtError(
+        raise UsageError(
             f"unknown runner(s) {', '.join(sorted(unknown))}; choose from eager, graph, hf"
         )
+    out = Path(args.out).resolve()
+    # Before the benchmark runs, not after: its results would be lost.
+    if not out.parent.is_dir():
+        raise UsageError(f"--out: directory {str(out.parent)!r} does not exist")
+    if not os.access(out.parent, os.W_OK) or out.is_dir():
+        raise UsageError(f"--out: cannot write {str(out)!r}")
     dtype = device.default_dtype() if args.dtype == "auto" else parse_dtype(args.dtype)
     if args.draft is not None:
         # The speculative bench lives beside speculative decoding (graphrt.spec).
@@ -46,7 +53,7 @@ def run_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
-    loaded = load_model(args.model, device, dtype)
+    loaded = load_model(args.model, device, dtype, check_finite=args.check_weights)
     graphs = "graph" in runners
     log(
         f"graphrt bench: {args.model} {str(dtype).removeprefix('torch.')} on {device.describe()}; capturing graphs..."

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from graphrt import devices
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
-from graphrt.core.errors import GraphrtError, RequestError
+from graphrt.core.errors import GraphrtError, RequestError, UsageError
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
 from graphrt.spec import MTPDecoding, SpecConfig
@@ -83,7 +83,7 @@ def _model_and_draft(args: argparse.Namespace) -> tuple[str, str | None]:
     from graphrt.core import pretrained
 
     if args.no_draft and args.draft is not None:
-        raise RequestError("--draft and --no-draft contradict each other; pass one")
+        raise UsageError("--draft and --no-draft contradict each other; pass one")
     model, draft = args.model, args.draft
     if model is None:
         model = str(pretrained.TARGET_DIR)
@@ -114,12 +114,14 @@ def run_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     with _phase(f"loaded {args.model} on {device.name}"):
-        loaded = load_model(args.model, device, dtype)
+        loaded = load_model(args.model, device, dtype, check_finite=args.check_weights)
     drafter = None
     if args.draft is not None:
         with _phase(f"loaded drafter {args.draft}"):
             # auto: the target's dtype, whatever the assistant was saved in (they share KV).
-            drafter = load_model(args.draft, device, dtype or loaded.dtype)
+            drafter = load_model(
+                args.draft, device, dtype or loaded.dtype, check_finite=args.check_weights
+            )
     tokenizer = _tokenizer(loaded.tokenizer_path)
     prompts = _encode_prompts(args.prompts, tokenizer)
     config = EngineConfig(

@@ -21,10 +21,21 @@ import torch
 
 from graphrt import devices
 from graphrt.core.batch import ForwardBatch, ForwardMode
-from graphrt.core.engine.request import FinishReason, Request, SamplingParams
+from graphrt.core.engine.request import (
+    FinishReason,
+    Request,
+    SamplingParams,
+    sampling_params,
+    token_ids,
+)
 from graphrt.core.engine.sampling import sample
 from graphrt.core.engine.strategy import DecodeStrategy, PlainDecode
-from graphrt.core.errors import GraphrtError, RequestError
+from graphrt.core.errors import (
+    OutOfMemoryError,
+    RequestError,
+    UsageError,
+    out_of_memory,
+)
 from graphrt.core.host import to_device
 from graphrt.core.memory import ReqToTokenPool, TokenKVPool
 from graphrt.core.models.loader import LoadedModel
@@ -52,13 +63,13 @@ class EngineConfig:
     def __post_init__(self):
         for name in ("max_running_requests", "max_prefill_tokens", "kv_cache_bytes"):
             if getattr(self, name) < 1:
-                raise GraphrtError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_context_len", "kv_pool_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise GraphrtError(f"{name} must be >= 1, got {value}")
+                raise UsageError(f"{name} must be >= 1, got {value}")
         if self.runner not in (None, *RUNNERS):
-            raise GraphrtError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+            raise UsageError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
 
 
 @dataclass
@@ -116,18 +127,33 @@ class Engine:
         model = loaded.model
         param = next(model.parameters())
         if param.device.type != self.torch_device.type:
-            raise GraphrtError(
+            raise UsageError(
                 f"the model is on {param.device.type} but the engine's device is "
                 f"{self.device.name}: load it with load_model(..., device)"
             )
         self.strategy = strategy or PlainDecode()
         self.max_context_len = min(model.max_context_len, cfg.max_context_len or 4096)
         kv_specs = model.kv_layer_specs()
-        self.req_pool = ReqToTokenPool(
-            cfg.max_running_requests, self.max_context_len, self.torch_device
-        )
+        if not any(s.cache_index is not None for s in kv_specs):
+            raise UsageError(
+                f"{loaded.source} keeps no KV cache of its own: it is a drafter (a frozen-KV "
+                "MTP assistant) and runs beside its target; pass it as --draft, the target "
+                "as --model"
+            )
         slots = cfg.kv_pool_tokens or self._slots_for_bytes(kv_specs, param.dtype)
-        self.kv_pool = TokenKVPool(slots, kv_specs, param.dtype, self.torch_device)
+        try:
+            self.req_pool = ReqToTokenPool(
+                cfg.max_running_requests, self.max_context_len, self.torch_device
+            )
+            self.kv_pool = TokenKVPool(slots, kv_specs, param.dtype, self.torch_device)
+        except (MemoryError, RuntimeError) as e:
+            if not out_of_memory(e):
+                raise
+            raise OutOfMemoryError(
+                f"the KV pool ({slots} tokens) and request table ({cfg.max_running_requests} "
+                f"requests x {self.max_context_len} tokens) do not fit in {self.device.name} "
+                "memory: lower --kv-pool-tokens, --max-running-requests or --max-context-len"
+            ) from None
         self.attn_backend = self.device.create_attention_backend(self.kv_pool, self.req_pool)
         self.eager_runner = EagerRunner(model, self.attn_backend)
         runner = cfg.runner or self.device.default_runner()
@@ -194,8 +220,8 @@ class Engine:
     def add_request(
         self, prompt_ids: Sequence[int], params: SamplingParams | None = None
     ) -> Request:
-        params = params or SamplingParams()
-        prompt_ids = [int(t) for t in prompt_ids]
+        params = sampling_params(params)
+        prompt_ids = token_ids(prompt_ids)
         self.validate_request(prompt_ids, params)
         req = Request(rid=self._next_rid, prompt_ids=prompt_ids, params=params)
         req.kv_budget = self.kv_budget(len(prompt_ids), params)
@@ -247,9 +273,9 @@ class Engine:
         """Run the given prompts to completion; returns requests in input order. Every
         prompt is validated before any is queued (a bad one queues nothing); a request
         whose step failed comes back finished with ``FinishReason.ERROR``."""
-        prompts = [[int(t) for t in p] for p in prompts]
+        prompts = [token_ids(p) for p in prompts]
         for prompt in prompts:
-            self.validate_request(prompt, params or SamplingParams())
+            self.validate_request(prompt, sampling_params(params))
         reqs = [self.add_request(p, params) for p in prompts]
         start = time.perf_counter()
         while self.has_work:

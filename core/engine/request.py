@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -13,9 +15,56 @@ from graphrt.core.errors import RequestError
 MIN_TEMPERATURE = 1e-6
 
 
+def _is_int(value) -> bool:
+    # numpy and torch integer scalars are Integral too; a bool is not a token or a count.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _require_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not _is_int(value):
         raise RequestError(f"{name} must be an integer, got {value!r}")
+
+
+def _require_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise RequestError(f"{name} must be a number, got {value!r}")
+
+
+def _require_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be True or False, got {value!r}")
+
+
+def sampling_params(params) -> SamplingParams:
+    """``params``, or the defaults for None; anything else is refused."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return params
+
+
+def token_ids(prompt: Iterable) -> list[int]:
+    """A prompt as a list of Python ints: integers (or a 1-D integer tensor) only. Never
+    coerced: "5", 1.9 or True as a token id is a caller's bug, refused in one line."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.is_floating_point() or prompt.dtype == torch.bool:
+            raise RequestError(
+                f"a prompt tensor must be 1-D and integer, got {prompt.dim()}-D {prompt.dtype}"
+            )
+        return prompt.tolist()
+    if isinstance(prompt, (str, bytes)):
+        raise RequestError(f"a prompt is a sequence of token ids, got the string {prompt!r}")
+    try:
+        ids = list(prompt)
+    except TypeError:
+        raise RequestError(f"a prompt is a sequence of token ids, got {prompt!r}") from None
+    for i, t in enumerate(ids):
+        if not _is_int(t):
+            raise RequestError(
+                f"prompt token {i} is {t!r} ({type(t).__name__}): token ids must be integers"
+            )
+    return [int(t) for t in ids]
 
 
 @dataclass(frozen=True)
@@ -32,6 +81,10 @@ class SamplingParams:
         # Integers are integers: 1.5 tokens or top_k 2.5 is a caller's bug, not a rounding.
         for name in ("max_new_tokens", "top_k"):
             _require_int(name, getattr(self, name))
+        for name in ("temperature", "top_p"):
+            _require_number(name, getattr(self, name))
+        for name in ("ignore_eos", "return_logits"):
+            _require_bool(name, getattr(self, name))
         if self.seed is not None:
             _require_int("seed", self.seed)
             if not -(2**63) <= self.seed < 2**64:

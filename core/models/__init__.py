@@ -19,8 +19,12 @@ def load_model(
     dtype: torch.dtype | None = None,
     seed: int = 0,
     ops: ModelOps | None = None,
+    check_finite: bool | None = None,
 ) -> LoadedModel:
     """``name`` is a checkpoint directory or ``random:<preset>``.
+
+    ``check_finite``: refuse a checkpoint whose weights hold NaN or Inf (costs 10-25% of
+    the load time); None: the GRAPHRT_CHECK_FINITE environment variable decides (off).
 
     ``device``: a graphrt ``Device`` (None: ``devices.current()``) gives the model its
     fused kernels (``Device.model_ops()``) and, with dtype None, the device's float32
@@ -36,7 +40,7 @@ def load_model(
     ops = ops or TORCH_OPS
     if name.startswith(RANDOM_PREFIX):
         return load_random(name[len(RANDOM_PREFIX) :], device, dtype, seed, ops)
-    return load_checkpoint(name, device, dtype, ops)
+    return load_checkpoint(name, device, dtype, ops, check_finite=check_finite)
 
 
 __all__ = ["PRESETS", "TORCH_OPS", "LoadedModel", "ModelOps", "load_model"]

@@ -26,9 +26,9 @@ from torch import nn
 
 from graphrt.core.attention.base import AttentionBackend, AttentionSpec
 from graphrt.core.batch import ForwardBatch
-from graphrt.core.errors import CheckpointError, GraphrtError
+from graphrt.core.errors import CheckpointError, GraphrtError, UsageError
 from graphrt.core.memory import KVLayerSpec
-from graphrt.core.models.config import _positive_int, eos_ids
+from graphrt.core.models.config import _bool, _positive_int, eos_ids
 from graphrt.core.models.gemma4 import Gemma4DecoderLayer, GemmaRMSNorm, _rotary, run_layers
 from graphrt.core.models.gemma4_config import FULL, Gemma4Config, gemma4_config_from_hf
 from graphrt.core.models.layers import Linear
@@ -78,10 +78,10 @@ def gemma4_assistant_config_from_hf(
     config = Gemma4AssistantConfig(
         text=parsed,
         backbone_hidden_size=_positive_int(cfg, "backbone_hidden_size"),
-        use_ordered_embeddings=bool(cfg.get("use_ordered_embeddings", False)),
+        use_ordered_embeddings=_bool(cfg, "use_ordered_embeddings", False),
         num_centroids=_positive_int(cfg, "num_centroids", default=2048),
         centroid_intermediate_top_k=_positive_int(cfg, "centroid_intermediate_top_k", default=32),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        tie_word_embeddings=_bool(cfg, "tie_word_embeddings", True),
     )
     if config.use_ordered_embeddings and parsed.vocab_size % config.num_centroids:
         raise CheckpointError(
@@ -176,20 +176,20 @@ class Gemma4AssistantForCausalLM(nn.Module):
         """Point every layer at the target's KV; checks the two models fit together."""
         t = self.config.text
         if getattr(target, "shared_kv_layers", None) is None:
-            raise GraphrtError(
+            raise UsageError(
                 f"the Gemma 4 assistant needs a Gemma 4 target, got {type(target).__name__}"
             )
         if (
             target.config.hidden_size != self.config.backbone_hidden_size
             or target.vocab_size != t.vocab_size
         ):
-            raise GraphrtError(
+            raise UsageError(
                 f"assistant (backbone hidden {self.config.backbone_hidden_size}, vocab {t.vocab_size}) does "
                 f"not fit target (hidden {target.config.hidden_size}, vocab {target.vocab_size})"
             )
         dtypes = [_float_dtype(m) for m in (self, target)]
         if dtypes[0] != dtypes[1]:
-            raise GraphrtError(
+            raise UsageError(
                 f"the assistant's weights are {dtypes[0]} but the target's are {dtypes[1]}: "
                 "load both in one dtype (they share KV and hidden states)"
             )
@@ -197,12 +197,10 @@ class Gemma4AssistantForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             kind = t.layer_types[i]
             if kind not in producers:
-                raise GraphrtError(
-                    f"the target has no {kind} layer for assistant layer {i} to read"
-                )
+                raise UsageError(f"the target has no {kind} layer for assistant layer {i} to read")
             prod = producers[kind]
             if prod.head_dim != t.head_dims[i] or t.num_heads % prod.num_kv_heads:
-                raise GraphrtError(
+                raise UsageError(
                     f"assistant layer {i} (head_dim {t.head_dims[i]}, {t.num_heads} heads) cannot read the "
                     f"target's {kind} KV (head_dim {prod.head_dim}, {prod.num_kv_heads} KV heads)"
                 )

@@ -16,8 +16,16 @@ from typing import Any
 import torch
 
 from graphrt.core.errors import CheckpointError, UnsupportedModelError
-from graphrt.core.models.config import _positive_int, eos_ids, parse_dtype
-from graphrt.core.models.ops import ACTIVATIONS
+from graphrt.core.models.config import (
+    _bool,
+    _non_negative_int,
+    _positive_float,
+    _positive_int,
+    activation,
+    bos_id,
+    eos_ids,
+    parse_dtype,
+)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
@@ -104,22 +112,19 @@ def gemma4_config_from_hf(cfg: dict[str, Any], architecture: str) -> Gemma4Confi
         raise CheckpointError(
             f"config.json 'num_kv_shared_layers' must be an integer in [0, {layers}), got {shared!r}"
         )
-    ple = text.get("hidden_size_per_layer_input") or 0
+    ple = _non_negative_int(text, "hidden_size_per_layer_input")
     vocab = _positive_int(text, "vocab_size")
     ple_vocab = _positive_int(text, "vocab_size_per_layer_input") if ple else 0
     if ple:
-        _positive_int(text, "hidden_size_per_layer_input")
         if ple_vocab < vocab:  # transformers would index past the per-layer table
             raise CheckpointError(
                 f"config.json 'vocab_size_per_layer_input' ({ple_vocab}) is smaller than "
                 f"'vocab_size' ({vocab})"
             )
-    act = text.get("hidden_activation") or text.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ACTIVATIONS:
-        raise UnsupportedModelError(f"activation {act!r} is not supported")
+    act_key = "hidden_activation" if text.get("hidden_activation") else "hidden_act"
     softcap = text.get("final_logit_softcapping")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
-        raise CheckpointError(f"config.json 'final_logit_softcapping' must be > 0, got {softcap!r}")
+    if softcap is not None:
+        softcap = _positive_float(text, "final_logit_softcapping")
 
     config = Gemma4Config(
         architecture=architecture,
@@ -133,30 +138,30 @@ def gemma4_config_from_hf(cfg: dict[str, Any], architecture: str) -> Gemma4Confi
         kv_heads=kv_heads,
         sliding_window=_positive_int(text, "sliding_window", default=512),
         rope_parameters=_rope_parameters(text, layer_types),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_positive_float(text, "rms_norm_eps", default=1e-6),
         max_position_embeddings=_positive_int(text, "max_position_embeddings", default=131_072),
         num_kv_shared_layers=shared,
         hidden_size_per_layer_input=ple,
         vocab_size_per_layer_input=ple_vocab,
-        attention_k_eq_v=bool(text.get("attention_k_eq_v", False)),
-        use_double_wide_mlp=bool(text.get("use_double_wide_mlp", False)),
-        attention_bias=bool(text.get("attention_bias", False)),
-        final_logit_softcapping=float(softcap) if softcap is not None else None,
-        hidden_act=act,
-        tie_word_embeddings=bool(
-            cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+        attention_k_eq_v=_bool(text, "attention_k_eq_v", False),
+        use_double_wide_mlp=_bool(text, "use_double_wide_mlp", False),
+        attention_bias=_bool(text, "attention_bias", False),
+        final_logit_softcapping=softcap,
+        hidden_act=activation(text, act_key, "gelu_pytorch_tanh"),
+        tie_word_embeddings=_bool(
+            cfg, "tie_word_embeddings", _bool(text, "tie_word_embeddings", True)
         ),
         checkpoint_prefix=prefix,
         dtype=parse_dtype(text.get("dtype") or cfg.get("dtype") or cfg.get("torch_dtype")),
         eos_token_ids=eos_ids(cfg) or eos_ids(text),
-        bos_token_id=cfg.get("bos_token_id", text.get("bos_token_id")),
+        bos_token_id=bos_id(cfg if "bos_token_id" in cfg else text),
     )
     _check_layers(config)
     return config
 
 
 def _reject_unsupported(text: dict[str, Any]) -> None:
-    if text.get("enable_moe_block"):
+    if _bool(text, "enable_moe_block", False):
         raise UnsupportedModelError(
             "Gemma 4 MoE (enable_moe_block, e.g. 26B-A4B) is not supported yet; "
             "the dense E2B / E4B / 31B checkpoints are"
@@ -175,7 +180,7 @@ def _layer_types(text: dict[str, Any], layers: int) -> tuple[str, ...]:
         raise CheckpointError(
             f"config.json 'layer_types' must list one type for each of {layers} layers"
         )
-    bad = sorted({t for t in types if t not in LAYER_TYPES})
+    bad = sorted({str(t) for t in types if t not in LAYER_TYPES})
     if bad:
         raise UnsupportedModelError(f"Gemma 4 layer type(s) {bad} are not supported")
     # transformers forces the last layer to full attention (with a warning); so do we.
@@ -191,7 +196,8 @@ def _per_layer_shapes(
     if per_layer is None:
         # What Gemma4TextConfig.__post_init__ derives when config.json has no per_layer_config.
         full = {"head_dim": _positive_int(text, "global_head_dim", default=512)}
-        if text.get("attention_k_eq_v") and text.get("num_global_key_value_heads") is not None:
+        k_eq_v = _bool(text, "attention_k_eq_v", False)
+        if k_eq_v and text.get("num_global_key_value_heads") is not None:
             full["num_key_value_heads"] = _positive_int(text, "num_global_key_value_heads")
         per_layer = {i: full for i, t in enumerate(layer_types) if t == FULL}
     if not isinstance(per_layer, dict):
@@ -244,8 +250,13 @@ def _rope_parameters(
                 f"rope_type {p['rope_type']!r} ({t}) is not supported; graphrt supports "
                 f"{', '.join(ROPE_TYPES)} for Gemma 4"
             )
-        if "rope_theta" not in p:
-            raise CheckpointError(f"config.json 'rope_parameters' ({t}) has no 'rope_theta'")
+        where = f"config.json rope_parameters.{t}"
+        _positive_float(p, "rope_theta", where=where)
+        _positive_float(p, "factor", default=1.0, where=where)
+        if _positive_float(p, "partial_rotary_factor", default=1.0, where=where) > 1:
+            raise CheckpointError(
+                f"{where} 'partial_rotary_factor' must be at most 1, got {p['partial_rotary_factor']!r}"
+            )
         out[t] = p
     return out
 

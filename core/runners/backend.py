@@ -79,6 +79,9 @@ class ExecutionBackend(abc.ABC):
         """The captured keys."""
         return iter(())
 
+    def forget(self, key: ShapeKey) -> None:  # noqa: B027 (backends with graphs override it)
+        """Drop ``key``'s graph if there is one: the runner gave its bucket up."""
+
     def memory_bytes(self) -> int:
         """Device memory held by the captured graphs, as far as the device can tell."""
         return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 
-from graphrt.core.errors import GraphrtError
+from graphrt.core.errors import UsageError
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
@@ -16,10 +16,10 @@ def select_buckets(max_bs: int, override: Iterable[int] | None = None) -> tuple[
     With an override (``--graph-bs``) exactly those sizes are kept, minus any above the cap.
     """
     if max_bs < 1:
-        raise GraphrtError(f"max batch size must be >= 1, got {max_bs}")
+        raise UsageError(f"max batch size must be >= 1, got {max_bs}")
     sizes = DEFAULT_BUCKETS if override is None else tuple(override)
     if any(s < 1 for s in sizes):
-        raise GraphrtError(f"graph batch sizes must be >= 1, got {sorted(sizes)}")
+        raise UsageError(f"graph batch sizes must be >= 1, got {sorted(sizes)}")
     kept = sorted({s for s in sizes if s <= max_bs})
     if override is None and max_bs not in kept and max_bs < DEFAULT_BUCKETS[-1]:
         kept.append(max_bs)  # so every admissible batch has a bucket to pad to

@@ -10,6 +10,7 @@ static batch (``forward``).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,13 +21,15 @@ from torch import nn
 
 from graphrt.core.attention.base import AttentionBackend
 from graphrt.core.batch import ForwardBatch
-from graphrt.core.errors import GraphrtError
+from graphrt.core.errors import UsageError
 from graphrt.core.runners.backend import ExecutionBackend, ShapeKey
 from graphrt.core.runners.base import BaseRunner, RunnerOutput
 from graphrt.core.runners.buckets import pad_to_bucket, select_buckets
 from graphrt.core.runners.buffers import GraphInputBuffers, GraphShape
 
 DECODE_SHAPE = GraphShape()  # plain decode: one token per request, no per-round inputs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,13 +63,14 @@ class GraphRunner(BaseRunner):
         self._shared_logits: torch.Tensor | None = None
         self.buckets = select_buckets(config.max_bs, config.buckets)
         if not self.buckets:
-            raise GraphrtError(f"no graph batch size <= {config.max_bs} in {list(config.buckets)}")
+            raise UsageError(f"no graph batch size <= {config.max_bs} in {list(config.buckets)}")
         self.buffers = GraphInputBuffers(shape, self.buckets[-1], device)
         self.attn_backend.init_graph_state(self.buckets[-1], self.buckets[-1] * shape.width)
         # Per key: the static batch a graph reads and the outputs its replays write.
         self._captured: dict[ShapeKey, tuple[ForwardBatch, Any]] = {}
         self._loaded: tuple[ShapeKey, ForwardBatch] | None = None
         self.capture_time_s = 0.0
+        self.dropped_buckets: dict[int, str] = {}  # size -> why its capture failed
 
     # ---- keys and padding (the one place each is decided) ------------------------
 
@@ -83,14 +87,15 @@ class GraphRunner(BaseRunner):
 
     # ---- capture -----------------------------------------------------------------
 
-    def _allocate_shared_logits(self) -> None:
-        """The logits buffer of the default forward on device graphs; none for compiled
-        code (fresh outputs every call) or a forward of its own (the draft loop)."""
+    def _allocate_shared_logits(self, size: int) -> None:
+        """The logits buffer of the default forward on device graphs, for ``size``
+        requests (the largest bucket captured); none for compiled code (fresh outputs
+        every call) or a forward of its own (the draft loop)."""
         if self._shared_logits is not None or not self.backend.replays_into_static_outputs:
             return
         if self.forward != self._forward_into_shared_logits:
             return
-        rows = self.buckets[-1] * self.shape.width
+        rows = size * self.shape.width
         self._shared_logits = torch.empty(
             (rows, self.model.vocab_size), dtype=torch.float32, device=self.buffers.input_ids.device
         )
@@ -103,13 +108,36 @@ class GraphRunner(BaseRunner):
 
     @torch.inference_mode()
     def capture(self) -> None:
+        """Capture every bucket, largest first (smaller graphs then reuse the pool memory
+        it reserved). A bucket whose capture fails (out of memory, an op the device cannot
+        capture) is dropped with one warning: its sizes run on the next bucket up, or
+        eagerly where none is left, and give the same tokens."""
         start = time.perf_counter()
         with self.backend.capture_session():  # inside: the graph memory it reports counts this
-            self._allocate_shared_logits()
-            # Largest first: smaller graphs then reuse the pool memory it reserved.
             for size in reversed(self.buckets):
-                self.capture_one_shape(size)
+                try:
+                    self._allocate_shared_logits(size)
+                    self.capture_one_shape(size)
+                except Exception as e:  # noqa: BLE001 (any failure: serve that size otherwise)
+                    self._drop_bucket(size, e)
         self.capture_time_s = time.perf_counter() - start
+
+    def _drop_bucket(self, size: int, error: Exception) -> None:
+        why = f"{type(error).__name__}: {error}".splitlines()[0]
+        self.buckets = tuple(b for b in self.buckets if b != size)
+        self.dropped_buckets[size] = why
+        self._captured.pop(self._make_graph_key(size), None)
+        self.backend.forget(self._make_graph_key(size))
+        if not self._captured:  # sized for this bucket: the next one allocates its own
+            self._shared_logits = None
+        up = self._pad_to_bucket(size)
+        log.warning(
+            "capturing the %s graph for batch size %d failed (%s); %s",
+            self.shape.mode.name.lower(),
+            size,
+            why,
+            f"those sizes run on the {up} bucket" if up else "those sizes run eagerly",
+        )
 
     def capture_one_shape(self, size: int) -> None:
         key = self._make_graph_key(size)

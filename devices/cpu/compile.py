@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ import torch
 from graphrt.core.runners.backend import ExecutionBackend, ShapeKey
 
 _graph_ids = itertools.count()
+log = logging.getLogger(__name__)
 
 
 class CompiledGraphBackend(ExecutionBackend):
@@ -28,6 +30,7 @@ class CompiledGraphBackend(ExecutionBackend):
 
     def __init__(self) -> None:
         self._compiled: dict[ShapeKey, Callable[[], Any]] = {}
+        self._uncompiled: dict[ShapeKey, Callable[[], Any]] = {}
         self._first_run_done: set[ShapeKey] = set()
         self._compile_s = 0.0
 
@@ -44,6 +47,7 @@ class CompiledGraphBackend(ExecutionBackend):
         # device graph would be; fullgraph=True: a graph break is an error, not
         # a silent eager fallback. Nothing runs here (lazy); see the module docstring.
         self._compiled[key] = torch.compile(_own_code(run_once), dynamic=False, fullgraph=True)
+        self._uncompiled[key] = run_once
         if post_warmup_hook is not None:
             post_warmup_hook()
 
@@ -53,8 +57,20 @@ class CompiledGraphBackend(ExecutionBackend):
     def replay(self, key: ShapeKey) -> Any:
         if key in self._first_run_done:
             return self._compiled[key]()
-        start = time.perf_counter()  # the first call compiles (and runs once)
-        out = self._compiled[key]()
+        start = time.perf_counter()  # the first call compiles (and runs once): the capture
+        try:
+            out = self._compiled[key]()
+        except Exception as e:  # noqa: BLE001 (a failed compile must not fail the step)
+            # The same function over the same static buffers, uncompiled: same tokens.
+            why = f"{type(e).__name__}: {e}".splitlines()[0]
+            log.warning(
+                "compiling the %s graph for batch size %d failed (%s); it runs uncompiled",
+                key.mode.name.lower(),
+                key.size,
+                why,
+            )
+            self._compiled[key] = self._uncompiled[key]
+            out = self._compiled[key]()
         self._compile_s += time.perf_counter() - start
         self._first_run_done.add(key)
         return out
@@ -65,8 +81,14 @@ class CompiledGraphBackend(ExecutionBackend):
     def keys(self) -> Iterator[ShapeKey]:
         return iter(self._compiled)
 
+    def forget(self, key: ShapeKey) -> None:
+        self._compiled.pop(key, None)
+        self._uncompiled.pop(key, None)
+        self._first_run_done.discard(key)
+
     def cleanup(self) -> None:
         self._compiled.clear()
+        self._uncompiled.clear()
         self._first_run_done.clear()
 
 
