@@ -4,11 +4,13 @@ the runner drops them, and generation gives the eager engine's tokens.
     python bench/capture_oom.py [--model random:llama-1b] [--dtype float32] [--out oom.json]
 
 1. An eager engine serves a staggered schedule (32 requests stopping at different steps:
-   decode batches from 32 down to 1) and its memory after set-up is measured.
-2. For growing headroom above that, ``torch.cuda.set_per_process_memory_fraction`` caps
-   the process at (eager set-up + headroom); a graph engine is built under the cap and
-   serves the same schedule. Reported per headroom: buckets captured and dropped (with
-   the error), decode steps on graphs and eagerly, tokens equal to the eager run's.
+   decode batches from 32 down to 1).
+2. For growing headroom, a graph engine is built whose capture runs under
+   ``torch.cuda.set_per_process_memory_fraction``: the cap is the memory reserved when
+   the capture starts (weights, KV pool) plus the headroom, and it is lifted once the
+   capture ends, so only captures can run out of memory. The engine then serves the same
+   schedule. Reported per headroom: buckets captured and dropped (with the error), graph
+   memory, decode steps on graphs and eagerly, tokens equal to the eager run's.
 float32 by default, where tokens do not hinge on kernel tiling (a padded batch may pick
 another GEMV tiling than the unpadded eager one).
 """
@@ -28,6 +30,7 @@ from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.errors import GraphrtError, out_of_memory
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
+from graphrt.core.runners.graph import GraphRunner
 
 REQUESTS = 32
 MiB = 1 << 20
@@ -35,9 +38,7 @@ MiB = 1 << 20
 
 def schedule(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
     gen = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(3, vocab, (8 + 5 * i,), generator=gen).tolist() for i in range(REQUESTS)
-    ]
+    prompts = [torch.randint(3, vocab, (4 + i,), generator=gen).tolist() for i in range(REQUESTS)]
     params = [SamplingParams(max_new_tokens=2 + i, ignore_eos=True) for i in range(REQUESTS)]
     return prompts, params
 
@@ -61,7 +62,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="random:llama-1b")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--headroom-mib", default="16,32,64,128,256,512,1024")
+    p.add_argument("--headroom-mib", default="0,16,32,64,128,256,1024")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device = devices.current("cuda")
@@ -70,20 +71,29 @@ def main() -> int:
     total = torch.cuda.get_device_properties(0).total_memory
 
     eager = Engine(loaded, config("eager"), device)
-    set_up = torch.cuda.memory_allocated()
     reference, errors = serve(eager, prompts, params)
     assert not errors, "the eager reference run failed a step"
     eager.cleanup()
     del eager
     gc.collect()
     torch.cuda.empty_cache()
-    print(f"eager: set-up {set_up / MiB:.0f} MiB allocated", file=sys.stderr)
 
+    capture = GraphRunner.capture
+    caps: list[float] = []
+
+    def capped_capture(runner: GraphRunner) -> None:  # the cap holds during capture only
+        caps.append((torch.cuda.memory_reserved() + headroom * MiB) / total)
+        torch.cuda.set_per_process_memory_fraction(caps[-1])
+        try:
+            capture(runner)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+
+    GraphRunner.capture = capped_capture
     runs = []
     for headroom in map(int, args.headroom_mib.split(",")):
-        cap = (set_up + headroom * MiB) / total
-        torch.cuda.set_per_process_memory_fraction(cap)
-        run = {"headroom_mib": headroom, "cap_fraction": cap}
+        caps.clear()
+        run = {"headroom_mib": headroom}
         start = time.perf_counter()
         engine = None
         try:
@@ -91,6 +101,8 @@ def main() -> int:
             tokens, errors = serve(engine, prompts, params)
             runner = engine.graph_runner
             run.update(
+                cap_bytes=[int(c * total) for c in caps],
+                graph_memory_bytes=engine.stats.graph_memory_bytes,
                 captured=runner.captured_sizes,
                 dropped=runner.dropped_buckets,
                 graph_steps=engine.stats.graph_steps,
@@ -114,20 +126,23 @@ def main() -> int:
         runs.append(run)
         print(json.dumps(run), file=sys.stderr)
 
-    print("\n| headroom MiB | captured | dropped | graph steps | eager steps | tokens = eager |")
-    print("|---:|---|---|---:|---:|---|")
+    print(
+        "\n| headroom MiB | captured | dropped | graph MiB | graph steps | eager steps | = eager |"
+    )
+    print("|---:|---|---|---:|---:|---:|---|")
     for r in runs:
         if "error" in r:
-            print(f"| {r['headroom_mib']} | - | {r['error'][:60]} | - | - | - |")
+            print(f"| {r['headroom_mib']} | - | {r['error'][:60]} | - | - | - | - |")
             continue
         print(
             f"| {r['headroom_mib']} | {r['captured']} | {sorted(r['dropped'])} | "
-            f"{r['graph_steps']} | {r['eager_steps']} | {r['tokens_equal']} |"
+            f"{r['graph_memory_bytes'] / MiB:.0f} | {r['graph_steps']} | {r['eager_steps']} | "
+            f"{r['tokens_equal']} |"
         )
     if args.out:
         meta = {
             "model": args.model, "dtype": args.dtype, "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "eager_set_up_bytes": set_up, "total_bytes": total,
+            "torch": torch.__version__, "total_bytes": total,
         }  # fmt: skip
         with open(args.out, "w") as f:
             json.dump({**meta, "runs": runs}, f, indent=1)

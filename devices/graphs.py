@@ -32,6 +32,11 @@ class StreamGraphBackend(ExecutionBackend):
     def __init__(self, module: Any):
         self.module = module  # torch.cuda, torch.xpu, torch.npu (or the tests' stand-in)
         self._graphs: dict[ShapeKey, Any] = {}
+        # HAZARD: graphs (or segments) whose capture failed, or whose key the runner gave
+        # up, stay alive until cleanup. Destroying the only graph that used the shared
+        # pool releases the pool, and the next capture into it then trips the CUDA
+        # caching allocator's "use_count > 0" assert (seen on the H200).
+        self._parked: list[Any] = []
         self._pool: Any = None
         self._stream: Any = None
         self._memory = 0
@@ -68,8 +73,12 @@ class StreamGraphBackend(ExecutionBackend):
     ) -> Any:
         self._warm_up(run_once, post_warmup_hook)
         graph = self._new_graph()
-        with self._graph_context(graph):
-            outputs = run_once()
+        try:
+            with self._graph_context(graph):
+                outputs = run_once()
+        except BaseException:
+            self._parked.append(graph)  # see the HAZARD in __init__
+            raise
         self._graphs[key] = graph
         return outputs  # every replay writes into these; the runner keeps them
 
@@ -112,15 +121,16 @@ class StreamGraphBackend(ExecutionBackend):
     def forget(self, key: ShapeKey) -> None:
         graph = self._graphs.pop(key, None)
         if graph is not None:
-            graph.reset()
+            self._parked.append(graph)  # not reset: see the HAZARD in __init__
 
     def memory_bytes(self) -> int:
         return self._memory
 
     def cleanup(self) -> None:
-        for graph in self._graphs.values():
+        for graph in [*self._graphs.values(), *self._parked]:
             graph.reset()
         self._graphs.clear()
+        self._parked.clear()
         self._pool = None
         self._memory = 0
         self.module.synchronize()
@@ -169,6 +179,7 @@ class BreakableStreamGraphBackend(StreamGraphBackend):
                 # for the buckets the runner captures next.
                 with contextlib.suppress(Exception):
                     segments[-1].capture_end()
+                self._parked.extend(segments)  # see the HAZARD in __init__
                 raise
             end()
         self._graphs[key] = _Segments(steps, segments)

@@ -90,6 +90,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: the checkpoint's (float32 on cpu) (default: %(default)s)",
     )
+    _add_check_weights(p)
+
+
+def _add_check_weights(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--check-weights",
         action="store_true",
@@ -241,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: bfloat16 on accelerators (default: %(default)s)",
     )
+    _add_check_weights(bench)
     bench.add_argument(
         "--prompt-len",
         type=_positive,

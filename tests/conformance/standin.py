@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,13 +93,16 @@ class StandInGraph:
         self.state = "new"  # new -> capturing -> captured -> reset
         self.replays = 0
         self._recorder: _Recorder | None = None
-        module.graphs.append(self)
+        self._pool_user = False  # counted in module.pool_users until reset or destroyed
+        module._graph_refs.append(weakref.ref(self))
 
     def capture_begin(self, pool: Any = None, **kw: Any) -> None:
         if self.state != "new":
             raise CaptureError(f"graph {self.id} captured twice (state {self.state})")
         if self.module.current_stream() is self.module.default_stream:
             raise CaptureError("graphs must be captured on a non-default stream")
+        self.module._use_pool(pool)
+        self._pool_user = pool is not None
         self.pool, self.capture_kwargs = pool, dict(kw)
         self.calls.append(("capture_begin", {"pool": pool, **kw}))
         self.module.capturing += 1
@@ -141,6 +145,15 @@ class StandInGraph:
         self.ops.clear()
         self.state = "reset"
         self.calls.append(("reset", None))
+        self._leave_pool()
+
+    def __del__(self) -> None:
+        self._leave_pool()
+
+    def _leave_pool(self) -> None:
+        if self._pool_user:
+            self._pool_user = False
+            self.module.pool_users[self.pool] -= 1
 
 
 @dataclass(eq=False)
@@ -164,7 +177,11 @@ class StandInGraphModule:
     """
 
     def __init__(self) -> None:
-        self.graphs: list[StandInGraph] = []
+        self._graph_refs: list[weakref.ref] = []
+        # Live graphs captured into each pool. As CUDA's caching allocator: a pool whose
+        # graphs are all gone (reset or destroyed) cannot be captured into again
+        # (TORCH_INTERNAL_ASSERT(use_count > 0) in beginAllocateToPool).
+        self.pool_users: dict[Any, int] = {}
         self.graph_contexts: list[dict[str, Any]] = []  # kwargs of each graph(...) context
         self.pools: list[tuple[int, int]] = []  # every graph_pool_handle() returned
         self.capturing = 0
@@ -172,6 +189,21 @@ class StandInGraphModule:
         self.empty_caches = 0
         self.default_stream = StandInStream(self, "default")
         self._current = self.default_stream
+
+    @property
+    def graphs(self) -> list[StandInGraph]:
+        """The graphs made and still alive, in creation order."""
+        return [g for g in (ref() for ref in self._graph_refs) if g is not None]
+
+    def _use_pool(self, pool: Any) -> None:
+        if pool is None:
+            return
+        if self.pool_users.get(pool, 1) == 0:
+            raise CaptureError(
+                f"capture into pool {pool}, whose graphs are all gone: the CUDA caching "
+                "allocator asserts use_count > 0"
+            )
+        self.pool_users[pool] = self.pool_users.get(pool, 0) + 1
 
     # Graph classes under each device's name.
     def CUDAGraph(self, keep_graph: bool = False) -> StandInGraph:  # noqa: N802 (torch's name)
