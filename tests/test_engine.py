@@ -358,3 +358,22 @@ def test_pools_too_large_to_allocate_are_one_typed_error(loaded):
 
     with pytest.raises(OutOfMemoryError, match="do not fit in cpu memory: lower --kv-pool"):
         _engine(loaded, kv_pool_tokens=10**13)
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"max_running_requests": "8"}, "max_running_requests must be an integer"),  # TypeError
+        ({"kv_pool_tokens": 2.5}, "kv_pool_tokens must be an integer"),
+        ({"max_context_len": True}, "max_context_len must be an integer"),
+        ({"graph_buckets": (1, "2")}, "graph_buckets must be integers"),
+        ({"graph_padding": "no"}, "graph_padding must be True or False"),
+        ({"max_prefill_tokens": 0}, "max_prefill_tokens must be >= 1"),
+    ],
+)
+def test_engine_config_refuses_wrong_types_with_the_typed_error(fields, needle):
+    from graphrt.core.engine import EngineConfig
+    from graphrt.core.errors import UsageError
+
+    with pytest.raises(UsageError, match=needle):
+        EngineConfig(**fields)

@@ -12,6 +12,7 @@ in FIFO order, and one that could never fit is refused when it is added.
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -61,13 +62,22 @@ class EngineConfig:
     graph_padding: bool = True  # False (--no-graph-padding): exact captured sizes only
 
     def __post_init__(self):
-        for name in ("max_running_requests", "max_prefill_tokens", "kv_cache_bytes"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_context_len", "kv_pool_tokens"):
+        sizes = ("max_running_requests", "max_prefill_tokens", "kv_cache_bytes")
+        optional = ("max_context_len", "kv_pool_tokens")
+        for name in (*sizes, *optional, "seed"):
             value = getattr(self, name)
-            if value is not None and value < 1:
+            if value is None and name in optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise UsageError(f"{name} must be an integer, got {value!r}")
+            if value < 1 and name != "seed":
                 raise UsageError(f"{name} must be >= 1, got {value}")
+        if self.graph_buckets is not None and not all(
+            isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in self.graph_buckets
+        ):
+            raise UsageError(f"graph_buckets must be integers, got {self.graph_buckets!r}")
+        if not isinstance(self.graph_padding, bool):
+            raise UsageError(f"graph_padding must be True or False, got {self.graph_padding!r}")
         if self.runner not in (None, *RUNNERS):
             raise UsageError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
 
