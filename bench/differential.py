@@ -24,7 +24,6 @@ from graphrt.core.models.loader import LoadedModel
 
 # Concurrency a phase of the schedule aims at, as a fraction of max_running: lulls that
 # drain the engine to idle, single requests, partial and full batches, and overload.
-
 PHASE_LOADS = (0.0, 0.1, 0.3, 0.6, 1.0, 1.5)
 # A greedy mismatch where the reference's top-2 logits lie closer than this is a near-tie:
 # kernels that round differently (another GEMM for a padded batch) may pick either token.

@@ -8,6 +8,7 @@
 #     (EVAL_CONFIGS=3x1,5x1,... picks the speculative configurations measured)
 #   bash bench/h200.sh paireval ["name=target:assistant ..."]: eval pairs on cuda
 #   bash bench/h200.sh reliability [steps]: capture under a memory cap, differential, soak
+#   bash bench/h200.sh soakspec [steps]: differential and soak with speculative rounds
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -98,6 +99,15 @@ if [[ $what == reliability ]]; then
     timeout 240 python bench/soak.py --device cuda --steps "${2:-10000}" --out "$OUT/soak.json" \
         2>"$OUT/soak.err" | tail -n 8
     echo "soak exit ${PIPESTATUS[0]}"; grep -v "step/s" "$OUT/soak.err" | tail -n 5
+fi
+
+if [[ $what == soakspec ]]; then
+    # The differential and soak with speculative rounds on every engine: the embedded pair,
+    # whose drafts are accepted 0 to 5 at a time ($2: steps, default 3000).
+    timeout 500 python bench/soak.py --device cuda --steps "${2:-3000}" \
+        --model core/pretrained/gemma4-code-target --draft core/pretrained/gemma4-code-assistant \
+        --out "$OUT/soak-spec.json" 2>"$OUT/soak-spec.err" | tail -n 8
+    echo "soak (speculative) exit ${PIPESTATUS[0]}"; grep -v "step/s" "$OUT/soak-spec.err" | tail -n 5
 fi
 
 if [[ $what == bench || $what == all ]]; then

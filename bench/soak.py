@@ -33,11 +33,18 @@ from pathlib import Path
 
 import torch
 
-# Concurrency a phase of the schedule aims at, as a fraction of max_running: lulls that
-# drain the engine to idle, single requests, partial and full batches, and overload.
-from differential import GreedyMargin, RunResult, Schedule, ScheduleConfig, run_schedule, with_eos  # noqa: E402 (bench/ on sys.path)
+# The driver sits beside this script (bench/, on sys.path when run as a script).
+from differential import (
+    GreedyMargin,
+    RunResult,
+    Schedule,
+    ScheduleConfig,
+    run_schedule,
+    with_eos,
+)
 
 from graphrt.core.engine import Engine, EngineConfig
+from graphrt.spec import MTPDecoding, SpecConfig
 
 # ---- the script ------------------------------------------------------------------
 
@@ -105,6 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="graphrt device (default: probe)")
     ap.add_argument("--steps", type=int, default=10_000, help="decode steps of each phase")
     ap.add_argument("--model", default="random:llama-tiny")
+    ap.add_argument(
+        "--draft",
+        default=None,
+        help="a frozen-KV MTP assistant for --model: every engine decodes speculatively "
+        "(e.g. the embedded pair, core/pretrained/gemma4-code-{target,assistant})",
+    )
+    ap.add_argument("--spec-steps", type=int, default=5)
+    ap.add_argument("--spec-topk", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-running", type=int, default=16)
     ap.add_argument("--buckets", default="1,2,4,8,12,16")
@@ -121,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         # matmul wait (16 ms against 25 us on 2 loaded cores).
         torch.set_num_threads(1)
     loaded = with_eos(load_model(args.model, device, torch.float32, seed=args.seed), 8)
+    drafter = None if args.draft is None else load_model(args.draft, device, torch.float32)
+
+    def strategy() -> MTPDecoding | None:  # one per engine: a strategy binds to its engine
+        if drafter is None:
+            return None
+        return MTPDecoding(drafter, SpecConfig(args.spec_steps, args.spec_topk))
+
     config = dict(
         max_running_requests=args.max_running,
         max_context_len=args.context,
@@ -146,10 +168,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. Differential: eager (the reference), padded graphs, exact-size graphs.
     engines = {
-        "eager": Engine(loaded, EngineConfig(runner="eager", **config), device),
-        "graph": Engine(loaded, EngineConfig(runner="graph", **config), device),
+        "eager": Engine(loaded, EngineConfig(runner="eager", **config), device, strategy()),
+        "graph": Engine(loaded, EngineConfig(runner="graph", **config), device, strategy()),
         "graph-exact": Engine(
-            loaded, EngineConfig(runner="graph", graph_padding=False, **config), device
+            loaded,
+            EngineConfig(runner="graph", graph_padding=False, **config),
+            device,
+            strategy(),
         ),
     }
     captures = [count_captures(e) for e in engines.values() if e.graph_backend is not None]
@@ -163,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         keep=args.keep,
     )
     close()
+    spec_rounds = {
+        name: {"rounds": e.stats.spec_rounds, "graph_rounds": e.stats.graph_rounds,
+               "accept_histogram": e.stats.accept_histogram}
+        for name, e in engines.items()
+    }  # fmt: skip
     for engine in engines.values():
         engine.cleanup()
     del engines  # engine and strategy refer to each other: collect, then return the memory
@@ -171,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         _allocator(device).empty_cache()
 
     # 2. Soak: one graph engine; memory after warm-up and at the end, captures after start.
-    engine = Engine(loaded, EngineConfig(runner="graph", **config), device)
+    engine = Engine(loaded, EngineConfig(runner="graph", **config), device, strategy())
     captures.append(count_captures(engine))
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     memory: dict[str, dict] = {}
@@ -195,6 +225,15 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "model": args.model,
+        "draft": args.draft,
+        "spec": None
+        if drafter is None
+        else {
+            "steps": args.spec_steps,
+            "topk": args.spec_topk,
+            "differential": spec_rounds,
+            "soak_accept_histogram": engine.stats.accept_histogram,
+        },
         "dtype": "float32",
         "graph_backend": backend_label or engine.graph_backend.name,
         "buckets": list(config["graph_buckets"]),
