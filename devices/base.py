@@ -38,6 +38,8 @@ class Device(abc.ABC):
     extra: ClassVar[str | None] = None
     """The pip extra of graphrt that installs this device's library, if any."""
     libraries: ClassVar[tuple[str, ...]] = ()
+    collective_backend: ClassVar[str] = "gloo"
+    """torch.distributed's backend for this device's collectives (tensor parallelism)."""
     """Distributions reported by `library_versions` (read from metadata, never imported)."""
 
     @abc.abstractmethod

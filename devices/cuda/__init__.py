@@ -12,6 +12,7 @@ class CudaDevice(Device):
     torch_type = "cuda"
     extra = "cuda"
     libraries = ("triton",)
+    collective_backend = "nccl"
 
     def is_available(self) -> bool:
         try:

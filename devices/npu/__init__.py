@@ -24,6 +24,7 @@ class NpuDevice(Device):
     torch_type = "npu"
     extra = "npu"
     libraries = ("torch_npu",)
+    collective_backend = "hccl"  # registered by torch_npu
 
     def is_available(self) -> bool:
         if not _torch_npu_installed():

@@ -16,6 +16,7 @@ class XpuDevice(Device):
     torch_type = "xpu"
     extra = "xpu"
     libraries = ("pytorch-triton-xpu",)
+    collective_backend = "xccl"  # torch >= 2.8 builds it in for XPU
 
     def is_available(self) -> bool:
         try:

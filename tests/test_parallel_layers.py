@@ -1,0 +1,133 @@
+"""Tensor-parallel layers over gloo, 2 processes on the CPU: the split layers give the
+whole layers' outputs (a column-parallel then row-parallel MLP, the vocabulary-parallel
+embedding and LM head), and the group of one is the plain layers, collective-free."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from graphrt.core.errors import UsageError
+from graphrt.core.models.layers import Linear
+from graphrt.core.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    init_tp,
+    take_shard,
+)
+
+HIDDEN, INTERMEDIATE, VOCAB, ROWS = 16, 24, 10, 5
+
+
+def _load(module: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """As the loader will: every parameter takes its shard of the full tensor."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            param.copy_(take_shard(full[name], param))
+
+
+def _full_weights() -> dict[str, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)  # the same on every rank
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    return {
+        "up": {"weight": rand(INTERMEDIATE, HIDDEN), "bias": rand(INTERMEDIATE)},
+        "down": {"weight": rand(HIDDEN, INTERMEDIATE), "bias": rand(HIDDEN)},
+        "embed": {"weight": rand(VOCAB, HIDDEN)},
+        "head": {"weight": rand(VOCAB, HIDDEN)},
+        "x": {"x": rand(ROWS, HIDDEN), "residual": rand(ROWS, HIDDEN)},
+        "ids": {"ids": torch.tensor([0, 4, 5, 9, 2])},
+    }
+
+
+def _outputs(tp: TPGroup) -> dict[str, torch.Tensor]:
+    """The layers built for ``tp``, loaded from the same full weights, run on one input."""
+    w = _full_weights()
+    up = ColumnParallelLinear(HIDDEN, INTERMEDIATE, True, tp)
+    down = RowParallelLinear(INTERMEDIATE, HIDDEN, True, tp)
+    embed = VocabParallelEmbedding(VOCAB, HIDDEN, tp)
+    head = VocabParallelHead(HIDDEN, VOCAB, tp)
+    for module, name in ((up, "up"), (down, "down"), (embed, "embed"), (head, "head")):
+        _load(module, w[name])
+    x, residual = w["x"]["x"], w["x"]["residual"]
+    with torch.no_grad():
+        return {
+            "mlp": down(torch.relu(up(x)), residual=residual.clone()),
+            "embed": embed(w["ids"]["ids"]),
+            "logits": head(x),
+        }
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    """The same computation with whole, plain layers."""
+    w = _full_weights()
+    x, residual = w["x"]["x"], w["x"]["residual"]
+    up, down = Linear(HIDDEN, INTERMEDIATE, True), Linear(INTERMEDIATE, HIDDEN, True)
+    _load(up, w["up"])
+    _load(down, w["down"])
+    with torch.no_grad():
+        return {
+            "mlp": down(torch.relu(up(x))) + residual,
+            "embed": w["embed"]["weight"][w["ids"]["ids"]],
+            "logits": x @ w["head"]["weight"].T,
+        }
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    tp = init_tp("gloo", timeout_s=60)
+    assert (tp.rank, tp.size) == (rank, world)
+    torch.save(_outputs(tp), Path(out_dir) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="gloo over TCP on one host")
+def test_two_ranks_over_gloo_give_the_whole_layers_outputs(tmp_path):
+    mp.start_processes(
+        _rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    expected = _reference()
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_group_of_one_is_the_plain_layers():
+    got, expected = _outputs(TPGroup.single()), _reference()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_uneven_splits_are_refused_in_one_line():
+    with pytest.raises(UsageError, match=r"output features \(10\) does not split evenly over 4"):
+        ColumnParallelLinear(HIDDEN, 10, False, TPGroup(rank=0, size=4))
+
+
+def test_init_without_a_launcher_is_the_group_of_one(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert init_tp("gloo") == TPGroup.single()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(UsageError, match="MASTER_PORT"):
+        init_tp("gloo")
