@@ -15,13 +15,12 @@ import torch.multiprocessing as mp
 
 from graphrt.core.errors import UsageError
 from graphrt.core.models.layers import Linear
-from graphrt.core.parallel import (
+from graphrt.core.parallel import TPGroup, init_tp
+from graphrt.core.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
-    TPGroup,
     VocabParallelEmbedding,
     VocabParallelHead,
-    init_tp,
     take_shard,
 )
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 from graphrt import devices
+from graphrt.core.errors import UsageError
 from graphrt.core.models.loader import LoadedModel, load_checkpoint
 from graphrt.core.models.ops import TORCH_OPS, ModelOps
 from graphrt.core.models.presets import PRESETS, load_random
+from graphrt.core.parallel.group import SINGLE, TPGroup
 from graphrt.devices.base import Device
 
 RANDOM_PREFIX = "random:"
@@ -20,9 +22,11 @@ def load_model(
     seed: int = 0,
     ops: ModelOps | None = None,
     check_finite: bool | None = None,
+    tp: TPGroup = SINGLE,
 ) -> LoadedModel:
     """``name`` is a checkpoint directory or ``random:<preset>``.
 
+    ``tp``: the tensor-parallel group; this process loads its rank's shard.
     ``check_finite``: refuse a checkpoint whose weights hold NaN or Inf (costs 10-25% of
     the load time); None: the GRAPHRT_CHECK_FINITE environment variable decides (off).
 
@@ -39,8 +43,10 @@ def load_model(
         device = device.torch_device()
     ops = ops or TORCH_OPS
     if name.startswith(RANDOM_PREFIX):
+        if not tp.is_single:  # each rank would draw a different model, not shards of one
+            raise UsageError("random presets do not run under tensor parallelism yet")
         return load_random(name[len(RANDOM_PREFIX) :], device, dtype, seed, ops)
-    return load_checkpoint(name, device, dtype, ops, check_finite=check_finite)
+    return load_checkpoint(name, device, dtype, ops, check_finite=check_finite, tp=tp)
 
 
 __all__ = ["PRESETS", "TORCH_OPS", "LoadedModel", "ModelOps", "load_model"]

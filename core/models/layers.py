@@ -9,7 +9,12 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from graphrt.core.models.linear import Linear, MergedLinear
 from graphrt.core.models.ops import ACTIVATIONS, TORCH_OPS, ModelOps, PreNorm
+from graphrt.core.parallel.group import SINGLE, TPGroup
+from graphrt.core.parallel.layers import RowParallelLinear
+
+__all__ = ["GatedMLP", "Linear", "MergedLinear", "RMSNorm", "RotaryEmbedding", "rope_inv_freq"]
 
 
 class RMSNorm(nn.Module):
@@ -29,46 +34,6 @@ class RMSNorm(nn.Module):
         return PreNorm(self.weight, self.eps)
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` whose matmul is the device's ``ops.linear`` (CUDA: a tuned GEMV for
-    decode-sized batches, cuBLAS otherwise), optionally with an RMSNorm before it and a
-    residual add after it (``norm(x) @ W.T + b + residual``)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, ops: ModelOps = TORCH_OPS):
-        super().__init__(in_features, out_features, bias=bias)
-        self.ops = ops
-
-    def forward(
-        self, x: torch.Tensor, norm: PreNorm | None = None, residual: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias, norm=norm, residual=residual)
-
-
-class MergedLinear(Linear):
-    """One matmul over several checkpoint projections stacked along the output dim.
-
-    ``shards`` maps a checkpoint name suffix (e.g. "q_proj") to its output rows;
-    the loader calls ``load_shard`` for each and checks that all were loaded.
-    """
-
-    def __init__(
-        self, in_features: int, shards: Mapping[str, int], bias: bool, ops: ModelOps = TORCH_OPS
-    ):
-        super().__init__(in_features, sum(shards.values()), bias, ops)
-        self.shard_offsets: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for name, size in shards.items():
-            self.shard_offsets[name] = (offset, size)
-            offset += size
-
-    def load_shard(self, param: nn.Parameter, shard: str, tensor: torch.Tensor) -> None:
-        offset, size = self.shard_offsets[shard]
-        expected = (size, *param.shape[1:])
-        if tuple(tensor.shape) != expected:
-            raise ValueError(f"shape {tuple(tensor.shape)}, expected {expected}")
-        param.data[offset : offset + size].copy_(tensor)
-
-
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), gate and up as one stacked matmul whose activation and
     product are one op (``ops.linear_act_mul``: on CUDA the GEMV's epilogue)."""
@@ -80,14 +45,16 @@ class GatedMLP(nn.Module):
         act: str = "silu",
         bias: bool = False,
         ops: ModelOps = TORCH_OPS,
+        tp: TPGroup = SINGLE,
     ):
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r}; known: {sorted(ACTIVATIONS)}")
         self.gate_up_proj = MergedLinear(
-            hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias, ops
+            hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias, ops, tp
         )
-        self.down_proj = Linear(intermediate, hidden, bias, ops)
+        # Rows split over the ranks, partial sums all-reduced (a plain Linear for one rank).
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, tp, ops)
         self.act = act
         self.ops = ops
 

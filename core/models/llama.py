@@ -15,36 +15,54 @@ from graphrt.core.memory import KVLayerSpec
 from graphrt.core.models.config import LlamaConfig
 from graphrt.core.models.layers import (
     GatedMLP,
-    Linear,
     MergedLinear,
     RMSNorm,
     RotaryEmbedding,
     rope_inv_freq,
 )
 from graphrt.core.models.ops import TORCH_OPS, ModelOps, PreNorm
+from graphrt.core.parallel.group import SINGLE, TPGroup
+from graphrt.core.parallel.layers import (
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_id: int, rotary: RotaryEmbedding, ops: ModelOps):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        ops: ModelOps,
+        tp: TPGroup = SINGLE,
+    ):
         super().__init__()
         c = config
-        self.q_size = c.num_heads * c.head_dim
-        self.kv_size = c.num_kv_heads * c.head_dim
+        # Under tensor parallelism each rank holds its heads (q) and KV heads, and their
+        # KV: the attention spec, and so the KV pool, are this rank's.
+        heads = tp.shard(c.num_heads, "num_attention_heads")
+        kv_heads = tp.shard(c.num_kv_heads, "num_key_value_heads")
+        self.q_size = heads * c.head_dim
+        self.kv_size = kv_heads * c.head_dim
+        full_q, full_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.qkv_proj = MergedLinear(
             c.hidden_size,
-            {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
+            {"q_proj": full_q, "k_proj": full_kv, "v_proj": full_kv},
             c.qkv_bias,
             ops,
+            tp,
         )
-        self.o_proj = Linear(self.q_size, c.hidden_size, c.o_proj_bias, ops)
+        self.o_proj = RowParallelLinear(full_q, c.hidden_size, c.o_proj_bias, tp, ops)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, ops)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, ops)
         self.qk_norm = c.qk_norm
         self.rotary = rotary
         self.spec = AttentionSpec(
-            num_heads=c.num_heads,
-            num_kv_heads=c.num_kv_heads,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
             head_dim=c.head_dim,
             scaling=c.head_dim**-0.5,
             cache_index=layer_id,
@@ -74,11 +92,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_id: int, rotary: RotaryEmbedding, ops: ModelOps):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        ops: ModelOps,
+        tp: TPGroup = SINGLE,
+    ):
         super().__init__()
         c = config
-        self.self_attn = LlamaAttention(c, layer_id, rotary, ops)
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, ops)
+        self.self_attn = LlamaAttention(c, layer_id, rotary, ops, tp)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, ops, tp)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, ops)
 
@@ -92,9 +117,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaBackbone(nn.Module):
-    def __init__(self, config: LlamaConfig, ops: ModelOps):
+    def __init__(self, config: LlamaConfig, ops: ModelOps, tp: TPGroup = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         # One rope table shared by every layer (a buffer, so it follows .to(device)).
         rotary = RotaryEmbedding(
             rope_inv_freq(config.head_dim, config.rope_parameters),
@@ -103,7 +128,7 @@ class LlamaBackbone(nn.Module):
         )
         self.rotary = rotary
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, ops) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, rotary, ops, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -117,15 +142,18 @@ class LlamaBackbone(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """``forward`` returns final hidden states (T, hidden); ``compute_logits`` the LM head."""
 
-    def __init__(self, config: LlamaConfig, ops: ModelOps = TORCH_OPS):
+    supports_tp = True  # built with a TPGroup, each rank holds its heads and columns
+
+    def __init__(self, config: LlamaConfig, ops: ModelOps = TORCH_OPS, tp: TPGroup = SINGLE):
         super().__init__()
         self.config = config
-        self.model = LlamaBackbone(config, ops)
+        self.tp = tp
+        self.model = LlamaBackbone(config, ops, tp)
         self.ops = ops
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, ops)
+            self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, tp, ops)
 
     @property
     def vocab_size(self) -> int:
@@ -141,7 +169,8 @@ class LlamaForCausalLM(nn.Module):
 
     def kv_layer_specs(self) -> list[KVLayerSpec]:
         c = self.config
-        return [KVLayerSpec(c.num_kv_heads, c.head_dim, i) for i in range(c.num_layers)]
+        kv_heads = self.model.layers[0].self_attn.spec.num_kv_heads  # this rank's
+        return [KVLayerSpec(kv_heads, c.head_dim, i) for i in range(c.num_layers)]
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         return self.model(batch, attn)
@@ -153,5 +182,6 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 (N, vocab); written into ``out`` when given (graph runners share one
         logits buffer across batch sizes)."""
-        logits = self.ops.linear(hidden, self.lm_head_weight, None)  # (N, vocab), model dtype
+        # (N, vocab / ranks) -> every rank's columns: (N, vocab), model dtype
+        logits = self.tp.all_gather_last(self.ops.linear(hidden, self.lm_head_weight, None))
         return self.ops.float_logits(logits, None, out)

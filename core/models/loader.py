@@ -26,6 +26,8 @@ from graphrt.core.models.config import architectures, eos_ids, parse_dtype
 from graphrt.core.models.layers import MergedLinear
 from graphrt.core.models.ops import TORCH_OPS, ModelOps
 from graphrt.core.models.registry import resolve_architecture
+from graphrt.core.parallel.group import SINGLE, TPGroup
+from graphrt.core.parallel.layers import take_shard
 
 CHECK_FINITE_ENV = "GRAPHRT_CHECK_FINITE"
 # Tensors some writers save that carry nothing graphrt needs.
@@ -62,12 +64,22 @@ def read_hf_config(path: Path) -> dict[str, Any]:
 
 
 def build_model(
-    model_class, config, device: torch.device, dtype: torch.dtype, ops: ModelOps = TORCH_OPS
+    model_class,
+    config,
+    device: torch.device,
+    dtype: torch.dtype,
+    ops: ModelOps = TORCH_OPS,
+    tp: TPGroup = SINGLE,
 ) -> nn.Module:
+    if not tp.is_single and not getattr(model_class, "supports_tp", False):
+        raise UsageError(
+            f"tensor parallelism is not implemented for {model_class.__name__} yet "
+            "(the Llama family has it)"
+        )
     # Built directly on the target device so rope tables and weights never
     # round-trip through host memory.
     with torch.device(device):
-        model = model_class(config, ops)
+        model = model_class(config, ops) if tp.is_single else model_class(config, ops, tp=tp)
     return model.to(dtype=dtype).eval().requires_grad_(False)
 
 
@@ -77,6 +89,7 @@ def load_checkpoint(
     dtype: torch.dtype | None,
     ops: ModelOps = TORCH_OPS,
     check_finite: bool | None = None,
+    tp: TPGroup = SINGLE,
 ) -> LoadedModel:
     """``check_finite``: refuse weights holding NaN or Inf (None: the GRAPHRT_CHECK_FINITE
     environment variable, off by default: one more pass over the weights, 12-22% of the
@@ -92,7 +105,7 @@ def load_checkpoint(
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path / 'config.json'} is malformed: {e!r}") from None
     dtype = dtype or config.dtype or torch.float32
-    model = build_model(arch.model_class, config, device, dtype, ops)
+    model = build_model(arch.model_class, config, device, dtype, ops, tp)
     load_weights(model, iter_safetensors(path), check_finite)
     return LoadedModel(
         model=model,
@@ -215,6 +228,7 @@ def checkpoint_targets(model: nn.Module) -> dict[str, Target]:
 
 
 def _copy_exact(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    tensor = take_shard(tensor, param)  # this rank's slice under tensor parallelism
     if tensor.shape != param.shape:
         raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
     param.data.copy_(tensor)

@@ -1,21 +1,8 @@
-"""Tensor parallelism over torch.distributed (DESIGN.md, layer 9): the group and the
-layers whose weights are split across its ranks."""
+"""Tensor parallelism over torch.distributed (DESIGN.md, layer 9): the group
+(``graphrt.core.parallel.group``) and the layers whose weights are split across its
+ranks (``graphrt.core.parallel.layers``). Only the group is imported here: the model
+layers build on ``parallel.group``, and ``parallel.layers`` builds on them."""
 
-from graphrt.core.parallel.group import TPGroup, init_tp
-from graphrt.core.parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    VocabParallelHead,
-    take_shard,
-)
+from graphrt.core.parallel.group import SINGLE, TPGroup, init_tp
 
-__all__ = [
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "TPGroup",
-    "VocabParallelEmbedding",
-    "VocabParallelHead",
-    "init_tp",
-    "take_shard",
-]
+__all__ = ["SINGLE", "TPGroup", "init_tp"]

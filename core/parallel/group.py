@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives  # noqa: F401 (registers _c10d_functional)
 
 from graphrt.core.errors import UsageError
 
+_C10D = torch.ops._c10d_functional
 DEFAULT_TIMEOUT_S = 120.0  # long enough for a first capture, short enough not to hang
 
 
@@ -47,20 +49,33 @@ class TPGroup:
             raise UsageError(f"{what} ({full}) does not split evenly over {self.size} ranks")
         return full // self.size
 
+    # The functional collective ops (torch.ops._c10d_functional), called raw: ops of the
+    # dispatcher, so graph capture records them (CUDA graphs capture the NCCL kernels,
+    # the tests' stand-in records the op) and torch.compile traces them. Not
+    # ``dist.all_reduce`` (it calls the process group from Python, invisible to both: a
+    # graph would replay without it) nor funcol's wrappers (their AsyncCollectiveTensor
+    # subclass has no storage a recorder can address).
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place (the row-parallel matmul's partial sums)."""
-        if not self.is_single:
-            dist.all_reduce(x, group=self.group)
-        return x
+        """``x`` summed over the ranks (the row-parallel matmul's partial sums)."""
+        if self.is_single:
+            return x
+        out = _C10D.all_reduce(x.contiguous(), "sum", self.group.group_name)
+        return _C10D.wait_tensor(out)
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """(..., n) on every rank -> (..., size * n), rank 0's columns first (the
         vocabulary-parallel LM head's logits)."""
         if self.is_single:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        # Gathered along a new leading dim: (size * rows, n) -> (rows, size * n)
+        rows = x.reshape(-1, x.shape[-1])
+        out = _C10D.all_gather_into_tensor(rows.contiguous(), self.size, self.group.group_name)
+        out = _C10D.wait_tensor(out).view(self.size, *rows.shape)  # (size, rows, n)
+        return out.permute(1, 0, 2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+
+
+SINGLE = TPGroup.single()  # the group of one: plain layers, no collectives
 
 
 def init_tp(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphrt.core.errors import UsageError
-from graphrt.core.models.layers import Linear
+from graphrt.core.models.linear import Linear
 from graphrt.core.models.ops import TORCH_OPS, ModelOps, PreNorm
 from graphrt.core.parallel.group import TPGroup
 

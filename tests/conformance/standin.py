@@ -70,6 +70,13 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+_C10D = torch.ops._c10d_functional
+
+
+def _is_collective(func: Any) -> bool:
+    return func.namespace == "_c10d_functional" and func is not _C10D.wait_tensor.default
+
+
 def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
@@ -129,6 +136,10 @@ class StandInGraph:
         with torch.inference_mode():
             for op in self.ops:
                 fresh = tree_flatten(op.func(*op.args, **op.kwargs))[0]
+                if _is_collective(op.func):
+                    # Its result is valid once waited on (a device stream orders this; the
+                    # host does here), and before it is copied where the graph reads it.
+                    fresh = [_C10D.wait_tensor(t) if _is_tensor(t) else t for t in fresh]
                 for static, new, aliased in zip(op.outputs, fresh, op.aliased):
                     if _is_tensor(static) and not aliased and static is not new:
                         static.copy_(new)  # the graph writes into the captured address

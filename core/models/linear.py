@@ -1,0 +1,64 @@
+"""The model's matmul layers: ``Linear`` runs the device's ``ops.linear`` (with an optional
+fused pre-norm and residual add); ``MergedLinear`` stacks several checkpoint projections
+into one matmul, column-split under tensor parallelism."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from graphrt.core.models.ops import TORCH_OPS, ModelOps, PreNorm
+from graphrt.core.parallel.group import SINGLE, TPGroup
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose matmul is the device's ``ops.linear`` (CUDA: a tuned GEMV for
+    decode-sized batches, cuBLAS otherwise), optionally with an RMSNorm before it and a
+    residual add after it (``norm(x) @ W.T + b + residual``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: ModelOps = TORCH_OPS):
+        super().__init__(in_features, out_features, bias=bias)
+        self.ops = ops
+
+    def forward(
+        self, x: torch.Tensor, norm: PreNorm | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias, norm=norm, residual=residual)
+
+
+class MergedLinear(Linear):
+    """One matmul over several checkpoint projections stacked along the output dim.
+
+    ``shards`` maps a checkpoint name suffix (e.g. "q_proj") to its output rows;
+    the loader calls ``load_shard`` for each and checks that all were loaded. Under
+    tensor parallelism (``tp`` of more than one rank) each projection is column-split:
+    this rank holds its slice of every one (q, k, v by heads; gate, up by columns).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        shards: Mapping[str, int],
+        bias: bool,
+        ops: ModelOps = TORCH_OPS,
+        tp: TPGroup = SINGLE,
+    ):
+        local = {name: tp.shard(size, f"{name} outputs") for name, size in shards.items()}
+        super().__init__(in_features, sum(local.values()), bias, ops)
+        self.tp = tp
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in local.items():
+            self.shard_offsets[name] = (offset, size)
+            offset += size
+
+    def load_shard(self, param: nn.Parameter, shard: str, tensor: torch.Tensor) -> None:
+        offset, size = self.shard_offsets[shard]
+        if not self.tp.is_single and tensor.shape[0] == size * self.tp.size:
+            tensor = tensor.narrow(0, self.tp.rank * size, size)  # this rank's rows
+        expected = (size, *param.shape[1:])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"shape {tuple(tensor.shape)}, expected {expected}")
+        param.data[offset : offset + size].copy_(tensor)
