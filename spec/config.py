@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from graphrt.core.engine.request import is_int
 from graphrt.core.errors import UsageError
 
 
@@ -23,7 +24,7 @@ class SpecConfig:
     def __post_init__(self):
         for name in ("num_steps", "topk", "num_draft_tokens"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            if value is not None and not is_int(value):
                 raise UsageError(f"SpecConfig.{name} must be an integer, got {value!r}")
         if self.num_steps < 1:
             raise UsageError(f"--spec-steps must be >= 1, got {self.num_steps}")

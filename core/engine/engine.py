@@ -12,7 +12,6 @@ in FIFO order, and one that could never fit is refused when it is added.
 from __future__ import annotations
 
 import logging
-import numbers
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -26,6 +25,7 @@ from graphrt.core.engine.request import (
     FinishReason,
     Request,
     SamplingParams,
+    is_int,
     sampling_params,
     token_ids,
 )
@@ -68,13 +68,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            if not is_int(value):
                 raise UsageError(f"{name} must be an integer, got {value!r}")
             if value < 1 and name != "seed":
                 raise UsageError(f"{name} must be >= 1, got {value}")
-        if self.graph_buckets is not None and not all(
-            isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in self.graph_buckets
-        ):
+        if self.graph_buckets is not None and not all(map(is_int, self.graph_buckets)):
             raise UsageError(f"graph_buckets must be integers, got {self.graph_buckets!r}")
         if not isinstance(self.graph_padding, bool):
             raise UsageError(f"graph_padding must be True or False, got {self.graph_padding!r}")

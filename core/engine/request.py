@@ -15,13 +15,13 @@ from graphrt.core.errors import RequestError
 MIN_TEMPERATURE = 1e-6
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     # numpy and torch integer scalars are Integral too; a bool is not a token or a count.
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _require_int(name: str, value) -> None:
-    if not _is_int(value):
+    if not is_int(value):
         raise RequestError(f"{name} must be an integer, got {value!r}")
 
 
@@ -60,7 +60,7 @@ def token_ids(prompt: Iterable) -> list[int]:
     except TypeError:
         raise RequestError(f"a prompt is a sequence of token ids, got {prompt!r}") from None
     for i, t in enumerate(ids):
-        if not _is_int(t):
+        if not is_int(t):
             raise RequestError(
                 f"prompt token {i} is {t!r} ({type(t).__name__}): token ids must be integers"
             )

@@ -3,9 +3,10 @@
 Only safetensors are read (no pickle), and only from inside the checkpoint
 directory. Every checkpoint tensor must land on exactly one parameter with the
 right shape and kind of dtype (floating weights stay floating: an integer tensor
-is never cast into one) and hold finite values; every parameter must be loaded.
-Anything else is a ``CheckpointError`` naming the file or tensor, raised while
-loading, before the model runs.
+is never cast into one), and with ``check_finite`` hold finite values; every
+parameter must be loaded. Anything else is a ``CheckpointError`` naming the file or
+tensor, raised while loading, before the model runs. Under tensor parallelism each
+rank keeps its slice of every split tensor (``parallel.layers.take_shard``).
 """
 
 from __future__ import annotations

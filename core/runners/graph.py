@@ -111,7 +111,9 @@ class GraphRunner(BaseRunner):
         """Capture every bucket, largest first (smaller graphs then reuse the pool memory
         it reserved). A bucket whose capture fails (out of memory, an op the device cannot
         capture) is dropped with one warning: its sizes run on the next bucket up, or
-        eagerly where none is left, and give the same tokens."""
+        eagerly where none is left, and give the same tokens. HAZARD: a bug in the
+        captured forward degrades the same way, to a warning and eager steps; tests that
+        mean to run graphs assert that they did (stats.graph_steps, captured_sizes)."""
         start = time.perf_counter()
         with self.backend.capture_session():  # inside: the graph memory it reports counts this
             for size in reversed(self.buckets):
