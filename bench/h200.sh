@@ -9,6 +9,7 @@
 #   bash bench/h200.sh paireval ["name=target:assistant ..."]: eval pairs on cuda
 #   bash bench/h200.sh reliability [steps]: capture under a memory cap, differential, soak
 #   bash bench/h200.sh soakspec [steps]: differential and soak with speculative rounds
+#   bash bench/h200.sh lanes [steps]: the CUDA lane beside capture_oom and soakspec (one call)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -96,18 +97,34 @@ if [[ $what == reliability ]]; then
     timeout 150 python bench/capture_oom.py --out "$OUT/capture-oom.json" 2>"$OUT/capture-oom.err" \
         | tail -n 12
     echo "capture_oom exit ${PIPESTATUS[0]}"; grep -v "^{" "$OUT/capture-oom.err" | tail -n 3
-    timeout 240 python bench/soak.py --device cuda --steps "${2:-10000}" --out "$OUT/soak.json" \
-        2>"$OUT/soak.err" | tail -n 8
-    echo "soak exit ${PIPESTATUS[0]}"; grep -v "step/s" "$OUT/soak.err" | tail -n 5
+    if [[ ${2:-10000} != 0 ]]; then
+        timeout 240 python bench/soak.py --device cuda --steps "${2:-10000}" --out "$OUT/soak.json" \
+            2>"$OUT/soak.err" | tail -n 8
+        echo "soak exit ${PIPESTATUS[0]}"; grep -v "step/s" "$OUT/soak.err" | tail -n 5
+    fi
 fi
 
 if [[ $what == soakspec ]]; then
     # The differential and soak with speculative rounds on every engine: the embedded pair,
     # whose drafts are accepted 0 to 5 at a time ($2: steps, default 3000).
-    timeout 500 python bench/soak.py --device cuda --steps "${2:-3000}" \
+    timeout "${SOAK_TIMEOUT:-500}" python bench/soak.py --device cuda --steps "${2:-3000}" \
         --model core/pretrained/gemma4-code-target --draft core/pretrained/gemma4-code-assistant \
         --out "$OUT/soak-spec.json" 2>"$OUT/soak-spec.err" | tail -n 8
     echo "soak (speculative) exit ${PIPESTATUS[0]}"; grep -v "step/s" "$OUT/soak-spec.err" | tail -n 5
+fi
+
+if [[ $what == lanes ]]; then
+    # The CUDA lane in the background while the capture-under-a-cap demonstration and the
+    # speculative soak run (separate processes; each caps or measures its own memory only).
+    # $OUT keeps few files: logs go to one tar, summaries print.
+    mkdir -p "$OUT/logs"
+    (OUT="$OUT/logs" timeout 530 bash bench/h200.sh tests > "$OUT/logs/lane.txt" 2>&1) &
+    lane=$!
+    OUT="$OUT/logs" bash bench/h200.sh reliability 0 2>&1 | tail -n 14
+    OUT="$OUT/logs" SOAK_TIMEOUT=360 bash bench/h200.sh soakspec "${2:-3000}" 2>&1 | tail -n 12
+    wait $lane
+    tail -n 16 "$OUT/logs/lane.txt"
+    tar cf "$OUT/logs.tar" -C "$OUT/logs" . && rm -r "$OUT/logs"
 fi
 
 if [[ $what == bench || $what == all ]]; then
