@@ -66,6 +66,15 @@ def llama_tied(tmp_path_factory) -> Checkpoint:
 
 
 @pytest.fixture(scope="session")
+def llama_mqa(tmp_path_factory) -> Checkpoint:
+    from transformers import LlamaConfig
+
+    # One KV head: under tensor parallelism every rank holds a replica of it.
+    cfg = LlamaConfig(**{**TINY, "num_key_value_heads": 1}, tie_word_embeddings=False)
+    return _save(tmp_path_factory, "llama_mqa", cfg, seed=7)
+
+
+@pytest.fixture(scope="session")
 def qwen2(tmp_path_factory) -> Checkpoint:
     from transformers import Qwen2Config
 

@@ -130,3 +130,23 @@ def test_init_without_a_launcher_is_the_group_of_one(monkeypatch):
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(UsageError, match="MASTER_PORT"):
         init_tp("gloo")
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "size", "expected"),
+    [
+        (8, 2, [(0, 4), (4, 4)]),  # split evenly
+        (2, 4, [(0, 1), (0, 1), (1, 1), (1, 1)]),  # replicated on 2 consecutive ranks each
+        (1, 4, [(0, 1)] * 4),  # one KV head (Gemma 4 E2B): every rank holds it
+    ],
+)
+def test_kv_heads_split_or_replicate_over_the_ranks(kv_heads, size, expected):
+    got = [TPGroup(rank=r, size=size).kv_heads(kv_heads) for r in range(size)]
+    assert [(s.start, s.size) for s in got] == expected
+    assert all(s.full == kv_heads for s in got)
+
+
+@pytest.mark.parametrize(("kv_heads", "size"), [(3, 2), (2, 3), (6, 4)])
+def test_kv_heads_that_neither_split_nor_divide_are_refused(kv_heads, size):
+    with pytest.raises(UsageError, match="num_key_value_heads"):
+        TPGroup(rank=0, size=size).kv_heads(kv_heads)

@@ -1,6 +1,6 @@
 """Tensor parallelism end to end on the CPU: 2 ranks over gloo, each loading its shard of
 a transformers-made Llama checkpoint (GQA with untied head, tied head, Qwen2's q/k/v
-biases), serving the same prompts in lockstep (SPMD), give the greedy tokens of one
+biases, one KV head replicated on both ranks), serving the same prompts in lockstep (SPMD), give the greedy tokens of one
 process holding the whole model, on the eager runner and on graphs (the stand-in CUDA
 graph backend, the all-reduces recorded inside the graphs)."""
 
@@ -57,7 +57,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("runner", ["eager", "graph"])
-@pytest.mark.parametrize("model", ["llama_gqa_untied", "llama_tied", "qwen2"])
+@pytest.mark.parametrize("model", ["llama_gqa_untied", "llama_tied", "qwen2", "llama_mqa"])
 def test_two_ranks_give_the_tokens_of_one(request, tmp_path, model, runner):
     path = str(request.getfixturevalue(model).path)
     expected, _ = _generate(path, TPGroup.single(), "eager")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from graphrt.core.models.ops import TORCH_OPS, ModelOps, PreNorm
-from graphrt.core.parallel.group import SINGLE, TPGroup
+from graphrt.core.parallel.group import SINGLE, RowSlice, TPGroup
 
 
 class Linear(nn.Linear):
@@ -34,30 +34,38 @@ class MergedLinear(Linear):
     ``shards`` maps a checkpoint name suffix (e.g. "q_proj") to its output rows;
     the loader calls ``load_shard`` for each and checks that all were loaded. Under
     tensor parallelism (``tp`` of more than one rank) each projection is column-split:
-    this rank holds its slice of every one (q, k, v by heads; gate, up by columns).
+    this rank holds its slice of every one (q, k, v by heads; gate, up by columns),
+    split evenly, or the ``RowSlice`` given for it (KV heads replicated over ranks).
     """
 
     def __init__(
         self,
         in_features: int,
-        shards: Mapping[str, int],
+        shards: Mapping[str, int | RowSlice],
         bias: bool,
         ops: ModelOps = TORCH_OPS,
         tp: TPGroup = SINGLE,
     ):
-        local = {name: tp.shard(size, f"{name} outputs") for name, size in shards.items()}
-        super().__init__(in_features, sum(local.values()), bias, ops)
+        local = {
+            name: rows if isinstance(rows, RowSlice) else tp.split(rows, f"{name} outputs")
+            for name, rows in shards.items()
+        }
+        super().__init__(in_features, sum(r.size for r in local.values()), bias, ops)
         self.tp = tp
+        self.shard_rows = local  # checkpoint rows this rank holds, per projection
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
-        for name, size in local.items():
-            self.shard_offsets[name] = (offset, size)
-            offset += size
+        for name, rows in local.items():
+            self.shard_offsets[name] = (offset, rows.size)
+            offset += rows.size
 
     def load_shard(self, param: nn.Parameter, shard: str, tensor: torch.Tensor) -> None:
+        """``tensor``: the checkpoint's whole projection (a torch tensor, or a lazy one that
+        reads only the rows asked for)."""
         offset, size = self.shard_offsets[shard]
-        if not self.tp.is_single and tensor.shape[0] == size * self.tp.size:
-            tensor = tensor.narrow(0, self.tp.rank * size, size)  # this rank's rows
+        rows = self.shard_rows[shard]
+        if tensor.shape[0] == rows.full:
+            tensor = tensor.narrow(0, rows.start, rows.size)  # this rank's rows
         expected = (size, *param.shape[1:])
         if tuple(tensor.shape) != expected:
             raise ValueError(f"shape {tuple(tensor.shape)}, expected {expected}")

@@ -43,13 +43,14 @@ class LlamaAttention(nn.Module):
         # Under tensor parallelism each rank holds its heads (q) and KV heads, and their
         # KV: the attention spec, and so the KV pool, are this rank's.
         heads = tp.shard(c.num_heads, "num_attention_heads")
-        kv_heads = tp.shard(c.num_kv_heads, "num_key_value_heads")
+        kv_rows = tp.kv_heads(c.num_kv_heads).scaled(c.head_dim)  # split, or replicated
+        kv_heads = kv_rows.size // c.head_dim
         self.q_size = heads * c.head_dim
-        self.kv_size = kv_heads * c.head_dim
-        full_q, full_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.kv_size = kv_rows.size
+        full_q = c.num_heads * c.head_dim
         self.qkv_proj = MergedLinear(
             c.hidden_size,
-            {"q_proj": full_q, "k_proj": full_kv, "v_proj": full_kv},
+            {"q_proj": full_q, "k_proj": kv_rows, "v_proj": kv_rows},
             c.qkv_bias,
             ops,
             tp,

@@ -29,6 +29,20 @@ DEFAULT_TIMEOUT_S = 120.0  # long enough for a first capture, short enough not t
 
 
 @dataclass(frozen=True)
+class RowSlice:
+    """Rows [start, start + size) of a checkpoint tensor of ``full`` rows: the part one
+    rank holds (all of it for the group of one)."""
+
+    start: int
+    size: int
+    full: int
+
+    def scaled(self, k: int) -> RowSlice:
+        """The same slice in units ``k`` times smaller (heads -> rows of head_dim each)."""
+        return RowSlice(self.start * k, self.size * k, self.full * k)
+
+
+@dataclass(frozen=True)
 class TPGroup:
     rank: int
     size: int
@@ -48,6 +62,25 @@ class TPGroup:
         if full % self.size:
             raise UsageError(f"{what} ({full}) does not split evenly over {self.size} ranks")
         return full // self.size
+
+    def split(self, full: int, what: str) -> RowSlice:
+        """This rank's slice of ``full`` rows split evenly over the ranks."""
+        size = self.shard(full, what)
+        return RowSlice(self.rank * size, size, full)
+
+    def kv_heads(self, num_kv_heads: int) -> RowSlice:
+        """The KV heads this rank holds, in heads. With at least as many KV heads as ranks
+        they split evenly; with fewer (Gemma 4 E2B has one) each is replicated on
+        ``size / num_kv_heads`` consecutive ranks, the ranks whose query heads read it
+        (query heads split evenly, so rank r's queries share KV head r // replicas)."""
+        if num_kv_heads >= self.size:
+            return self.split(num_kv_heads, "num_key_value_heads")
+        if self.size % num_kv_heads:
+            raise UsageError(
+                f"num_key_value_heads ({num_kv_heads}) neither splits over nor divides "
+                f"{self.size} ranks"
+            )
+        return RowSlice(self.rank // (self.size // num_kv_heads), 1, num_kv_heads)
 
     # The functional collective ops (torch.ops._c10d_functional), called raw: ops of the
     # dispatcher, so graph capture records them (CUDA graphs capture the NCCL kernels,
