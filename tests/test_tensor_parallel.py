@@ -72,3 +72,34 @@ def test_two_ranks_give_the_tokens_of_one(request, tmp_path, model, runner):
 def test_a_model_without_tensor_parallelism_is_refused_in_one_line(gemma4_tiny):
     with pytest.raises(UsageError, match="not implemented for Gemma4ForCausalLM"):
         load_model(str(gemma4_tiny.path), CPU, torch.float32, tp=TPGroup(rank=0, size=2))
+
+
+def test_each_rank_reads_only_its_slice_of_split_tensors(llama_gqa_untied, monkeypatch):
+    """Rank 1 of 2 loads straight from safetensors: split tensors are read as slices
+    (never whole), and each parameter holds its rows/columns of the full tensor."""
+    from safetensors.torch import load_file
+
+    from graphrt.core.models import loader
+
+    read_whole: list[str] = []
+    read = loader.LazyTensor.read
+    monkeypatch.setattr(
+        loader.LazyTensor, "read", lambda self: read_whole.append(self.name) or read(self)
+    )
+    tp = TPGroup(rank=1, size=2)  # no process group: building and loading need none
+    model = load_model(str(llama_gqa_untied.path), CPU, torch.float32, tp=tp).model
+    assert read_whole and all(name.endswith("norm.weight") for name in read_whole)
+
+    full = load_file(str(llama_gqa_untied.path / "model.safetensors"))
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    q = full["model.layers.0.self_attn.q_proj.weight"]
+    k = full["model.layers.0.self_attn.k_proj.weight"]
+    half_q, half_k = q.shape[0] // 2, k.shape[0] // 2
+    assert torch.equal(attn.qkv_proj.weight[:half_q], q[half_q:])
+    assert torch.equal(attn.qkv_proj.weight[half_q : half_q + half_k], k[half_k:])
+    o = full["model.layers.0.self_attn.o_proj.weight"]
+    assert torch.equal(attn.o_proj.weight, o[:, o.shape[1] // 2 :])
+    down = full["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(mlp.down_proj.weight, down[:, down.shape[1] // 2 :])
+    embed = full["model.embed_tokens.weight"]
+    assert torch.equal(model.model.embed_tokens.weight, embed[embed.shape[0] // 2 :])

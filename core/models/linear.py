@@ -59,9 +59,9 @@ class MergedLinear(Linear):
             self.shard_offsets[name] = (offset, rows.size)
             offset += rows.size
 
-    def load_shard(self, param: nn.Parameter, shard: str, tensor: torch.Tensor) -> None:
+    def load_shard(self, param: nn.Parameter, shard: str, tensor) -> torch.Tensor:
         """``tensor``: the checkpoint's whole projection (a torch tensor, or a lazy one that
-        reads only the rows asked for)."""
+        reads only the rows asked for). -> the rows copied in."""
         offset, size = self.shard_offsets[shard]
         rows = self.shard_rows[shard]
         if tensor.shape[0] == rows.full:
@@ -70,3 +70,4 @@ class MergedLinear(Linear):
         if tuple(tensor.shape) != expected:
             raise ValueError(f"shape {tuple(tensor.shape)}, expected {expected}")
         param.data[offset : offset + size].copy_(tensor)
+        return tensor

@@ -6,7 +6,9 @@ right shape and kind of dtype (floating weights stay floating: an integer tensor
 is never cast into one), and with ``check_finite`` hold finite values; every
 parameter must be loaded. Anything else is a ``CheckpointError`` naming the file or
 tensor, raised while loading, before the model runs. Under tensor parallelism each
-rank keeps its slice of every split tensor (``parallel.layers.take_shard``).
+rank reads only its slice of every split tensor from the file (``LazyTensor``, cut by
+``parallel.layers.take_shard`` and ``MergedLinear.load_shard``): no rank copies a whole
+split tensor.
 """
 
 from __future__ import annotations
@@ -193,12 +195,48 @@ def _confined(path: Path, name: str, index: Path | None = None) -> Path:
     return path / name
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+# safetensors' dtype names (the header's) -> torch dtypes.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    "BOOL": torch.bool, "C64": torch.complex64,
+}  # fmt: skip
+
+
+class LazyTensor:
+    """One tensor of an open safetensors file, read only as far as it is asked for:
+    ``narrow`` reads one slice (a rank's shard), ``read`` all of it. Shape and dtype come
+    from the file's header, so they are checked before anything is read. Valid while
+    the file is open (``iter_safetensors`` keeps it open until the next file)."""
+
+    def __init__(self, handle: Any, name: str):
+        self._slice = handle.get_slice(name)
+        self.name = name
+        self.shape = torch.Size(self._slice.get_shape())
+        kind = self._slice.get_dtype()
+        if kind not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"tensor {name!r} has dtype {kind}, which graphrt does not read")
+        self.dtype = _SAFETENSORS_DTYPES[kind]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._slice[(slice(None),) * dim + (slice(start, start + length),)]
+
+    def read(self) -> torch.Tensor:
+        return self._slice[...]
+
+
+def materialize(tensor: torch.Tensor | LazyTensor) -> torch.Tensor:
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.read()
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, LazyTensor]]:
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, LazyTensor(f, name)
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types on corrupt files
@@ -207,7 +245,8 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 class Target(NamedTuple):
     param: nn.Parameter  # the parameter the tensor lands in (whole, or one shard of it)
-    load: Callable[[torch.Tensor], None]  # copies the tensor in (casting its dtype)
+    # Copies the tensor (this rank's part of it) in, casting its dtype; -> what was read.
+    load: Callable[[torch.Tensor | LazyTensor], torch.Tensor]
 
 
 def checkpoint_targets(model: nn.Module) -> dict[str, Target]:
@@ -228,15 +267,19 @@ def checkpoint_targets(model: nn.Module) -> dict[str, Target]:
     return targets
 
 
-def _copy_exact(param: torch.Tensor, tensor: torch.Tensor) -> None:
+def _copy_exact(param: torch.Tensor, tensor: torch.Tensor | LazyTensor) -> torch.Tensor:
     tensor = take_shard(tensor, param)  # this rank's slice under tensor parallelism
     if tensor.shape != param.shape:
         raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-    param.data.copy_(tensor)
+    piece = materialize(tensor)
+    param.data.copy_(piece)
+    return piece
 
 
 def load_weights(
-    model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], check_finite: bool = False
+    model: nn.Module,
+    tensors: Iterator[tuple[str, torch.Tensor | LazyTensor]],
+    check_finite: bool = False,
 ) -> None:
     targets = checkpoint_targets(model)
     tied = getattr(model, "lm_head", "absent") is None
@@ -252,11 +295,15 @@ def load_weights(
             raise CheckpointError(f"unexpected tensor {raw_name!r} in checkpoint")
         if name in loaded:
             raise CheckpointError(f"tensor {raw_name!r} appears twice in the checkpoint")
-        _check_tensor(raw_name, tensor, targets[name].param, check_finite)
+        _check_dtype(raw_name, tensor.dtype, targets[name].param)
         try:
-            targets[name].load(tensor)
+            piece = targets[name].load(tensor)
         except ValueError as e:
             raise CheckpointError(f"tensor {raw_name!r} has the wrong shape: {e}") from None
+        # What this rank read: each rank checks its own shard.
+        if check_finite and piece.is_floating_point() and not _all_finite(piece):
+            bad = int(piece.numel() - torch.isfinite(piece).sum())
+            raise CheckpointError(f"tensor {raw_name!r} holds {bad} NaN or Inf value(s)")
         loaded.add(name)
     missing = sorted(set(targets) - loaded)
     if missing:
@@ -264,19 +311,16 @@ def load_weights(
         raise CheckpointError(f"checkpoint is missing tensor(s) {', '.join(missing[:3])}{more}")
 
 
-def _check_tensor(name: str, tensor: torch.Tensor, param: torch.Tensor, check_finite: bool) -> None:
+def _check_dtype(name: str, dtype: torch.dtype, param: torch.Tensor) -> None:
     """Before the cast into ``param``: floating weights take floating tensors only (casting
     between float dtypes is normal; an integer or boolean tensor there is a broken or
     quantized checkpoint), integer parameters (an index table) integer tensors only."""
-    kind, expected = _dtype_kind(tensor.dtype), _dtype_kind(param.dtype)
+    kind, expected = _dtype_kind(dtype), _dtype_kind(param.dtype)
     if kind != expected:
         article = "an" if expected[0] in "aeiou" else "a"
         raise CheckpointError(
-            f"tensor {name!r} has dtype {tensor.dtype} ({kind}), expected {article} {expected} dtype"
+            f"tensor {name!r} has dtype {dtype} ({kind}), expected {article} {expected} dtype"
         )
-    if check_finite and kind == "floating" and not _all_finite(tensor):
-        bad = int(tensor.numel() - torch.isfinite(tensor).sum())
-        raise CheckpointError(f"tensor {name!r} holds {bad} NaN or Inf value(s)")
 
 
 def _dtype_kind(dtype: torch.dtype) -> str:
