@@ -299,3 +299,14 @@ def test_llama_1b_preset_shape():
     assert config.dtype == torch.bfloat16
     assert config.rope_parameters["rope_type"] == "llama3"
     assert preset_hf_config("llama-1b") is not preset_hf_config("llama-1b")  # callers get copies
+
+
+def test_llama_8b_preset_is_the_llama_3_1_8b_shape():
+    hf = preset_hf_config("llama-8b")
+    arch_name, arch = resolve_architecture(hf)
+    config = arch.parse_config(hf, arch_name)
+    with torch.device("meta"):  # shapes only: no 8 B parameters allocated
+        model = arch.model_class(config)
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248  # Llama-3.1-8B's count
+    assert not config.tie_word_embeddings
+    assert config.rope_parameters["factor"] == 8.0

@@ -103,3 +103,20 @@ def test_each_rank_reads_only_its_slice_of_split_tensors(llama_gqa_untied, monke
     assert torch.equal(mlp.down_proj.weight, down[:, down.shape[1] // 2 :])
     embed = full["model.embed_tokens.weight"]
     assert torch.equal(model.model.embed_tokens.weight, embed[embed.shape[0] // 2 :])
+
+
+def test_a_random_preset_splits_the_one_process_model(monkeypatch):
+    """random:<preset> under tensor parallelism: each rank holds its shard of the very
+    weights one process draws from the seed (so TP=1 and TP=2 give the same tokens)."""
+    whole = load_model("random:llama-tiny", CPU, torch.float32).model
+    rank1 = load_model("random:llama-tiny", CPU, torch.float32, tp=TPGroup(rank=1, size=2)).model
+    w, r = whole.model.layers[1], rank1.model.layers[1]
+    q, kv = whole.config.num_heads * whole.config.head_dim // 2, r.self_attn.kv_size
+    full_q = whole.config.num_heads * whole.config.head_dim
+    qkv = w.self_attn.qkv_proj.weight
+    assert torch.equal(r.self_attn.qkv_proj.weight[:q], qkv[q:full_q])
+    assert torch.equal(r.self_attn.qkv_proj.weight[q : q + kv], qkv[full_q + kv : full_q + 2 * kv])
+    assert torch.equal(r.self_attn.o_proj.weight, w.self_attn.o_proj.weight[:, q:])
+    assert torch.equal(r.mlp.down_proj.weight, w.mlp.down_proj.weight.chunk(2, dim=1)[1])
+    assert torch.equal(rank1.lm_head.weight, whole.lm_head.weight.chunk(2)[1])
+    assert torch.equal(r.input_layernorm.weight, w.input_layernorm.weight)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from graphrt import devices
-from graphrt.core.errors import UsageError
 from graphrt.core.models.loader import LoadedModel, load_checkpoint
 from graphrt.core.models.ops import TORCH_OPS, ModelOps
 from graphrt.core.models.presets import PRESETS, load_random
@@ -43,9 +42,7 @@ def load_model(
         device = device.torch_device()
     ops = ops or TORCH_OPS
     if name.startswith(RANDOM_PREFIX):
-        if not tp.is_single:  # each rank would draw a different model, not shards of one
-            raise UsageError("random presets do not run under tensor parallelism yet")
-        return load_random(name[len(RANDOM_PREFIX) :], device, dtype, seed, ops)
+        return load_random(name[len(RANDOM_PREFIX) :], device, dtype, seed, ops, tp)
     return load_checkpoint(name, device, dtype, ops, check_finite=check_finite, tp=tp)
 
 

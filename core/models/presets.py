@@ -7,11 +7,15 @@ import copy
 from typing import Any
 
 import torch
+from torch import nn
 
 from graphrt.core.errors import CheckpointError
+from graphrt.core.models.linear import MergedLinear
 from graphrt.core.models.loader import LoadedModel, build_model
 from graphrt.core.models.ops import TORCH_OPS, ModelOps
 from graphrt.core.models.registry import resolve_architecture
+from graphrt.core.parallel.group import SINGLE, TPGroup
+from graphrt.core.parallel.layers import take_shard
 
 # Gemma 4's rope per layer type (E2B / E4B): the assistant must rotate as its target does.
 GEMMA4_ROPE = {
@@ -64,6 +68,32 @@ PRESETS: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 8192,
         },
         "tie_word_embeddings": True,
+        "eos_token_id": [128001, 128008, 128009],
+        "bos_token_id": 128000,
+        "dtype": "bfloat16",
+    },
+    # The Llama-3.1-8B shape (8.03 B parameters).
+    "llama-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": False,
         "eos_token_id": [128001, 128008, 128009],
         "bos_token_id": 128000,
         "dtype": "bfloat16",
@@ -149,20 +179,29 @@ def load_random(
     dtype: torch.dtype | None,
     seed: int = 0,
     ops: ModelOps = TORCH_OPS,
+    tp: TPGroup = SINGLE,
 ) -> LoadedModel:
+    """Under tensor parallelism every rank draws the whole model's weights, tensor by
+    tensor, and keeps its shard: the ranks together hold the model one process gets
+    from the same seed (same tokens at any ``tp``)."""
     hf_config = preset_hf_config(preset)
     arch_name, arch = resolve_architecture(hf_config)
     config = arch.parse_config(hf_config, arch_name)
-    model = build_model(arch.model_class, config, device, dtype or config.dtype, ops)
+    model = build_model(arch.model_class, config, device, dtype or config.dtype, ops, tp)
     generator = torch.Generator(device=device).manual_seed(seed)
+    modules = dict(model.named_modules())
     for name, param in model.named_parameters():
+        module = modules[name.rpartition(".")[0]]
+        full = param.data if tp.is_single else param.new_empty(_full_shape(param, module))
         if name.endswith(("norm.weight", "layer_scalar")):  # multiplicative scales start at 1
-            param.data.fill_(1.0)
+            full.fill_(1.0)
         elif name.endswith("bias"):
-            param.data.zero_()
+            full.zero_()
         else:
             # std 0.02, as transformers initialises these models.
-            param.data.normal_(0.0, 0.02, generator=generator)
+            full.normal_(0.0, 0.02, generator=generator)
+        if not tp.is_single:
+            _keep_shard(param, module, full)
     return LoadedModel(
         model=model,
         config=config,
@@ -170,3 +209,24 @@ def load_random(
         tokenizer_path=None,
         eos_token_ids=config.eos_token_ids,
     )
+
+
+def _full_shape(param: nn.Parameter, module: nn.Module) -> list[int]:
+    """The shape of the whole (unsplit) tensor ``param`` is this rank's part of."""
+    shape = list(param.shape)
+    if isinstance(module, MergedLinear):  # every projection's whole rows, stacked
+        shape[0] = sum(rows.full for rows in module.shard_rows.values())
+    elif getattr(param, "tp_dim", None) is not None:
+        shape[param.tp_dim] *= param.tp_group.size
+    return shape
+
+
+def _keep_shard(param: nn.Parameter, module: nn.Module, full: torch.Tensor) -> None:
+    """Copies this rank's part of ``full`` into ``param``, as the loader cuts a checkpoint."""
+    if not isinstance(module, MergedLinear):
+        param.data.copy_(take_shard(full, param))
+        return
+    start = 0
+    for shard, rows in module.shard_rows.items():
+        module.load_shard(param, shard, full.narrow(0, start, rows.full))
+        start += rows.full
