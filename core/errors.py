@@ -8,7 +8,8 @@ and keeps its traceback.
 
 Exit statuses: 1 a request or run that cannot be served (``GraphrtError``,
 ``RequestError``), 2 usage (``UsageError``; argparse's own errors too), 3 a bad
-checkpoint, 4 an unavailable device, 5 out of memory, 130 interrupted.
+checkpoint, 4 an unavailable device, 5 out of memory, 6 a tensor-parallel rank
+that failed or could not be reached, 130 interrupted.
 """
 
 
@@ -46,12 +47,31 @@ class OutOfMemoryError(GraphrtError):
     exit_code = 5
 
 
+class RankFailedError(GraphrtError):
+    """A rank of a tensor-parallel job died, failed or cannot be reached (the job stops)."""
+
+    exit_code = 6
+
+
 class RequestError(GraphrtError):
     """A request cannot be served (empty prompt, token outside the vocabulary, too long)."""
 
 
 class KVPoolExhaustedError(GraphrtError):
     """The KV pool has no room for an allocation that cannot wait."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` comes from torch.distributed: a peer rank that died or cannot be
+    reached, a collective that timed out."""
+    import torch.distributed as dist
+
+    return isinstance(error, dist.DistError) or "gloo" in str(error).lower()
 
 
 def out_of_memory(error: BaseException) -> bool:

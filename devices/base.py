@@ -38,9 +38,12 @@ class Device(abc.ABC):
     extra: ClassVar[str | None] = None
     """The pip extra of graphrt that installs this device's library, if any."""
     libraries: ClassVar[tuple[str, ...]] = ()
+    """Distributions reported by `library_versions` (read from metadata, never imported)."""
     collective_backend: ClassVar[str] = "gloo"
     """torch.distributed's backend for this device's collectives (tensor parallelism)."""
-    """Distributions reported by `library_versions` (read from metadata, never imported)."""
+    index: int | None = None
+    """Which of the host's devices this process drives (``bind_local_rank``); None: the
+    current one."""
 
     @abc.abstractmethod
     def is_available(self) -> bool:
@@ -62,7 +65,23 @@ class Device(abc.ABC):
         """The torch device tensors are placed on. Call after `ensure_ready`."""
         import torch
 
-        return torch.device(self.torch_type)
+        return torch.device(self.torch_type, self.index)
+
+    def bind_local_rank(self, local_rank: int, local_size: int) -> None:
+        """Tensor parallelism: this process is rank ``local_rank`` of the ``local_size``
+        ranks on its host and drives the host's device of that index (the current device
+        for everything that follows: streams, graph pools, the collective's communicator)."""
+        import torch
+
+        self.ensure_ready()
+        count = torch.accelerator.device_count()
+        if local_rank >= count:
+            raise self.unavailable(
+                f"has {count} device(s) on this host; local rank {local_rank} needs one more "
+                "(fewer ranks per host, or more devices)"
+            )
+        self.index = local_rank
+        torch.accelerator.set_device_index(local_rank)
 
     def default_dtype(self) -> torch.dtype:
         """Accelerators decode in bfloat16; CPU overrides this with float32."""

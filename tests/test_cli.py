@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STATS_KEYS = {
     "device",
     "runner",
+    "tp",
     "graph_steps",
     "eager_steps",
     "captured_sizes",

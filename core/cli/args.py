@@ -91,6 +91,17 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         help="auto: the checkpoint's (float32 on cpu) (default: %(default)s)",
     )
     _add_check_weights(p)
+    _add_tp_flag(p)
+
+
+def _add_tp_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tp",
+        type=_positive,
+        default=None,
+        help="tensor parallelism: split the model over N devices of this host, one process "
+        "each (under torchrun: its process count) (default: 1, or torchrun's WORLD_SIZE)",
+    )
 
 
 def _add_check_weights(p: argparse.ArgumentParser) -> None:
@@ -246,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: bfloat16 on accelerators (default: %(default)s)",
     )
     _add_check_weights(bench)
+    _add_tp_flag(bench)
     bench.add_argument(
         "--prompt-len",
         type=_positive,

@@ -17,6 +17,7 @@ from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.errors import GraphrtError, RequestError, UsageError
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
+from graphrt.core.parallel.launch import is_output_rank, join
 from graphrt.spec import MTPDecoding, SpecConfig
 
 
@@ -25,7 +26,8 @@ def _phase(what: str) -> Iterator[None]:
     """One status line on stderr per phase, with its time (stdout stays the result's)."""
     start = time.perf_counter()
     yield
-    print(f"{what}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    if is_output_rank():  # one job, one voice: rank 0's
+        print(f"{what}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def _tokenizer(path: Path | None):
@@ -95,6 +97,7 @@ def _model_and_draft(args: argparse.Namespace) -> tuple[str, str | None]:
 def run_generate(args: argparse.Namespace) -> int:
     args.model, args.draft = _model_and_draft(args)
     device = devices.current(args.device)
+    tp = join(args.tp, device)  # the group of one unless this is a rank of a --tp job
     spec_config = None
     if args.draft is not None:
         spec_config = SpecConfig(args.spec_steps, args.spec_topk, args.spec_draft_tokens)
@@ -114,13 +117,13 @@ def run_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     with _phase(f"loaded {args.model} on {device.name}"):
-        loaded = load_model(args.model, device, dtype, check_finite=args.check_weights)
+        loaded = load_model(args.model, device, dtype, check_finite=args.check_weights, tp=tp)
     drafter = None
     if args.draft is not None:
         with _phase(f"loaded drafter {args.draft}"):
             # auto: the target's dtype, whatever the assistant was saved in (they share KV).
             drafter = load_model(
-                args.draft, device, dtype or loaded.dtype, check_finite=args.check_weights
+                args.draft, device, dtype or loaded.dtype, check_finite=args.check_weights, tp=tp
             )
     tokenizer = _tokenizer(loaded.tokenizer_path)
     prompts = _encode_prompts(args.prompts, tokenizer)
@@ -145,7 +148,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
     total = len(prompts) * args.max_new_tokens
     with tqdm(
-        total=total, unit="tok", disable=args.json or None, file=sys.stderr, leave=False
+        total=total,
+        unit="tok",
+        disable=args.json or not is_output_rank() or None,
+        file=sys.stderr,
+        leave=False,
     ) as bar:
         reqs = engine.generate(prompts, params, on_step=lambda stepped: bar.update(len(stepped)))
 
@@ -157,6 +164,7 @@ def run_generate(args: argparse.Namespace) -> int:
     stats = {
         "device": device.name,
         "runner": runner,
+        "tp": tp.size,
         "graph_steps": engine.stats.graph_steps,
         "eager_steps": engine.stats.eager_steps,
         "captured_sizes": engine.stats.captured_sizes,
@@ -197,7 +205,9 @@ def run_generate(args: argparse.Namespace) -> int:
     summary = (
         f"{engine.stats.generated_tokens} tokens in {engine.stats.elapsed_s:.2f} s: "
         f"{stats['tokens_per_s']:.1f} tok/s decoding ({not_counted} not counted)"
-        f" on {device.name}, runner {runner}"
+        f" on {device.name}"
+        + (f" x {tp.size} (tensor parallel)" if tp.size > 1 else "")
+        + f", runner {runner}"
     )
     if drafter is not None:
         spec = stats["spec"]

@@ -3,9 +3,13 @@
 A ``GraphrtError`` (bad input, bad checkpoint, missing device library, a size
 that does not fit in memory) is printed as ``graphrt: error: <message>`` and
 exits with its class's status (graphrt.core.errors: 1 request, 2 usage,
-3 checkpoint, 4 device, 5 out of memory); argparse usage errors exit 2. torch's
-out-of-memory errors become status 5 too. Anything else is a bug and keeps its
-traceback.
+3 checkpoint, 4 device, 5 out of memory, 6 a tensor-parallel rank lost); argparse usage
+errors exit 2. torch's out-of-memory errors become status 5 too, torch.distributed's
+failures (a peer rank died) status 6. Anything else is a bug and keeps its traceback.
+
+``--tp N`` outside a job (no torchrun environment) starts the job: N copies of this
+command, one per device (graphrt.core.parallel.launch). Inside a job every rank runs
+the command; errors name the rank.
 """
 
 from __future__ import annotations
@@ -19,11 +23,25 @@ from graphrt import devices
 devices.disable_torch_backend_autoload()
 
 from graphrt.core.cli.args import build_parser  # noqa: E402
-from graphrt.core.errors import GraphrtError, OutOfMemoryError, out_of_memory  # noqa: E402
+from graphrt.core.errors import (  # noqa: E402
+    GraphrtError,
+    OutOfMemoryError,
+    RankFailedError,
+    collective_failure,
+    first_line,
+    out_of_memory,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    from graphrt.core.parallel.launch import in_job, spawn_ranks  # torch: after --help
+
+    if getattr(args, "tp", None) and args.tp > 1 and not in_job():
+        return spawn_ranks(args.tp, argv)
+    # In a job, every rank may fail: its error line says which one it is.
+    rank = f"rank {os.environ['RANK']}: " if in_job() else ""
     try:
         if args.command == "generate":
             from graphrt.core.cli.generate import run_generate
@@ -38,13 +56,16 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_info(args)
     except GraphrtError as e:
-        print(f"graphrt: error: {e}", file=sys.stderr)
+        print(f"graphrt: error: {rank}{e}", file=sys.stderr)
         return e.exit_code
     except (MemoryError, RuntimeError) as e:
-        if not out_of_memory(e):  # torch.OutOfMemoryError, the CPU allocator's, Python's
-            raise
-        print(f"graphrt: error: out of memory: {_first_line(e)}", file=sys.stderr)
-        return OutOfMemoryError.exit_code
+        if out_of_memory(e):  # torch.OutOfMemoryError, the CPU allocator's, Python's
+            print(f"graphrt: error: {rank}out of memory: {first_line(e)}", file=sys.stderr)
+            return OutOfMemoryError.exit_code
+        if in_job() and collective_failure(e):
+            print(f"graphrt: error: {rank}lost the other ranks: {first_line(e)}", file=sys.stderr)
+            return RankFailedError.exit_code
+        raise
     except KeyboardInterrupt:
         print("graphrt: interrupted", file=sys.stderr)
         return 130
@@ -53,10 +74,6 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     raise AssertionError(f"unhandled command {args.command}")
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 if __name__ == "__main__":

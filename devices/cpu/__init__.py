@@ -43,6 +43,13 @@ class CpuDevice(Device):
     def describe(self) -> str:
         return f"cpu ({_usable_cores()} cores)"
 
+    def bind_local_rank(self, local_rank: int, local_size: int) -> None:
+        """Every rank of the host runs on its CPU: they share its cores (torch would give
+        each rank all of them, and the ranks would thrash)."""
+        import torch
+
+        torch.set_num_threads(max(1, _usable_cores() // local_size))
+
     def _graph_backend_factories(self):
         # inductor's CPU code is C++: without a compiler there is no graph backend, and
         # --runner defaults to eager instead of failing at the first compiled step.

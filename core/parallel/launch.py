@@ -1,0 +1,182 @@
+"""Starting and joining a tensor-parallel job.
+
+``graphrt generate --tp N`` and ``graphrt bench --tp N`` on one host: the command runs
+itself N times (``spawn_ranks``), one process per device, each with torchrun's
+environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+Under torchrun, on one host or several, the processes exist already. Either way every
+rank calls ``join`` and then runs the same schedule (SPMD).
+
+Output: rank 0 alone prints. The launcher passes rank 0's stdout and stderr through and
+keeps the other ranks' stderr only to name a failure.
+
+Failure: the first rank that exits non-zero (or is killed) stops the job. The launcher
+gives the others ``GRACE_S`` to exit on their own (a rank waiting in a collective on a
+dead peer fails within that on gloo; NCCL may wait until the process group's timeout),
+then kills them, and prints one line naming the rank that failed first and why.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from graphrt.core.errors import RankFailedError, UsageError, first_line
+from graphrt.core.parallel.group import SINGLE, TPGroup, init_tp
+
+GRACE_S = 3.0  # after the first failure, how long the other ranks get to exit on their own
+POLL_S = 0.05
+ERROR_PREFIX = "graphrt: error: "
+
+
+def is_output_rank() -> bool:
+    """Whether this process prints: rank 0 of a job, or a process that is not in one."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def in_job() -> bool:
+    """Whether this process is a rank of a job (started by ``spawn_ranks`` or torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def join(requested: int | None, device) -> TPGroup:
+    """This process's tensor-parallel group: the job's ranks when it is one of them,
+    else the group of one. Binds the rank's device first (the collective library opens
+    its communicator on the current device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if requested is not None and requested != world:
+        raise UsageError(
+            f"--tp {requested}, but this job has {world} processes (WORLD_SIZE): "
+            f"pass --tp {world} or leave --tp out under torchrun"
+        )
+    if world == 1:
+        return SINGLE
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    device.bind_local_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    try:
+        tp = init_tp(device.collective_backend)
+    except (RuntimeError, ValueError) as e:  # rendezvous: unreachable master, timeout
+        raise RankFailedError(f"cannot join the tensor-parallel group: {first_line(e)}") from None
+    if not is_output_rank():
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+    return tp
+
+
+class _Rank:
+    """One spawned rank: its process, and a thread that reads its stderr (forwarding
+    rank 0's, keeping every rank's error line)."""
+
+    def __init__(self, rank: int, size: int, port: int, argv: list[str]):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(size),
+            "LOCAL_WORLD_SIZE": str(size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        self.rank = rank
+        self.error_line: str | None = None  # its "graphrt: error: ..." line, if it printed one
+        self.last_line = ""
+        self.forward = rank == 0
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "graphrt.core.cli.main", *argv],
+            env=env,
+            stdout=None if rank == 0 else subprocess.DEVNULL,  # rank 0's results go straight out
+            stderr=subprocess.PIPE,
+        )
+        self.reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self.reader.start()
+
+    def _read_stderr(self) -> None:
+        # Line by line, keeping "\r" updates (progress bars) whole; error lines are held
+        # back: the launcher prints the one that explains the failure.
+        pending = b""
+        while chunk := os.read(self.process.stderr.fileno(), 4096):
+            pending += chunk
+            *lines, pending = pending.replace(b"\r", b"\r\n").split(b"\n")
+            for raw in lines:
+                self._take(raw.decode(errors="replace"))
+        if pending:
+            self._take(pending.decode(errors="replace"))
+
+    def _take(self, line: str) -> None:
+        text = line.rstrip("\r")
+        if text.startswith(ERROR_PREFIX):
+            self.error_line = self.error_line or text.removeprefix(ERROR_PREFIX)
+            return
+        if text.strip():
+            self.last_line = text.strip()
+        if self.forward:
+            sys.stderr.write(line if line.endswith("\r") else line + "\n")
+            sys.stderr.flush()
+
+    def failure(self) -> str:
+        status = self.process.returncode
+        if status < 0:
+            return f"rank {self.rank} was killed by {signal.Signals(-status).name}"
+        if self.error_line:  # already names the rank (main prefixes it in a job)
+            return self.error_line
+        return f"rank {self.rank} exited with status {status}: {self.last_line}"
+
+
+def spawn_ranks(size: int, argv: list[str]) -> int:
+    """Runs the command ``argv`` as ``size`` ranks on this host; -> the job's exit status."""
+    port = _free_port()
+    ranks = [_Rank(r, size, port, argv) for r in range(size)]
+    try:
+        first_failed = _wait(ranks)
+    except KeyboardInterrupt:
+        _stop(ranks)
+        print("graphrt: interrupted", file=sys.stderr)
+        return 130
+    for r in ranks:
+        r.reader.join(timeout=5)
+    if first_failed is None:
+        return 0
+    for r in ranks:  # a failure stops forwarding: the other ranks' errors follow from it
+        r.forward = False
+    print(ERROR_PREFIX + first_failed.failure(), file=sys.stderr)
+    status = first_failed.process.returncode
+    return status if 0 < status < RankFailedError.exit_code else RankFailedError.exit_code
+
+
+def _wait(ranks: list[_Rank]) -> _Rank | None:
+    """Until every rank has exited -> the first to fail, or None; stops the others
+    ``GRACE_S`` after a failure."""
+    first_failed, deadline = None, None
+    while [r.process.poll() for r in ranks].count(None):  # polls every rank (not any())
+        if first_failed is None:
+            first_failed = next((r for r in ranks if r.process.returncode not in (None, 0)), None)
+            if first_failed is not None:
+                deadline = time.monotonic() + GRACE_S
+        if deadline is not None and time.monotonic() > deadline:
+            _stop(ranks)
+            break
+        time.sleep(POLL_S)
+    if first_failed is None:
+        first_failed = next((r for r in ranks if r.process.returncode != 0), None)
+    return first_failed
+
+
+def _stop(ranks: list[_Rank]) -> None:
+    for r in ranks:
+        if r.process.poll() is None:
+            r.process.terminate()
+    for r in ranks:
+        try:
+            r.process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            r.process.kill()
+            r.process.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,161 @@
+"""The tensor-parallel process model on the CPU (gloo): ``graphrt generate --tp 2`` starts
+its ranks and gives one process's tokens, rank 0 alone printing; torchrun starts the same
+job on one host and across two "nodes" (two torchrun agents meeting at a c10d
+rendezvous); a rank that dies or fails ends the job with one error line in bounded time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from graphrt import devices
+from graphrt.core.errors import UsageError
+from graphrt.core.parallel.launch import GRACE_S, join
+
+CLI = [sys.executable, "-m", "graphrt.core.cli.main"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+PROMPTS = ["--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6,7,8"]
+
+
+def _generate_args(path, *extra: str) -> list[str]:
+    return ["generate", "--device", "cpu", "--model", str(path), *PROMPTS,
+            "--max-new-tokens", "8", "--ignore-eos", "--json", *extra]  # fmt: skip
+
+
+def _tokens(stdout: str) -> list[list[int]]:
+    return [r["output_ids"] for r in json.loads(stdout)["requests"]]
+
+
+def _run(cmd: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def one_process(llama_gqa_untied) -> list[list[int]]:
+    proc = _run(CLI + _generate_args(llama_gqa_untied.path))
+    assert proc.returncode == 0, proc.stderr
+    return _tokens(proc.stdout)
+
+
+def test_tp_2_starts_two_ranks_and_gives_one_process_tokens(llama_gqa_untied, one_process):
+    proc = _run(CLI + _generate_args(llama_gqa_untied.path, "--tp", "2"))
+    assert proc.returncode == 0, proc.stderr
+    assert _tokens(proc.stdout) == one_process
+    assert json.loads(proc.stdout)["stats"]["tp"] == 2
+    assert proc.stdout.count("\n") == 1  # rank 0's JSON only
+    assert "Traceback" not in proc.stderr
+
+
+def test_torchrun_on_one_host(llama_gqa_untied, one_process):
+    cmd = TORCHRUN + ["--nproc-per-node", "2", "-m", "graphrt.core.cli.main"]
+    proc = _run(cmd + _generate_args(llama_gqa_untied.path))
+    assert proc.returncode == 0, proc.stderr
+    assert _tokens(proc.stdout) == one_process
+
+
+def test_torchrun_across_two_nodes(llama_gqa_untied, one_process):
+    """Two torchrun agents, one process each, meeting at a c10d rendezvous as two hosts
+    would (README: the multi-host command); whichever holds rank 0 prints."""
+    port = _free_port()
+    nodes = [
+        subprocess.Popen(
+            TORCHRUN
+            + [
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "graphrt-test",
+                "-m",
+                "graphrt.core.cli.main",
+            ]
+            + _generate_args(llama_gqa_untied.path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for n in range(2)
+    ]
+    outs = [node.communicate(timeout=180) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err for _, err in outs]
+    printed = [out for out, _ in outs if out.strip()]
+    assert len(printed) == 1
+    assert _tokens(printed[0]) == one_process
+
+
+def test_a_killed_rank_ends_the_job_with_one_line(llama_gqa_untied):
+    """Rank 1 is killed while the ranks decode in lockstep: rank 0 loses its peer in a
+    collective; the job ends within the launcher's grace period, naming rank 1, and
+    rank 0 still prints its requests, finished with an error, with their tokens so far."""
+    args = _generate_args(llama_gqa_untied.path, "--tp", "2") + [
+        "--prompt-ids", "9,10", "--prompt-ids", "11", "--max-new-tokens", "240",
+    ]  # fmt: skip
+    job = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while "set up the engine" not in job.stderr.readline():  # rank 0 is about to decode
+        assert job.poll() is None, job.stderr.read()
+    os.kill(_rank_pid(job.pid, 1), signal.SIGKILL)
+    killed = time.monotonic()
+    out, err = job.communicate(timeout=120)
+    assert time.monotonic() - killed < GRACE_S + 10
+    assert job.returncode == 6
+    assert err.strip().splitlines()[-1] == "graphrt: error: rank 1 was killed by SIGKILL"
+    assert err.count("graphrt: error") == 1 and "Traceback" not in err
+    if out:  # rank 0 saw the failure in a step: its requests (and tokens so far) print
+        requests = json.loads(out)["requests"]
+        assert len(requests) == 4 and all(r["error"] for r in requests)
+
+
+def test_a_rank_that_fails_ends_the_job_with_its_one_line(llama_gqa_untied):
+    proc = _run(CLI + _generate_args(llama_gqa_untied.path, "--tp", "3"))
+    assert proc.returncode == 2  # a usage error, on every rank
+    lines = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert "num_attention_heads (4) does not split evenly over 3 ranks" in lines[0]
+    assert lines[0].startswith("graphrt: error: rank ")
+
+
+def test_tp_that_contradicts_torchrun_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(UsageError, match=r"--tp 2, but this job has 4 processes"):
+        join(2, devices.current("cpu"))
+
+
+def test_the_cpu_ranks_of_a_host_share_its_cores(monkeypatch):
+    threads = torch.get_num_threads()
+    try:
+        devices.current("cpu").bind_local_rank(0, local_size=64)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of the launcher's child running ``rank`` (Linux: read from /proc)."""
+    children = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True)
+    for pid in children.stdout.split():
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                return int(pid)
+    raise AssertionError(f"no child of {launcher} runs rank {rank}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
