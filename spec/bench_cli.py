@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from graphrt.core.bench.plot import plot_spec_throughput
-from graphrt.core.cli.bench import versions, write_result
+from graphrt.core.cli.bench import report_for, versions, write_result
 from graphrt.core.errors import UsageError
 from graphrt.core.models import load_model
 from graphrt.core.models.loader import read_hf_config
 from graphrt.core.models.presets import preset_hf_config
+from graphrt.core.parallel.group import SINGLE, TPGroup
 from graphrt.spec.bench import (
     SpecBenchConfig,
     bench_engines,
@@ -33,11 +33,11 @@ def _hf_config(source: str) -> dict:
     return read_hf_config(Path(source))
 
 
-def run_spec_bench_cli(args: argparse.Namespace, device, dtype) -> int:
+def run_spec_bench_cli(args: argparse.Namespace, device, dtype, tp: TPGroup = SINGLE) -> int:
     # run_bench checked --runners and --out before dispatching here.
     if not device.graph_backends():
         raise UsageError(f"device '{device.name}' has no graph backend to benchmark")
-    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    log = report_for(args)
     spec = SpecConfig(args.spec_steps, args.spec_topk, args.spec_draft_tokens)
     cfg = SpecBenchConfig(
         batch_sizes=tuple(args.batch_sizes),
@@ -46,9 +46,11 @@ def run_spec_bench_cli(args: argparse.Namespace, device, dtype) -> int:
         warmup=args.warmup,
         seed=args.seed,
     )
-    target = load_model(args.model, device, dtype, check_finite=args.check_weights)
+    target = load_model(args.model, device, dtype, check_finite=args.check_weights, tp=tp)
     # They share KV: the drafter in the target's dtype.
-    drafter = load_model(args.draft, device, dtype or target.dtype, check_finite=args.check_weights)
+    drafter = load_model(
+        args.draft, device, dtype or target.dtype, check_finite=args.check_weights, tp=tp
+    )
     log(
         f"graphrt bench: {args.model} + {args.draft} {str(dtype).removeprefix('torch.')} on "
         f"{device.describe()}, steps {spec.num_steps}, topk {spec.topk}; capturing graphs..."

@@ -159,3 +159,19 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_bench_tp_2_writes_rank_0s_results(llama_gqa_untied, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _run(CLI + ["bench", "--device", "cpu", "--model", str(llama_gqa_untied.path),
+                       "--tp", "2", "--runners", "eager", "--batch-sizes", "1,2",
+                       "--prompt-len", "8", "--steps", "3", "--warmup", "1",
+                       "--out", str(out), "--no-plot"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["tp"] == 2 and [b["batch_size"] for b in result["batches"]] == [1, 2]
+    assert all(b["eager_ms"] > 0 for b in result["batches"])
+    assert proc.stdout.count("graphrt bench:") == 1  # rank 0's report only
+    refused = _run(CLI + ["bench", "--device", "cpu", "--model", str(llama_gqa_untied.path),
+                          "--tp", "2", "--runners", "eager,hf", "--out", str(out)])  # fmt: skip
+    assert refused.returncode == 2 and "drop hf from --runners" in refused.stderr

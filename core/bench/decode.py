@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from graphrt.core.bench.profile import count_kernels
+from graphrt.core.bench.profile import collective_ms, count_kernels
 from graphrt.core.bench.timing import (
     achieved_gbps,
     copy_bandwidth_gbps,
@@ -26,6 +26,7 @@ from graphrt.core.bench.timing import (
     weight_bytes,
 )
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+from graphrt.core.parallel.group import SINGLE
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class BatchResult:
     # Device kernels (and copies) of one step as timed; None where the profiler sees none (CPU).
     graph_kernels: int | None = None
     eager_kernels: int | None = None
+    # Tensor parallelism: device time of a graph step's collectives (all-reduces, the
+    # logits' gather); None without TP or where the profiler sees no kernels.
+    graph_collective_ms: float | None = None
 
 
 @dataclass
@@ -67,6 +71,7 @@ class DecodeBenchResult:
     device: str
     device_name: str
     dtype: str
+    tp: int  # ranks the model is split over (times are one rank's: they run in lockstep)
     prompt_len: int
     versions: dict[str, str]
     copy_bandwidth_gbps: float
@@ -124,6 +129,12 @@ def run_decode_bench(
     report(HEADER)
     for result in results:
         report(_row(result))
+    timed = [r for r in results if r.graph_collective_ms is not None]
+    if timed:
+        report(
+            "collectives per graph step (device time): "
+            + ", ".join(f"bs {r.batch_size} {r.graph_collective_ms:.3f} ms" for r in timed)
+        )
     return results, bandwidth, weights
 
 
@@ -157,6 +168,8 @@ def _time_graphrt(engine, cfg, bs, params, bandwidth, sync, report) -> BatchResu
             step = partial(engine.graph_runner.execute, batch)
             result.graph_ms = median_ms(step, sync, cfg.steps, cfg.warmup)
             result.graph_kernels = count_kernels(step, sync, device)
+            if getattr(engine.loaded.model, "tp", SINGLE).size > 1:
+                result.graph_collective_ms = collective_ms(step, sync, device)
     for req in reqs:
         engine.abort(req)
     report(f"{bs:>4} eager {_fmt(result.eager_ms)} ms, graph {_fmt(result.graph_ms)} ms")

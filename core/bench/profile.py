@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
@@ -37,3 +38,27 @@ def count_kernels(
     """Device kernels (and copies) one call of ``fn`` launches; None where none are seen."""
     count = sum(e.count for e in device_events(fn, sync, device) or ())
     return count or None  # 0: the profiler saw no kernels of this device
+
+
+# Collective kernels by name: NCCL's (ncclDevKernel_AllReduce_Sum_bf16_RING_LL), HCCL's,
+# oneCCL's, and torch's own (symmetric-memory one-shot all-reduce).
+_COLLECTIVE = re.compile(r"nccl|hccl|ccl_|all_?reduce|all_?gather", re.IGNORECASE)
+
+
+def collective_ms(
+    fn: Callable[[], object], sync: Callable[[], None], device: torch.device, calls: int = 10
+) -> float | None:
+    """Device time of the collective kernels in one call of ``fn`` (mean of ``calls``):
+    under tensor parallelism, what a step spends in all-reduces and gathers, waits for
+    the slower rank included. None where the profiler records no kernels (CPU).
+    HAZARD: on a tensor-parallel job every rank must call this alike (SPMD)."""
+
+    def repeated() -> None:
+        for _ in range(calls):
+            fn()
+
+    events = device_events(repeated, sync, device)
+    if events is None:
+        return None
+    us = sum(e.device_time_total for e in events if _COLLECTIVE.search(e.key))
+    return us / 1000 / calls

@@ -20,6 +20,7 @@ from graphrt.core.bench.timing import attention_specs
 from graphrt.core.errors import UsageError
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
+from graphrt.core.parallel.launch import is_output_rank, join
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -38,11 +39,16 @@ def run_bench(args: argparse.Namespace) -> int:
     if not os.access(out.parent, os.W_OK) or out.is_dir():
         raise UsageError(f"--out: cannot write {str(out)!r}")
     dtype = device.default_dtype() if args.dtype == "auto" else parse_dtype(args.dtype)
+    tp = join(args.tp, device)  # the group of one unless this is a rank of a --tp job
+    if not tp.is_single and "hf" in runners:
+        raise UsageError(
+            "the transformers peer runs on one device: drop hf from --runners with --tp"
+        )
     if args.draft is not None:
         # The speculative bench lives beside speculative decoding (graphrt.spec).
         from graphrt.spec.bench_cli import run_spec_bench_cli
 
-        return run_spec_bench_cli(args, device, dtype)
+        return run_spec_bench_cli(args, device, dtype, tp)
     cfg = DecodeBenchConfig(
         batch_sizes=tuple(args.batch_sizes),
         prompt_len=args.prompt_len,
@@ -52,11 +58,13 @@ def run_bench(args: argparse.Namespace) -> int:
         max_running_requests=args.max_running_requests,
         seed=args.seed,
     )
-    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
-    loaded = load_model(args.model, device, dtype, check_finite=args.check_weights)
+    log = report_for(args)
+    loaded = load_model(args.model, device, dtype, check_finite=args.check_weights, tp=tp)
     graphs = "graph" in runners
     log(
-        f"graphrt bench: {args.model} {str(dtype).removeprefix('torch.')} on {device.describe()}; capturing graphs..."
+        f"graphrt bench: {args.model} {str(dtype).removeprefix('torch.')} on {device.describe()}"
+        + (f" x {tp.size} (tensor parallel)" if tp.size > 1 else "")
+        + "; capturing graphs..."
     )
     engine = make_engine(loaded, device, cfg, graphs, args.graph_backend)
     graph_backend = engine.graph_backend
@@ -84,6 +92,7 @@ def run_bench(args: argparse.Namespace) -> int:
         device=device.name,
         device_name=device.describe(),
         dtype=str(dtype).removeprefix("torch."),
+        tp=tp.size,
         prompt_len=cfg.prompt_len,
         versions=versions(device),
         copy_bandwidth_gbps=round(bandwidth, 1),
@@ -117,8 +126,19 @@ def hf_peer_problem(model) -> str | None:
     return None
 
 
+def report_for(args: argparse.Namespace):
+    """Where progress and tables go: stdout, stderr with ``--json``; nowhere on the ranks
+    of a tensor-parallel job but rank 0."""
+    if not is_output_rank():
+        return lambda *a: None
+    return (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+
+
 def write_result(result: dict, args: argparse.Namespace, plot, log) -> int:
-    """The JSON at ``--out``, ``plot``'s PNG beside it, the JSON on stdout with ``--json``."""
+    """The JSON at ``--out``, ``plot``'s PNG beside it, the JSON on stdout with ``--json``
+    (rank 0 alone in a tensor-parallel job)."""
+    if not is_output_rank():
+        return 0
     out = Path(args.out)
     out.write_text(json.dumps(result, indent=2))
     log(f"wrote {out}")

@@ -111,10 +111,17 @@ class TPGroup:
 SINGLE = TPGroup.single()  # the group of one: plain layers, no collectives
 
 
-def init_tp(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
+def init_tp(
+    backend: str, timeout_s: float = DEFAULT_TIMEOUT_S, device_id: torch.device | None = None
+) -> TPGroup:
     """The group of every process of this job, from torchrun's environment (``RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; graphrt's own launcher sets the
-    same). Without them: the group of one."""
+    same). Without them: the group of one.
+
+    ``device_id``: the accelerator this rank drives. Given, the collective library opens
+    its communicator now, eagerly. HAZARD: otherwise NCCL creates it at the first
+    collective, and that must not be inside a graph capture (the runners warm up before
+    capturing, which creates it in time)."""
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
         return TPGroup.single()
     missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -123,5 +130,7 @@ def init_tp(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
             f"WORLD_SIZE is set but {', '.join(missing)} is not (launch with torchrun)"
         )
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id
+        )
     return TPGroup(rank=dist.get_rank(), size=dist.get_world_size(), group=dist.group.WORLD)

@@ -58,7 +58,8 @@ def join(requested: int | None, device) -> TPGroup:
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     device.bind_local_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     try:
-        tp = init_tp(device.collective_backend)
+        accelerator = device.torch_device() if device.index is not None else None
+        tp = init_tp(device.collective_backend, device_id=accelerator)
     except (RuntimeError, ValueError) as e:  # rendezvous: unreachable master, timeout
         raise RankFailedError(f"cannot join the tensor-parallel group: {first_line(e)}") from None
     if not is_output_rank():
