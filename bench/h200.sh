@@ -10,6 +10,7 @@
 #   bash bench/h200.sh reliability [steps]: capture under a memory cap, differential, soak
 #   bash bench/h200.sh soakspec [steps]: differential and soak with speculative rounds
 #   bash bench/h200.sh lanes [steps]: the CUDA lane beside capture_oom and soakspec (one call)
+#   bash bench/h200.sh tp [batch sizes]: random:llama-8b decode, TP=1 and (with 2 GPUs) TP=2
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -125,6 +126,29 @@ if [[ $what == lanes ]]; then
     wait $lane
     tail -n 16 "$OUT/logs/lane.txt"
     tar cf "$OUT/logs.tar" -C "$OUT/logs" . && rm -r "$OUT/logs"
+fi
+
+if [[ $what == tp ]]; then
+    # Issue 11: random:llama-8b bf16, prompt 512, graph decode step per batch size at TP=1
+    # and, where the machine has two GPUs, TP=2 (with each graph step's collective time).
+    gpus=$(nvidia-smi -L | wc -l)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # multicast stays off here
+    for tp in 1 2; do
+        (( tp > gpus )) && { echo "TP=$tp skipped: $gpus GPU(s)"; continue; }
+        graphrt bench --model random:llama-8b --dtype bfloat16 --prompt-len 512 --tp $tp \
+            --batch-sizes "${2:-1,8,64}" --max-running-requests 64 --runners graph --no-plot \
+            --out "$OUT/bench-llama8b-tp$tp.json" > "$OUT/bench-llama8b-tp$tp.log" 2>&1
+        echo "TP=$tp exit $?"; grep -v Warning "$OUT/bench-llama8b-tp$tp.log" | tail -n 6
+    done
+    if (( gpus >= 2 )); then  # NCCL vs symmetric-memory one-shot, both from CUDA graphs
+        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python -m torch.distributed.run \
+            --nproc-per-node 2 bench/allreduce_cuda.py --out "$OUT/allreduce.json" 2>&1 | tail -n 5
+    fi
+    if (( gpus < 2 )); then  # the one-line refusal a user gets asking for more GPUs than exist
+        graphrt generate --model random:llama-tiny --prompt-ids 1,2 --max-new-tokens 4 --tp 2 \
+            --device cuda > /dev/null 2> "$OUT/tp2-one-gpu.err"
+        echo "generate --tp 2 on $gpus GPU: exit $?: $(tail -n 1 "$OUT/tp2-one-gpu.err")"
+    fi
 fi
 
 if [[ $what == bench || $what == all ]]; then

@@ -15,6 +15,11 @@ What sets it apart from the Llama family (each point mirrors modeling_gemma4.py)
 - Embeddings scaled by sqrt(hidden) rounded to the weight dtype; tied head
   with final logit softcapping.
 
+Tensor parallelism (``tp``): q heads split, KV heads split or replicated
+(``TPGroup.kv_heads``), o_proj and down_proj row-parallel, gate/up column-parallel, the
+token and per-layer embeddings and the LM head split by vocabulary rows. Norms over the
+hidden row, the per-layer-input gate and projections stay whole on every rank.
+
 Module and parameter names follow transformers' checkpoints, except q/k/v and
 gate/up, which are fused into one matmul each (``MergedLinear``).
 """
@@ -38,6 +43,13 @@ from graphrt.core.models.layers import (
     rope_inv_freq,
 )
 from graphrt.core.models.ops import TORCH_OPS, ModelOps
+from graphrt.core.parallel.group import SINGLE, TPGroup
+from graphrt.core.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
 
 # Towers of the multimodal checkpoint graphrt does not run (text-only decoding).
 _MULTIMODAL_PREFIXES = (
@@ -95,43 +107,49 @@ class Gemma4Attention(nn.Module):
         config: Gemma4Config,
         layer_id: int,
         rotary: RotaryEmbedding,
-        kv_spec: AttentionSpec | None = None,
         ops: ModelOps = TORCH_OPS,
+        tp: TPGroup = SINGLE,
+        reads_target_kv: bool = False,
     ):
-        """``kv_spec``: attend over another model's KV through this spec, computing no K/V
-        (the MTP assistant reads its target's cache; its spec is bound to the target later)."""
+        """``reads_target_kv``: attend over another model's KV, computing no K/V (the MTP
+        assistant reads its target's cache: ``cache_index`` is -1 until it is bound)."""
         super().__init__()
         c = config
         src = c.kv_source(layer_id)
-        self.shares_kv = src != layer_id or kv_spec is not None
+        self.shares_kv = src != layer_id or reads_target_kv
         self.k_eq_v = c.attention_k_eq_v and c.layer_types[layer_id] == FULL
-        head_dim, kv_heads = c.head_dims[src], c.kv_heads[src]
-        self.q_size = c.num_heads * head_dim
-        self.kv_size = kv_heads * head_dim
+        head_dim = c.head_dims[src]
+        # This rank's q heads and the KV heads they read (split, or replicated when fewer
+        # than ranks): its KV pool, and the KV that sharing layers and the assistant read,
+        # hold these heads only. Counts that do not split raise a one-line UsageError here.
+        heads = tp.shard(c.num_heads, "num_attention_heads")
+        kv_rows = tp.kv_heads(c.kv_heads[src]).scaled(head_dim)
+        full_q = c.num_heads * head_dim
+        self.q_size = heads * head_dim
+        self.kv_size = kv_rows.size
         self.ops = ops
         if self.shares_kv:  # no K/V projections or norms at all (transformers has none either)
-            self.q_proj = Linear(c.hidden_size, self.q_size, c.attention_bias, ops)
+            self.q_proj = ColumnParallelLinear(c.hidden_size, full_q, c.attention_bias, tp, ops)
         else:
-            shards = {"q_proj": self.q_size, "k_proj": self.kv_size}
+            shards = {"q_proj": full_q, "k_proj": kv_rows}
             if not self.k_eq_v:
-                shards["v_proj"] = self.kv_size
-            self.qkv_proj = MergedLinear(c.hidden_size, shards, c.attention_bias, ops)
+                shards["v_proj"] = kv_rows
+            self.qkv_proj = MergedLinear(c.hidden_size, shards, c.attention_bias, ops, tp)
             self.k_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps, ops=ops)
             # v is normed without a scale: no parameters, done inside gemma_qkv_norm_rope.
-        self.q_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps, ops=ops)
-        self.o_proj = Linear(self.q_size, c.hidden_size, c.attention_bias, ops)
+        self.q_norm = GemmaRMSNorm(head_dim, c.rms_norm_eps, ops=ops)  # per head: whole
+        self.o_proj = RowParallelLinear(full_q, c.hidden_size, c.attention_bias, tp, ops)
         self.rotary = rotary
         self.spec = AttentionSpec(
-            num_heads=c.num_heads,
-            num_kv_heads=kv_heads,
+            num_heads=heads,
+            num_kv_heads=kv_rows.size // head_dim,
             head_dim=head_dim,
             scaling=1.0,  # q and k are RMS-normed; transformers uses no 1/sqrt(d)
-            cache_index=src,  # producers are layers 0..first_kv_shared_layer-1: buffer i = layer i
+            # producers are layers 0..first_kv_shared_layer-1: buffer i = layer i
+            cache_index=-1 if reads_target_kv else src,
             sliding_window=c.sliding_window if c.layer_types[layer_id] == SLIDING else None,
             writes_kv=not self.shares_kv,
         )
-        if kv_spec is not None:
-            self.spec = kv_spec
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         s = self.spec
@@ -166,8 +184,8 @@ class Gemma4Attention(nn.Module):
             kv_write=kv_write,
         )
         kv = (None, None) if k is None else (k.flatten(1), v.flatten(1))
-        out = attn.attend(q.flatten(1), *kv, s, batch)  # (T, H*D)
-        return self.o_proj(out)
+        out = attn.attend(q.flatten(1), *kv, s, batch)  # (T, H*D), this rank's heads
+        return self.o_proj(out)  # (T, hidden), summed over the ranks
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -177,15 +195,15 @@ class Gemma4DecoderLayer(nn.Module):
         layer_id: int,
         rotary: RotaryEmbedding,
         ops: ModelOps,
-        kv_spec: AttentionSpec | None = None,
+        tp: TPGroup = SINGLE,
+        reads_target_kv: bool = False,
     ):
         super().__init__()
         c = config
-        self.self_attn = Gemma4Attention(c, layer_id, rotary, kv_spec, ops)
+        self.self_attn = Gemma4Attention(c, layer_id, rotary, ops, tp, reads_target_kv)
         wide = c.use_double_wide_mlp and c.is_kv_consumer(layer_id)
-        self.mlp = GatedMLP(
-            c.hidden_size, c.intermediate_size * (2 if wide else 1), c.hidden_act, ops=ops
-        )
+        intermediate = c.intermediate_size * (2 if wide else 1)
+        self.mlp = GatedMLP(c.hidden_size, intermediate, c.hidden_act, ops=ops, tp=tp)
         # Every norm of the model uses rms_norm_eps; the fused ops take that one eps for
         # the block's post norm and the norm after it.
         self.eps = eps = c.rms_norm_eps
@@ -197,6 +215,8 @@ class Gemma4DecoderLayer(nn.Module):
         if self.has_per_layer_input:
             ple = c.hidden_size_per_layer_input
             self.act = c.hidden_act
+            # Whole on every rank: hidden x ple each (small), and its output is normed over
+            # the hidden row; splitting them would cost one more all-reduce per layer.
             self.per_layer_input_gate = Linear(c.hidden_size, ple, False, ops)
             self.per_layer_projection = Linear(ple, c.hidden_size, False, ops)
             self.post_per_layer_input_norm = GemmaRMSNorm(c.hidden_size, eps, ops=ops)
@@ -259,39 +279,53 @@ def run_layers(
 
 
 class Gemma4Backbone(nn.Module):
-    def __init__(self, config: Gemma4Config, ops: ModelOps):
+    def __init__(self, config: Gemma4Config, ops: ModelOps, tp: TPGroup = SINGLE):
         super().__init__()
         c = config
         self.config = c
         self.ops = ops
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, tp)
         # float32 scalars, rounded to the weight dtype when used (.to() converts them too),
         # as transformers' Gemma4TextScaledWordEmbedding does.
         self.register_buffer("embed_scale", torch.tensor(c.hidden_size**0.5), persistent=False)
         # One rope table per layer type, shared by the layers of that type.
         self.rotary = nn.ModuleDict({t: _rotary(c, t, ops) for t in sorted(set(c.layer_types))})
         self.layers = nn.ModuleList(
-            Gemma4DecoderLayer(c, i, self.rotary[c.layer_types[i]], ops)
+            Gemma4DecoderLayer(c, i, self.rotary[c.layer_types[i]], ops, tp)
             for i in range(c.num_layers)
         )
         self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, ops=ops)
         if c.hidden_size_per_layer_input:
             ple, n = c.hidden_size_per_layer_input, c.num_layers
-            self.embed_tokens_per_layer = nn.Embedding(c.vocab_size_per_layer_input, n * ple)
+            # vocab x (layers * ple): the largest table of E2B (2.3 B of its parameters), split
+            # by vocabulary rows like the token embedding.
+            self.embed_tokens_per_layer = VocabParallelEmbedding(
+                c.vocab_size_per_layer_input, n * ple, tp
+            )
             self.register_buffer("per_layer_embed_scale", torch.tensor(ple**0.5), persistent=False)
+            # Whole on every rank: every rank needs every layer's slice of its output (split,
+            # it would need an all-gather; E2B's 35 layers do not split evenly anyway).
             self.per_layer_model_projection = Linear(c.hidden_size, n * ple, False, ops)
             self.per_layer_projection_norm = GemmaRMSNorm(ple, c.rms_norm_eps, ops=ops)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # The scale multiplies each whole row, after the ranks' rows are summed: exact.
         weight = self.embed_tokens.weight
         return self.embed_tokens(input_ids) * self.embed_scale.to(weight.dtype)  # (T, hidden)
 
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """(T, layers, ple): token-identity embedding plus a projection of the scaled embedding."""
         c = self.config
-        table = self.embed_tokens_per_layer.weight  # gathered, one row per token
+        ids, table = input_ids, self.embed_tokens_per_layer.weight  # gathered, one row per token
+        if not self.tp.is_single:
+            # This rank holds a slice of the vocabulary: the tokens' rows come from the
+            # ranks first (an all-reduce of one owner's row and zeros: exact), and the op
+            # then reads row t of them for token t. The rest of its math is per row.
+            table = self.embed_tokens_per_layer(input_ids)  # (T, layers * ple)
+            ids = torch.arange(input_ids.shape[0], device=input_ids.device)
         return self.ops.gemma_per_layer_inputs(
-            input_ids,
+            ids,
             table,
             self.per_layer_embed_scale.to(table.dtype),
             self.per_layer_model_projection(x),  # (T, layers * ple)
@@ -313,15 +347,18 @@ class Gemma4ForCausalLM(nn.Module):
     """``forward`` returns the final normed hidden states (T, hidden); ``compute_logits``
     the tied LM head with final logit softcapping."""
 
-    def __init__(self, config: Gemma4Config, ops: ModelOps = TORCH_OPS):
+    supports_tp = True  # built with a TPGroup, each rank holds its heads, columns and rows
+
+    def __init__(self, config: Gemma4Config, ops: ModelOps = TORCH_OPS, tp: TPGroup = SINGLE):
         super().__init__()
         self.config = config
-        self.model = Gemma4Backbone(config, ops)
+        self.tp = tp
+        self.model = Gemma4Backbone(config, ops, tp)
         self.ops = ops
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, False, ops)
+            else VocabParallelHead(config.hidden_size, config.vocab_size, tp, ops)
         )
 
     @property
@@ -338,21 +375,17 @@ class Gemma4ForCausalLM(nn.Module):
 
     def kv_layer_specs(self) -> list[KVLayerSpec]:
         # Layers before first_kv_shared_layer own buffers 0..n-1, each sized to its own
-        # KV heads and head dim; KV-sharing layers own none (cache_index None).
-        c = self.config
+        # KV heads (this rank's) and head dim; KV-sharing layers own none (cache_index None).
+        specs = [layer.self_attn.spec for layer in self.model.layers]
         return [
-            KVLayerSpec(
-                c.kv_heads[c.kv_source(i)],
-                c.head_dims[c.kv_source(i)],
-                None if c.is_kv_consumer(i) else i,
-            )
-            for i in range(c.num_layers)
+            KVLayerSpec(s.num_kv_heads, s.head_dim, s.cache_index if s.writes_kv else None)
+            for s in specs
         ]
 
     def shared_kv_layers(self) -> dict[str, AttentionSpec]:
         """Layer type -> AttentionSpec of the last layer of that type that writes KV: the
         KV the assistant's layers (and this model's KV-sharing layers) attend over.
-        Read cache_index / head_dim / num_kv_heads / sliding_window from it."""
+        Read cache_index / head_dim / num_kv_heads (this rank's) / sliding_window from it."""
         return {
             t: self.model.layers[layer].self_attn.spec
             for t, layer in self.config.kv_producers.items()
@@ -372,7 +405,9 @@ class Gemma4ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 (N, vocab), softcapped in the model dtype as transformers does; written
         into ``out`` when given (graph runners share one logits buffer across batch sizes)."""
-        logits = self.ops.linear(hidden, self.lm_head_weight, None)  # (N, vocab), model dtype
+        # (N, vocab / ranks) -> every rank's columns: (N, vocab), model dtype; softcapped
+        # after the gather (elementwise, so either order gives the same numbers).
+        logits = self.tp.all_gather_last(self.ops.linear(hidden, self.lm_head_weight, None))
         return self.ops.float_logits(logits, self.config.final_logit_softcapping, out)
 
     def map_checkpoint_name(self, name: str) -> str | None:

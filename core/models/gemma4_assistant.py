@@ -13,18 +13,25 @@ bidirectional window over the shared KV (|q - k| <= window, flipped to the
 newest keys): the ``window + 1`` newest entries. With the query one past the
 last cached key, that is graphrt's rule "key j visible iff j > p - w" at
 w = window + 1, which ``bind_target`` sets.
+
+Tensor parallelism: the assistant must be built with the target's ``TPGroup``. Its
+query heads split like the target's (rank r's heads are the ones that read the KV heads
+rank r holds), o_proj and the MLP like the target's, its tied LM head by vocabulary rows
+(the centroid head too: each rank scores the selected tokens it holds). The pre/post
+projections and the centroid scores stay whole on every rank (small matmuls; split, each
+would cost a collective per draft step).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from graphrt.core.attention.base import AttentionBackend, AttentionSpec
+from graphrt.core.attention.base import AttentionBackend
 from graphrt.core.batch import ForwardBatch
 from graphrt.core.errors import CheckpointError, GraphrtError, UsageError
 from graphrt.core.memory import KVLayerSpec
@@ -33,6 +40,8 @@ from graphrt.core.models.gemma4 import Gemma4DecoderLayer, GemmaRMSNorm, _rotary
 from graphrt.core.models.gemma4_config import FULL, Gemma4Config, gemma4_config_from_hf
 from graphrt.core.models.layers import Linear
 from graphrt.core.models.ops import TORCH_OPS, ModelOps
+from graphrt.core.parallel.group import SINGLE, TPGroup
+from graphrt.core.parallel.layers import VocabParallelEmbedding, VocabParallelHead
 
 _UNUSED_KV_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
 
@@ -94,11 +103,14 @@ class CentroidMaskedHead(nn.Module):
     """transformers' Gemma4AssistantMaskedEmbedder: only tokens of the top-k centroids get
     real logits; every other token gets the row's smallest real logit minus one."""
 
-    def __init__(self, config: Gemma4AssistantConfig):
+    def __init__(self, config: Gemma4AssistantConfig, tp: TPGroup = SINGLE):
         super().__init__()
         t = config.text
         self.top_k = config.centroid_intermediate_top_k
         self.num_centroids = config.num_centroids
+        self.vocab_size = t.vocab_size
+        self.tp = tp
+        # Whole on every rank, as is token_ordering: top-k needs every centroid's score.
         self.centroids = nn.Linear(t.hidden_size, config.num_centroids, bias=False)
         # Saved in checkpoints (a persistent buffer in transformers): a parameter here so
         # the loader fills it and reports it missing; integer, so .to(dtype) leaves it be.
@@ -107,57 +119,73 @@ class CentroidMaskedHead(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """``lm_head_weight``: this rank's vocabulary rows (all of them for one rank)."""
         rows = hidden.shape[0]
         top = self.centroids(hidden).topk(self.top_k, dim=-1).indices  # (N, k)
         clusters = self.token_ordering.view(self.num_centroids, -1)  # (C, V / C)
         tokens = clusters[top].reshape(rows, -1)  # (N, k * V / C)
-        emb = lm_head_weight[tokens]  # (N, k * V / C, hidden)
-        selected = (hidden.unsqueeze(1) @ emb.transpose(1, 2)).squeeze(1)  # (N, k * V / C)
+        selected = self._selected_logits(hidden, lm_head_weight, tokens)  # (N, k * V / C)
         # transformers takes one min over the whole batch with .item() (a host sync); per
         # row here, which is the same for its one-row drafting and never syncs.
         fill = selected.amin(dim=-1, keepdim=True) - 1.0
-        out = fill.expand(rows, lm_head_weight.shape[0]).clone()
+        out = fill.expand(rows, self.vocab_size).clone()
         return out.scatter_(1, tokens, selected)
+
+    def _selected_logits(
+        self, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor
+    ) -> torch.Tensor:
+        if self.tp.is_single:
+            emb = weight[tokens]  # (N, k * V / C, hidden)
+            return (hidden.unsqueeze(1) @ emb.transpose(1, 2)).squeeze(1)
+        # Each rank keeps the logits of the selected tokens among its rows and zeros for
+        # the others (it multiplies every selected row, clamped into its own: fixed shapes,
+        # as graphs need); the all-reduce adds one rank's logit to zeros: exact.
+        local = tokens - self.tp.rank * weight.shape[0]
+        outside = (local < 0) | (local >= weight.shape[0])
+        emb = weight[local.clamp(0, weight.shape[0] - 1)]  # (N, k * V / C, hidden)
+        part = (hidden.unsqueeze(1) @ emb.transpose(1, 2)).squeeze(1)
+        return self.tp.all_reduce(part.masked_fill(outside, 0))
 
 
 class Gemma4DraftBackbone(nn.Module):
-    def __init__(self, config: Gemma4Config, ops: ModelOps):
+    def __init__(self, config: Gemma4Config, ops: ModelOps, tp: TPGroup = SINGLE):
         super().__init__()
         c = config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)  # the tied LM head
+        # The tied LM head only (the input embedding is the target's): split by vocabulary.
+        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, tp)
         self.rotary = nn.ModuleDict({t: _rotary(c, t, ops) for t in sorted(set(c.layer_types))})
         self.layers = nn.ModuleList(
-            Gemma4DecoderLayer(
-                c, i, self.rotary[c.layer_types[i]], ops, kv_spec=_unbound_spec(c, i)
-            )
+            Gemma4DecoderLayer(c, i, self.rotary[c.layer_types[i]], ops, tp, reads_target_kv=True)
             for i in range(c.num_layers)
         )
         self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, ops=ops)
-
-
-def _unbound_spec(c: Gemma4Config, layer: int) -> AttentionSpec:
-    # cache_index -1 until bind_target points the layer at the target's KV.
-    window = c.sliding_window if c.layer_types[layer] != FULL else None
-    return AttentionSpec(c.num_heads, c.kv_heads[layer], c.head_dims[layer], 1.0, -1, window, False)
 
 
 class Gemma4AssistantForCausalLM(nn.Module):
     """``forward`` -> final normed hidden (rows, hidden); ``compute_logits`` -> its logits;
     ``next_hidden`` -> the hidden the next draft step is fed (``post_projection``)."""
 
-    def __init__(self, config: Gemma4AssistantConfig, ops: ModelOps = TORCH_OPS):
+    supports_tp = True  # built with the target's TPGroup (see the module doc)
+
+    def __init__(
+        self, config: Gemma4AssistantConfig, ops: ModelOps = TORCH_OPS, tp: TPGroup = SINGLE
+    ):
         super().__init__()
         t = config.text
         self.config = config
-        self.model = Gemma4DraftBackbone(t, ops)
+        self.tp = tp
+        self.model = Gemma4DraftBackbone(t, ops, tp)
         self.ops = ops
+        # Whole on every rank: they read and write whole hidden rows.
         self.pre_projection = Linear(2 * config.backbone_hidden_size, t.hidden_size, False, ops)
         self.post_projection = Linear(t.hidden_size, config.backbone_hidden_size, False, ops)
         self.lm_head = (
-            None if config.tie_word_embeddings else Linear(t.hidden_size, t.vocab_size, False, ops)
+            None
+            if config.tie_word_embeddings
+            else VocabParallelHead(t.hidden_size, t.vocab_size, tp, ops)
         )
         self.masked_embedding = (
-            CentroidMaskedHead(config) if config.use_ordered_embeddings else None
+            CentroidMaskedHead(config, tp) if config.use_ordered_embeddings else None
         )
         self._target: list[nn.Module] = []  # a list, so the target is not a submodule of ours
 
@@ -187,6 +215,12 @@ class Gemma4AssistantForCausalLM(nn.Module):
                 f"assistant (backbone hidden {self.config.backbone_hidden_size}, vocab {t.vocab_size}) does "
                 f"not fit target (hidden {target.config.hidden_size}, vocab {target.vocab_size})"
             )
+        if (target.tp.size, target.tp.rank) != (self.tp.size, self.tp.rank):
+            raise UsageError(
+                f"the assistant is built for rank {self.tp.rank} of {self.tp.size} but the "
+                f"target for rank {target.tp.rank} of {target.tp.size}: load both with one "
+                "TPGroup (the assistant reads the KV heads its rank holds)"
+            )
         dtypes = [_float_dtype(m) for m in (self, target)]
         if dtypes[0] != dtypes[1]:
             raise UsageError(
@@ -198,20 +232,20 @@ class Gemma4AssistantForCausalLM(nn.Module):
             kind = t.layer_types[i]
             if kind not in producers:
                 raise UsageError(f"the target has no {kind} layer for assistant layer {i} to read")
-            prod = producers[kind]
-            if prod.head_dim != t.head_dims[i] or t.num_heads % prod.num_kv_heads:
+            prod, spec = producers[kind], layer.self_attn.spec
+            # Both counts are this rank's: with one TPGroup, rank r's query heads are those
+            # whose KV heads rank r holds, grouped as in one process.
+            if prod.head_dim != t.head_dims[i] or spec.num_heads % prod.num_kv_heads:
                 raise UsageError(
-                    f"assistant layer {i} (head_dim {t.head_dims[i]}, {t.num_heads} heads) cannot read the "
+                    f"assistant layer {i} (head_dim {t.head_dims[i]}, {spec.num_heads} heads) cannot read the "
                     f"target's {kind} KV (head_dim {prod.head_dim}, {prod.num_kv_heads} KV heads)"
                 )
-            layer.self_attn.spec = AttentionSpec(
-                num_heads=t.num_heads,
+            layer.self_attn.spec = replace(
+                spec,
                 num_kv_heads=prod.num_kv_heads,
                 head_dim=prod.head_dim,
-                scaling=1.0,
                 cache_index=prod.cache_index,
                 sliding_window=None if kind == FULL else t.sliding_window + 1,  # see module doc
-                writes_kv=False,
             )
         self._target[:] = [target]
 
@@ -231,8 +265,8 @@ class Gemma4AssistantForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.masked_embedding is not None:
             logits = self.masked_embedding(hidden, self.lm_head_weight)
-        else:
-            logits = self.ops.linear(hidden, self.lm_head_weight, None)  # (N, vocab)
+        else:  # (N, vocab / ranks) -> every rank's columns: (N, vocab)
+            logits = self.tp.all_gather_last(self.ops.linear(hidden, self.lm_head_weight, None))
         return self.ops.float_logits(logits, None, out)  # float32
 
     def next_hidden(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,7 @@ def build_model(
     if not tp.is_single and not getattr(model_class, "supports_tp", False):
         raise UsageError(
             f"tensor parallelism is not implemented for {model_class.__name__} yet "
-            "(the Llama family has it)"
+            "(the Llama family and Gemma 4 have it)"
         )
     # Built directly on the target device so rope tables and weights never
     # round-trip through host memory.
