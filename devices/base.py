@@ -41,6 +41,9 @@ class Device(abc.ABC):
     """Distributions reported by `library_versions` (read from metadata, never imported)."""
     collective_backend: ClassVar[str] = "gloo"
     """torch.distributed's backend for this device's collectives (tensor parallelism)."""
+    graphs_capture_collectives: ClassVar[bool] = True
+    """Whether this device's graphs record the collective library's calls reliably (tensor
+    parallelism on graphs); where not, ``--tp`` runs eagerly only."""
     index: int | None = None
     """Which of the host's devices this process drives (``bind_local_rank``); None: the
     current one."""

@@ -175,3 +175,17 @@ def test_bench_tp_2_writes_rank_0s_results(llama_gqa_untied, tmp_path):
     refused = _run(CLI + ["bench", "--device", "cpu", "--model", str(llama_gqa_untied.path),
                           "--tp", "2", "--runners", "eager,hf", "--out", str(out)])  # fmt: skip
     assert refused.returncode == 2 and "drop hf from --runners" in refused.stderr
+
+
+def test_graphs_under_tp_only_where_they_record_collectives():
+    from graphrt.core.parallel.group import TPGroup
+    from graphrt.core.parallel.launch import check_runner, default_runner
+    from graphrt.devices.xpu import XpuDevice
+
+    two = TPGroup(rank=0, size=2)
+    with pytest.raises(UsageError, match="xpu graphs do not record xccl collectives"):
+        check_runner(XpuDevice(), "graph", two)
+    check_runner(XpuDevice(), "eager", two)
+    check_runner(XpuDevice(), "graph", TPGroup(rank=0, size=1))
+    check_runner(devices.current("cpu"), "graph", two)
+    assert default_runner(XpuDevice(), two) == "eager"

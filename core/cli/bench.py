@@ -20,7 +20,7 @@ from graphrt.core.bench.timing import attention_specs
 from graphrt.core.errors import UsageError
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
-from graphrt.core.parallel.launch import is_output_rank, join
+from graphrt.core.parallel.launch import check_runner, is_output_rank, join
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -40,6 +40,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"--out: cannot write {str(out)!r}")
     dtype = device.default_dtype() if args.dtype == "auto" else parse_dtype(args.dtype)
     tp = join(args.tp, device)  # the group of one unless this is a rank of a --tp job
+    if "graph" in runners:
+        check_runner(device, "graph", tp)
     if not tp.is_single and "hf" in runners:
         raise UsageError(
             "the transformers peer runs on one device: drop hf from --runners with --tp"

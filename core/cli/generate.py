@@ -17,7 +17,7 @@ from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.errors import GraphrtError, RequestError, UsageError
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
-from graphrt.core.parallel.launch import is_output_rank, join
+from graphrt.core.parallel.launch import check_runner, default_runner, is_output_rank, join
 from graphrt.spec import MTPDecoding, SpecConfig
 
 
@@ -102,7 +102,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.draft is not None:
         spec_config = SpecConfig(args.spec_steps, args.spec_topk, args.spec_draft_tokens)
     # --graph-backend asks for graphs: it implies --runner graph where the runner is unset.
-    runner = args.runner or ("graph" if args.graph_backend else device.default_runner())
+    runner = args.runner or ("graph" if args.graph_backend else default_runner(device, tp))
+    check_runner(device, runner, tp)
     if runner == "graph":
         device.create_graph_backend(
             args.graph_backend

@@ -67,6 +67,23 @@ def join(requested: int | None, device) -> TPGroup:
     return tp
 
 
+def default_runner(device, tp: TPGroup) -> str:
+    """The device's default runner, eager under tensor parallelism where its graphs do not
+    record collectives."""
+    if tp.size > 1 and not device.graphs_capture_collectives:
+        return "eager"
+    return device.default_runner()
+
+
+def check_runner(device, runner: str, tp: TPGroup) -> None:
+    """Graphs under tensor parallelism only where the device's graphs record collectives."""
+    if runner == "graph" and tp.size > 1 and not device.graphs_capture_collectives:
+        raise UsageError(
+            f"{device.name} graphs do not record {device.collective_backend} collectives "
+            "reliably yet: use --runner eager with --tp"
+        )
+
+
 class _Rank:
     """One spawned rank: its process, and a thread that reads its stderr (forwarding
     rank 0's, keeping every rank's error line)."""
