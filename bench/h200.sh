@@ -140,7 +140,10 @@ if [[ $what == tp ]]; then
             --out "$OUT/bench-llama8b-tp$tp.json" > "$OUT/bench-llama8b-tp$tp.log" 2>&1
         echo "TP=$tp exit $?"; grep -v Warning "$OUT/bench-llama8b-tp$tp.log" | tail -n 6
     done
-    if (( gpus >= 2 )); then  # NCCL vs symmetric-memory one-shot, both from CUDA graphs
+    if (( gpus >= 2 )); then  # the two-GPU tests (NCCL, graphs), then the all-reduce bench
+        python -m pytest tests/test_tp_launch.py -m cuda -q -p no:cacheprovider 2>&1 \
+            | tee "$OUT/tests-tp-cuda.log" | tail -n 3
+        # NCCL vs symmetric-memory one-shot, both from CUDA graphs
         NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python -m torch.distributed.run \
             --nproc-per-node 2 bench/allreduce_cuda.py --out "$OUT/allreduce.json" 2>&1 | tail -n 5
     fi

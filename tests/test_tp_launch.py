@@ -189,3 +189,21 @@ def test_graphs_under_tp_only_where_they_record_collectives():
     check_runner(XpuDevice(), "graph", TPGroup(rank=0, size=1))
     check_runner(devices.current("cpu"), "graph", two)
     assert default_runner(XpuDevice(), two) == "eager"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two NVIDIA GPUs")
+@pytest.mark.parametrize("model", ["llama_gqa_untied", "gemma4_tiny"])
+def test_tp_2_on_two_gpus_over_nccl_gives_one_gpu_tokens(request, model):
+    """The CUDA stack end to end: NCCL, the collectives captured in the CUDA graphs
+    (graph_steps > 0 on both), float32 so that the split sums round like the whole."""
+    path = request.getfixturevalue(model).path
+    runs = {}
+    for tp in ("1", "2"):
+        args = _generate_args(path, "--tp", tp, "--device", "cuda", "--dtype", "float32",
+                              "--runner", "graph")  # fmt: skip
+        proc = _run(CLI + args, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        runs[tp] = json.loads(proc.stdout)
+        assert runs[tp]["stats"]["graph_steps"] > 0
+    assert _tokens(json.dumps(runs["2"])) == _tokens(json.dumps(runs["1"]))
