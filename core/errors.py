@@ -71,7 +71,8 @@ def collective_failure(error: BaseException) -> bool:
     reached, a collective that timed out."""
     import torch.distributed as dist
 
-    return isinstance(error, dist.DistError) or "gloo" in str(error).lower()
+    # gloo's transport errors reach Python as plain RuntimeErrors naming its source file.
+    return isinstance(error, dist.DistError) or "/gloo/" in str(error)
 
 
 def out_of_memory(error: BaseException) -> bool:

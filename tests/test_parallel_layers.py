@@ -5,7 +5,6 @@ embedding and LM head), and the group of one is the plain layers, collective-fre
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch.multiprocessing as mp
 from graphrt.core.errors import UsageError
 from graphrt.core.models.layers import Linear
 from graphrt.core.parallel import TPGroup, init_tp
+from graphrt.core.parallel.launch import free_port
 from graphrt.core.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -94,16 +94,10 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo over TCP on one host")
 def test_two_ranks_over_gloo_give_the_whole_layers_outputs(tmp_path):
     mp.start_processes(
-        _rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+        _rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
     )
     expected = _reference()
     for rank in range(2):

@@ -7,7 +7,6 @@ graph backend, the all-reduces recorded inside the graphs)."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from graphrt.core.engine import SamplingParams
 from graphrt.core.errors import UsageError
 from graphrt.core.models import load_model
 from graphrt.core.parallel import TPGroup, init_tp
+from graphrt.core.parallel.launch import free_port
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 LENS = (5, 11, 3)
@@ -50,18 +50,12 @@ def _rank_main(rank: int, port: int, path: str, runner: str, out_dir: str) -> No
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("runner", ["eager", "graph"])
 @pytest.mark.parametrize("model", ["llama_gqa_untied", "llama_tied", "qwen2", "llama_mqa"])
 def test_two_ranks_give_the_tokens_of_one(request, tmp_path, model, runner):
     path = str(request.getfixturevalue(model).path)
     expected, _ = _generate(path, TPGroup.single(), "eager")
-    args = (_free_port(), path, runner, str(tmp_path))
+    args = (free_port(), path, runner, str(tmp_path))
     mp.start_processes(_rank_main, args=args, nprocs=2, start_method="spawn")
     for rank in range(2):
         tokens, graph_steps = torch.load(tmp_path / f"rank{rank}.pt")

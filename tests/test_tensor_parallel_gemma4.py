@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ from graphrt.core.models import load_model
 from graphrt.core.models.gemma4 import Gemma4ForCausalLM
 from graphrt.core.models.gemma4_config import gemma4_config_from_hf
 from graphrt.core.parallel import SINGLE, TPGroup, init_tp
+from graphrt.core.parallel.launch import free_port
 from graphrt.spec import MTPDecoding, SpecConfig
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
@@ -80,12 +80,6 @@ def _rank_main(rank: int, port: int, jobs: dict, out_dir: str) -> None:
     results = {key: _generate(*args, tp, key[1]) for key, args in jobs.items()}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _save(path: Path, hf, seed: int, scale: float = 1.0) -> Checkpoint:
@@ -180,7 +174,7 @@ def two_ranks(request, tmp_path_factory) -> tuple[dict, dict]:
     }
     out = tmp_path_factory.mktemp("tp_gemma4")
     mp.start_processes(
-        _rank_main, args=(_free_port(), jobs, str(out)), nprocs=2, start_method="spawn"
+        _rank_main, args=(free_port(), jobs, str(out)), nprocs=2, start_method="spawn"
     )
     return expected, [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import torch
 
 from graphrt import devices
 from graphrt.core.errors import UsageError
-from graphrt.core.parallel.launch import GRACE_S, join
+from graphrt.core.parallel.launch import GRACE_S, free_port, join
 
 CLI = [sys.executable, "-m", "graphrt.core.cli.main"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -65,7 +64,7 @@ def test_torchrun_on_one_host(llama_gqa_untied, one_process):
 def test_torchrun_across_two_nodes(llama_gqa_untied, one_process):
     """Two torchrun agents, one process each, meeting at a c10d rendezvous as two hosts
     would (README: the multi-host command); whichever holds rank 0 prints."""
-    port = _free_port()
+    port = free_port()
     nodes = [
         subprocess.Popen(
             TORCHRUN
@@ -153,12 +152,6 @@ def _rank_pid(launcher: int, rank: int) -> int:
             if f"RANK={rank}".encode() in f.read().split(b"\0"):
                 return int(pid)
     raise AssertionError(f"no child of {launcher} runs rank {rank}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_bench_tp_2_writes_rank_0s_results(llama_gqa_untied, tmp_path):

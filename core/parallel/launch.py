@@ -145,7 +145,7 @@ class _Rank:
 
 def spawn_ranks(size: int, argv: list[str]) -> int:
     """Runs the command ``argv`` as ``size`` ranks on this host; -> the job's exit status."""
-    port = _free_port()
+    port = free_port()
     ranks = [_Rank(r, size, port, argv) for r in range(size)]
     try:
         first_failed = _wait(ranks)
@@ -194,7 +194,8 @@ def _stop(ranks: list[_Rank]) -> None:
             r.process.wait()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (the job's rendezvous port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
