@@ -36,12 +36,19 @@ from graphrt.core.errors import (  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    from graphrt.core.parallel.launch import in_job, spawn_ranks  # torch: after --help
+    from graphrt.core.parallel.launch import in_job, leave_job, spawn_ranks  # torch: after --help
 
     if getattr(args, "tp", None) and args.tp > 1 and not in_job():
         return spawn_ranks(args.tp, argv)
+    if not in_job():
+        return _run_command(args, rank="")
     # In a job, every rank may fail: its error line says which one it is.
-    rank = f"rank {os.environ['RANK']}: " if in_job() else ""
+    status = _run_command(args, rank=f"rank {os.environ['RANK']}: ")
+    leave_job(status)
+    return status
+
+
+def _run_command(args, rank: str) -> int:
     try:
         if args.command == "generate":
             from graphrt.core.cli.generate import run_generate
@@ -62,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         if out_of_memory(e):  # torch.OutOfMemoryError, the CPU allocator's, Python's
             print(f"graphrt: error: {rank}out of memory: {first_line(e)}", file=sys.stderr)
             return OutOfMemoryError.exit_code
-        if in_job() and collective_failure(e):
+        if rank and collective_failure(e):
             print(f"graphrt: error: {rank}lost the other ranks: {first_line(e)}", file=sys.stderr)
             return RankFailedError.exit_code
         raise

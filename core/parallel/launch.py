@@ -67,6 +67,24 @@ def join(requested: int | None, device) -> TPGroup:
     return tp
 
 
+def leave_job(status: int) -> None:
+    """Ends this rank's part in the job before the interpreter shuts down.
+
+    HAZARD: a process group left to interpreter shutdown can abort the process (gloo's
+    threads: "terminate called without an active exception", seen in CI), turning a
+    finished rank into a SIGABRT. A rank that lost its peers (status 6) cannot shut its
+    group down cleanly and leaves at once, its output flushed."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if status == RankFailedError.exit_code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    dist.destroy_process_group()
+
+
 def default_runner(device, tp: TPGroup) -> str:
     """The device's default runner, eager under tensor parallelism where its graphs do not
     record collectives."""
@@ -136,10 +154,10 @@ class _Rank:
 
     def failure(self) -> str:
         status = self.process.returncode
-        if status < 0:
-            return f"rank {self.rank} was killed by {signal.Signals(-status).name}"
         if self.error_line:  # already names the rank (main prefixes it in a job)
             return self.error_line
+        if status < 0:
+            return f"rank {self.rank} was killed by {signal.Signals(-status).name}"
         return f"rank {self.rank} exited with status {status}: {self.last_line}"
 
 
