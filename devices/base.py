@@ -41,6 +41,9 @@ class Device(abc.ABC):
     """Distributions reported by `library_versions` (read from metadata, never imported)."""
     collective_backend: ClassVar[str] = "gloo"
     """torch.distributed's backend for this device's collectives (tensor parallelism)."""
+    collective_kernels: ClassVar[str | None] = None
+    """A regex matching the names of the collective library's device kernels as the
+    profiler records them (bench: a step's time in collectives); None: not known."""
     graphs_capture_collectives: ClassVar[bool] = True
     """Whether this device's graphs record the collective library's calls reliably (tensor
     parallelism on graphs); where not, ``--tp`` runs eagerly only."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,3 +247,15 @@ def standin_device(capture_safe: bool = True):
             return TorchAttentionBackend(kv_pool, req_to_token_pool, capture_safe=capture_safe)
 
     return StandInDevice()
+
+
+def join_gloo(rank: int, size: int, port: int):
+    """In a spawned test process: become rank ``rank`` of ``size`` over gloo on this host,
+    one thread each (the CPU lane has 2 cores). -> its TPGroup."""
+    from graphrt.core.parallel import init_tp
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    return init_tp("gloo", timeout_s=60)

@@ -177,3 +177,23 @@ def test_cli_bench_writes_the_new_fields(monkeypatch, tmp_path, capsys):
         assert fields <= set(batch)
         assert batch["eager_gbps"] > 0 and batch["graph_gbps"] is None
         assert batch["eager_kernels"] is None
+
+
+def test_cuda_names_its_collective_kernels_and_nothing_else():
+    import re
+
+    from graphrt.devices.cuda import CudaDevice
+
+    pattern = re.compile(CudaDevice.collective_kernels, re.IGNORECASE)
+    for kernel in (
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL",
+        "ncclKernel_AllGather_RING_LL_Sum_int8_t",
+    ):
+        assert pattern.search(kernel)
+    for kernel in (
+        "gemv_kernel",
+        "_fused_add_rmsnorm",
+        "paged_decode_attention",
+        "cutlass_80_wmma",
+    ):
+        assert not pattern.search(kernel)

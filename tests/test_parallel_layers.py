@@ -4,13 +4,13 @@ embedding and LM head), and the group of one is the plain layers, collective-fre
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import join_gloo
 
 from graphrt.core.errors import UsageError
 from graphrt.core.models.layers import Linear
@@ -84,11 +84,7 @@ def _reference() -> dict[str, torch.Tensor]:
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
-    tp = init_tp("gloo", timeout_s=60)
+    tp = join_gloo(rank, world, port)
     assert (tp.rank, tp.size) == (rank, world)
     torch.save(_outputs(tp), Path(out_dir) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()

@@ -6,18 +6,17 @@ graph backend, the all-reduces recorded inside the graphs)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import CPU, cpu_engine, random_prompts
+from helpers import CPU, cpu_engine, join_gloo, random_prompts
 
 from graphrt.core.engine import SamplingParams
 from graphrt.core.errors import UsageError
 from graphrt.core.models import load_model
-from graphrt.core.parallel import TPGroup, init_tp
+from graphrt.core.parallel import TPGroup
 from graphrt.core.parallel.launch import free_port
 
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
@@ -41,11 +40,7 @@ def _generate(path: str, tp: TPGroup, runner: str) -> tuple[list[list[int]], int
 
 
 def _rank_main(rank: int, port: int, path: str, runner: str, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
-    tp = init_tp("gloo", timeout_s=60)
+    tp = join_gloo(rank, 2, port)
     torch.save(_generate(path, tp, runner), Path(out_dir) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
 

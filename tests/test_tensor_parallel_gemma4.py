@@ -17,20 +17,27 @@ All cases run in one pair of spawned processes: starting them costs more than th
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import CPU, GEMMA4_WINDOW, Checkpoint, cpu_engine, random_prompts, standin_device
+from helpers import (
+    CPU,
+    GEMMA4_WINDOW,
+    Checkpoint,
+    cpu_engine,
+    join_gloo,
+    random_prompts,
+    standin_device,
+)
 
 from graphrt.core.engine import SamplingParams
 from graphrt.core.errors import UsageError
 from graphrt.core.models import load_model
 from graphrt.core.models.gemma4 import Gemma4ForCausalLM
 from graphrt.core.models.gemma4_config import gemma4_config_from_hf
-from graphrt.core.parallel import SINGLE, TPGroup, init_tp
+from graphrt.core.parallel import SINGLE, TPGroup
 from graphrt.core.parallel.launch import free_port
 from graphrt.spec import MTPDecoding, SpecConfig
 
@@ -72,11 +79,7 @@ def _generate(target: str, drafter: str | None, tp: TPGroup, runner: str) -> dic
 
 
 def _rank_main(rank: int, port: int, jobs: dict, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
-    tp = init_tp("gloo", timeout_s=60)
+    tp = join_gloo(rank, 2, port)
     results = {key: _generate(*args, tp, key[1]) for key, args in jobs.items()}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()

@@ -169,7 +169,9 @@ def _time_graphrt(engine, cfg, bs, params, bandwidth, sync, report) -> BatchResu
             result.graph_ms = median_ms(step, sync, cfg.steps, cfg.warmup)
             result.graph_kernels = count_kernels(step, sync, device)
             if getattr(engine.loaded.model, "tp", SINGLE).size > 1:
-                result.graph_collective_ms = collective_ms(step, sync, device)
+                result.graph_collective_ms = collective_ms(
+                    step, sync, device, engine.device.collective_kernels
+                )
     for req in reqs:
         engine.abort(req)
     report(f"{bs:>4} eager {_fmt(result.eager_ms)} ms, graph {_fmt(result.graph_ms)} ms")

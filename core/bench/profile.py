@@ -40,18 +40,21 @@ def count_kernels(
     return count or None  # 0: the profiler saw no kernels of this device
 
 
-# Collective kernels by name: NCCL's (ncclDevKernel_AllReduce_Sum_bf16_RING_LL), HCCL's,
-# oneCCL's, and torch's own (symmetric-memory one-shot all-reduce).
-_COLLECTIVE = re.compile(r"nccl|hccl|ccl_|all_?reduce|all_?gather", re.IGNORECASE)
-
-
 def collective_ms(
-    fn: Callable[[], object], sync: Callable[[], None], device: torch.device, calls: int = 10
+    fn: Callable[[], object],
+    sync: Callable[[], None],
+    device: torch.device,
+    kernel_names: str | None,
+    calls: int = 10,
 ) -> float | None:
     """Device time of the collective kernels in one call of ``fn`` (mean of ``calls``):
     under tensor parallelism, what a step spends in all-reduces and gathers, waits for
-    the slower rank included. None where the profiler records no kernels (CPU).
+    the slower rank included. ``kernel_names``: the device's regex for its collective
+    library's kernels (``Device.collective_kernels``). None where the profiler records
+    no kernels (CPU) or the device names none.
     HAZARD: on a tensor-parallel job every rank must call this alike (SPMD)."""
+    if kernel_names is None:
+        return None
 
     def repeated() -> None:
         for _ in range(calls):
@@ -60,5 +63,6 @@ def collective_ms(
     events = device_events(repeated, sync, device)
     if events is None:
         return None
-    us = sum(e.device_time_total for e in events if _COLLECTIVE.search(e.key))
+    pattern = re.compile(kernel_names, re.IGNORECASE)
+    us = sum(e.device_time_total for e in events if pattern.search(e.key))
     return us / 1000 / calls

@@ -13,6 +13,8 @@ class CudaDevice(Device):
     extra = "cuda"
     libraries = ("triton",)
     collective_backend = "nccl"
+    # ncclDevKernel_AllReduce_Sum_bf16_RING_LL; torch's symmetric-memory one-shot kernels.
+    collective_kernels = r"nccl|one_shot_all_reduce|two_shot_all_reduce"
 
     def is_available(self) -> bool:
         try:

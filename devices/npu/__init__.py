@@ -25,6 +25,7 @@ class NpuDevice(Device):
     extra = "npu"
     libraries = ("torch_npu",)
     collective_backend = "hccl"  # registered by torch_npu
+    collective_kernels = r"hccl|allreduce|allgather"  # HCCL's; not verified on hardware
 
     def is_available(self) -> bool:
         if not _torch_npu_installed():

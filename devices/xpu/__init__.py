@@ -17,6 +17,7 @@ class XpuDevice(Device):
     extra = "xpu"
     libraries = ("pytorch-triton-xpu",)
     collective_backend = "xccl"  # torch >= 2.8 builds it in for XPU
+    collective_kernels = r"ccl|allreduce|allgather"  # oneCCL's; not verified on hardware
     # XPUGraph (torch 2.11) recording XCCL is new (torch-xpu-ops#2992: oneCCL >= 2021.17.2)
     # and has an open report of a replayed all-reduce making later ones return NaN
     # (pytorch#189403): tensor parallelism on XPU runs eagerly until that is settled.
