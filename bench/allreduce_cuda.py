@@ -1,15 +1,17 @@
-"""Small-message all-reduce on CUDA: NCCL (the raw _c10d_functional op graphrt's TPGroup
-issues) against torch's symmetric-memory one-shot all-reduce, both replayed from CUDA
-graphs as decode steps replay them (issue 11: at batch 1 a Llama-8B step all-reduces
-65 messages of 8 KB).
+"""Small-message all-reduce on CUDA, each replayed from CUDA graphs as decode steps
+replay them (issue 11: at batch 1 a Llama-8B step all-reduces 65 messages of 8 KB):
+- nccl: the raw _c10d_functional op graphrt's TPGroup issues by default;
+- one_shot: graphrt's SymmMemAllReduce (devices/cuda/collectives.py), torch's
+  symmetric-memory one_shot_all_reduce_copy (copy in, one kernel);
+- two_shot: torch's two_shot_all_reduce_ after a copy into the symmetric buffer.
 
-    torchrun --nproc-per-node 2 bench/allreduce_cuda.py [--hidden 4096] [--rows 1,8,64]
-        [--out allreduce.json]
+    torchrun --nproc-per-node 2 bench/allreduce_cuda.py [--hidden 4096]
+        [--rows 1,8,64,256,1024] [--out allreduce.json]
 
 Per message size: microseconds per all-reduce (median of replays of a graph of
-``--calls`` back-to-back all-reduces) and whether both give the same sums. NVLink
+``--calls`` back-to-back all-reduces) and whether the sums equal NCCL's. NVLink
 multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 on these
-machines): the one-shot kernel reads its peers' buffers directly, no multimem.
+machines): the symmetric-memory kernels read their peers' buffers directly, no multimem.
 HAZARD: symmetric memory is allocated and rendezvoused eagerly, and every op runs once
 eagerly before capture (the communicator and the signal pads must exist first).
 """
@@ -24,7 +26,8 @@ import statistics
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401 (registers _c10d_functional)
-import torch.distributed._symmetric_memory as symm_mem
+
+from graphrt.devices.cuda.collectives import SymmMemAllReduce
 
 C10D = torch.ops._c10d_functional
 
@@ -56,7 +59,7 @@ def graph_us(fn, calls: int, replays: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--rows", default="1,8,64")
+    ap.add_argument("--rows", default="1,8,64,256,1024")
     ap.add_argument("--calls", type=int, default=65)
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--out", default=None)
@@ -66,33 +69,32 @@ def main() -> None:
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", device_id=device)
     group = dist.group.WORLD.group_name
+    rows_list = [int(r) for r in args.rows.split(",")]
+    max_bytes = max(rows_list) * args.hidden * 2
+    one_shot = SymmMemAllReduce(dist.group.WORLD, device, max_bytes)
     results = []
-    for rows in map(int, args.rows.split(",")):
+    for rows in rows_list:
         x = torch.randn(rows, args.hidden, device=device, dtype=torch.bfloat16)
-        buf = symm_mem.empty(rows, args.hidden, device=device, dtype=torch.bfloat16)
-        symm_mem.rendezvous(buf, dist.group.WORLD)
-        buf.copy_(x)
-        same = torch.equal(
-            nccl_all_reduce(x.clone(), group),
-            torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group),
-        )
-        row = {
-            "rows": rows,
-            "bytes": x.numel() * x.element_size(),
-            "nccl_us": graph_us(lambda x=x: nccl_all_reduce(x, group), args.calls, args.replays),
-            "symm_mem_one_shot_us": graph_us(
-                lambda buf=buf: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group),
-                args.calls,
-                args.replays,
-            ),
-            "same_sums": same,
-        }
+        staging = one_shot.buffer[: x.numel() * 2].view(torch.bfloat16).view(x.shape)
+
+        def two_shot(x=x, staging=staging):
+            staging.copy_(x)
+            return torch.ops.symm_mem.two_shot_all_reduce_(staging, "sum", group)
+
+        nccl = nccl_all_reduce(x.clone(), group)
+        row = {"rows": rows, "bytes": x.numel() * x.element_size()}
+        row["one_shot_same_sums"] = torch.equal(one_shot(x), nccl)
+        row["two_shot_same_sums"] = torch.equal(two_shot().clone(), nccl)
+        for name, fn in (("nccl", lambda x=x: nccl_all_reduce(x, group)),
+                         ("one_shot", lambda x=x: one_shot(x)), ("two_shot", two_shot)):  # fmt: skip
+            row[f"{name}_us"] = graph_us(fn, args.calls, args.replays)
         results.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
     if rank == 0 and args.out:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "world_size": dist.get_world_size(), "nccl": ".".join(map(str, torch.cuda.nccl.version()))}  # fmt: skip
+                "world_size": dist.get_world_size(), "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                "calls_per_graph": args.calls, "replays": args.replays}  # fmt: skip
         with open(args.out, "w") as f:
             json.dump({**meta, "results": results}, f, indent=1)
     dist.destroy_process_group()

@@ -10,7 +10,8 @@
 #   bash bench/h200.sh reliability [steps]: capture under a memory cap, differential, soak
 #   bash bench/h200.sh soakspec [steps]: differential and soak with speculative rounds
 #   bash bench/h200.sh lanes [steps]: the CUDA lane beside capture_oom and soakspec (one call)
-#   bash bench/h200.sh tp [batch sizes]: random:llama-8b decode, TP=1 and (with 2 GPUs) TP=2
+#   bash bench/h200.sh tp [batch sizes|-]: TP CUDA tests, all-reduce micro-bench, random:llama-8b
+#     decode at TP=1 and (with 2 GPUs) TP=2 over each all-reduce
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -130,23 +131,26 @@ fi
 
 if [[ $what == tp ]]; then
     # Issue 11: random:llama-8b bf16, prompt 512, graph decode step per batch size at TP=1
-    # and, where the machine has two GPUs, TP=2 (with each graph step's collective time).
+    # and, where the machine has two GPUs, TP=2 with each all-reduce (GRAPHRT_ALL_REDUCE
+    # nccl, then symm_mem), each graph step's collective time; the TP CUDA tests; the
+    # all-reduce micro-benchmark. $2 "-": no decode benchmark (tests and micro-bench only).
     gpus=$(nvidia-smi -L | wc -l)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # multicast stays off here
-    for tp in 1 2; do
-        (( tp > gpus )) && { echo "TP=$tp skipped: $gpus GPU(s)"; continue; }
-        graphrt bench --model random:llama-8b --dtype bfloat16 --prompt-len 512 --tp $tp \
-            --batch-sizes "${2:-1,8,64}" --max-running-requests 64 --runners graph --no-plot \
-            --out "$OUT/bench-llama8b-tp$tp.json" > "$OUT/bench-llama8b-tp$tp.log" 2>&1
-        echo "TP=$tp exit $?"; grep -v Warning "$OUT/bench-llama8b-tp$tp.log" | tail -n 6
+    python -m pytest tests/test_cuda_collectives.py tests/test_tp_launch.py -m cuda -q \
+        -p no:cacheprovider -ra 2>&1 | tee "$OUT/tests-tp-cuda.log" | tail -n 6
+    python -m torch.distributed.run --nproc-per-node "$(( gpus >= 2 ? 2 : 1 ))" \
+        bench/allreduce_cuda.py --out "$OUT/allreduce.json" 2>&1 | grep -v Warning | tail -n 6
+    runs="1:nccl"; (( gpus >= 2 )) && runs="1:nccl 2:nccl 2:symm_mem"
+    [[ ${2:-} == - ]] && runs=""
+    for run in $runs; do
+        tp=${run%%:*} ar=${run#*:}
+        GRAPHRT_ALL_REDUCE=$ar graphrt bench --model random:llama-8b --dtype bfloat16 \
+            --prompt-len 512 --tp "$tp" --batch-sizes "${2:-1,8,64}" --max-running-requests 64 \
+            --runners graph --no-plot --out "$OUT/bench-llama8b-tp$tp-$ar.json" \
+            > /tmp/bench-run.log 2>&1
+        echo "TP=$tp $ar exit $?"; grep -v Warning /tmp/bench-run.log | tail -n 6
+        cat /tmp/bench-run.log >> "$OUT/bench-llama8b.log"  # one log: $OUT returns few files
     done
-    if (( gpus >= 2 )); then  # the two-GPU tests (NCCL, graphs), then the all-reduce bench
-        python -m pytest tests/test_tp_launch.py -m cuda -q -p no:cacheprovider 2>&1 \
-            | tee "$OUT/tests-tp-cuda.log" | tail -n 3
-        # NCCL vs symmetric-memory one-shot, both from CUDA graphs
-        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python -m torch.distributed.run \
-            --nproc-per-node 2 bench/allreduce_cuda.py --out "$OUT/allreduce.json" 2>&1 | tail -n 5
-    fi
     if (( gpus < 2 )); then  # the one-line refusal a user gets asking for more GPUs than exist
         graphrt generate --model random:llama-tiny --prompt-ids 1,2 --max-new-tokens 4 --tp 2 \
             --device cuda > /dev/null 2> "$OUT/tp2-one-gpu.err"

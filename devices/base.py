@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from graphrt.core.attention import AttentionBackend
     from graphrt.core.memory import ReqToTokenPool, TokenKVPool
     from graphrt.core.models.ops import ModelOps
+    from graphrt.core.parallel.group import SmallAllReduce, TPGroup
     from graphrt.core.runners.backend import ExecutionBackend
 
 
@@ -88,6 +89,12 @@ class Device(abc.ABC):
             )
         self.index = local_rank
         torch.accelerator.set_device_index(local_rank)
+
+    def small_all_reduce(self, tp: TPGroup) -> SmallAllReduce | None:
+        """Tensor parallelism: an all-reduce faster than the collective library's for the
+        small messages of decode steps, set up now for ``tp`` (collectively: every rank
+        calls this), or None to use the library's for every message."""
+        return None
 
     def default_dtype(self) -> torch.dtype:
         """Accelerators decode in bfloat16; CPU overrides this with float32."""

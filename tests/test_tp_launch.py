@@ -186,10 +186,13 @@ def test_graphs_under_tp_only_where_they_record_collectives():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two NVIDIA GPUs")
+@pytest.mark.parametrize("all_reduce", ["nccl", "symm_mem"])
 @pytest.mark.parametrize("model", ["llama_gqa_untied", "gemma4_tiny"])
-def test_tp_2_on_two_gpus_over_nccl_gives_one_gpu_tokens(request, model):
-    """The CUDA stack end to end: NCCL, the collectives captured in the CUDA graphs
-    (graph_steps > 0 on both), float32 so that the split sums round like the whole."""
+def test_tp_2_on_two_gpus_gives_one_gpu_tokens(request, monkeypatch, model, all_reduce):
+    """The CUDA stack end to end: NCCL, or torch's one-shot all-reduce for decode's small
+    messages, captured in the CUDA graphs (graph_steps > 0 on both), float32 so that
+    the split sums round like the whole."""
+    monkeypatch.setenv("GRAPHRT_ALL_REDUCE", all_reduce)
     path = request.getfixturevalue(model).path
     runs = {}
     for tp in ("1", "2"):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,11 +42,22 @@ class RowSlice:
         return RowSlice(self.start * k, self.size * k, self.full * k)
 
 
+class SmallAllReduce(Protocol):
+    """A device's own all-reduce for the small messages of decode steps, where it beats
+    the collective library's (``Device.small_all_reduce``). It must record into the
+    device's graphs like the library's ops, and give every rank the same ``fits``."""
+
+    def fits(self, x: torch.Tensor) -> bool: ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class TPGroup:
     rank: int
     size: int
     group: Any = None  # the torch.distributed ProcessGroup; None for the group of one
+    small_all_reduce: SmallAllReduce | None = None  # for the messages it fits; else the library
 
     @classmethod
     def single(cls) -> TPGroup:
@@ -93,6 +104,8 @@ class TPGroup:
         """``x`` summed over the ranks (the row-parallel matmul's partial sums)."""
         if self.is_single:
             return x
+        if self.small_all_reduce is not None and self.small_all_reduce.fits(x):
+            return self.small_all_reduce(x)
         out = _C10D.all_reduce(x.contiguous(), "sum", self.group.group_name)
         return _C10D.wait_tensor(out)
 

@@ -17,6 +17,7 @@ then kills them, and prints one line naming the rank that failed first and why.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -60,6 +61,7 @@ def join(requested: int | None, device) -> TPGroup:
     try:
         accelerator = device.torch_device() if device.index is not None else None
         tp = init_tp(device.collective_backend, device_id=accelerator)
+        tp = dataclasses.replace(tp, small_all_reduce=device.small_all_reduce(tp))
     except (RuntimeError, ValueError) as e:  # rendezvous: unreachable master, timeout
         raise RankFailedError(f"cannot join the tensor-parallel group: {first_line(e)}") from None
     if not is_output_rank():

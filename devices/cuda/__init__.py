@@ -68,6 +68,13 @@ class CudaDevice(Device):
 
         return TritonAttentionBackend(kv_pool, req_to_token_pool)
 
+    def small_all_reduce(self, tp):
+        """torch's symmetric-memory one-shot all-reduce where every rank is on this host
+        (``GRAPHRT_ALL_REDUCE``: devices/cuda/collectives.py)."""
+        from graphrt.devices.cuda.collectives import small_all_reduce
+
+        return small_all_reduce(tp.group, self.torch_device())
+
     def describe(self) -> str:
         import torch
 
