@@ -10,8 +10,9 @@
 #   bash bench/h200.sh reliability [steps]: capture under a memory cap, differential, soak
 #   bash bench/h200.sh soakspec [steps]: differential and soak with speculative rounds
 #   bash bench/h200.sh lanes [steps]: the CUDA lane beside capture_oom and soakspec (one call)
-#   bash bench/h200.sh tp [batch sizes|-]: TP CUDA tests, all-reduce micro-bench, random:llama-8b
-#     decode at TP=1 and (with 2 GPUs) TP=2 over each all-reduce
+#   bash bench/h200.sh tp [batch sizes|-]: all-reduce micro-bench, random:llama-8b decode at TP=1
+#     and (with 2 GPUs) TP=2 over each all-reduce
+#   bash bench/h200.sh tptests: the tensor-parallel CUDA tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -130,14 +131,12 @@ if [[ $what == lanes ]]; then
 fi
 
 if [[ $what == tp ]]; then
-    # Issue 11: random:llama-8b bf16, prompt 512, graph decode step per batch size at TP=1
-    # and, where the machine has two GPUs, TP=2 with each all-reduce (GRAPHRT_ALL_REDUCE
-    # nccl, then symm_mem), each graph step's collective time; the TP CUDA tests; the
-    # all-reduce micro-benchmark. $2 "-": no decode benchmark (tests and micro-bench only).
+    # Issue 11: the all-reduce micro-benchmark, then random:llama-8b bf16, prompt 512, graph
+    # decode step per batch size at TP=1 and, where the machine has two GPUs, TP=2 with
+    # each all-reduce (GRAPHRT_ALL_REDUCE nccl, then symm_mem) and each graph step's
+    # collective time. $2 "-": the micro-benchmark only.
     gpus=$(nvidia-smi -L | wc -l)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # multicast stays off here
-    python -m pytest tests/test_cuda_collectives.py tests/test_tp_launch.py -m cuda -q \
-        -p no:cacheprovider -ra 2>&1 | tee "$OUT/tests-tp-cuda.log" | tail -n 6
     python -m torch.distributed.run --nproc-per-node "$(( gpus >= 2 ? 2 : 1 ))" \
         bench/allreduce_cuda.py --out "$OUT/allreduce.json" 2>&1 | grep -v Warning | tail -n 6
     runs="1:nccl"; (( gpus >= 2 )) && runs="1:nccl 2:nccl 2:symm_mem"
@@ -151,6 +150,15 @@ if [[ $what == tp ]]; then
         echo "TP=$tp $ar exit $?"; grep -v Warning /tmp/bench-run.log | tail -n 6
         cat /tmp/bench-run.log >> "$OUT/bench-llama8b.log"  # one log: $OUT returns few files
     done
+fi
+
+if [[ $what == tptests ]]; then
+    # Issue 11: the TP CUDA tests (two GPUs: NCCL and one-shot sums in graphs, TP=2 tokens
+    # against one GPU's over each all-reduce; one GPU: the one-shot set-up and capture).
+    gpus=$(nvidia-smi -L | wc -l)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # multicast stays off here
+    python -m pytest tests/test_cuda_collectives.py tests/test_tp_launch.py -m cuda -q \
+        -p no:cacheprovider -ra 2>&1 | tee "$OUT/tests-tp-cuda.log" | tail -n 6
     if (( gpus < 2 )); then  # the one-line refusal a user gets asking for more GPUs than exist
         graphrt generate --model random:llama-tiny --prompt-ids 1,2 --max-new-tokens 4 --tp 2 \
             --device cuda > /dev/null 2> "$OUT/tp2-one-gpu.err"
