@@ -19,6 +19,9 @@ HAZARDS:
   overwrite the buffer: no rank leaves before every peer has read it.
 - Every rank must take the same path for the same message: ``fits`` depends only on
   shape and dtype, which SPMD ranks share.
+- A peer that dies mid-step leaves this rank's kernel spinning on its signal pad: no
+  process-group timeout covers a kernel. The job still ends in bounded time because
+  ``--tp``'s launcher (or torchrun's agent) stops the other ranks when one fails.
 - Multicast stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` unless set): the one-shot
   kernel reads peers through P2P mappings and never needs a multicast object, whose
   creation costs memory and, on hosts whose GPUs are shared, is refused or harmful.
