@@ -107,16 +107,6 @@ def _sums_main(rank: int, size: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.cuda
-@needs_cuda
-def test_one_shot_all_reduce_of_a_group_of_one_records_into_a_graph(tmp_path, monkeypatch):
-    """On one GPU: set up, fits, and capture work (the sum over one rank is the input)."""
-    monkeypatch.setenv("GRAPHRT_ALL_REDUCE", "symm_mem")
-    args = (1, free_port(), str(tmp_path))
-    mp.start_processes(_one_rank_main, args=args, nprocs=1, start_method="spawn")
-    assert torch.load(tmp_path / "rank0.pt") == [True, True, True, False, False]
-
-
 def _one_rank_main(rank: int, size: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -133,6 +123,16 @@ def _one_rank_main(rank: int, size: int, port: int, out_dir: str) -> None:
     checks.append(reducer.fits(torch.ones(8, device=device, dtype=torch.float16)))
     torch.save(checks, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_one_shot_all_reduce_of_a_group_of_one_records_into_a_graph(tmp_path, monkeypatch):
+    """On one GPU: set up, fits, and capture work (the sum over one rank is the input)."""
+    monkeypatch.setenv("GRAPHRT_ALL_REDUCE", "symm_mem")
+    args = (1, free_port(), str(tmp_path))
+    mp.start_processes(_one_rank_main, args=args, nprocs=1, start_method="spawn")
+    assert torch.load(tmp_path / "rank0.pt") == [True, True, True, False, False]
 
 
 @pytest.mark.cuda
