@@ -56,7 +56,7 @@ if [[ $what == profile ]]; then
 fi
 
 eval_pair() {  # eval_pair NAME TARGET_DIR ASSISTANT_DIR [eval_pair.py flags]
-    python scripts/eval_pair.py --device cuda --runner graph --target "$2" --draft "$3" \
+    python bench/eval_pair.py --device cuda --runner graph --target "$2" --draft "$3" \
         --configs "${EVAL_CONFIGS:-3x1,3x3,5x1,5x3,7x1}" --out "$OUT/eval-$1-cuda.json" "${@:4}" \
         2>&1 | grep -v "Warning\|Loading weights" | tail -n 12
 }
@@ -101,7 +101,7 @@ if [[ $what == reliability ]]; then
         | tail -n 12
     echo "capture_oom exit ${PIPESTATUS[0]}"; grep -v "^{" "$OUT/capture-oom.err" | tail -n 3
     if [[ ${2:-10000} != 0 ]]; then
-        timeout 240 python bench/soak.py --device cuda --steps "${2:-10000}" --out "$OUT/soak.json" \
+        timeout 240 python tests/soak.py --device cuda --steps "${2:-10000}" --out "$OUT/soak.json" \
             2>"$OUT/soak.err" | tail -n 8
         echo "soak exit ${PIPESTATUS[0]}"; grep -v "step/s" "$OUT/soak.err" | tail -n 5
     fi
@@ -110,7 +110,7 @@ fi
 if [[ $what == soakspec ]]; then
     # The differential and soak with speculative rounds on every engine: the embedded pair,
     # whose drafts are accepted 0 to 5 at a time ($2: steps, default 3000).
-    timeout "${SOAK_TIMEOUT:-500}" python bench/soak.py --device cuda --steps "${2:-3000}" \
+    timeout "${SOAK_TIMEOUT:-500}" python tests/soak.py --device cuda --steps "${2:-3000}" \
         --model core/pretrained/gemma4-code-target --draft core/pretrained/gemma4-code-assistant \
         --out "$OUT/soak-spec.json" 2>"$OUT/soak-spec.err" | tail -n 8
     echo "soak (speculative) exit ${PIPESTATUS[0]}"; grep -v "step/s" "$OUT/soak-spec.err" | tail -n 5

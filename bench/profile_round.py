@@ -13,9 +13,9 @@ import torch
 from profile_step import print_kernels
 
 from graphrt import devices
+from graphrt.core.bench.rounds import RoundBenchConfig, round_engines
 from graphrt.core.models import load_model
-from graphrt.spec.bench import SpecBenchConfig, bench_engines
-from graphrt.spec.config import SpecConfig
+from graphrt.spec import MTPDecoding, SpecConfig
 
 
 def main() -> None:
@@ -23,24 +23,22 @@ def main() -> None:
     device = devices.current("cuda")
     target = load_model("random:gemma4-e2b", device, torch.bfloat16)
     drafter = load_model("random:gemma4-e2b-assistant", device, torch.bfloat16)
-    cfg = SpecBenchConfig(batch_sizes=(1,), steps=4)
-    spec, plain = bench_engines(target, drafter, device, SpecConfig(4, topk), cfg)
+    cfg = RoundBenchConfig(batch_sizes=(1,), steps=4)
+    strategy = MTPDecoding(drafter, SpecConfig(4, topk))
+    spec, plain = round_engines(target, strategy, device, cfg)
     prompt = torch.randint(0, target.model.vocab_size, (512,)).tolist()
     for engine in (spec, plain):
         engine.add_request(prompt)
         engine.step()  # prefill
-    strategy = spec.strategy
-    inputs = strategy.round_inputs(spec.running)
-    tree, _ = strategy.draft(inputs)
-    locs = spec.kv_pool.alloc(tree.num_nodes)
     batch = plain.build_decode_batch(plain.running)
-    for name, fn in [
-        ("decode graph step", lambda: plain.graph_runner.execute(batch)),
-        ("draft-loop graph", lambda: strategy.draft(inputs)),
-        ("verify graph", lambda: strategy.verify(inputs, tree, locs)),
-    ]:
-        fn()
-        print_kernels(name, fn, device.synchronize, top=15)
+    with strategy.bench_pieces(spec.running) as pieces:
+        for name, fn in [
+            ("decode graph step", lambda: plain.graph_runner.execute(batch)),
+            ("draft-loop graph", lambda: pieces["draft"](True)),
+            ("verify graph", lambda: pieces["verify"](True)),
+        ]:
+            fn()
+            print_kernels(name, fn, device.synchronize, top=15)
 
 
 if __name__ == "__main__":

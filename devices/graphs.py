@@ -30,6 +30,7 @@ class StreamGraphBackend(ExecutionBackend):
     warmup_runs = 2  # lazy initialisation (workspaces, autotuning) happens outside capture
 
     def __init__(self, module: Any):
+        super().__init__()
         self.module = module  # torch.cuda, torch.xpu, torch.npu (or the tests' stand-in)
         self._graphs: dict[ShapeKey, Any] = {}
         # HAZARD: graphs (or segments) whose capture failed, or whose key the runner gave
@@ -112,7 +113,7 @@ class StreamGraphBackend(ExecutionBackend):
     def can_run(self, key: ShapeKey) -> bool:
         return key in self._graphs
 
-    def replay(self, key: ShapeKey) -> None:
+    def _replay(self, key: ShapeKey) -> None:
         self._graphs[key].replay()
 
     def keys(self) -> Iterator[ShapeKey]:
@@ -185,7 +186,7 @@ class BreakableStreamGraphBackend(StreamGraphBackend):
         self._graphs[key] = _Segments(steps, segments)
         return outputs
 
-    def replay(self, key: ShapeKey) -> None:
+    def _replay(self, key: ShapeKey) -> None:
         for step in self._graphs[key].steps:
             step()
 

@@ -17,6 +17,8 @@ A round, device work end to end (gpt-fast's ``speculative_decode``, on graphs):
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +104,22 @@ class MTPDecoding(DecodeStrategy):
         for runner in (self.draft_graph, self.verify_graph):
             if runner is not None:
                 runner.cleanup()
+
+    @contextlib.contextmanager
+    def bench_pieces(self, reqs: list[Request]) -> Iterator[dict[str, Callable[[bool], bool]]]:
+        """A round's draft loop and verify forward over ``reqs``, to time apart. Verify
+        writes its nodes' KV into slots held for the bench and freed after it."""
+        inputs = self.round_inputs(reqs)
+        tree, _ = self.draft(inputs)
+        locs_host = self.engine.kv_pool.alloc_host(len(reqs) * tree.num_nodes)
+        locs = to_device(locs_host, self.engine.torch_device)
+        try:
+            yield {
+                "draft": lambda graphs: self.draft(inputs, graphs)[1],
+                "verify": lambda graphs: self.verify(inputs, tree, locs, graphs)[1],
+            }
+        finally:
+            self.engine.kv_pool.free(locs_host)
 
     # ---- one round ---------------------------------------------------------------
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +23,25 @@ from helpers import (  # noqa: E402
     Checkpoint,
     make_checkpoint,
 )
+
+# Set to 1, every graph capture raises, here and in every process the tests start, so
+# graph runners fall back to eager steps with a warning: each test marked ``graphs`` must
+# then fail (tests/test_graphs_required.py).
+FAIL_CAPTURES = "GRAPHRT_TEST_FAIL_CAPTURES"
+_FAIL_CAPTURES_DIR = Path(__file__).resolve().parent / "fail_captures"
+
+
+def pytest_configure(config):
+    if os.environ.get(FAIL_CAPTURES) != "1":
+        return
+    # Child processes (TP ranks, CLI runs) run the folder's sitecustomize at start-up.
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(_FAIL_CAPTURES_DIR) + (os.pathsep + path if path else "")
+    spec = importlib.util.spec_from_file_location(
+        "fail_captures", _FAIL_CAPTURES_DIR / "sitecustomize.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # patches this process (idempotent)
 
 
 @pytest.fixture(autouse=True)

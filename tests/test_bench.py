@@ -1,7 +1,9 @@
-"""The decode bench (`graphrt bench`): the bytes a step reads, its floor, its JSON."""
+"""`graphrt bench`: the decode bench (the bytes a step reads, its floor, its JSON) and
+the speculative round bench (`--draft`: every piece of a round, its peer, its plot)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from types import SimpleNamespace
 
@@ -11,9 +13,22 @@ from helpers import CPU
 
 from graphrt.core.bench import decode
 from graphrt.core.bench.decode import DecodeBenchConfig, make_engine, run_decode_bench
+from graphrt.core.bench.peer_hf import hf_assisted_tokens_per_s, hf_peer_problem
+from graphrt.core.bench.plot import plot_spec_throughput
+from graphrt.core.bench.rounds import (
+    RoundBenchConfig,
+    gap_ms,
+    replay_events,
+    result_json,
+    round_engines,
+    run_round_bench,
+    table,
+)
 from graphrt.core.bench.timing import achieved_gbps, floor_ms, step_bytes_read
-from graphrt.core.cli.bench import hf_peer_problem
+from graphrt.core.engine import SamplingParams
 from graphrt.core.models import load_model
+from graphrt.core.models.loader import read_hf_config
+from graphrt.spec import MTPDecoding, SpecConfig
 
 F32 = 4  # bytes: the models below load in float32
 BF16 = 2  # bytes: the KV pool dtype the byte counts are asked for
@@ -177,6 +192,85 @@ def test_cli_bench_writes_the_new_fields(monkeypatch, tmp_path, capsys):
         assert fields <= set(batch)
         assert batch["eager_gbps"] > 0 and batch["graph_gbps"] is None
         assert batch["eager_kernels"] is None
+
+
+@pytest.mark.graphs
+def test_round_bench_times_every_piece_of_a_round(gemma4_tiny, gemma4_assistant, tmp_path):
+    """`graphrt bench --draft`'s measurements on stand-in graphs, and the transformers
+    assisted-generation peer on the same weights."""
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    spec = SpecConfig(num_steps=3, topk=1)
+    cfg = RoundBenchConfig(batch_sizes=(1, 2), prompt_len=12, steps=2, warmup=1)
+    engines = round_engines(target, MTPDecoding(drafter, spec), standin_graph_device(), cfg)
+
+    def peer():
+        configs = [read_hf_config(c.path) for c in (gemma4_tiny, gemma4_assistant)]
+        args = (configs[0], target, configs[1], drafter, spec.num_steps, 12, 8, CPU, lambda: None)
+        return hf_assisted_tokens_per_s(*args)
+
+    results = run_round_bench(*engines, cfg, lambda: None, peer, report=lambda *a: None)
+    assert [r.batch_size for r in results] == [1, 2]
+    for r in results:
+        assert list(r.pieces_ms) == ["draft", "draft_eager", "verify", "verify_eager"]
+        assert all(ms > 0 for ms in r.pieces_ms.values()), r.pieces_ms
+        assert r.decode_ms > 0 and r.round_ms > 0
+        assert r.graph_gap_ms is None  # the CPU has no events
+        assert 1.0 <= r.accept_length_mean <= spec.num_steps + 1
+        # Unrounded: what the measured round time gives at every accept length.
+        at_length = r.tokens_per_s_at_accept_length
+        per_round = r.batch_size / r.round_ms * 1e3
+        assert at_length == pytest.approx([per_round * n for n in range(1, spec.num_steps + 2)])
+        assert r.spec_tokens_per_s == pytest.approx(per_round * r.accept_length_mean)
+    assert results[0].hf_assisted_tokens_per_s > 0 and results[1].hf_assisted_tokens_per_s is None
+    assert len(table(results)) == 3 and "draft eager" in table(results)[0]
+    out = result_json(results, model="t", draft="d", device_name="cpu", dtype="float32",
+                      spec_steps=3, spec_topk=1)  # fmt: skip
+    issue_fields = {"batch_size", "decode_ms", "draft_ms", "draft_eager_ms", "verify_ms",
+                    "verify_eager_ms", "round_ms", "accept_length_mean", "spec_tokens_per_s",
+                    "decode_tokens_per_s", "hf_assisted_tokens_per_s"}  # fmt: skip
+    assert issue_fields <= set(out["batches"][0])
+    engine = engines[0]
+    assert engine.kv_pool.available() == engine.kv_pool.num_slots  # verify's slots freed
+    png = tmp_path / "spec.png"
+    if plot_spec_throughput(out, png):
+        assert png.stat().st_size > 10_000
+
+
+@pytest.mark.graphs
+def test_replay_events_are_recorded_around_every_replay_through_the_backends_observer(
+    monkeypatch,
+):
+    """The round bench's device idle time between graphs: events around each replay,
+    recorded through ``replay_observer`` (no patching of ``replay``), which it resets."""
+    clock = itertools.count()
+
+    class Event:  # the CPU has no device events: these read a counter when recorded
+        def __init__(self, device, enable_timing):
+            self.at = None
+
+        def record(self):
+            self.at = next(clock)
+
+        def elapsed_time(self, later):
+            return later.at - self.at
+
+    monkeypatch.setattr(torch, "Event", Event)
+    cfg = DecodeBenchConfig(batch_sizes=(1,), prompt_len=4, max_running_requests=1)
+    loaded = load_model("random:llama-tiny", CPU, torch.float32)
+    engine = make_engine(loaded, standin_graph_device(), cfg, graphs=True)
+    engine.add_request([1, 2, 3, 4], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    engine.step()  # the prefill, eager
+    backend = engine.graph_backend
+    with replay_events(backend, engine.torch_device) as events:
+        engine.step()
+        engine.step()
+    assert backend.replay_observer is None
+    (key, count), *_ = backend.replays.items()
+    assert [k for k, _, _ in events] == [key, key] and count == 2
+    # The clock: 0 the probe, then (1, 2) and (3, 4) around the two replays.
+    assert [(start.at, end.at) for _, start, end in events] == [(1, 2), (3, 4)]
+    assert gap_ms(events) == 1
 
 
 def test_cuda_names_its_collective_kernels_and_nothing_else():

@@ -384,7 +384,8 @@ def test_weight_file_symlink_outside_is_refused(llama, tmp_path):
 
 
 def test_hub_cache_snapshot_symlinks_load(llama_tied, tmp_path):
-    """The Hugging Face cache layout: a snapshot's files link into the repo's blobs/."""
+    """The Hugging Face cache layout: a snapshot's files link into the repo's blobs/. Each
+    is read through its link: the weights, config.json, generation_config.json's eos ids."""
     repo = tmp_path / "models--org--tiny"
     snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
     snapshot.mkdir(parents=True)
@@ -393,7 +394,14 @@ def test_hub_cache_snapshot_symlinks_load(llama_tied, tmp_path):
         blob = blobs / f"blob{i}"
         shutil.copy(f, blob)
         (snapshot / f.name).symlink_to(Path("..", "..", "blobs", blob.name))
-    load_checkpoint(snapshot, CPU, torch.float32)
+    _edit_json(snapshot / "generation_config.json", {"eos_token_id": [2, 7]})  # config's: 2
+    assert all(f.is_symlink() for f in snapshot.iterdir())
+    loaded = load_checkpoint(snapshot, CPU, torch.float32)
+    direct = load_checkpoint(llama_tied.path, CPU, torch.float32)
+    assert loaded.config == direct.config and loaded.eos_token_ids == (2, 7)
+    weights, expected = loaded.model.state_dict(), direct.model.state_dict()
+    assert weights.keys() == expected.keys()
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
 
 
 BAD_INDEXES = {

@@ -76,6 +76,7 @@ def test_generate_json_matches_transformers(capsys, ckpt_with_tokenizer):
         assert isinstance(req["text"], str)
 
 
+@pytest.mark.graphs
 def test_graph_runner_matches_transformers(capsys, ckpt_with_tokenizer):
     # What `graphrt generate --runner graph` prints must agree with transformers too.
     path, hf = ckpt_with_tokenizer
@@ -103,6 +104,7 @@ def test_prompt_text_is_tokenized_and_output_decoded(capsys, ckpt_with_tokenizer
     assert first["text"] == tok.decode(first["output_ids"], skip_special_tokens=True)
 
 
+@pytest.mark.graphs
 def test_eager_is_the_cpu_default_and_graph_matches_it(capsys):
     """On CPU no --runner means eager (compiling costs more than a short job saves);
     --runner graph still runs every fitting decode step on its compiled bucket."""

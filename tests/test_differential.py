@@ -6,15 +6,12 @@ random prompt lengths and max_new_tokens (batches grow and shrink across the buc
 graphs replay padded, and in exact mode only at captured sizes), greedy and seeded
 sampled requests, eos stops and requests that reach the context's end; speculative
 rounds with the MTP drafter on graphs, and with an oracle drafter whose rounds accept
-0 to all drafts. The driver is bench/differential.py's ``run_schedule``: bench/soak.py
+0 to all drafts. The driver is tests/differential.py's ``run_schedule``: tests/soak.py
 runs the same one for 10,000 steps on the H200."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
+import differential
 import pytest
 import torch
 from helpers import CPU, OracleDraftRunner, cpu_engine, standin_device
@@ -26,18 +23,6 @@ from graphrt.spec import MTPDecoding, SpecConfig
 BUCKETS = (1, 2, 4, 8)
 MAX_RUNNING = 8  # the largest bucket: batches of 3, 5, 6 and 7 replay padded
 CONTEXT = 64
-
-
-def _load_driver():
-    path = Path(__file__).resolve().parents[1] / "bench" / "differential.py"
-    spec = importlib.util.spec_from_file_location("graphrt_bench_differential", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while defining
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = _load_driver()
 
 
 def engine_config(**overrides) -> dict:
@@ -65,7 +50,7 @@ def schedule(seed: int, vocab: int, **overrides):
         new_tokens=(1, 12),
         phase_steps=8,
     )
-    return soak.Schedule(soak.ScheduleConfig(seed=seed, **{**config, **overrides}))
+    return differential.Schedule(differential.ScheduleConfig(seed=seed, **{**config, **overrides}))
 
 
 def assert_no_mismatch(result) -> None:
@@ -85,7 +70,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def llama():
-    return soak.with_eos(load_model("random:llama-tiny", CPU, torch.float32), count=8)
+    return differential.with_eos(load_model("random:llama-tiny", CPU, torch.float32), count=8)
 
 
 def test_plain_decode_on_graphs_padded_and_exact_equals_eager(llama):
@@ -96,8 +81,8 @@ def test_plain_decode_on_graphs_padded_and_exact_equals_eager(llama):
         "cuda-breakable": graph_engine(llama, "cuda-breakable", capture_safe=False),
         "npu": graph_engine(llama, "npu"),
     }
-    margin = soak.GreedyMargin(llama, CpuDevice(), CONTEXT)  # in a mismatch's message
-    result = soak.run_schedule(
+    margin = differential.GreedyMargin(llama, CpuDevice(), CONTEXT)  # in a mismatch's message
+    result = differential.run_schedule(
         engines, schedule(5, llama.model.vocab_size), steps=60, margin=margin
     )
     assert_no_mismatch(result)
@@ -129,7 +114,7 @@ def spec_engines(target, drafter, steps: int, topk: int):
 def gemma4_pair(gemma4_tiny, gemma4_assistant):
     target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
     drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
-    return soak.with_eos(target, count=6), drafter
+    return differential.with_eos(target, count=6), drafter
 
 
 def spec_schedule(seed: int, vocab: int, requests: int):
@@ -143,7 +128,7 @@ def test_speculative_rounds_on_graphs_equal_eager(gemma4_pair):
     target, drafter = gemma4_pair
     engines = spec_engines(target, drafter, steps=3, topk=2)
     sched = spec_schedule(23, target.model.vocab_size, requests=12)
-    result = soak.run_schedule(engines, sched, steps=10**6)
+    result = differential.run_schedule(engines, sched, steps=10**6)
     assert_no_mismatch(result)
     assert {1, 3, 4} <= set(result.batch_sizes), result.batch_sizes
     graph = engines["cuda-full"].stats
@@ -159,7 +144,7 @@ def test_speculative_rounds_with_oracle_accept_lengths_equal_eager(gemma4_pair):
     target, drafter = gemma4_pair
     seed, requests, steps = 41, 12, 3
     plain = {"plain": cpu_engine(target, **engine_config(max_running_requests=4))}
-    reference = soak.run_schedule(
+    reference = differential.run_schedule(
         plain, spec_schedule(seed, target.model.vocab_size, requests), 10**6, record_outputs=True
     )
     engines = spec_engines(target, drafter, steps=steps, topk=1)
@@ -175,7 +160,7 @@ def test_speculative_rounds_with_oracle_accept_lengths_equal_eager(gemma4_pair):
             for r in engine.running:
                 truths[name][r.req_slot] = r.prompt_ids + reference.outputs[r.rid]
 
-    result = soak.run_schedule(
+    result = differential.run_schedule(
         engines,
         spec_schedule(seed, target.model.vocab_size, requests),
         10**6,
@@ -205,7 +190,7 @@ def test_the_driver_reports_the_seed_step_and_request_of_a_mismatch(llama):
         return tokens
 
     faulty.sample_tokens = flip_one_token
-    result = soak.run_schedule(
+    result = differential.run_schedule(
         engines, schedule(5, llama.model.vocab_size, to_context=0.0), steps=20, keep=1
     )
     assert result.mismatches == 1 and len(result.details) == 1

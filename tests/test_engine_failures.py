@@ -76,6 +76,7 @@ def test_a_sampling_failure_fails_its_step_only_and_frees_every_slot(loaded, mon
     _assert_idle(engine)
 
 
+@pytest.mark.graphs
 def test_a_forward_failure_in_a_graph_replay_frees_every_slot(loaded, monkeypatch):
     engine = cpu_engine(loaded, max_context_len=64, runner="graph", graph_buckets=(1, 2, 4))
     prompts = random_prompts((5, 9))

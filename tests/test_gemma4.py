@@ -13,6 +13,7 @@ from helpers import (
     GEMMA4_WINDOW,
     cpu_engine,
     hf_greedy,
+    make_checkpoint,
     needs_gpu,
     random_prompts,
     rel_err,
@@ -94,6 +95,45 @@ def test_batched_greedy_decode_matches_transformers(ckpt):
         for step, (ours, theirs) in enumerate(zip(req.output_logits, hf_logits, strict=True)):
             err = rel_err(ours, theirs)
             assert err < RTOL, f"{name}: len {len(prompt)}, step {step}: rel err {err:.2e}"
+
+
+def test_greedy_tokens_follow_the_softcap_where_logits_reach_it(tmp_path):
+    """Softcapping is monotone, so greedy tokens feel it only where logits reach the cap:
+    tanh saturates to exactly the cap in float32 and the lowest-id saturated token wins the
+    argmax, not the largest raw logit. Here (cap 2.0, final norm scaled 48x: raw logits
+    up to ~30) that happens at many steps, and graphrt's tokens are transformers'."""
+    from transformers import Gemma4TextConfig
+
+    s, f = "sliding_attention", "full_attention"
+    cfg = Gemma4TextConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        layer_types=[s, s, f],
+        sliding_window=GEMMA4_WINDOW,
+        num_kv_shared_layers=0,
+        hidden_size_per_layer_input=8,
+        final_logit_softcapping=2.0,
+        max_position_embeddings=256,
+    )
+    hf = make_checkpoint(tmp_path, cfg, seed=0).hf
+    with torch.no_grad():
+        hf.model.norm.weight.mul_(48.0)  # the head's input, so the raw logits, 48x
+    hf.save_pretrained(tmp_path)
+    prompts = random_prompts(PROMPT_LENS, seed=34)
+    engine = cpu_engine(load_model(str(tmp_path), CPU, torch.float32), max_context_len=64)
+    reqs = engine.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    for prompt, req in zip(prompts, reqs):
+        expected, logits = hf_greedy(hf, prompt, 16)
+        assert req.output_ids == expected, len(prompt)
+        assert sum((step == 2.0).sum() > 1 for step in logits) > 1  # ties at the cap
+    hf.config.final_logit_softcapping = None  # the test's premise: uncapped, other tokens
+    assert all(r.output_ids != hf_greedy(hf, p, 16)[0] for p, r in zip(prompts, reqs))
 
 
 def test_hidden_and_embedding_are_what_the_assistant_reads(gemma4_tiny):

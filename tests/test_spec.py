@@ -288,6 +288,7 @@ def graph_device(backend: str):
     return GraphDevice()
 
 
+@pytest.mark.graphs
 @pytest.mark.parametrize(("steps", "topk"), [(3, 1), (2, 3)])
 @pytest.mark.parametrize("backend", ["standin-cuda-full"])
 def test_rounds_on_graphs_per_request_batch_size(
@@ -325,54 +326,6 @@ def test_rounds_on_graphs_per_request_batch_size(
     assert stats.graph_rounds == stats.spec_rounds > 0 and stats.graph_steps > 0
     assert stats.eager_steps == 1  # the prefill; every verify forward replayed a graph
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
-
-
-def test_spec_bench_times_every_piece_of_a_round(gemma4_tiny, gemma4_assistant, tmp_path):
-    """`graphrt bench --draft`'s measurements on stand-in graphs, and the transformers
-    assisted-generation peer on the same weights."""
-    from graphrt.core.bench.plot import plot_spec_throughput
-    from graphrt.core.models.loader import read_hf_config
-    from graphrt.spec.bench import (
-        SpecBenchConfig,
-        bench_engines,
-        hf_assisted_tokens_per_s,
-        result_json,
-        run_spec_bench,
-    )
-
-    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
-    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
-    spec = SpecConfig(num_steps=3, topk=1)
-    cfg = SpecBenchConfig(batch_sizes=(1, 2), prompt_len=12, steps=2, warmup=1)
-    engines = bench_engines(target, drafter, graph_device("standin-cuda-full"), spec, cfg)
-
-    def peer():
-        configs = [read_hf_config(c.path) for c in (gemma4_tiny, gemma4_assistant)]
-        args = (configs[0], target, configs[1], drafter, spec, 12, 8, CPU, lambda: None)
-        return hf_assisted_tokens_per_s(*args)
-
-    results = run_spec_bench(*engines, cfg, lambda: None, peer, report=lambda *a: None)
-    assert [r.batch_size for r in results] == [1, 2]
-    for r in results:
-        for name in ("decode_ms", "draft_ms", "draft_eager_ms", "verify_ms", "verify_eager_ms"):
-            assert getattr(r, name) > 0, name
-        assert r.round_ms > 0 and r.graph_gap_ms is None  # the CPU has no events
-        assert 1.0 <= r.accept_length_mean <= spec.num_steps + 1
-        at_length = r.tokens_per_s_at_accept_length
-        assert len(at_length) == spec.num_steps + 1
-        assert at_length[1] == pytest.approx(2 * at_length[0], rel=1e-2)
-        expected = r.batch_size * r.accept_length_mean / r.round_ms * 1e3
-        assert r.spec_tokens_per_s == pytest.approx(expected)
-    assert results[0].hf_assisted_tokens_per_s > 0 and results[1].hf_assisted_tokens_per_s is None
-    out = result_json(results, model="t", draft="d", device_name="cpu", dtype="float32",
-                      spec_steps=3, spec_topk=1)  # fmt: skip
-    issue_fields = {"batch_size", "decode_ms", "draft_ms", "draft_eager_ms", "verify_ms",
-                    "verify_eager_ms", "round_ms", "accept_length_mean", "spec_tokens_per_s",
-                    "decode_tokens_per_s", "hf_assisted_tokens_per_s"}  # fmt: skip
-    assert issue_fields <= set(out["batches"][0])
-    png = tmp_path / "spec.png"
-    if plot_spec_throughput(out, png):
-        assert png.stat().st_size > 10_000
 
 
 def test_a_request_whose_round_can_never_fit_is_refused_in_one_line(
@@ -427,6 +380,7 @@ def cuda_spec_engine(target, drafter, steps: int, topk: int, **config) -> Engine
     return Engine(loaded, config, device, MTPDecoding(draft, SpecConfig(steps, topk)))
 
 
+@pytest.mark.graphs
 @pytest.mark.cuda
 @needs_gpu
 @pytest.mark.parametrize("topk", [1, 3])
@@ -442,6 +396,7 @@ def test_cuda_greedy_with_drafter_on_graphs_equals_transformers(
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
 
 
+@pytest.mark.graphs
 @pytest.mark.cuda
 @needs_gpu
 @pytest.mark.parametrize("topk", [1, 3])

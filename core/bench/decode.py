@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 
+from graphrt.core.bench.output import fmt
 from graphrt.core.bench.profile import collective_ms, count_kernels
 from graphrt.core.bench.timing import (
     achieved_gbps,
@@ -174,12 +175,8 @@ def _time_graphrt(engine, cfg, bs, params, bandwidth, sync, report) -> BatchResu
                 )
     for req in reqs:
         engine.abort(req)
-    report(f"{bs:>4} eager {_fmt(result.eager_ms)} ms, graph {_fmt(result.graph_ms)} ms")
+    report(f"{bs:>4} eager {fmt(result.eager_ms)} ms, graph {fmt(result.graph_ms)} ms")
     return result
-
-
-def _fmt(x: float | int | None, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
 
 
 HEADER = (
@@ -191,12 +188,12 @@ HEADER = (
 
 def _row(r: BatchResult) -> str:
     mb = f"{r.weight_bytes_read / 1e6:.1f}/{r.gathered_bytes_read / 1e6:.2f}/{r.kv_bytes_read / 1e6:.1f}"
-    kernels = f"{_fmt(r.graph_kernels, 'd')}/{_fmt(r.eager_kernels, 'd')}"
+    kernels = f"{fmt(r.graph_kernels, 'd')}/{fmt(r.eager_kernels, 'd')}"
     return (
-        f"{r.batch_size:>4} {_fmt(r.eager_ms):>9} {_fmt(r.graph_ms):>9} {_fmt(r.hf_ms):>9} "
-        f"{_fmt(r.floor_ms):>9} {_fmt(r.graph_over_floor, '.2f'):>11} "
-        f"{_fmt(r.graph_speedup_over_eager, '.2f'):>13} {_fmt(r.graph_speedup_over_hf, '.2f'):>10} "
-        f"{mb:>20} {_fmt(r.graph_gbps, '.0f'):>10} {_fmt(r.eager_gbps, '.0f'):>10} {kernels:>11}"
+        f"{r.batch_size:>4} {fmt(r.eager_ms):>9} {fmt(r.graph_ms):>9} {fmt(r.hf_ms):>9} "
+        f"{fmt(r.floor_ms):>9} {fmt(r.graph_over_floor, '.2f'):>11} "
+        f"{fmt(r.graph_speedup_over_eager, '.2f'):>13} {fmt(r.graph_speedup_over_hf, '.2f'):>10} "
+        f"{mb:>20} {fmt(r.graph_gbps, '.0f'):>10} {fmt(r.eager_gbps, '.0f'):>10} {kernels:>11}"
     )
 
 

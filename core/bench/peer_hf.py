@@ -1,19 +1,43 @@
-"""The peer a user would pick instead: transformers with its static cache under
-``torch.compile(mode="reduce-overhead")`` (inductor kernels + CUDA graphs),
-on the same weights as graphrt's model."""
+"""The peers a user would pick instead, on the same weights as graphrt's model:
+transformers with its static cache under ``torch.compile(mode="reduce-overhead")``
+(inductor kernels + CUDA graphs) for a decode step, and transformers' assisted
+generation (``generate(..., assistant_model=...)``) for speculative decoding."""
 
 from __future__ import annotations
 
 import inspect
 import re
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from graphrt.core.bench.timing import median_ms
+from graphrt.core.bench.timing import attention_specs, median_ms
 from graphrt.core.errors import GraphrtError
 from graphrt.core.models.layers import MergedLinear
+from graphrt.core.models.loader import LoadedModel, read_hf_config
+from graphrt.core.models.presets import preset_hf_config
+
+
+def hf_config(source: str) -> dict:
+    """The Hugging Face config.json of a ``--model`` source (a directory or random:PRESET)."""
+    if source.startswith("random:"):
+        return preset_hf_config(source.removeprefix("random:"))
+    return read_hf_config(Path(source))
+
+
+def hf_peer_problem(model: nn.Module) -> str | None:
+    """Why the compiled transformers peer cannot time ``model``'s decode step, or None."""
+    if any(spec.sliding_window is not None for spec in attention_specs(model)):
+        # StaticSlidingWindowLayer.cumulative_length_int (transformers 5.x): dynamo guards
+        # on it, so the peer's column would time a recompile per step, not decoding.
+        return (
+            "its sliding-window layers keep their StaticCache length in a Python int that "
+            "torch.compile guards on, so every decode step would recompile"
+        )
+    return None
 
 
 def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -133,3 +157,31 @@ class HFPeer:
             return self.decode(token, cache)
 
         return median_ms(run, sync, steps=steps, warmup=warmup)
+
+
+def hf_assisted_tokens_per_s(
+    target_cfg: dict, target: LoadedModel, draft_cfg: dict, drafter: LoadedModel,
+    draft_tokens: int, prompt_len: int, new_tokens: int, device: torch.device, sync,
+) -> float:  # fmt: skip
+    """transformers' assisted generation (batch 1, greedy, ``draft_tokens`` drafts a round)
+    on graphrt's weights: tokens/s."""
+    dtype = next(target.model.parameters()).dtype
+    hf_target, _ = build_hf_model(target_cfg, target.model, device, dtype)
+    hf_draft, _ = build_hf_model(draft_cfg, drafter.model, device, dtype)
+    hf_draft.generation_config.num_assistant_tokens = draft_tokens
+    hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
+    ids = torch.randint(0, target.model.vocab_size, (1, prompt_len), device=device)
+    kwargs = dict(
+        assistant_model=hf_draft,
+        do_sample=False,
+        min_new_tokens=new_tokens,
+        attention_mask=torch.ones_like(ids),
+        pad_token_id=0,
+    )
+    with torch.no_grad():
+        hf_target.generate(ids, max_new_tokens=4, **{**kwargs, "min_new_tokens": 4})  # warm-up
+        sync()
+        start = time.perf_counter()
+        out = hf_target.generate(ids, max_new_tokens=new_tokens, **kwargs)
+        sync()
+    return (out.shape[1] - prompt_len) / (time.perf_counter() - start)

@@ -17,16 +17,24 @@ def _pyplot():
     return plt
 
 
-def plot_latency(result: dict, path: Path) -> bool:
-    """Write the PNG; False when matplotlib is not installed."""
+def _figure(result: dict, size: tuple[float, float]):
+    """(pyplot, the result's batches, their batch sizes, figure, axes), or None when
+    matplotlib is not installed."""
     plt = _pyplot()
     if plt is None:
+        return None
+    batches = result["batches"]
+    return plt, batches, [b["batch_size"] for b in batches], *plt.subplots(figsize=size)
+
+
+def plot_latency(result: dict, path: Path) -> bool:
+    """Write the PNG; False when matplotlib is not installed."""
+    figure = _figure(result, (6, 4))
+    if figure is None:
         return False
     import matplotlib.ticker
 
-    batches = result["batches"]
-    sizes = [b["batch_size"] for b in batches]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    plt, batches, sizes, fig, ax = figure
     for key, label in [
         ("eager_ms", "eager"),
         ("graph_ms", "graph"),
@@ -59,12 +67,10 @@ def plot_latency(result: dict, path: Path) -> bool:
 def plot_spec_throughput(result: dict, path: Path) -> bool:
     """Tokens/s against request batch size: plain decode, speculative as measured, and
     what the measured round time gives at every accept length. False without matplotlib."""
-    plt = _pyplot()
-    if plt is None:
+    figure = _figure(result, (6.5, 4.2))
+    if figure is None:
         return False
-    batches = result["batches"]
-    sizes = [b["batch_size"] for b in batches]
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    plt, batches, sizes, fig, ax = figure
     ax.plot(sizes, [b["decode_tokens_per_s"] for b in batches], "-o", label="decode (graph)")
     ax.plot(sizes, [b["spec_tokens_per_s"] for b in batches], "-o", label="speculative, measured")
     for i in range(len(batches[0]["tokens_per_s_at_accept_length"])):

@@ -1,11 +1,13 @@
-"""`graphrt bench`: decode step latency per batch size for eager, graph and the peer."""
+"""`graphrt bench`: the decode step per batch size (eager, graph, the transformers peer)
+or, with ``--draft``, the pieces of a speculative round. The benches live in
+graphrt.core.bench; this file is their composition root: it maps flags onto them and,
+for ``--draft``, builds the speculative strategy (graphrt.spec), as `graphrt generate`
+does."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 from pathlib import Path
 
 from graphrt import devices
@@ -15,17 +17,31 @@ from graphrt.core.bench.decode import (
     make_engine,
     run_decode_bench,
 )
-from graphrt.core.bench.plot import plot_latency
-from graphrt.core.bench.timing import attention_specs
+from graphrt.core.bench.output import header, report_for, write_result
+from graphrt.core.bench.peer_hf import (
+    HFPeer,
+    hf_assisted_tokens_per_s,
+    hf_config,
+    hf_peer_problem,
+)
+from graphrt.core.bench.plot import plot_latency, plot_spec_throughput
+from graphrt.core.bench.rounds import (
+    RoundBenchConfig,
+    result_json,
+    round_engines,
+    run_round_bench,
+    table,
+)
 from graphrt.core.errors import UsageError
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
-from graphrt.core.parallel.launch import check_runner, is_output_rank, join
+from graphrt.core.parallel.group import TPGroup
+from graphrt.core.parallel.launch import check_runner, join
+from graphrt.spec import MTPDecoding, SpecConfig
 
 
 def run_bench(args: argparse.Namespace) -> int:
     device = devices.current(args.device)
-    torch_device = device.torch_device()
     runners = tuple(args.runners)
     unknown = set(runners) - {"eager", "graph", "hf"}
     if unknown:
@@ -47,10 +63,12 @@ def run_bench(args: argparse.Namespace) -> int:
             "the transformers peer runs on one device: drop hf from --runners with --tp"
         )
     if args.draft is not None:
-        # The speculative bench lives beside speculative decoding (graphrt.spec).
-        from graphrt.spec.bench_cli import run_spec_bench_cli
+        return _run_round_bench(args, device, dtype, tp)
+    return _run_decode_bench(args, device, dtype, tp)
 
-        return run_spec_bench_cli(args, device, dtype, tp)
+
+def _run_decode_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> int:
+    runners = tuple(args.runners)
     cfg = DecodeBenchConfig(
         batch_sizes=tuple(args.batch_sizes),
         prompt_len=args.prompt_len,
@@ -75,28 +93,17 @@ def run_bench(args: argparse.Namespace) -> int:
     if peer_problem:
         log(f"transformers peer skipped for {args.model}: {peer_problem}")
     elif "hf" in runners:
-        from graphrt.core.bench.peer_hf import HFPeer
-        from graphrt.core.models.presets import preset_hf_config
-
-        if not args.model.startswith("random:"):
-            hf_cfg = json.loads((Path(args.model) / "config.json").read_text())
-        else:
-            hf_cfg = preset_hf_config(args.model.removeprefix("random:"))
+        hf_cfg = hf_config(args.model)
 
         def hf_peer():  # built only after graphrt's own timings (see run_decode_bench)
-            return HFPeer(hf_cfg, loaded.model, torch_device, dtype)
+            return HFPeer(hf_cfg, loaded.model, device.torch_device(), dtype)
 
     batches, bandwidth, weights = run_decode_bench(
         engine, cfg, device.synchronize, hf_peer, report=log
     )
     result = DecodeBenchResult(
-        model=args.model,
-        device=device.name,
-        device_name=device.describe(),
-        dtype=str(dtype).removeprefix("torch."),
+        **header(args, device, dtype),
         tp=tp.size,
-        prompt_len=cfg.prompt_len,
-        versions=versions(device),
         copy_bandwidth_gbps=round(bandwidth, 1),
         weight_bytes=weights,
         kv_bytes_per_token=engine.kv_pool.bytes_per_token,
@@ -116,48 +123,52 @@ def run_bench(args: argparse.Namespace) -> int:
     return write_result(result, args, plot_latency, log)
 
 
-def hf_peer_problem(model) -> str | None:
-    """Why the compiled transformers peer cannot time ``model``'s decode step, or None."""
-    if any(spec.sliding_window is not None for spec in attention_specs(model)):
-        # StaticSlidingWindowLayer.cumulative_length_int (transformers 5.x): dynamo guards
-        # on it, so the peer's column would time a recompile per step, not decoding.
-        return (
-            "its sliding-window layers keep their StaticCache length in a Python int that "
-            "torch.compile guards on, so every decode step would recompile"
-        )
-    return None
+def _run_round_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> int:
+    if not device.graph_backends():
+        raise UsageError(f"device '{device.name}' has no graph backend to benchmark")
+    log = report_for(args)
+    spec = SpecConfig(args.spec_steps, args.spec_topk, args.spec_draft_tokens)
+    cfg = RoundBenchConfig(
+        batch_sizes=tuple(args.batch_sizes),
+        prompt_len=args.prompt_len,
+        steps=args.steps,
+        warmup=args.warmup,
+        seed=args.seed,
+    )
+    target = load_model(args.model, device, dtype, check_finite=args.check_weights, tp=tp)
+    # They share KV: the drafter in the target's dtype.
+    drafter = load_model(
+        args.draft, device, dtype or target.dtype, check_finite=args.check_weights, tp=tp
+    )
+    log(
+        f"graphrt bench: {args.model} + {args.draft} {str(dtype).removeprefix('torch.')} on "
+        f"{device.describe()}, steps {spec.num_steps}, topk {spec.topk}; capturing graphs..."
+    )
+    spec_engine, plain_engine = round_engines(target, MTPDecoding(drafter, spec), device, cfg)
+    log(
+        f"captured in {spec_engine.stats.capture_time_s:.2f} s (speculative) and "
+        f"{plain_engine.stats.capture_time_s:.2f} s (decode)"
+    )
+    hf_peer = None
+    if "hf" in args.runners:
 
+        def hf_peer():
+            return hf_assisted_tokens_per_s(
+                hf_config(args.model), target, hf_config(args.draft), drafter, spec.num_steps,
+                cfg.prompt_len, 64, device.torch_device(), device.synchronize,
+            )  # fmt: skip
 
-def report_for(args: argparse.Namespace):
-    """Where progress and tables go: stdout, stderr with ``--json``; nowhere on the ranks
-    of a tensor-parallel job but rank 0."""
-    if not is_output_rank():
-        return lambda *a: None
-    return (lambda *a: print(*a, file=sys.stderr)) if args.json else print
-
-
-def write_result(result: dict, args: argparse.Namespace, plot, log) -> int:
-    """The JSON at ``--out``, ``plot``'s PNG beside it, the JSON on stdout with ``--json``
-    (rank 0 alone in a tensor-parallel job)."""
-    if not is_output_rank():
-        return 0
-    out = Path(args.out)
-    out.write_text(json.dumps(result, indent=2))
-    log(f"wrote {out}")
-    if args.plot and plot(result, out.with_suffix(".png")):
-        log(f"wrote {out.with_suffix('.png')}")
-    if args.json:
-        print(json.dumps(result))
-    return 0
-
-
-def versions(device) -> dict[str, str]:
-    found = device.library_versions()
-    try:
-        import importlib.metadata
-
-        found["transformers"] = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    found["python"] = sys.version.split()[0]
-    return found
+    results = run_round_bench(spec_engine, plain_engine, cfg, device.synchronize, hf_peer, log)
+    result = result_json(
+        results,
+        **header(args, device, dtype),
+        draft=args.draft,
+        spec_steps=spec.num_steps,
+        spec_topk=spec.topk,
+        spec_draft_tokens=spec.num_draft_tokens,
+        capture_time_s=round(spec_engine.stats.capture_time_s, 3),
+        graph_memory_bytes=spec_engine.stats.graph_memory_bytes,
+    )
+    for line in table(results):
+        log(line)
+    return write_result(result, args, plot_spec_throughput, log)

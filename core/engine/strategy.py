@@ -4,12 +4,15 @@ The engine owns admission, prefill, pools and finishing; a strategy owns what
 a decode step *is*. ``PlainDecode`` runs one target forward per step (on a
 captured graph where one fits); ``graphrt.spec.MTPDecoding`` runs a
 speculative round. ``core/`` knows strategies only through this protocol,
-so it imports nothing from ``spec/``.
+so it imports nothing from ``spec/``; `graphrt bench` times a step's pieces through
+``bench_pieces`` the same way.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from graphrt.core.runners import GraphRunner, RunnerOutput
@@ -45,6 +48,14 @@ class DecodeStrategy(abc.ABC):
 
     def cleanup(self) -> None:  # noqa: B027
         """Drop captured graphs."""
+
+    @contextlib.contextmanager
+    def bench_pieces(self, reqs: list[Request]) -> Iterator[dict[str, Callable[[bool], bool]]]:
+        """The pieces of one step over ``reqs`` that `graphrt bench` times apart, by name in
+        step order. Each runs its piece once, on graphs (True) or eagerly (False), returns
+        whether a graph ran, and leaves requests and pools as they were. None here: a plain
+        step is one piece."""
+        yield {}
 
 
 class PlainDecode(DecodeStrategy):

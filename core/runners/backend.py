@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,12 +32,22 @@ class ShapeKey:
     variant: str | None = None
 
 
+# Entered around every replay: (key) -> a context manager (benches record device events).
+ReplayObserver = Callable[[ShapeKey], contextlib.AbstractContextManager]
+
+
 class ExecutionBackend(abc.ABC):
     name: str = "abstract"
     # True for device graphs: a replay writes into the outputs its capture returned, so the
     # runner may hand every graph slices of one shared output buffer (compiled code returns
     # fresh outputs instead).
     replays_into_static_outputs: bool = False
+
+    def __init__(self) -> None:
+        # Replays per key. A failed capture degrades to eager steps and a warning, so tests
+        # that mean to run graphs assert on these; benches read them too.
+        self.replays: Counter[ShapeKey] = Counter()
+        self.replay_observer: ReplayObserver | None = None
 
     @abc.abstractmethod
     def capture_session(self, stream: Any = None) -> contextlib.AbstractContextManager:
@@ -63,10 +74,18 @@ class ExecutionBackend(abc.ABC):
         """Context around replays (devices that need one set it up here)."""
         return contextlib.nullcontext()
 
-    @abc.abstractmethod
     def replay(self, key: ShapeKey) -> Any:
         """Replay ``key``'s graph. Graphs write into the outputs ``capture_one`` returned
         and return None; compiled code returns this call's fresh outputs."""
+        self.replays[key] += 1
+        if self.replay_observer is None:
+            return self._replay(key)
+        with self.replay_observer(key):
+            return self._replay(key)
+
+    @abc.abstractmethod
+    def _replay(self, key: ShapeKey) -> Any:
+        """The device's replay of ``key`` (see ``replay``)."""
 
     @abc.abstractmethod
     def cleanup(self) -> None:

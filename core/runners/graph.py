@@ -85,6 +85,11 @@ class GraphRunner(BaseRunner):
     def captured_sizes(self) -> list[int]:
         return sorted(key.size for key in self._captured)
 
+    def replays_per_size(self) -> dict[int, int]:
+        """How many times each of this runner's graphs replayed, by batch size."""
+        own = self._make_graph_key
+        return {k.size: n for k, n in self.backend.replays.items() if k == own(k.size)}
+
     # ---- capture -----------------------------------------------------------------
 
     def _allocate_shared_logits(self, size: int) -> None:

@@ -29,6 +29,7 @@ class CompiledGraphBackend(ExecutionBackend):
     name = "compile"
 
     def __init__(self) -> None:
+        super().__init__()
         self._compiled: dict[ShapeKey, Callable[[], Any]] = {}
         self._uncompiled: dict[ShapeKey, Callable[[], Any]] = {}
         self._first_run_done: set[ShapeKey] = set()
@@ -54,7 +55,7 @@ class CompiledGraphBackend(ExecutionBackend):
     def can_run(self, key: ShapeKey) -> bool:
         return key in self._compiled
 
-    def replay(self, key: ShapeKey) -> Any:
+    def _replay(self, key: ShapeKey) -> Any:
         if key in self._first_run_done:
             return self._compiled[key]()
         start = time.perf_counter()  # the first call compiles (and runs once): the capture

@@ -201,6 +201,8 @@ class Harness:
         _spy_capture(self.backend, self.capture_log)
         self.runner = self.new_runner(buckets or case.buckets, backend=self.backend)
         self.runner.capture()
+        # A failed capture only warns (its sizes then run eagerly): here it is an error.
+        assert not self.runner.dropped_buckets, self.runner.dropped_buckets
         self.live: list[LiveRequest] = []
 
     def new_runner(self, buckets, padding: bool = True, backend=None) -> GraphRunner:

@@ -14,6 +14,8 @@ from helpers import rel_err
 
 from graphrt.core.runners import ShapeKey
 
+pytestmark = pytest.mark.graphs
+
 
 def test_captures_configured_buckets_largest_first_in_one_session(graph_case: Harness):
     h = graph_case

@@ -16,6 +16,8 @@ from graphrt.core.batch import ForwardMode
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.runners.graph import GraphRunner
 
+pytestmark = pytest.mark.graphs
+
 BUCKETS = (1, 4)  # as test_engine_fallback's: a CPU compile comes from inductor's cache
 LENS = (5, 33, 12, 1, 21, 8)  # decode batches of 6 (above the buckets) down to 1
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)

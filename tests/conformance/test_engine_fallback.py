@@ -14,6 +14,8 @@ from helpers import random_prompts
 from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 
+pytestmark = pytest.mark.graphs
+
 # Shapes as the harness's (pools, context) so that a CPU compile of these buckets is
 # served from inductor's cache; (1, 4) leaves 5 and 6 above the largest bucket.
 ENGINE_BUCKETS = (1, 4)

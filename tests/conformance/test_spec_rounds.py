@@ -22,6 +22,7 @@ from graphrt.core.models import load_model
 from graphrt.spec import MTPDecoding, SpecConfig
 
 SPEC_CASES = [c for c in CASES if c.dtype == torch.float32]
+pytestmark = pytest.mark.graphs
 BUCKETS = (2, 4)
 PROMPT_LENS = (9, 16, 12, 5)  # longer and shorter than the sliding window (6)
 # Request i stops after LIMITS[i] tokens: the batch shrinks 4 -> 3 -> 2 -> 1 over the rounds.
@@ -114,6 +115,10 @@ def test_graph_rounds_equal_eager_rounds_as_the_batch_shrinks(spec_case, engines
     assert drafts_on_graphs is graph.attn_backend.capture_safe
     assert graph_rounds == (spec_rounds if drafts_on_graphs else 0) and spec_rounds > 0
     assert eager.stats.graph_rounds == 0
+    # Verify replayed a graph every round, drafts on graphs or not: one round per engine
+    # step once prefilled, so the replays count the rounds.
+    verify_replays = graph.strategy.verify_graph.replays_per_size()
+    assert set(verify_replays) == {2, 4} and sum(verify_replays.values()) >= len(LIMITS)
 
 
 def test_mixed_accept_lengths_from_an_oracle_drafter(spec_case, engines):
@@ -165,6 +170,8 @@ def test_exact_mode_runs_rounds_on_graphs_at_captured_sizes_only(spec_case, engi
         return out
 
     graph.strategy.decode = spy
+    verify = graph.strategy.verify_graph
+    replays0 = verify.replays_per_size()
     try:
         _lockstep(graph, eager, random_prompts(PROMPT_LENS, seed=7, vocab=vocab), spec_case.rtol)
     finally:
@@ -172,3 +179,8 @@ def test_exact_mode_runs_rounds_on_graphs_at_captured_sizes_only(spec_case, engi
     on_graphs = graph.strategy.draft_graph is not None  # see the shrinking-batch test
     expected = {4: on_graphs, 3: False, 2: on_graphs, 1: False}
     assert {size: on_graph for size, on_graph in sizes} == expected
+    # Verify replays exactly at the captured sizes, once per round there, drafts on graphs
+    # or not (a breakable backend drafts eagerly).
+    rounds_at = {size: sum(n == size for n, _ in sizes) for size in (2, 4)}
+    replays = {size: n - replays0.get(size, 0) for size, n in verify.replays_per_size().items()}
+    assert replays == rounds_at and all(rounds_at.values())

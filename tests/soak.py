@@ -12,10 +12,12 @@
    and at the end, and graph captures after start-up (there must be none).
 
 float32 throughout: bfloat16 eager and graph kernels are not bitwise comparable.
-tests/test_differential.py runs the same driver (``run_schedule``) on the CPU.
+tests/test_differential.py runs the same driver (``run_schedule``) on the CPU. A test
+driver, so it lives in tests/: run as a script, its folder is on ``sys.path``, which
+imports the driver and, on the CPU, the tests' stand-in graph device.
 
-    python bench/soak.py --device cuda --steps 10000 --out soak.json
-    python bench/soak.py --device cpu --steps 300   # quick check, stand-in CUDA graphs
+    python tests/soak.py --device cuda --steps 10000 --out soak.json
+    python tests/soak.py --device cpu --steps 300   # quick check, stand-in CUDA graphs
     (PYTHONPATH such that ``graphrt`` imports from this working tree)
 """
 
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-# The driver sits beside this script (bench/, on sys.path when run as a script).
+# The driver sits beside this script (tests/, on sys.path when run as a script).
 from differential import (
     GreedyMargin,
     RunResult,
@@ -58,8 +60,7 @@ def graph_device(name: str | None, graph_backend: str | None):
     device = devices.current(name)
     if device.name != "cpu" or graph_backend not in (None, "cuda-full"):
         return device, graph_backend, graph_backend
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from helpers import standin_device
+    from helpers import standin_device  # beside this script, as the driver is
 
     return standin_device(), "cuda-full", "cuda-full (stand-in)"
 

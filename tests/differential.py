@@ -6,7 +6,7 @@ max_new_tokens, greedy and seeded sampled requests, eos stops and requests that 
 the context's end. Mismatches are counted, not fatal; the first few are kept with the
 seed, step and request that reproduce them, and for greedy requests the reference's
 top-2 logit gap where they diverged (a gap near float rounding is a near-tie). Used by
-tests/test_differential.py (bounded, CPU) and bench/soak.py (10,000 steps, H200).
+tests/test_differential.py (bounded, CPU) and tests/soak.py (10,000 steps, H200).
 """
 
 from __future__ import annotations

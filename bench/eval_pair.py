@@ -17,7 +17,7 @@ topk {1, 3}) with ``SpecConfig``'s default verify-tree size. Per configuration i
 
 Run from the repository root (prints a markdown table; --out also writes JSON):
 
-    python scripts/eval_pair.py [--runner eager|graph] [--device cpu] [--out eval.json]
+    python bench/eval_pair.py [--runner eager|graph] [--device cpu] [--out eval.json]
 """
 
 from __future__ import annotations
@@ -189,7 +189,9 @@ def main() -> int:
     p.add_argument(
         "--draft", default=str(pretrained.ASSISTANT_DIR), help="assistant (default: embedded)"
     )
-    p.add_argument("--tokens", default="build/pair/tokens.pt", help="train_pair.py tokenize output")
+    p.add_argument(
+        "--tokens", default="build/pair/tokens.pt", help="scripts/train_pair.py tokenize output"
+    )
     p.add_argument("--files", type=int, default=16, help="held-out files to take prompts from")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per file")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
