@@ -16,6 +16,7 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 from helpers import (  # noqa: E402
+    FAIL_CAPTURES,
     GEMMA4_WINDOW,
     LLAMA3_ROPE,
     MISTRAL_WINDOW,
@@ -27,7 +28,6 @@ from helpers import (  # noqa: E402
 # Set to 1, every graph capture raises, here and in every process the tests start, so
 # graph runners fall back to eager steps with a warning: each test marked ``graphs`` must
 # then fail (tests/test_graphs_required.py).
-FAIL_CAPTURES = "GRAPHRT_TEST_FAIL_CAPTURES"
 _FAIL_CAPTURES_DIR = Path(__file__).resolve().parent / "fail_captures"
 
 

@@ -41,6 +41,8 @@ LLAMA3_ROPE = {
 }
 MISTRAL_WINDOW = 8
 GEMMA4_WINDOW = 6  # shorter than every parity prompt (9-20 tokens): prefill itself slides
+# Set to 1: every graph capture fails (tests/fail_captures, tests/test_graphs_required.py).
+FAIL_CAPTURES = "GRAPHRT_TEST_FAIL_CAPTURES"
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,7 @@ def standin_graph_device():
     return GraphDevice()
 
 
+@pytest.mark.graphs
 def test_decode_bench_reports_bytes_floor_bandwidth_and_kernels(monkeypatch, gemma4_tiny):
     monkeypatch.setattr(decode, "copy_bandwidth_gbps", lambda *a: 10.0)  # skips a 1 GiB copy
     loaded = load_model(str(gemma4_tiny.path), CPU, torch.float32)

@@ -73,6 +73,7 @@ def llama():
     return differential.with_eos(load_model("random:llama-tiny", CPU, torch.float32), count=8)
 
 
+@pytest.mark.graphs
 def test_plain_decode_on_graphs_padded_and_exact_equals_eager(llama):
     engines = {
         "eager": cpu_engine(llama, **engine_config()),
@@ -123,6 +124,7 @@ def spec_schedule(seed: int, vocab: int, requests: int):
     )
 
 
+@pytest.mark.graphs
 def test_speculative_rounds_on_graphs_equal_eager(gemma4_pair):
     """The drafter's loop and the verify forward on graphs, batches of 1 to 4 (3 padded)."""
     target, drafter = gemma4_pair
@@ -137,6 +139,7 @@ def test_speculative_rounds_on_graphs_equal_eager(gemma4_pair):
     assert result.finish_reasons["context"]  # rounds capped at the context's end
 
 
+@pytest.mark.graphs
 def test_speculative_rounds_with_oracle_accept_lengths_equal_eager(gemma4_pair):
     """An oracle drafter proposes each request's greedy continuation, wrong at chosen
     steps: rounds accept 0 to all drafts, and verify, acceptance and commit replay graphs

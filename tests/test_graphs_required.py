@@ -16,7 +16,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from conftest import FAIL_CAPTURES
+from helpers import FAIL_CAPTURES
 
 ROOT = Path(__file__).resolve().parents[1]
 # The lane's graph tests number over 200; far fewer means the marker was lost somewhere.

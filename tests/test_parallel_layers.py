@@ -15,7 +15,7 @@ from helpers import join_gloo
 from graphrt.core.errors import UsageError
 from graphrt.core.models.layers import Linear
 from graphrt.core.parallel import TPGroup, init_tp
-from graphrt.core.parallel.launch import free_port
+from graphrt.core.parallel.launch import free_port, leave_job
 from graphrt.core.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -87,7 +87,8 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     tp = join_gloo(rank, world, port)
     assert (tp.rank, tp.size) == (rank, world)
     torch.save(_outputs(tp), Path(out_dir) / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+    del tp  # leave_job frees the group while the interpreter is whole, as a product rank
+    leave_job(0)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo over TCP on one host")

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -34,8 +35,8 @@ def _tokens(stdout: str) -> list[list[int]]:
     return [r["output_ids"] for r in json.loads(stdout)["requests"]]
 
 
-def _run(cmd: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+def _run(cmd: list[str], timeout: float = 180, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -136,12 +137,50 @@ def test_tp_that_contradicts_torchrun_is_refused(monkeypatch):
 
 
 def test_the_cpu_ranks_of_a_host_share_its_cores(monkeypatch):
+    """Each of a host's ranks gets its share of the cores this process may use (its
+    affinity, a container's limit, not the host's count), one at least."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     threads = torch.get_num_threads()
     try:
-        devices.current("cpu").bind_local_rank(0, local_size=64)
-        assert torch.get_num_threads() == 1
+        shares = {}
+        for local_size in (1, 2, 3, 16):
+            devices.current("cpu").bind_local_rank(0, local_size=local_size)
+            shares[local_size] = torch.get_num_threads()
+        assert shares == {1: 8, 2: 4, 3: 2, 16: 1}
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_rank_leaves_its_job_with_the_groups_threads_joined():
+    """``leave_job`` frees the process group, which the engine's reference cycles hold,
+    and so joins its threads while the interpreter is whole: a collective library's
+    thread left to interpreter shutdown can abort a finished rank (SIGABRT)."""
+    script = textwrap.dedent("""
+        import os, torch, torch.distributed as dist
+        from graphrt.core.parallel.group import TPGroup
+        from graphrt.core.parallel.launch import leave_job
+
+        def threads():  # the names of the threads besides the main one
+            return sorted(open(f"/proc/self/task/{t}/comm").read().strip()
+                          for t in os.listdir("/proc/self/task") if int(t) != os.getpid())
+
+        dist.init_process_group("gloo")
+        dist.all_reduce(torch.ones(4))
+        cycle = [TPGroup(rank=0, size=1, group=dist.group.WORLD)]
+        cycle.append(cycle)
+        del cycle
+        print(threads())
+        leave_job(0)
+        print(threads())  # not reached if leave_job ended the process at once
+    """)
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    env.update(MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    proc = _run([sys.executable, "-c", script], env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    during, after = proc.stdout.splitlines()
+    assert "pt_gloo_runloop" in during  # gloo's workers, which free finished work
+    assert after == "[]"
 
 
 def _rank_pid(launcher: int, rank: int) -> int:

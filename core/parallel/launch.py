@@ -18,6 +18,7 @@ then kills them, and prints one line naming the rank that failed first and why.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import signal
 import socket
@@ -25,6 +26,8 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
+from typing import NoReturn
 
 from graphrt.core.errors import RankFailedError, UsageError, first_line
 from graphrt.core.parallel.group import SINGLE, TPGroup, init_tp
@@ -70,21 +73,38 @@ def join(requested: int | None, device) -> TPGroup:
 
 
 def leave_job(status: int) -> None:
-    """Ends this rank's part in the job before the interpreter shuts down.
+    """Ends this rank's part in the job while the interpreter is whole: the process group
+    is destroyed and its threads joined here, not during interpreter shutdown.
 
-    HAZARD: a process group left to interpreter shutdown can abort the process (gloo's
-    threads: "terminate called without an active exception", seen in CI), turning a
-    finished rank into a SIGABRT. A rank that lost its peers (status 6) cannot shut its
-    group down cleanly and leaves at once, its output flushed."""
+    HAZARD: the collective library frees a finished collective's work on its own thread
+    (gloo: ``ProcessGroupGloo::runLoop``), after ``wait`` returned. A tensor of that work
+    whose Python object was dropped meanwhile owns the object, and freeing it takes the
+    GIL. Python ends a thread that takes the GIL once the interpreter is finalizing
+    (``pthread_exit``), and that unwinding through the noexcept
+    ``TensorImpl::decref_pyobject`` is std::terminate: "terminate called without an
+    active exception", a finished rank's SIGABRT. ``destroy_process_group`` alone leaves
+    the group alive, hence its threads: the model's layers refer to it
+    (``TPGroup.group``), in reference cycles that only the collector frees."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return
     if status == RankFailedError.exit_code:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+        # Lost peers: the group's destructor joins threads that may be stuck with them.
+        _exit_now(status)
+    group = weakref.ref(dist.group.WORLD)
     dist.destroy_process_group()
+    gc.collect()  # frees the group: its destructor joins its threads
+    if group() is not None:  # still referenced: its threads would outlive the interpreter
+        _exit_now(status)
+
+
+def _exit_now(status: int) -> NoReturn:
+    """Ends the process without interpreter shutdown (no atexit handlers, no finalizers,
+    nothing a library thread could race), its standard streams flushed first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def default_runner(device, tp: TPGroup) -> str:
