@@ -50,9 +50,9 @@ def _install_graphrt(session: nox.Session) -> None:
     session.install("-e", f".[{LANES[session.name]['extra']}]")
 
 
-def _pytest(session: nox.Session, marker: str) -> None:
+def _pytest(session: nox.Session, marker: str, *options: str) -> None:
     # The slowest tests are printed: what makes a lane slow shows in every CI log.
-    args = ["-m", marker, "--durations=15", *session.posargs]
+    args = ["-m", marker, "--durations=15", *options, *session.posargs]
     session.run("pytest", *args, success_codes=PYTEST_SUCCESS)
 
 
@@ -72,9 +72,10 @@ def tests_cpu(session: nox.Session) -> None:
     if index_url := os.environ.get("GRAPHRT_TORCH_INDEX_URL"):
         torch_args += ["--index-url", index_url]
     session.install(*torch_args)
-    # tests/test_packaging.py builds the wheel without build isolation.
-    session.install(TRITON_CPU, *PYPROJECT["build-system"]["requires"])
-    _install_graphrt(session)
+    # tests/test_packaging.py builds the wheel without build isolation. One pip run for the
+    # rest: each run resolves the environment anew.
+    extra = LANES[session.name]["extra"]
+    session.install(TRITON_CPU, *PYPROJECT["build-system"]["requires"], "-e", f".[{extra}]")
     # One torch thread per process: the tests' tiny matmuls lose more to two threads
     # waiting on each other than they gain (a sampling test: 76 s, 8.5 s with one).
     session.env["OMP_NUM_THREADS"] = "1"
@@ -83,7 +84,11 @@ def tests_cpu(session: nox.Session) -> None:
     cache = Path(session.create_tmp()) / "inductor-cache"
     shutil.rmtree(cache, ignore_errors=True)
     session.env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-    _pytest(session, "not cuda and not npu and not xpu")
+    # A worker per core (up to 4): most tests use one core, several wait on subprocesses.
+    # loadgroup keeps the tests of one costly module fixture (xdist_group) on one worker.
+    workers = min(4, os.cpu_count() or 1)
+    xdist = ["-n", str(workers), "--dist", "loadgroup"] if workers > 1 else []
+    _pytest(session, "not cuda and not npu and not xpu", *xdist)
 
 
 @nox.session(name="tests-cuda", python=None, venv_params=DEVICE_VENV)

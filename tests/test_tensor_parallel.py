@@ -19,6 +19,8 @@ from graphrt.core.models import load_model
 from graphrt.core.parallel import TPGroup
 from graphrt.core.parallel.launch import free_port, leave_job
 
+# One pair of ranks serves the whole module (two_ranks): keep its tests on one xdist worker.
+pytestmark = pytest.mark.xdist_group("tp_llama")
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 LENS = (5, 11, 3)
 
@@ -39,23 +41,40 @@ def _generate(path: str, tp: TPGroup, runner: str) -> tuple[list[list[int]], int
     return outputs, engine.stats.graph_steps
 
 
-def _rank_main(rank: int, port: int, path: str, runner: str, out_dir: str) -> None:
-    # No reference to the group outlives _generate: leave_job frees it, as a product rank.
-    results = _generate(path, join_gloo(rank, 2, port), runner)
+def _rank_main(rank: int, port: int, jobs: dict, out_dir: str) -> None:
+    # No reference to the group outlives the jobs: leave_job frees it, as a product rank.
+    tp = join_gloo(rank, 2, port)
+    results = {key: _generate(path, tp, key[1]) for key, path in jobs.items()}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    del tp
     leave_job(0)
 
 
+MODELS = ("llama_gqa_untied", "llama_tied", "qwen2", "llama_mqa")
+RUNNERS = ("eager", "graph")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory) -> tuple[dict, list[dict]]:
+    """(one process's tokens per model, each rank's results per (model, runner)): every
+    job in one pair of ranks, which start up (torch, gloo) once."""
+    path = {model: str(request.getfixturevalue(model).path) for model in MODELS}
+    jobs = {(model, runner): path[model] for model in MODELS for runner in RUNNERS}
+    expected = {model: _generate(path[model], TPGroup.single(), "eager")[0] for model in MODELS}
+    out = tmp_path_factory.mktemp("tp_llama")
+    mp.start_processes(
+        _rank_main, args=(free_port(), jobs, str(out)), nprocs=2, start_method="spawn"
+    )
+    return expected, [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+
+
 @pytest.mark.parametrize("runner", ["eager", pytest.param("graph", marks=pytest.mark.graphs)])
-@pytest.mark.parametrize("model", ["llama_gqa_untied", "llama_tied", "qwen2", "llama_mqa"])
-def test_two_ranks_give_the_tokens_of_one(request, tmp_path, model, runner):
-    path = str(request.getfixturevalue(model).path)
-    expected, _ = _generate(path, TPGroup.single(), "eager")
-    args = (free_port(), path, runner, str(tmp_path))
-    mp.start_processes(_rank_main, args=args, nprocs=2, start_method="spawn")
-    for rank in range(2):
-        tokens, graph_steps = torch.load(tmp_path / f"rank{rank}.pt")
-        assert tokens == expected, f"rank {rank}"
+@pytest.mark.parametrize("model", MODELS)
+def test_two_ranks_give_the_tokens_of_one(two_ranks, model, runner):
+    expected, ranks = two_ranks
+    for rank, results in enumerate(ranks):
+        tokens, graph_steps = results[(model, runner)]
+        assert tokens == expected[model], f"rank {rank}"
         assert (graph_steps > 0) == (runner == "graph")  # decode replayed the graphs
 
 

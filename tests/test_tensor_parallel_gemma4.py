@@ -41,6 +41,8 @@ from graphrt.core.parallel import SINGLE, TPGroup
 from graphrt.core.parallel.launch import free_port, leave_job
 from graphrt.spec import MTPDecoding, SpecConfig
 
+# One pair of ranks serves the whole module (two_ranks): keep its tests on one xdist worker.
+pytestmark = pytest.mark.xdist_group("tp_gemma4")
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 LENS = (5, 11, 3)  # 11 is longer than the sliding window (6)
 SPEC = SpecConfig(num_steps=3, topk=2)
