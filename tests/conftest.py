@@ -44,6 +44,12 @@ def pytest_configure(config):
     spec.loader.exec_module(module)  # patches this process (idempotent)
 
 
+def pytest_collection_modifyitems(items):
+    # Slow tests first (a stable sort keeps the rest in order): under pytest-xdist a long
+    # test that starts last leaves the other workers idle while it runs.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(autouse=True)
 def _engine_step_failures_fail_the_test(request, monkeypatch):
     """``Engine.step`` turns a step that raises into failed requests and carries on (a

@@ -261,3 +261,15 @@ def join_gloo(rank: int, size: int, port: int):
     )
     torch.set_num_threads(1)
     return init_tp("gloo", timeout_s=60)
+
+
+def selected_params(request, name: str) -> set:
+    """The values of parameter ``name`` among the selected tests of ``request``'s module: a
+    module fixture serving every value computes only what the run asks for (a ``-m``
+    selection such as tests/test_graphs_required.py's)."""
+    values = set()
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is request.module and callspec is not None and name in callspec.params:
+            values.add(callspec.params[name])
+    return values

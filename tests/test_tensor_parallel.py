@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import CPU, cpu_engine, join_gloo, random_prompts
+from helpers import CPU, cpu_engine, join_gloo, random_prompts, selected_params
 
 from graphrt.core.engine import SamplingParams
 from graphrt.core.errors import UsageError
@@ -51,7 +51,6 @@ def _rank_main(rank: int, port: int, jobs: dict, out_dir: str) -> None:
 
 
 MODELS = ("llama_gqa_untied", "llama_tied", "qwen2", "llama_mqa")
-RUNNERS = ("eager", "graph")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +58,8 @@ def two_ranks(request, tmp_path_factory) -> tuple[dict, list[dict]]:
     """(one process's tokens per model, each rank's results per (model, runner)): every
     job in one pair of ranks, which start up (torch, gloo) once."""
     path = {model: str(request.getfixturevalue(model).path) for model in MODELS}
-    jobs = {(model, runner): path[model] for model in MODELS for runner in RUNNERS}
+    runners = selected_params(request, "runner")
+    jobs = {(model, runner): path[model] for model in MODELS for runner in runners}
     expected = {model: _generate(path[model], TPGroup.single(), "eager")[0] for model in MODELS}
     out = tmp_path_factory.mktemp("tp_llama")
     mp.start_processes(

@@ -29,6 +29,7 @@ from helpers import (
     cpu_engine,
     join_gloo,
     random_prompts,
+    selected_params,
     standin_device,
 )
 
@@ -42,7 +43,7 @@ from graphrt.core.parallel.launch import free_port, leave_job
 from graphrt.spec import MTPDecoding, SpecConfig
 
 # One pair of ranks serves the whole module (two_ranks): keep its tests on one xdist worker.
-pytestmark = pytest.mark.xdist_group("tp_gemma4")
+pytestmark = [pytest.mark.xdist_group("tp_gemma4"), pytest.mark.slow]
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 LENS = (5, 11, 3)  # 11 is longer than the sliding window (6)
 SPEC = SpecConfig(num_steps=3, topk=2)
@@ -173,7 +174,7 @@ def two_ranks(request, tmp_path_factory) -> tuple[dict, dict]:
     jobs = {
         (case, runner): (path[target], path[drafter] if drafter else None)
         for case, (target, drafter) in CASES.items()
-        for runner in RUNNERS
+        for runner in selected_params(request, "runner")
     }
     expected = {
         case: _generate(path[target], path[drafter] if drafter else None, SINGLE, "eager")

@@ -193,6 +193,7 @@ def _rank_pid(launcher: int, rank: int) -> int:
     raise AssertionError(f"no child of {launcher} runs rank {rank}")
 
 
+@pytest.mark.slow
 def test_bench_tp_2_writes_rank_0s_results(llama_gqa_untied, tmp_path):
     out = tmp_path / "bench.json"
     proc = _run(CLI + ["bench", "--device", "cpu", "--model", str(llama_gqa_untied.path),

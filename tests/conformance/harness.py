@@ -82,6 +82,7 @@ def _standin_cases() -> list[GraphCase]:
         GraphCase(
             "cpu-compile", CPU, f32, CompiledGraphBackend, _torch_attention(), CPU_BUCKETS,
             replays_eager_kernels=False, eager_metadata_matches=False,
+            marks=(pytest.mark.slow,),  # inductor: seconds to tens of seconds a graph
         ),
         GraphCase(
             "npu-standin", CPU, f32,
