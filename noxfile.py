@@ -84,6 +84,10 @@ def tests_cpu(session: nox.Session) -> None:
     cache = Path(session.create_tmp()) / "inductor-cache"
     shutil.rmtree(cache, ignore_errors=True)
     session.env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    # Scalar C++ from inductor: no SIMD probe per process (about 10 s: it builds and loads
+    # a test library per instruction set) and less codegen. The CPU compile cases check
+    # graphrt's compiled graphs against eager; inductor's vectorisation is torch's to test.
+    session.env["TORCHINDUCTOR_VEC_ISA_OK"] = "0"
     # A worker per core (up to 4): most tests use one core, several wait on subprocesses.
     # loadgroup keeps the tests of one costly module fixture (xdist_group) on one worker.
     workers = min(4, os.cpu_count() or 1)

@@ -263,13 +263,13 @@ def join_gloo(rank: int, size: int, port: int):
     return init_tp("gloo", timeout_s=60)
 
 
-def selected_params(request, name: str) -> set:
-    """The values of parameter ``name`` among the selected tests of ``request``'s module: a
-    module fixture serving every value computes only what the run asks for (a ``-m``
+def selected_params(session, module: str, name: str) -> set:
+    """The values of parameter ``name`` among the selected tests of ``module`` (a module
+    name): a fixture serving every value computes only what the run asks for (a ``-m``
     selection such as tests/test_graphs_required.py's)."""
     values = set()
-    for item in request.session.items:
+    for item in session.items:
         callspec = getattr(item, "callspec", None)
-        if item.module is request.module and callspec is not None and name in callspec.params:
+        if item.module.__name__ == module and callspec is not None and name in callspec.params:
             values.add(callspec.params[name])
     return values

@@ -19,7 +19,8 @@ from graphrt.core.models import load_model
 from graphrt.core.parallel import TPGroup
 from graphrt.core.parallel.launch import free_port, leave_job
 
-# One pair of ranks serves the whole module (two_ranks): keep its tests on one xdist worker.
+# One pair of ranks serves the whole module (two_ranks): its tests on one xdist worker, the
+# fixture session-scoped (the worker may run other modules' tests between them).
 pytestmark = pytest.mark.xdist_group("tp_llama")
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 LENS = (5, 11, 3)
@@ -53,12 +54,12 @@ def _rank_main(rank: int, port: int, jobs: dict, out_dir: str) -> None:
 MODELS = ("llama_gqa_untied", "llama_tied", "qwen2", "llama_mqa")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_ranks(request, tmp_path_factory) -> tuple[dict, list[dict]]:
     """(one process's tokens per model, each rank's results per (model, runner)): every
     job in one pair of ranks, which start up (torch, gloo) once."""
     path = {model: str(request.getfixturevalue(model).path) for model in MODELS}
-    runners = selected_params(request, "runner")
+    runners = selected_params(request.session, __name__, "runner")
     jobs = {(model, runner): path[model] for model in MODELS for runner in runners}
     expected = {model: _generate(path[model], TPGroup.single(), "eager")[0] for model in MODELS}
     out = tmp_path_factory.mktemp("tp_llama")
