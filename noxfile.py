@@ -89,9 +89,10 @@ def tests_cpu(session: nox.Session) -> None:
     # graphrt's compiled graphs against eager; inductor's vectorisation is torch's to test.
     session.env["TORCHINDUCTOR_VEC_ISA_OK"] = "0"
     # A worker per core (up to 4): most tests use one core, several wait on subprocesses.
-    # loadgroup keeps the tests of one costly module fixture (xdist_group) on one worker.
+    # loadfile: a module's tests on one worker, so that its costly fixtures (rank pairs,
+    # captured harnesses, compiled engines) are built once.
     workers = min(4, os.cpu_count() or 1)
-    xdist = ["-n", str(workers), "--dist", "loadgroup"] if workers > 1 else []
+    xdist = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
     _pytest(session, "not cuda and not npu and not xpu", *xdist)
 
 

@@ -19,9 +19,6 @@ from graphrt.core.models import load_model
 from graphrt.core.parallel import TPGroup
 from graphrt.core.parallel.launch import free_port, leave_job
 
-# One pair of ranks serves the whole module (two_ranks): its tests on one xdist worker, the
-# fixture session-scoped (the worker may run other modules' tests between them).
-pytestmark = pytest.mark.xdist_group("tp_llama")
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 LENS = (5, 11, 3)
 
@@ -54,7 +51,7 @@ def _rank_main(rank: int, port: int, jobs: dict, out_dir: str) -> None:
 MODELS = ("llama_gqa_untied", "llama_tied", "qwen2", "llama_mqa")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def two_ranks(request, tmp_path_factory) -> tuple[dict, list[dict]]:
     """(one process's tokens per model, each rank's results per (model, runner)): every
     job in one pair of ranks, which start up (torch, gloo) once."""

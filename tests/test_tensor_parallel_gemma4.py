@@ -42,9 +42,7 @@ from graphrt.core.parallel import SINGLE, TPGroup
 from graphrt.core.parallel.launch import free_port, leave_job
 from graphrt.spec import MTPDecoding, SpecConfig
 
-# One pair of ranks serves the whole module (two_ranks): its tests on one xdist worker, the
-# fixture session-scoped (the worker may run other modules' tests between them).
-pytestmark = [pytest.mark.xdist_group("tp_gemma4"), pytest.mark.slow]
+pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 LENS = (5, 11, 3)  # 11 is longer than the sliding window (6)
 SPEC = SpecConfig(num_steps=3, topk=2)
@@ -105,7 +103,7 @@ def _save(path: Path, hf, seed: int, scale: float = 1.0) -> Checkpoint:
     return Checkpoint(path, hf)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gemma4_one_kv_head(tmp_path_factory) -> Checkpoint:
     """31B-shaped attention (K = V on full layers, one KV head everywhere) with E2B's
     per-layer inputs and KV sharing, untied head."""
@@ -137,7 +135,7 @@ def gemma4_one_kv_head(tmp_path_factory) -> Checkpoint:
     return _save(tmp_path_factory.mktemp("gemma4_one_kv_head"), HFGemma4(cfg).eval(), 51)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gemma4_one_kv_head_assistant(tmp_path_factory) -> Checkpoint:
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
@@ -163,7 +161,7 @@ def gemma4_one_kv_head_assistant(tmp_path_factory) -> Checkpoint:
     return _save(tmp_path_factory.mktemp("gemma4_one_kv_head_assistant"), hf, 52, scale=8.0)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def two_ranks(request, tmp_path_factory) -> tuple[dict, dict]:
     """(one process's eager results per case, each rank's results per (case, runner))."""
     path = {

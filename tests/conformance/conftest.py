@@ -28,13 +28,7 @@ def session_cache() -> dict:
             item.runner.cleanup()
 
 
-# A case's harness and engines are built per process (session_cache): under pytest-xdist
-# each case's tests go to one worker (loadgroup), which builds and captures them once.
-@pytest.fixture(
-    params=[
-        pytest.param(c, id=c.id, marks=(*c.marks, pytest.mark.xdist_group(c.id))) for c in CASES
-    ]
-)
+@pytest.fixture(params=[pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
 def case(request) -> GraphCase:
     return request.param
 

@@ -36,12 +36,7 @@ PROMPT_LENS = (9, 16, 12, 5)  # longer and shorter than the sliding window (6)
 LIMITS = (4, 9, 14, 20)
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(c, id=c.id, marks=(*c.marks, pytest.mark.xdist_group(f"{c.id}-spec")))
-        for c in SPEC_CASES
-    ]
-)
+@pytest.fixture(params=[pytest.param(c, id=c.id, marks=c.marks) for c in SPEC_CASES])
 def spec_case(request):
     return request.param
 
