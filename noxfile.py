@@ -88,6 +88,9 @@ def tests_cpu(session: nox.Session) -> None:
     # a test library per instruction set) and less codegen. The CPU compile cases check
     # graphrt's compiled graphs against eager; inductor's vectorisation is torch's to test.
     session.env["TORCHINDUCTOR_VEC_ISA_OK"] = "0"
+    # Inductor compiles in the test process: xdist keeps both cores busy already, and a
+    # pool of compile workers per process would only add start-ups.
+    session.env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     # A worker per core (up to 4): most tests use one core, several wait on subprocesses.
     # loadfile: a module's tests on one worker, so that its costly fixtures (rank pairs,
     # captured harnesses, compiled engines) are built once.
