@@ -95,7 +95,9 @@ def tests_cpu(session: nox.Session) -> None:
     # loadfile: a module's tests on one worker, so that its costly fixtures (rank pairs,
     # captured harnesses, compiled engines) are built once.
     workers = min(4, os.cpu_count() or 1)
-    xdist = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
+    # Files in conftest's order (slow first), not by their number of tests.
+    xdist = ["-n", str(workers), "--dist", "loadfile", "--no-loadscope-reorder"]
+    xdist = xdist if workers > 1 else []
     _pytest(session, "not cuda and not npu and not xpu", *xdist)
 
 
