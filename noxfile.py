@@ -79,6 +79,9 @@ def tests_cpu(session: nox.Session) -> None:
     extra = LANES[session.name]["extra"]
     build = PYPROJECT["build-system"]["requires"]
     session.install("--no-compile", TRITON_CPU, *build, "-e", f".[{extra}]")
+    # ...and the bytecode of what the tests import, once, before the workers, TP ranks and
+    # CLI subprocesses start importing it at the same time.
+    session.run("python", "-c", "import torch, transformers, graphrt.core.cli.main", silent=True)
     # One torch thread per process: the tests' tiny matmuls lose more to two threads
     # waiting on each other than they gain (a sampling test: 76 s, 8.5 s with one).
     session.env["OMP_NUM_THREADS"] = "1"
