@@ -71,17 +71,11 @@ def tests_cpu(session: nox.Session) -> None:
     torch_args = [TORCH_CPU]
     if index_url := os.environ.get("GRAPHRT_TORCH_INDEX_URL"):
         torch_args += ["--index-url", index_url]
-    # --no-compile: no bytecode for every file of torch and transformers up front (tens of
-    # seconds); Python compiles what the tests import, once.
-    session.install("--no-compile", *torch_args)
+    session.install(*torch_args)
     # tests/test_packaging.py builds the wheel without build isolation. One pip run for the
     # rest: each run resolves the environment anew.
     extra = LANES[session.name]["extra"]
-    build = PYPROJECT["build-system"]["requires"]
-    session.install("--no-compile", TRITON_CPU, *build, "-e", f".[{extra}]")
-    # ...and the bytecode of what the tests import, once, before the workers, TP ranks and
-    # CLI subprocesses start importing it at the same time.
-    session.run("python", "-c", "import torch, transformers, graphrt.core.cli.main", silent=True)
+    session.install(TRITON_CPU, *PYPROJECT["build-system"]["requires"], "-e", f".[{extra}]")
     # One torch thread per process: the tests' tiny matmuls lose more to two threads
     # waiting on each other than they gain (a sampling test: 76 s, 8.5 s with one).
     session.env["OMP_NUM_THREADS"] = "1"
