@@ -71,11 +71,18 @@ def tests_cpu(session: nox.Session) -> None:
     torch_args = [TORCH_CPU]
     if index_url := os.environ.get("GRAPHRT_TORCH_INDEX_URL"):
         torch_args += ["--index-url", index_url]
-    session.install(*torch_args)
+    # --no-compile: pip would write bytecode for every file of torch, triton and
+    # transformers (about 30 s); the tests import a fraction of them, compiled on first
+    # import and written beside them (see PYTHONDONTWRITEBYTECODE below).
+    session.install("--no-compile", *torch_args)
     # tests/test_packaging.py builds the wheel without build isolation. One pip run for the
     # rest: each run resolves the environment anew.
     extra = LANES[session.name]["extra"]
-    session.install(TRITON_CPU, *PYPROJECT["build-system"]["requires"], "-e", f".[{extra}]")
+    build = PYPROJECT["build-system"]["requires"]
+    session.install("--no-compile", TRITON_CPU, *build, "-e", f".[{extra}]")
+    # HAZARD: some images set PYTHONDONTWRITEBYTECODE=1; with --no-compile every test
+    # process (xdist workers, TP ranks, CLI subprocesses) would then compile torch anew.
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""
     # One torch thread per process: the tests' tiny matmuls lose more to two threads
     # waiting on each other than they gain (a sampling test: 76 s, 8.5 s with one).
     session.env["OMP_NUM_THREADS"] = "1"

@@ -35,7 +35,9 @@ def copy_bandwidth_gbps(
     device: torch.device, sync: Callable[[], None], nbytes: int = 1 << 30
 ) -> float:
     """Device copy bandwidth (bytes read + bytes written per second), measured now."""
-    src = torch.empty(nbytes // 2, dtype=torch.int16, device=device).random_()
+    # Constant contents: a plain copy's speed does not depend on them, and filling is a
+    # copy's cost where random_() takes seconds on a CPU.
+    src = torch.full((nbytes // 2,), 7, dtype=torch.int16, device=device)
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), sync, steps=20, warmup=3)
     return 2 * nbytes / (ms / 1e3) / 1e9
