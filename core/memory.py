@@ -87,26 +87,30 @@ class TokenKVPool:
             for s in owners
         ]
         self.v_buffers = [torch.zeros_like(k) for k in self.k_buffers]
-        # Free slots as a host tensor: alloc/free are slices and concatenations,
-        # never a per-slot Python loop.
-        self._free = torch.arange(1, num_slots + 1, dtype=torch.int64)
+        # Free slots: a stack in one preallocated host tensor, ``_num_free`` deep. Alloc
+        # takes n from the top, free pushes n: O(n) copies, never O(pool) (a free that
+        # concatenated onto the free list copied the whole pool per finished request).
+        # Slot 1 is on top, so a fresh pool hands out 1, 2, 3...
+        self._stack = torch.arange(num_slots, 0, -1, dtype=torch.int64)
+        self._num_free = num_slots
 
     @property
     def bytes_per_token(self) -> int:
         return sum(2 * k[0].numel() * k.element_size() for k in self.k_buffers)
 
     def available(self) -> int:
-        return int(self._free.numel())
+        return self._num_free
 
     def alloc_host(self, n: int) -> torch.Tensor:
         """n fresh token slots, as a host tensor; raises when the pool is exhausted."""
-        if n > self._free.numel():
+        if n > self._num_free:
             raise KVPoolExhaustedError(
-                f"KV pool exhausted: need {n} token slots, {self._free.numel()} of "
+                f"KV pool exhausted: need {n} token slots, {self._num_free} of "
                 f"{self.num_slots} free"
             )
-        slots, self._free = self._free[:n], self._free[n:]
-        return slots
+        top, self._num_free = self._num_free, self._num_free - n
+        # A copy: the stack's memory is overwritten by later frees.
+        return self._stack[self._num_free : top].flip(0)
 
     def alloc(self, n: int) -> torch.Tensor:
         """n fresh token slots on the pool's device (copied without a device sync)."""
@@ -114,11 +118,13 @@ class TokenKVPool:
 
     def free(self, slots: torch.Tensor) -> None:
         # A device tensor is read back here (a sync); the engine frees host copies.
-        slots = slots.to("cpu", torch.int64)
+        slots = slots.to("cpu", torch.int64).flatten()
+        n = slots.numel()
         assert not bool((slots == PADDING_SLOT).any()), "slot 0 is reserved for padding"
         # Cheap guard against a double free corrupting every later allocation.
-        assert self._free.numel() + slots.numel() <= self.num_slots, "KV slots freed twice"
-        self._free = torch.cat([self._free, slots])
+        assert self._num_free + n <= self.num_slots, "KV slots freed twice"
+        self._stack[self._num_free : self._num_free + n] = slots
+        self._num_free += n
 
     def keep_only(self, held: torch.Tensor) -> None:
         """Every slot but the ``held`` host tensor free again (after a failed step, whose
@@ -126,7 +132,9 @@ class TokenKVPool:
         used = torch.zeros(self.num_slots + 1, dtype=torch.bool)
         used[held.to(torch.int64)] = True
         used[PADDING_SLOT] = True
-        self._free = torch.nonzero(~used).flatten()
+        free = torch.nonzero(~used).flatten().flip(0)  # lowest slot on top
+        self._num_free = free.numel()
+        self._stack[: self._num_free] = free
 
     def set_kv(self, cache_index: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         # loc: (T,), k/v: (T, Hkv, D)

@@ -11,22 +11,23 @@ A round, device work end to end (gpt-fast's ``speculative_decode``, on graphs):
 4. commit: the path's KV slots written into each request's token table and
    the next seed hidden gathered, on the device;
 5. one host read per round: accepted lengths, path nodes and tokens, in one
-   pinned copy waited on through an event. The host then frees the rejected
-   nodes' slots (their ids are known on the host since it allocated them).
+   pinned copy waited on through an event. The round returns the path's slots to
+   keep and the rejected nodes' slots to free (their ids are known on the host,
+   which held them through the ledger); the engine settles both.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from graphrt.core.engine import Engine
+from graphrt.core.engine.ledger import HeldSlots
 from graphrt.core.engine.request import Request
-from graphrt.core.engine.sampling import draw
-from graphrt.core.engine.strategy import DecodeStrategy
+from graphrt.core.engine.sampling import repeat_rows, request_rows, sample
+from graphrt.core.engine.strategy import DecodeStrategy, RoundLog, StepContext, StepOutcome
 from graphrt.core.errors import UsageError
 from graphrt.core.host import read_host, to_device
 from graphrt.core.models.loader import LoadedModel
@@ -62,9 +63,9 @@ class MTPDecoding(DecodeStrategy):
     def extra_kv_slots(self) -> int:
         return self.cfg.num_draft_tokens  # a round holds a whole verify tree's slots briefly
 
-    def setup(self, engine: Engine) -> None:
-        self.engine = engine
-        target, drafter = engine.loaded.model, self.drafter.model
+    def setup(self, ctx: StepContext) -> Sequence[GraphRunner]:
+        self.ctx = ctx
+        target, drafter = ctx.loaded.model, self.drafter.model
         if not hasattr(drafter, "bind_target"):
             raise UsageError(
                 f"the drafter {self.drafter.source} is a {type(drafter).__name__}, not a "
@@ -76,25 +77,23 @@ class MTPDecoding(DecodeStrategy):
                 f"({drafter.vocab_size} tokens)"
             )
         drafter.bind_target(target)
-        self.draft_eager = EagerRunner(drafter, engine.attn_backend)
-        if engine.graph_backend is None:
-            return
-        args = (engine.graph_backend, engine.graph_runner_config(), engine.torch_device)
+        self.draft_eager = EagerRunner(drafter, ctx.attn_backend)
+        if ctx.graph_backend is None:
+            return ()
+        args = (ctx.graph_backend, ctx.graph_config, ctx.device)
         loop_shape = draft_shape(target.config.hidden_size, next(target.parameters()).dtype)
-        loop = captured_draft_loop(drafter, engine.attn_backend, self.cfg)
+        loop = captured_draft_loop(drafter, ctx.attn_backend, self.cfg)
         self.verify_graph = GraphRunner(
-            target, engine.attn_backend, *args, shape=verify_shape(self.cfg.num_draft_tokens)
+            target, ctx.attn_backend, *args, shape=verify_shape(self.cfg.num_draft_tokens)
         )
         # One backend, one pool: the verify graphs (the larger) first, then the draft loops.
-        engine.capture(self.verify_graph)
         # The loop's steps derive their rows inside the graph, so their attention metadata
         # must be the capture-safe kind; attention that needs host lengths per step (a
         # breakable backend's) drafts eagerly and verifies on graphs.
-        if engine.attn_backend.capture_safe:
-            self.draft_graph = GraphRunner(
-                drafter, engine.attn_backend, *args, loop_shape, forward=loop
-            )
-            engine.capture(self.draft_graph)
+        if not ctx.attn_backend.capture_safe:
+            return (self.verify_graph,)
+        self.draft_graph = GraphRunner(drafter, ctx.attn_backend, *args, loop_shape, forward=loop)
+        return (self.verify_graph, self.draft_graph)
 
     def after_prefill(self, reqs: list[Request], out: RunnerOutput) -> None:
         for i, req in enumerate(reqs):
@@ -111,32 +110,32 @@ class MTPDecoding(DecodeStrategy):
         writes its nodes' KV into slots held for the bench and freed after it."""
         inputs = self.round_inputs(reqs)
         tree, _ = self.draft(inputs)
-        locs_host = self.engine.kv_pool.alloc_host(len(reqs) * tree.num_nodes)
-        locs = to_device(locs_host, self.engine.torch_device)
+        held = self.ctx.ledger.hold(len(reqs) * tree.num_nodes, self.ctx.device)
         try:
             yield {
                 "draft": lambda graphs: self.draft(inputs, graphs)[1],
-                "verify": lambda graphs: self.verify(inputs, tree, locs, graphs)[1],
+                "verify": lambda graphs: self.verify(inputs, tree, held.device, graphs)[1],
             }
         finally:
-            self.engine.kv_pool.free(locs_host)
+            self.ctx.ledger.free(held.host)
 
     # ---- one round ---------------------------------------------------------------
 
-    def decode(self, reqs: list[Request]) -> list[list[int]]:
+    def decode(self, reqs: list[Request]) -> StepOutcome:
         inputs = self.round_inputs(reqs)
         tree, drafted_on_graph = self.draft(inputs)
-        # Node slots on both sides: the host frees the rejected ones without reading back.
-        locs_host = self.engine.kv_pool.alloc_host(len(reqs) * tree.num_nodes)
-        locs = to_device(locs_host, self.engine.torch_device)  # (B * n,) node-major
-        out, verified_on_graph = self.verify(inputs, tree, locs)
+        # Node slots on both sides: the host settles the rejected ones without reading back.
+        held = self.ctx.ledger.hold(len(reqs) * tree.num_nodes, self.ctx.device)  # node-major
+        out, verified_on_graph = self.verify(inputs, tree, held.device)
         acc = accept(tree, self.target_tokens(reqs, out, tree.num_nodes), inputs.max_accept)
-        if drafted_on_graph and verified_on_graph:
-            self.engine.stats.graph_rounds += len(reqs)
-        return self.commit(reqs, inputs, tree, out, acc, locs, locs_host)
+        outcome = self.commit(reqs, inputs, tree, out, acc, held)
+        outcome.graph_forwards = int(verified_on_graph)
+        outcome.eager_forwards = int(not verified_on_graph)
+        outcome.graph_rounds = len(reqs) if drafted_on_graph and verified_on_graph else 0
+        return outcome
 
     def round_inputs(self, reqs: list[Request]) -> RoundInputs:
-        dev, ctx = self.engine.torch_device, self.engine.max_context_len
+        dev, ctx = self.ctx.device, self.ctx.max_context_len
         kv_lens_cpu = [r.kv_len for r in reqs]
         # One pinned copy for all four per-request rows.
         root, req_slots, kv_lens, max_accept = to_device(
@@ -178,20 +177,17 @@ class MTPDecoding(DecodeStrategy):
             inputs.kv_lens,
             inputs.kv_lens_cpu,
             locs,
-            self.engine.max_context_len - 1,
+            self.ctx.max_context_len - 1,
         )
-        graph = self.verify_graph if graphs else None
-        on_graph = graph is not None and graph.can_run_graph(batch)
-        return self.engine.run_forward(batch, graph), on_graph
+        return self.ctx.forward(batch, self.verify_graph if graphs else None)
 
     def target_tokens(self, reqs: list[Request], out: RunnerOutput, n: int) -> torch.Tensor:
-        """(B, n) the target's token after every node: its argmax, or a draw per node."""
-        logits = out.logits.view(len(reqs), n, -1)  # (B, n, V)
-        tokens = logits.argmax(dim=-1)
-        for b, req in enumerate(reqs):
-            if not req.params.greedy:
-                tokens[b] = draw(logits[b], req.params, req.generator)
-        return tokens
+        """(B, n) the target's token after every node: its argmax, or a draw per node
+        (node i of a request at draw ``draws + i`` of its stream)."""
+        rows = repeat_rows(request_rows(reqs, out.logits.device), n)
+        for req in reqs:
+            req.draws += n
+        return sample(out.logits, rows).view(len(reqs), n)
 
     def commit(
         self,
@@ -200,33 +196,34 @@ class MTPDecoding(DecodeStrategy):
         tree: VerifyTree,
         out: RunnerOutput,
         acc: Acceptance,
-        locs: torch.Tensor,
-        locs_host: torch.Tensor,
-    ) -> list[list[int]]:
-        engine, bs, n = self.engine, len(reqs), tree.num_nodes
+        held: HeldSlots,
+    ) -> StepOutcome:
+        bs, n = len(reqs), tree.num_nodes
         commit_kv(
-            engine.req_pool.req_to_token, inputs.req_slots, inputs.kv_lens, locs.view(bs, n), acc
+            self.ctx.ledger.req_to_token,
+            inputs.req_slots,
+            inputs.kv_lens,
+            held.device.view(bs, n),
+            acc,
         )
-        locs = locs_host.view(bs, n)
         rows = torch.arange(bs, device=out.hidden.device)
         seeds = out.hidden.view(bs, n, -1)[rows, acc.last_node]  # (B, H) the next seeds
         # The round's one host read: accepted lengths, path nodes, tokens, drafts.
         packed = torch.cat([acc.accept_len.unsqueeze(1), acc.path, acc.tokens, tree.tokens], 1)
-        emitted = []
+        locs = held.host.view(bs, n)
+        rejected = torch.ones(bs, n, dtype=torch.bool)
+        outcome = StepOutcome(tokens=[], kept=[], rounds=[])
         for b, (req, row) in enumerate(zip(reqs, read_host(packed))):
             accepted = row[0]
             path, tokens = row[1 : 2 + accepted], row[1 + n : 2 + n + accepted]
-            engine.req_pool.host[req.req_slot, req.kv_len : req.kv_len + accepted + 1] = locs[
-                b, path
-            ]
-            rejected = torch.ones(n, dtype=torch.bool)
-            rejected[path] = False
-            engine.kv_pool.free(locs[b][rejected])
-            req.kv_len += accepted + 1  # the root and the accepted drafts are cached now
+            rejected[b, path] = False
+            outcome.kept.append(locs[b, path])  # the root and the accepted drafts
             req.spec_seed = seeds[b]
-            req.spec_rounds.append(
-                {"draft_tokens": row[2 + 2 * n :], "accepted_tokens": tokens[:-1]}
+            outcome.rounds.append(
+                RoundLog(
+                    self.cfg.num_steps, draft_tokens=row[2 + 2 * n :], accepted_tokens=tokens[:-1]
+                )
             )
-            engine.stats.record_accept(accepted, self.cfg.num_steps)
-            emitted.append(tokens)
-        return emitted
+            outcome.tokens.append(tokens)
+        outcome.released = locs[rejected]
+        return outcome

@@ -121,6 +121,14 @@ def chi2_quantile(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+def chi2_stat(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic over the cells expected 5 times or more, and their count."""
+    expected = probs.double() * counts.sum()
+    keep = expected >= 5
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum().item()
+    return stat, int(keep.sum())
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max|a - b| / max|b|: the parity metric of DESIGN.md ("within 1e-4 relative")."""
     actual, expected = actual.double(), expected.double()

@@ -31,7 +31,7 @@ class Cache:
         self.kv_pool = TokenKVPool(num_requests * CONTEXT, [KVLayerSpec(HKV, D, 0)], DTYPE, CPU)
         # Scatter: slot order unrelated to position order, as after frees and reuse.
         perm = torch.randperm(self.kv_pool.num_slots, generator=self.gen)
-        self.kv_pool._free = self.kv_pool._free[perm]
+        self.kv_pool.free(self.kv_pool.alloc_host(self.kv_pool.num_slots)[perm])
         self.backend = TorchAttentionBackend(self.kv_pool, self.req_pool)
 
     def rand(self, *shape) -> torch.Tensor:

@@ -129,7 +129,7 @@ def test_speculative_rounds_on_graphs_equal_eager(gemma4_pair):
     """The drafter's loop and the verify forward on graphs, batches of 1 to 4 (3 padded)."""
     target, drafter = gemma4_pair
     engines = spec_engines(target, drafter, steps=3, topk=2)
-    sched = spec_schedule(23, target.model.vocab_size, requests=12)
+    sched = spec_schedule(27, target.model.vocab_size, requests=12)
     result = differential.run_schedule(engines, sched, steps=10**6)
     assert_no_mismatch(result)
     assert {1, 3, 4} <= set(result.batch_sizes), result.batch_sizes
@@ -182,17 +182,18 @@ def test_the_driver_reports_the_seed_step_and_request_of_a_mismatch(llama):
     """A token flipped on one engine at one step: one mismatch, said where."""
     engines = {name: cpu_engine(llama, **engine_config()) for name in ("eager", "faulty")}
     faulty, calls, flipped = engines["faulty"], [], []
-    sample_tokens = faulty.sample_tokens
+    decode = faulty.strategy.decode
 
-    def flip_one_token(reqs, out):
-        tokens = sample_tokens(reqs, out)
+    def flip_one_token(reqs):
+        outcome = decode(reqs)
         calls.append(len(reqs))
-        if len(calls) == 9:  # the 9th step: flip its last request's token
-            tokens[-1] = (tokens[-1] + 1) % llama.model.vocab_size
+        if len(calls) == 9:  # the 9th decode step: flip its last request's token
+            last = outcome.tokens[-1]
+            last[0] = (last[0] + 1) % llama.model.vocab_size
             flipped.append((reqs[-1].rid, len(reqs[-1].output_ids)))
-        return tokens
+        return outcome
 
-    faulty.sample_tokens = flip_one_token
+    faulty.strategy.decode = flip_one_token
     result = differential.run_schedule(
         engines, schedule(5, llama.model.vocab_size, to_context=0.0), steps=20, keep=1
     )

@@ -12,7 +12,7 @@ import torch
 from helpers import CPU, cpu_engine, random_prompts
 
 from graphrt.core.engine import Engine, FinishReason, SamplingParams
-from graphrt.core.engine.sampling import filtered_probs, sample
+from graphrt.core.engine.sampling import filtered_probs, sample, sampling_rows
 from graphrt.core.errors import RequestError
 from graphrt.core.models import load_model
 
@@ -47,7 +47,7 @@ def _assert_idle(engine: Engine) -> None:
     assert not engine.running and not engine.waiting
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
     assert engine.req_pool.available() == engine.config.max_running_requests
-    assert engine.reserved_tokens == 0
+    assert engine.ledger.reserved_tokens == 0
 
 
 def _alone(loaded, prompts, params, **config) -> list[list[int]]:
@@ -123,7 +123,7 @@ def test_requests_wait_for_kv_and_match_running_alone(loaded):
     queued = []
 
     def on_step(stepped):
-        assert engine.reserved_tokens <= engine.kv_pool.num_slots
+        assert engine.ledger.reserved_tokens <= engine.kv_pool.num_slots
         queued.append(len(engine.waiting))
 
     reqs = engine.generate(prompts, params, on_step=on_step)
@@ -192,10 +192,15 @@ def test_unseeded_sampling_follows_engine_seed(loaded):
     assert run(0) != run(1)
 
 
+def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row's distribution, through the batched sampler's filter."""
+    return filtered_probs(logits.unsqueeze(0), sampling_rows([params], [0], [0], CPU))[0]
+
+
 def test_filtered_probs_top_k_keeps_exactly_k():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=0.7, top_k=5)
-    probs = filtered_probs(logits, params)
+    probs = _probs(logits, params)
     kept = probs.nonzero().flatten()
     assert set(kept.tolist()) == set(logits.topk(5).indices.tolist())
     expected = torch.softmax(logits[kept] / 0.7, dim=0)
@@ -207,7 +212,7 @@ def test_filtered_probs_top_k_keeps_exactly_k():
 def test_filtered_probs_top_p_keeps_the_nucleus(top_p):
     logits = torch.randn(50, generator=torch.Generator().manual_seed(1)) * 2
     full = torch.softmax(logits, dim=0)
-    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    probs = _probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
     order = full.argsort(descending=True)
     # The nucleus: the smallest most-likely prefix whose mass reaches top_p.
     size = int((full[order].cumsum(0) < top_p).sum()) + 1
@@ -218,7 +223,7 @@ def test_filtered_probs_top_p_keeps_the_nucleus(top_p):
 
 def test_filtered_probs_top_k_then_top_p():
     logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0, -1.0])
-    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=4, top_p=0.8))
+    probs = _probs(logits, SamplingParams(temperature=1.0, top_k=4, top_p=0.8))
     within_k = torch.softmax(logits[:4], dim=0)  # top-p acts on the top-k distribution
     size = int((within_k.cumsum(0) < 0.8).sum()) + 1
     assert probs.nonzero().flatten().tolist() == list(range(size))
@@ -227,8 +232,8 @@ def test_filtered_probs_top_k_then_top_p():
 def test_sample_top_k_1_is_greedy():
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
     params = [SamplingParams(temperature=1.5, top_k=1)] * 3
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    assert torch.equal(sample(logits, params, gens), logits.argmax(-1))
+    rows = sampling_rows(params, [0, 1, 2], [0, 0, 0], CPU)
+    assert torch.equal(sample(logits, rows), logits.argmax(-1))
 
 
 # ---- validation -----------------------------------------------------------------------

@@ -17,7 +17,7 @@ from helpers import CPU, cli_error_line, cpu_engine, random_prompts
 
 from graphrt.core.cli.main import main
 from graphrt.core.engine import FinishReason, SamplingParams
-from graphrt.core.engine import engine as engine_module
+from graphrt.core.engine import sampling as sampling_module
 from graphrt.core.errors import RequestError
 from graphrt.core.models import load_model
 
@@ -34,7 +34,7 @@ def _assert_idle(engine) -> None:
     assert not engine.running and not engine.waiting
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
     assert engine.req_pool.available() == engine.config.max_running_requests
-    assert engine.reserved_tokens == 0
+    assert engine.ledger.reserved_tokens == 0
 
 
 def _fail_on_call(monkeypatch, obj, name: str, call: int) -> list[int]:
@@ -61,7 +61,7 @@ def _fresh(loaded, prompts, **config) -> list[list[int]]:
 def test_a_sampling_failure_fails_its_step_only_and_frees_every_slot(loaded, monkeypatch, call):
     engine = cpu_engine(loaded, max_context_len=64, max_running_requests=2)
     prompts = random_prompts((5, 9, 7))  # the third waits: 2 running at most
-    _fail_on_call(monkeypatch, engine_module, "sample", call)
+    _fail_on_call(monkeypatch, sampling_module, "sample", call)
     reqs = engine.generate(prompts, GREEDY)
     failed = [r for r in reqs if r.finish_reason is FinishReason.ERROR]
     assert [r.error for r in failed] == ["RuntimeError: injected failure"] * 2  # one line
@@ -124,7 +124,7 @@ def test_generate_with_one_bad_prompt_queues_nothing(loaded):
 
 
 def test_cli_prints_what_was_produced_then_one_error_line(capsys, monkeypatch):
-    _fail_on_call(monkeypatch, engine_module, "sample", 2)  # request 0's first decode step
+    _fail_on_call(monkeypatch, sampling_module, "sample", 2)  # request 0's first decode step
     argv = ["generate", "--model", "random:llama-tiny", "--runner", "eager", "--json"]
     argv += ["--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--max-running-requests", "1"]
     assert main([*argv, "--max-new-tokens", "4", "--ignore-eos"]) == 1

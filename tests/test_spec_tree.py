@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import chi2_quantile
+from helpers import CPU, chi2_quantile, chi2_stat
 
 from graphrt.core.engine import SamplingParams
-from graphrt.core.engine.sampling import draw
+from graphrt.core.engine.sampling import repeat_rows, sample, sampling_rows
 from graphrt.core.errors import GraphrtError, UsageError
 from graphrt.spec.accept import accept
 from graphrt.spec.config import SpecConfig
@@ -187,7 +187,7 @@ P_CHILD = torch.tensor([0.04, 0.06, 0.6, 0.2, 0.1, 0.0, 0.0, 0.0])
 def sampled_rounds(trials: int, temperature_below_root: float = 1.0, seed: int = 0):
     """``trials`` requests of one tree: root 3, then drafted 1 (node 1), then 2 (node 2). The
     target's distributions: P_ROOT at the root, P_CHILD below it. Draws go through the
-    engine's ``draw``; ``temperature_below_root`` < 1 sharpens the draws at the nodes only
+    engine's sampler, each request on its own stream; ``temperature_below_root`` < 1 sharpens the draws at the nodes only
     an accepted draft reaches (0.5: p^2), the bias the test must catch. -> emitted (B, n)
     and accepted lengths."""
     n = 3
@@ -199,21 +199,15 @@ def sampled_rounds(trials: int, temperature_below_root: float = 1.0, seed: int =
         1,
     )
     logits = torch.stack([P_ROOT, P_CHILD, P_CHILD]).log().expand(trials, n, 8)
-    gen = torch.Generator().manual_seed(seed)
+    seeds = [seed * trials + i for i in range(trials)]
     tokens = torch.empty(trials, n, dtype=torch.long)
-    tokens[:, 0] = draw(logits[:, 0], SamplingParams(temperature=1.0), gen)
+    root = sampling_rows([SamplingParams(temperature=1.0)] * trials, seeds, [0] * trials, CPU)
+    tokens[:, 0] = sample(logits[:, 0], root)
     below = SamplingParams(temperature=temperature_below_root)
-    tokens[:, 1:] = draw(logits[:, 1:], below, gen)
+    nodes = repeat_rows(sampling_rows([below] * trials, seeds, [1] * trials, CPU), n - 1)
+    tokens[:, 1:] = sample(logits[:, 1:].reshape(-1, 8), nodes).view(trials, n - 1)
     acc = accept(tree, tokens, torch.full((trials,), n))
     return acc.tokens, acc.accept_len
-
-
-def chi2_stat(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson's statistic over the cells expected 5 times or more, and their count."""
-    expected = probs.double() * counts.sum()
-    keep = expected >= 5
-    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum().item()
-    return stat, int(keep.sum())
 
 
 def sampled_acceptance_stats(**kwargs) -> list[tuple[float, int]]:

@@ -58,7 +58,7 @@ class Pools:
         self.gen = torch.Generator(device=device).manual_seed(seed)
         # Scatter: slot order unrelated to position order, as after frees and reuse.
         perm = torch.randperm(self.kv_pool.num_slots, generator=torch.Generator().manual_seed(seed))
-        self.kv_pool._free = self.kv_pool._free[perm]
+        self.kv_pool.free(self.kv_pool.alloc_host(self.kv_pool.num_slots)[perm])
         for buf in self.kv_pool.k_buffers + self.kv_pool.v_buffers:
             buf.copy_(self.rand(*buf.shape))
         for buf in self.kv_pool.k_buffers:

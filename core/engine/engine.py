@@ -21,6 +21,7 @@ import torch
 
 from graphrt import devices
 from graphrt.core.batch import ForwardBatch, ForwardMode
+from graphrt.core.engine.ledger import Ledger
 from graphrt.core.engine.request import (
     FinishReason,
     Request,
@@ -29,8 +30,8 @@ from graphrt.core.engine.request import (
     sampling_params,
     token_ids,
 )
-from graphrt.core.engine.sampling import sample
-from graphrt.core.engine.strategy import DecodeStrategy, PlainDecode
+from graphrt.core.engine.sampling import sample_requests
+from graphrt.core.engine.strategy import DecodeStrategy, PlainDecode, StepContext, StepOutcome
 from graphrt.core.errors import (
     OutOfMemoryError,
     RequestError,
@@ -40,8 +41,7 @@ from graphrt.core.errors import (
 from graphrt.core.host import to_device
 from graphrt.core.memory import ReqToTokenPool, TokenKVPool
 from graphrt.core.models.loader import LoadedModel
-from graphrt.core.runners import BaseRunner, EagerRunner, GraphRunner, GraphRunnerConfig
-from graphrt.core.runners.base import RunnerOutput
+from graphrt.core.runners import EagerRunner, GraphRunner, GraphRunnerConfig
 from graphrt.devices.base import Device
 
 RUNNERS = ("graph", "eager")
@@ -100,10 +100,17 @@ class EngineStats:
     accept_histogram: list[int] = field(default_factory=list)  # [k] = rounds accepting k drafts
 
     def record_accept(self, accepted: int, num_steps: int) -> None:
-        if not self.accept_histogram:
-            self.accept_histogram = [0] * (num_steps + 1)
+        if len(self.accept_histogram) < num_steps + 1:
+            self.accept_histogram += [0] * (num_steps + 1 - len(self.accept_histogram))
         self.accept_histogram[accepted] += 1
         self.spec_rounds += 1
+
+    def record_step(self, outcome: StepOutcome) -> None:
+        self.graph_steps += outcome.graph_forwards
+        self.eager_steps += outcome.eager_forwards
+        self.graph_rounds += outcome.graph_rounds
+        for log in outcome.rounds or ():
+            self.record_accept(len(log.accepted_tokens), log.num_steps)
 
     @property
     def accept_length_mean(self) -> float:
@@ -150,10 +157,10 @@ class Engine:
             )
         slots = cfg.kv_pool_tokens or self._slots_for_bytes(kv_specs, param.dtype)
         try:
-            self.req_pool = ReqToTokenPool(
+            req_pool = ReqToTokenPool(
                 cfg.max_running_requests, self.max_context_len, self.torch_device
             )
-            self.kv_pool = TokenKVPool(slots, kv_specs, param.dtype, self.torch_device)
+            kv_pool = TokenKVPool(slots, kv_specs, param.dtype, self.torch_device)
         except (MemoryError, RuntimeError) as e:
             if not out_of_memory(e):
                 raise
@@ -162,7 +169,8 @@ class Engine:
                 f"requests x {self.max_context_len} tokens) do not fit in {self.device.name} "
                 "memory: lower --kv-pool-tokens, --max-running-requests or --max-context-len"
             ) from None
-        self.attn_backend = self.device.create_attention_backend(self.kv_pool, self.req_pool)
+        self.ledger = Ledger(req_pool, kv_pool)
+        self.attn_backend = self.device.create_attention_backend(kv_pool, req_pool)
         self.eager_runner = EagerRunner(model, self.attn_backend)
         runner = cfg.runner or self.device.default_runner()
         self.runner_kind = runner
@@ -171,49 +179,49 @@ class Engine:
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.reserved_tokens = 0
         self.stats = EngineStats()
         self._next_rid = 0
-        self.strategy.setup(self)
+        self.ctx = StepContext(
+            loaded=loaded,
+            ledger=self.ledger,
+            attn_backend=self.attn_backend,
+            eager_runner=self.eager_runner,
+            graph_backend=self.graph_backend,
+            graph_config=GraphRunnerConfig(
+                # No batch can exceed the running-request cap or the KV slots.
+                max_bs=min(cfg.max_running_requests, kv_pool.num_slots),
+                buckets=cfg.graph_buckets,
+                padding=cfg.graph_padding,
+            ),
+            device=self.torch_device,
+            max_context_len=self.max_context_len,
+        )
+        for graphs in self.strategy.setup(self.ctx):
+            self._capture(graphs)
 
-    # ---- what strategies build on -------------------------------------------------
+    @property
+    def req_pool(self) -> ReqToTokenPool:
+        return self.ledger.req_pool
+
+    @property
+    def kv_pool(self) -> TokenKVPool:
+        return self.ledger.kv_pool
 
     @property
     def graph_runner(self) -> GraphRunner | None:
         """The graph runner of plain decode steps (None with a speculative strategy)."""
         return self.strategy.graph_runner
 
-    def graph_runner_config(self) -> GraphRunnerConfig:
-        cfg = self.config
-        return GraphRunnerConfig(
-            # No batch can exceed the running-request cap or the KV slots.
-            max_bs=min(cfg.max_running_requests, self.kv_pool.num_slots),
-            buckets=cfg.graph_buckets,
-            padding=cfg.graph_padding,
-        )
-
-    def capture(self, runner: GraphRunner) -> None:
+    def _capture(self, runner: GraphRunner) -> None:
         """Capture ``runner``'s graphs into the engine's backend (one pool for all)."""
         runner.capture()
         self.stats.capture_time_s += runner.capture_time_s
         self.stats.graph_memory_bytes = self.graph_backend.memory_bytes()
         self.stats.captured_sizes = runner.captured_sizes
 
-    def run_forward(self, batch: ForwardBatch, graph: BaseRunner | None) -> RunnerOutput:
-        """One target forward: on ``graph`` where it can run the batch, else eager."""
-        if graph is not None and graph.can_run_graph(batch):
-            self.stats.graph_steps += 1
-            return graph.execute(batch)
-        self.stats.eager_steps += 1
-        return self.eager_runner.execute(batch)
-
-    def sample_tokens(self, reqs: list[Request], out: RunnerOutput) -> list[int]:
-        """One token per request from its row of ``out.logits`` (one host read)."""
-        tokens = sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
-        for i, req in enumerate(reqs):
-            if req.params.return_logits:
-                req.output_logits.append(out.logits[i].to("cpu", copy=True))
-        return tokens.tolist()
+    def build_decode_batch(self, reqs: list[Request]) -> ForwardBatch:
+        """The next decode batch for ``reqs`` (running requests); one new KV slot each."""
+        return self.ctx.decode_batch(reqs)
 
     def _slots_for_bytes(self, kv_specs, dtype) -> int:
         per_token = sum(
@@ -234,10 +242,9 @@ class Engine:
         req = Request(rid=self._next_rid, prompt_ids=prompt_ids, params=params)
         req.kv_budget = self.kv_budget(len(prompt_ids), params)
         seed = params.seed
-        if seed is None:  # modulo 2^64: any integer --seed is a valid generator seed
+        if seed is None:  # modulo 2^64: any integer --seed is a valid stream
             seed = (self.config.seed * 1_000_003 + req.rid) % 2**64
-        if not params.greedy:
-            req.generator = torch.Generator(device=self.torch_device).manual_seed(seed)
+        req.seed = seed
         self._next_rid += 1
         self.waiting.append(req)
         return req
@@ -328,22 +335,20 @@ class Engine:
             if req in self.running:
                 self.running.remove(req)
             req.req_slot = None
-        held = [self.req_pool.host[r.req_slot, : r.kv_len] for r in self.running]
-        self.kv_pool.keep_only(torch.cat(held) if held else torch.zeros(0, dtype=torch.int64))
-        self.req_pool.keep_only([r.req_slot for r in self.running])
-        self.reserved_tokens = sum(r.kv_budget for r in self.running)
+        self.ledger.recover(self.running)
 
     def _step(self, admitted: list[Request]) -> list[Request]:
         if admitted:
-            out = self.run_forward(self._prefill_batch(admitted), None)
-            tokens = self.sample_tokens(admitted, out)
+            out, _ = self.ctx.forward(self._prefill_batch(admitted), None)
+            self.stats.eager_steps += 1
+            tokens = sample_requests(admitted, out.logits).tolist()
             self.strategy.after_prefill(admitted, out)
             emitted, reqs = [[t] for t in tokens], admitted
         else:
             reqs = list(self.running)
             if not reqs:
                 return []
-            emitted = self.strategy.decode(reqs)
+            emitted = self._apply(reqs, self.strategy.decode(reqs))
         for req, tokens in zip(reqs, emitted):
             for token in tokens:
                 self._append_token(req, token)
@@ -354,17 +359,31 @@ class Engine:
                 self._finish(req, FinishReason.LENGTH)
         return reqs
 
+    def _apply(self, reqs: list[Request], outcome: StepOutcome) -> list[list[int]]:
+        """Settle a decode step's slots and counts through the ledger and stats; -> the
+        tokens each request emits."""
+        if outcome.kept is not None:
+            for req, kept in zip(reqs, outcome.kept):
+                self.ledger.keep(req, kept)
+        if outcome.released is not None:
+            self.ledger.free(outcome.released)
+        for req, log in zip(reqs, outcome.rounds or ()):
+            req.spec_rounds.append(
+                {"draft_tokens": log.draft_tokens, "accepted_tokens": log.accepted_tokens}
+            )
+        self.stats.record_step(outcome)
+        return outcome.tokens
+
     def _admit(self) -> list[Request]:
         admitted, tokens = [], 0
         while self.waiting and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            if self.reserved_tokens + req.kv_budget > self.kv_pool.num_slots:
+            if not self.ledger.fits(req.kv_budget):
                 break  # FIFO: later requests wait behind this one
             if admitted and tokens + len(req.prompt_ids) > self.config.max_prefill_tokens:
                 break
             self.waiting.popleft()
-            req.req_slot = self.req_pool.alloc()
-            self.reserved_tokens += req.kv_budget
+            self.ledger.admit(req)
             tokens += len(req.prompt_ids)
             self.running.append(req)
             admitted.append(req)
@@ -372,14 +391,7 @@ class Engine:
 
     def _prefill_batch(self, reqs: list[Request]) -> ForwardBatch:
         lens = [len(r.prompt_ids) for r in reqs]
-        locs_host = self.kv_pool.alloc_host(sum(lens))
-        locs = to_device(locs_host, self.torch_device)
-        start = 0
-        for req, n in zip(reqs, lens):
-            self.req_pool.req_to_token[req.req_slot, :n] = locs[start : start + n]
-            self.req_pool.host[req.req_slot, :n] = locs_host[start : start + n]
-            req.kv_len = n
-            start += n
+        locs = self.ledger.place_prompts(reqs, self.torch_device)
         dev = self.torch_device
         return ForwardBatch(
             mode=ForwardMode.EXTEND,
@@ -391,34 +403,6 @@ class Engine:
             seq_lens_cpu=lens,
             extend_lens_cpu=lens,
             logits_indices=to_device(torch.tensor(lens).cumsum(0) - 1, dev),  # last token of each
-        )
-
-    def build_decode_batch(self, reqs: list[Request]) -> ForwardBatch:
-        """The next decode batch for ``reqs`` (running requests); allocates one KV slot each."""
-        # (4, B) host rows: new KV slot, request slot, position, input token; one copy.
-        rows = torch.stack(
-            [
-                self.kv_pool.alloc_host(len(reqs)),
-                torch.tensor([r.req_slot for r in reqs]),
-                torch.tensor([r.kv_len for r in reqs]),
-                torch.tensor([r.output_ids[-1] for r in reqs]),
-            ]
-        )
-        self.req_pool.host[rows[1], rows[2]] = rows[0]
-        locs, slots, positions, input_ids = to_device(rows, self.torch_device)
-        self.req_pool.req_to_token[slots, positions] = locs
-        for r in reqs:
-            r.kv_len += 1
-        seq_lens_cpu = [r.kv_len for r in reqs]
-        return ForwardBatch(
-            mode=ForwardMode.DECODE,
-            input_ids=input_ids,
-            positions=positions,
-            req_pool_indices=slots,
-            seq_lens=(positions + 1).to(torch.int32),  # the new token is cached now
-            out_cache_loc=locs,
-            seq_lens_cpu=seq_lens_cpu,
-            extend_lens_cpu=[1] * len(reqs),
         )
 
     def _append_token(self, req: Request, token: int) -> None:
@@ -443,12 +427,8 @@ class Engine:
             req.finish_reason = FinishReason.LENGTH
 
     def _release(self, req: Request) -> None:
-        # The host copy of the token table: freeing reads nothing from the device.
-        self.kv_pool.free(self.req_pool.host[req.req_slot, : req.kv_len].clone())
-        self.req_pool.free(req.req_slot)
-        self.reserved_tokens -= req.kv_budget
+        self.ledger.release(req)
         self.running.remove(req)
-        req.req_slot = None
 
     def cleanup(self) -> None:
         """Drop every captured graph (the engine can no longer run graphs)."""

@@ -128,7 +128,9 @@ class Request:
     req_slot: int | None = field(default=None, repr=False)
     kv_len: int = 0  # tokens whose KV is in the cache
     kv_budget: int = 0  # token slots reserved for this request at admission
-    generator: torch.Generator | None = field(default=None, repr=False)
+    # Its random stream (core.engine.sampling): the seed, and the draws taken so far.
+    seed: int = field(default=0, repr=False)
+    draws: int = field(default=0, repr=False)
     # Speculative decoding: the target hidden that produced the last token, and a log of rounds.
     spec_seed: torch.Tensor | None = field(default=None, repr=False)
     spec_rounds: list[dict] = field(default_factory=list, repr=False)

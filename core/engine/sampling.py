@@ -1,55 +1,172 @@
-"""Token sampling: greedy, or temperature with top-k / top-p, seeded per request.
+"""Token sampling for a whole batch at once: greedy, or temperature with top-k / top-p,
+each request on a reproducible random stream of its own.
 
-Each request draws from its own generator, so its tokens do not depend on
-which other requests share its batch. Draws use the exponential trick,
-``argmax(p / E)`` with ``E ~ Exp(1)`` per token: an exact draw from ``p`` made
-of device operations alone (no host read), for one row or many at once.
+One call serves every row of a batch (plain decode rows, speculative tree nodes), with
+no per-row Python loop and no host read. A request's stream is counter-based, as
+Philox is in cuRAND and FlashInfer: the noise of its draw number ``offset`` at token
+``v`` is a hash of (seed, offset, v). Seeds and offsets are tensors, so a captured
+graph draws exactly as eager code does, and a request's tokens do not depend on which
+other requests share its batch.
+
+Draws use the exponential trick, ``argmax(p / E)`` with ``E = -log U`` per token: an
+exact draw from ``p``. The hash is integer arithmetic that no device rounds (every
+product stays below 2^63), so every device draws the same tokens from the same logits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from graphrt.core.engine.request import SamplingParams
+from graphrt.core.engine.request import Request, SamplingParams
+from graphrt.core.host import to_device
+
+_MASK32 = 0xFFFFFFFF
+_NOISE_BITS = 24  # a float32 holds 24 bits exactly: U = (h + 0.5) / 2^24 is never 0 or 1
 
 
-def sample(
-    logits: torch.Tensor,  # (B, V) float32
+@dataclass
+class SamplingRows:
+    """What each row of a batch samples with; (R,) tensors on the logits' device."""
+
+    temperature: torch.Tensor  # float32; 0 = greedy
+    top_k: torch.Tensor  # int64; 0 = no cut
+    top_p: torch.Tensor  # float32; 1 = no cut
+    seed: torch.Tensor  # int64: the request's stream
+    offset: torch.Tensor  # int64: the draw's number in that stream
+    # Known on the host when the rows are built, so no read decides what runs:
+    greedy: bool  # every row greedy: an argmax, nothing else
+    filtered: bool  # some row cuts by top-k or top-p: a sort of every row's logits
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.seed.shape[0])
+
+
+def sampling_rows(
     params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-) -> torch.Tensor:  # (B,) int64
-    tokens = logits.argmax(dim=-1)
-    for row, (p, gen) in enumerate(zip(params, generators)):
-        if not p.greedy:
-            tokens[row] = draw(logits[row], p, gen)
+    seeds: Sequence[int],
+    offsets: Sequence[int] | torch.Tensor,
+    device: torch.device,
+) -> SamplingRows:
+    """Rows for ``params[i]`` drawing at ``offsets[i]`` of stream ``seeds[i]`` (seeds
+    are taken modulo 2^64, as signed int64)."""
+    # One host tensor per dtype, one copy each (non-blocking: see core.host).
+    ints = to_device(
+        [[_int64(s) for s in seeds], [p.top_k for p in params]], device
+    )  # (2, R) -> seed, top_k
+    floats = to_device(
+        [[p.temperature for p in params], [p.top_p for p in params]], device, torch.float32
+    )
+    offset = offsets if isinstance(offsets, torch.Tensor) else to_device(list(offsets), device)
+    return SamplingRows(
+        temperature=floats[0],
+        top_k=ints[1],
+        top_p=floats[1],
+        seed=ints[0],
+        offset=offset.to(device=device, dtype=torch.int64),
+        greedy=all(p.greedy for p in params),
+        filtered=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+    )
+
+
+def repeat_rows(rows: SamplingRows, n: int) -> SamplingRows:
+    """Each row ``n`` times in a row, drawing at offsets ``offset .. offset + n - 1``: the
+    nodes of a request's verify tree, each an independent draw of its stream."""
+    step = torch.arange(n, device=rows.offset.device).repeat(rows.num_rows)
+    return SamplingRows(
+        temperature=rows.temperature.repeat_interleave(n),
+        top_k=rows.top_k.repeat_interleave(n),
+        top_p=rows.top_p.repeat_interleave(n),
+        seed=rows.seed.repeat_interleave(n),
+        offset=rows.offset.repeat_interleave(n) + step,
+        greedy=rows.greedy,
+        filtered=rows.filtered,
+    )
+
+
+def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """(R, V) logits -> (R,) int64 tokens: the argmax of greedy rows, a draw for others."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if rows.greedy:
+        return greedy_tokens
+    probs = filtered_probs(logits, rows)
+    drawn = (probs / exponential_noise(rows.seed, rows.offset, logits.shape[-1])).argmax(-1)
+    return torch.where(rows.temperature == 0, greedy_tokens, drawn)
+
+
+def filtered_probs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """(R, V) logits -> the distribution each row draws from: softmax(logits / T) cut to
+    the row's top-k, then to the smallest nucleus whose mass reaches its top-p."""
+    # Greedy rows divide by 1: their draw is discarded, but must not be NaN.
+    temperature = torch.where(rows.temperature > 0, rows.temperature, 1.0)
+    logits = logits.float() / temperature.unsqueeze(1)
+    if not rows.filtered:
+        return torch.softmax(logits, dim=-1)
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (R, V)
+    k = torch.where((rows.top_k > 0) & (rows.top_k < vocab), rows.top_k, vocab)
+    kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # (R, 1)
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    drop = sorted_probs.cumsum(-1) - sorted_probs >= rows.top_p.unsqueeze(1)
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(sorted_probs).scatter(-1, order, sorted_probs)
+
+
+def exponential_noise(seed: torch.Tensor, offset: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(R,) seeds and offsets -> (R, V) float32 Exp(1) draws, one per row and token, a
+    function of (seed, offset, token) alone."""
+    # Two 32-bit keys per row from the 64-bit seed and offset, then one hash per token.
+    seed_lo, seed_hi = seed & _MASK32, (seed >> 32) & _MASK32
+    off_lo, off_hi = offset & _MASK32, (offset >> 32) & _MASK32
+    key1 = _fmix32(seed_lo ^ _fmix32(off_hi ^ _fmix32(off_lo ^ 0x9E3779B9)))
+    key2 = _fmix32(seed_hi ^ _fmix32(key1 ^ 0x7F4A7C15))
+    token = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    h = _fmix32(_mul32(token, 0x9E3779B1).unsqueeze(0) ^ key1.unsqueeze(1))  # (R, V)
+    h = _fmix32((h + key2.unsqueeze(1)) & _MASK32)
+    u = ((h >> (32 - _NOISE_BITS)).float() + 0.5) * (1.0 / (1 << _NOISE_BITS))
+    return -torch.log(u)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2^32 for x in [0, 2^32), in int64 without overflow: c in 16-bit halves."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser: every input bit flips each output bit with
+    probability about 1/2."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _int64(seed: int) -> int:
+    """A seed modulo 2^64 as a signed int64 (any integer --seed is a valid stream)."""
+    seed %= 1 << 64
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def request_rows(reqs: Sequence[Request], device: torch.device) -> SamplingRows:
+    """Each request's row at its next draw."""
+    params = [r.params for r in reqs]
+    return sampling_rows(params, [r.seed for r in reqs], [r.draws for r in reqs], device)
+
+
+def sample_requests(reqs: Sequence[Request], logits: torch.Tensor) -> torch.Tensor:
+    """(B, V) logits, a row per request -> (B,) tokens; each request's stream moves on
+    by one draw, and requests that keep logits get their row."""
+    tokens = sample(logits, request_rows(reqs, logits.device))
+    for i, req in enumerate(reqs):
+        req.draws += 1
+        if req.params.return_logits:
+            req.output_logits.append(logits[i].to("cpu", copy=True))
     return tokens
-
-
-def draw(
-    logits: torch.Tensor,  # (..., V)
-    p: SamplingParams,
-    generator: torch.Generator | None,
-) -> torch.Tensor:  # (...,) int64
-    """One draw per row from ``filtered_probs(logits, p)``, without a host read."""
-    probs = filtered_probs(logits, p)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
-
-
-def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The distribution a sampled token is drawn from: (..., V) probabilities."""
-    logits = logits.float() / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs

@@ -1,25 +1,104 @@
 """Decode strategies: how the engine advances its running requests by one step.
 
-The engine owns admission, prefill, pools and finishing; a strategy owns what
-a decode step *is*. ``PlainDecode`` runs one target forward per step (on a
-captured graph where one fits); ``graphrt.spec.MTPDecoding`` runs a
-speculative round. ``core/`` knows strategies only through this protocol,
-so it imports nothing from ``spec/``; `graphrt bench` times a step's pieces through
-``bench_pieces`` the same way.
+The engine owns admission, prefill, the ledger (every slot and the token table),
+finishing and the stats; a strategy owns what a decode step *is*, and returns what
+it produced (``StepOutcome``) for the engine to apply. ``PlainDecode`` runs one
+target forward per step (on a captured graph where one fits);
+``graphrt.spec.MTPDecoding`` runs a speculative round. ``core/`` knows strategies
+only through this protocol, so it imports nothing from ``spec/``; `graphrt bench`
+times a step's pieces through ``bench_pieces`` the same way.
+
+A strategy sees a ``StepContext``, never the engine: an engine <-> strategy cycle
+kept dropped engines, and their graphs, alive until the cycle collector ran.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from graphrt.core.runners import GraphRunner, RunnerOutput
+import torch
+
+from graphrt.core.batch import ForwardBatch, ForwardMode
+from graphrt.core.engine.sampling import sample_requests
+from graphrt.core.runners import (
+    BaseRunner,
+    EagerRunner,
+    GraphRunner,
+    GraphRunnerConfig,
+    RunnerOutput,
+)
 
 if TYPE_CHECKING:
-    from graphrt.core.engine.engine import Engine
+    from graphrt.core.attention.base import AttentionBackend
+    from graphrt.core.engine.ledger import Ledger
     from graphrt.core.engine.request import Request
+    from graphrt.core.models.loader import LoadedModel
+    from graphrt.core.runners.backend import ExecutionBackend
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a strategy builds its steps on: the engine's model, ledger and runners."""
+
+    loaded: LoadedModel
+    ledger: Ledger
+    attn_backend: AttentionBackend
+    eager_runner: EagerRunner
+    graph_backend: ExecutionBackend | None  # None: the engine runs eagerly
+    graph_config: GraphRunnerConfig
+    device: torch.device
+    max_context_len: int
+
+    def forward(self, batch: ForwardBatch, graph: BaseRunner | None) -> tuple[RunnerOutput, bool]:
+        """One target forward: on ``graph`` where it can run the batch, else eager;
+        -> (output, whether a graph ran)."""
+        if graph is not None and graph.can_run_graph(batch):
+            return graph.execute(batch), True
+        return self.eager_runner.execute(batch), False
+
+    def decode_batch(self, reqs: Sequence[Request]) -> ForwardBatch:
+        """The next decode batch for ``reqs`` (running requests): one new KV slot each,
+        from the ledger, at each request's next position."""
+        slots, req_slots, positions, input_ids = self.ledger.append_one(reqs, self.device)
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=input_ids,
+            positions=positions,
+            req_pool_indices=req_slots,
+            seq_lens=(positions + 1).to(torch.int32),  # the new token is cached now
+            out_cache_loc=slots,
+            seq_lens_cpu=[r.kv_len for r in reqs],
+            extend_lens_cpu=[1] * len(reqs),
+        )
+
+
+@dataclass
+class RoundLog:
+    """One request's speculative round: what it drafted and accepted."""
+
+    num_steps: int  # draft steps the round ran
+    draft_tokens: list[int]  # every node's drafted token, root first
+    accepted_tokens: list[int]  # the drafts the target accepted, in order
+
+
+@dataclass
+class StepOutcome:
+    """What one decode step produced, per request in the step's order, for the engine to
+    apply: tokens to append, slots to keep or free, and what to count."""
+
+    tokens: list[list[int]]  # emitted tokens, in order
+    # A step that held slots (``Ledger.hold``): per request, the held slots that now hold
+    # its next tokens' KV, in position order; the rest go back to the pool.
+    kept: list[torch.Tensor] | None = None
+    released: torch.Tensor | None = None
+    graph_forwards: int = 0  # target forwards replayed from a graph
+    eager_forwards: int = 0
+    rounds: list[RoundLog] | None = None  # a speculative step: each request's round
+    graph_rounds: int = 0  # request rounds whose draft loop and verify both replayed graphs
 
 
 class DecodeStrategy(abc.ABC):
@@ -32,19 +111,18 @@ class DecodeStrategy(abc.ABC):
         return 0
 
     @abc.abstractmethod
-    def setup(self, engine: Engine) -> None:
-        """Build this strategy's runners over ``engine``'s pools and capture their graphs."""
+    def setup(self, ctx: StepContext) -> Sequence[GraphRunner]:
+        """Build this strategy's runners over ``ctx``; -> the graph runners the engine
+        captures, in that order (one backend, one pool: the largest graphs first)."""
 
     def after_prefill(self, reqs: list[Request], out: RunnerOutput) -> None:  # noqa: B027
         """See each prefilled request's last-token output (a drafter seeds from its hidden)."""
 
     @abc.abstractmethod
-    def decode(self, reqs: list[Request]) -> list[list[int]]:
-        """Advance ``reqs`` by one step; the tokens each request emits, in order.
-
-        The strategy caches what it fed to the model (``req.kv_len`` grows by as
-        many tokens as it emits); the engine appends the tokens and finishes requests.
-        """
+    def decode(self, reqs: list[Request]) -> StepOutcome:
+        """Advance ``reqs`` by one step. Each request's ``kv_len`` grows (through the
+        ledger) by as many tokens as it emits; the engine appends them and finishes
+        requests."""
 
     def cleanup(self) -> None:  # noqa: B027
         """Drop captured graphs."""
@@ -63,22 +141,23 @@ class PlainDecode(DecodeStrategy):
 
     name = "plain"
 
-    def setup(self, engine: Engine) -> None:
-        self.engine = engine
-        if engine.graph_backend is not None:
-            self.graph_runner = GraphRunner(
-                engine.loaded.model,
-                engine.attn_backend,
-                engine.graph_backend,
-                engine.graph_runner_config(),
-                engine.torch_device,
-            )
-            engine.capture(self.graph_runner)
+    def setup(self, ctx: StepContext) -> Sequence[GraphRunner]:
+        self.ctx = ctx
+        if ctx.graph_backend is None:
+            return ()
+        self.graph_runner = GraphRunner(
+            ctx.loaded.model, ctx.attn_backend, ctx.graph_backend, ctx.graph_config, ctx.device
+        )
+        return (self.graph_runner,)
 
-    def decode(self, reqs: list[Request]) -> list[list[int]]:
-        batch = self.engine.build_decode_batch(reqs)
-        out = self.engine.run_forward(batch, self.graph_runner)
-        return [[token] for token in self.engine.sample_tokens(reqs, out)]
+    def decode(self, reqs: list[Request]) -> StepOutcome:
+        out, on_graph = self.ctx.forward(self.ctx.decode_batch(reqs), self.graph_runner)
+        tokens = sample_requests(reqs, out.logits)
+        return StepOutcome(
+            tokens=[[t] for t in tokens.tolist()],
+            graph_forwards=int(on_graph),
+            eager_forwards=int(not on_graph),
+        )
 
     def cleanup(self) -> None:
         if self.graph_runner is not None:

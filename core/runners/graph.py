@@ -23,7 +23,7 @@ from graphrt.core.attention.base import AttentionBackend
 from graphrt.core.batch import ForwardBatch
 from graphrt.core.errors import UsageError
 from graphrt.core.runners.backend import ExecutionBackend, ShapeKey
-from graphrt.core.runners.base import BaseRunner, RunnerOutput
+from graphrt.core.runners.base import BaseRunner, RunnerOutput, forward_model
 from graphrt.core.runners.buckets import pad_to_bucket, select_buckets
 from graphrt.core.runners.buffers import GraphInputBuffers, GraphShape
 
@@ -54,8 +54,10 @@ class GraphRunner(BaseRunner):
         self.backend = backend
         self.config = config
         self.shape = shape
-        # What a graph computes from its static batch: one model forward by default.
-        self.forward = forward or self._forward_into_shared_logits
+        # What a graph computes from its static batch: one model forward by default. (Not
+        # a bound method stored on self: that would be a reference cycle, and a dropped
+        # runner's graphs would wait for the cycle collector.)
+        self._own_forward = forward
         # Device graphs of every bucket write their logits into slices of this one buffer
         # (allocated at capture, so graph memory counts it): only one graph replays at a
         # time, and per-bucket logits were most of the graphs' memory (20 llama-1b buckets:
@@ -98,18 +100,27 @@ class GraphRunner(BaseRunner):
         every call) or a forward of its own (the draft loop)."""
         if self._shared_logits is not None or not self.backend.replays_into_static_outputs:
             return
-        if self.forward != self._forward_into_shared_logits:
+        if self._own_forward is not None:
             return
         rows = size * self.shape.width
         self._shared_logits = torch.empty(
             (rows, self.model.vocab_size), dtype=torch.float32, device=self.buffers.input_ids.device
         )
 
-    def _forward_into_shared_logits(self, batch: ForwardBatch) -> RunnerOutput:
-        if self._shared_logits is None:  # compiled code: fresh outputs every call
-            return self._forward(batch)
-        logits = self._shared_logits[: batch.num_tokens]  # graph batches: every token's logits
-        return self._forward(batch, logits_out=logits)
+    def _graph_function(self, batch: ForwardBatch) -> Callable[[], Any]:
+        """What the graph of static ``batch`` computes, as a closure that holds no
+        reference to this runner: a backend may keep it (compiled code does), and a
+        runner <-> backend cycle would keep a dropped engine's graphs alive until the
+        cycle collector ran, which may be in the middle of another capture."""
+        if self._own_forward is not None:
+            own = self._own_forward
+            return lambda: own(batch)
+        model, attn = self.model, self.attn_backend
+        # Graph batches: every token's logits, into the shared buffer (None for compiled
+        # code, which returns fresh outputs from every call).
+        shared = self._shared_logits
+        logits = None if shared is None else shared[: batch.num_tokens]
+        return lambda: forward_model(model, attn, batch, logits)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -156,7 +167,7 @@ class GraphRunner(BaseRunner):
         init_metadata()
         # The hook re-arms metadata the warm-up runs may have advanced.
         outputs = self.backend.capture_one(
-            key, lambda: self.forward(batch), post_warmup_hook=init_metadata
+            key, self._graph_function(batch), post_warmup_hook=init_metadata
         )
         self._captured[key] = (batch, outputs)
 

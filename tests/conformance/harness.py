@@ -206,7 +206,7 @@ class Harness:
         assert not self.runner.dropped_buckets, self.runner.dropped_buckets
         self.live: list[LiveRequest] = []
 
-    def new_runner(self, buckets, padding: bool = True, backend=None) -> GraphRunner:
+    def new_runner(self, buckets, padding: bool = True, backend=None, forward=None) -> GraphRunner:
         """A runner over this harness's pools; its own attention backend keeps the graph
         state (static metadata buffers) of the main runner's graphs untouched."""
         return GraphRunner(
@@ -215,6 +215,7 @@ class Harness:
             backend or self.case.make_backend(),
             GraphRunnerConfig(max_bs=max(buckets), buckets=tuple(buckets), padding=padding),
             self.device,
+            forward=forward,
         )
 
     # ---- requests -------------------------------------------------------------------

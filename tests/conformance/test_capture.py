@@ -99,41 +99,6 @@ def test_many_runners_in_one_process_each_replay_their_own_graphs(graph_case: Ha
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_cycle_collector_runs_before_a_capture_session_and_never_during_it():
-    """Destroying a graph while another captures invalidates the capture (seen on an H200
-    when a dropped engine's graphs were collected mid-capture): device-graph sessions
-    collect garbage first, then hold the collector off until they end."""
-    import gc
-
-    from standin import StandInGraphModule
-
-    from graphrt.devices.cuda.graph import CudaFullGraphBackend
-
-    events = []
-
-    class Garbage:  # stands in for a dropped engine: unreachable, in a cycle
-        def __init__(self):
-            self.me = self
-
-        def __del__(self):
-            events.append("garbage collected")
-
-    backend = CudaFullGraphBackend(StandInGraphModule())
-    x = torch.ones(4)
-    Garbage()
-    with backend.capture_session():
-        events.append("session")
-
-        def run_once():
-            events.append(f"collector enabled: {gc.isenabled()}")
-            return x * 2
-
-        backend.capture_one(ShapeKey(1), run_once)
-    assert events[:2] == ["garbage collected", "session"]
-    assert set(events[2:]) == {"collector enabled: False"}  # warm-up runs and the capture
-    assert gc.isenabled()
-
-
 def test_device_graphs_share_one_logits_buffer(graph_case: Harness):
     """Every bucket's logits are rows of one buffer sized for the largest bucket (device
     graph backends; compiled code returns fresh outputs); the draft loop's runner, which
@@ -148,8 +113,9 @@ def test_device_graphs_share_one_logits_buffer(graph_case: Harness):
     for key, (_, outputs) in h.runner._captured.items():
         assert outputs.logits.data_ptr() == shared.data_ptr(), key
         assert outputs.logits.shape == (key.size, h.model.vocab_size)
-    own_loop = h.new_runner((1, 2), backend=h.case.make_backend())
-    own_loop.forward = lambda batch: (batch.input_ids + 1,)
+    own_loop = h.new_runner(
+        (1, 2), backend=h.case.make_backend(), forward=lambda batch: (batch.input_ids + 1,)
+    )
     own_loop.capture()
     assert own_loop._shared_logits is None
     own_loop.cleanup()

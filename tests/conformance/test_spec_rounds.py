@@ -178,10 +178,9 @@ def test_exact_mode_runs_rounds_on_graphs_at_captured_sizes_only(spec_case, engi
     decode = graph.strategy.decode
 
     def spy(reqs):
-        before = graph.stats.graph_rounds
-        out = decode(reqs)
-        sizes.append((len(reqs), graph.stats.graph_rounds > before))
-        return out
+        outcome = decode(reqs)
+        sizes.append((len(reqs), outcome.graph_rounds == len(reqs)))
+        return outcome
 
     graph.strategy.decode = spy
     verify = graph.strategy.verify_graph

@@ -1,0 +1,121 @@
+"""The ledger: the one owner of request slots, KV slots and the token table.
+
+Admission reserves a request's whole KV budget and a request slot; prefill places
+prompts; a plain decode step appends one slot per request; a speculative round holds
+its tree's slots, then keeps the accepted ones and frees the rest; finishing frees
+everything. The engine calls it for plain steps and speculative rounds alike;
+strategies say what a step keeps and never touch the pools.
+
+The device token table (``req_to_token``, what kernels read) and its host mirror are
+written together, so freeing reads nothing back from the device. The one exception is
+named: a speculative round commits its accepted slots into the device table on the
+device (inside its graphs), and the ledger writes the mirror when the round's one host
+read tells it which they were (``keep``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from graphrt.core.engine.request import Request
+from graphrt.core.host import to_device
+from graphrt.core.memory import ReqToTokenPool, TokenKVPool
+
+
+@dataclass
+class HeldSlots:
+    """Token slots a step holds until it says which to keep: host and device copies."""
+
+    host: torch.Tensor  # (n,) int64
+    device: torch.Tensor  # (n,) int64, copied without a sync
+
+
+class Ledger:
+    def __init__(self, req_pool: ReqToTokenPool, kv_pool: TokenKVPool):
+        self.req_pool = req_pool
+        self.kv_pool = kv_pool
+        self.reserved_tokens = 0  # the KV budgets of the running requests
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """(max requests + 1, context) the device token table kernels and graphs read."""
+        return self.req_pool.req_to_token
+
+    # ---- admission and finishing ---------------------------------------------------
+
+    def fits(self, kv_budget: int) -> bool:
+        return self.reserved_tokens + kv_budget <= self.kv_pool.num_slots
+
+    def admit(self, req: Request) -> None:
+        req.req_slot = self.req_pool.alloc()
+        self.reserved_tokens += req.kv_budget
+
+    def release(self, req: Request) -> None:
+        """Free ``req``'s KV slots, request slot and reservation (from the host mirror)."""
+        self.kv_pool.free(self.req_pool.host[req.req_slot, : req.kv_len].clone())
+        self.req_pool.free(req.req_slot)
+        self.reserved_tokens -= req.kv_budget
+        req.req_slot = None
+
+    def recover(self, running: Sequence[Request]) -> None:
+        """After a failed step: every slot not held by ``running`` is free again (a step
+        that failed midway may hold slots nothing else tracks)."""
+        held = [self.req_pool.host[r.req_slot, : r.kv_len] for r in running]
+        self.kv_pool.keep_only(torch.cat(held) if held else torch.zeros(0, dtype=torch.int64))
+        self.req_pool.keep_only([r.req_slot for r in running])
+        self.reserved_tokens = sum(r.kv_budget for r in running)
+
+    # ---- slots for a step ------------------------------------------------------------
+
+    def place_prompts(self, reqs: Sequence[Request], device: torch.device) -> torch.Tensor:
+        """Slots for every prompt token, written into both tables; -> (sum of lens,) device
+        slots in request order. Each request's ``kv_len`` becomes its prompt length."""
+        lens = [len(r.prompt_ids) for r in reqs]
+        locs_host = self.kv_pool.alloc_host(sum(lens))
+        locs = to_device(locs_host, device)
+        start = 0
+        for req, n in zip(reqs, lens):
+            self.req_pool.req_to_token[req.req_slot, :n] = locs[start : start + n]
+            self.req_pool.host[req.req_slot, :n] = locs_host[start : start + n]
+            req.kv_len = n
+            start += n
+        return locs
+
+    def append_one(self, reqs: Sequence[Request], device: torch.device) -> torch.Tensor:
+        """One new slot per request at position ``kv_len``, in both tables; each
+        ``kv_len`` grows by one. -> (4, B) device rows: slot, request slot, position,
+        last token (one copy)."""
+        rows = torch.stack(
+            [
+                self.kv_pool.alloc_host(len(reqs)),
+                torch.tensor([r.req_slot for r in reqs]),
+                torch.tensor([r.kv_len for r in reqs]),
+                torch.tensor([r.output_ids[-1] for r in reqs]),
+            ]
+        )
+        self.req_pool.host[rows[1], rows[2]] = rows[0]
+        on_device = to_device(rows, device)
+        self.req_pool.req_to_token[on_device[1], on_device[2]] = on_device[0]
+        for r in reqs:
+            r.kv_len += 1
+        return on_device
+
+    def hold(self, n: int, device: torch.device) -> HeldSlots:
+        """``n`` slots a step holds until ``keep`` and ``free`` settle them."""
+        host = self.kv_pool.alloc_host(n)
+        return HeldSlots(host=host, device=to_device(host, device))
+
+    def keep(self, req: Request, slots: torch.Tensor) -> None:
+        """``slots`` (host) hold ``req``'s next tokens' KV, in position order: into the
+        host mirror (the device table has them already), and ``kv_len`` grows by them."""
+        n = slots.numel()
+        self.req_pool.host[req.req_slot, req.kv_len : req.kv_len + n] = slots
+        req.kv_len += n
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Held ``slots`` (host) no request keeps."""
+        if slots.numel():
+            self.kv_pool.free(slots)
