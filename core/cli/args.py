@@ -206,9 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed",
         type=int,
         default=0,
-        # engine.add_request: request i's generator is seeded with seed * 1000003 + i.
-        help="sampling is seeded with 0 unless --seed is given; each request's generator is "
-        "derived from this seed and the request's position; greedy decoding "
+        # engine.add_request: request i's stream is seeded with seed * 1000003 + i.
+        help="sampling is seeded with 0 unless --seed is given; each request's random stream "
+        "is derived from this seed and the request's position; greedy decoding "
         "(--temperature 0) draws nothing (default: %(default)s)",
     )
     gen.add_argument(
