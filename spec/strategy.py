@@ -4,12 +4,12 @@ A round, device work end to end (gpt-fast's ``speculative_decode``, on graphs):
 
 1. draft: the drafter's whole loop and the verify tree built from it, one captured
    graph per request batch size;
-2. verify: the target scores every tree node in one TARGET_VERIFY forward,
-   one captured graph per request batch size at the tree's width;
-3. accept: the target's token at every node (argmax, or a draw), then the
-   accepted path, as tensor operations over the fixed-size tree;
+2. verify: the target scores every tree node in one TARGET_VERIFY forward, and in
+   the same graph (one per request batch size at the tree's width, greedy or sampled):
+3. accept: the target's token at every node (argmax, or a draw from the request's
+   stream), then the accepted path, as tensor operations over the fixed-size tree;
 4. commit: the path's KV slots written into each request's token table and
-   the next seed hidden gathered, on the device;
+   the next seed hidden gathered (spec.verify);
 5. one host read per round: accepted lengths, path nodes and tokens, in one
    pinned copy waited on through an event. The round returns the path's slots to
    keep and the rejected nodes' slots to free (their ids are known on the host,
@@ -26,29 +26,28 @@ import torch
 
 from graphrt.core.engine.ledger import HeldSlots
 from graphrt.core.engine.request import Request
-from graphrt.core.engine.sampling import repeat_rows, request_rows, sample
+from graphrt.core.engine.sampling import request_rows
 from graphrt.core.engine.strategy import DecodeStrategy, RoundLog, StepContext, StepOutcome
 from graphrt.core.errors import UsageError
 from graphrt.core.host import read_host, to_device
 from graphrt.core.models.loader import LoadedModel
 from graphrt.core.runners import EagerRunner, GraphRunner, RunnerOutput
-from graphrt.spec.accept import Acceptance, accept, commit_kv
 from graphrt.spec.config import SpecConfig
 from graphrt.spec.draft import captured_draft_loop, draft_batch, draft_shape, draft_verify_tree
 from graphrt.spec.tree import VerifyTree
-from graphrt.spec.verify import verify_batch, verify_shape
+from graphrt.spec.verify import round_tail, verify_batch, verify_round, verify_shape
 
 
 @dataclass
 class RoundInputs:
     """What a round starts from, per request (device tensors unless ``_cpu``)."""
 
+    reqs: list[Request]
     root: torch.Tensor  # (B,) last emitted token, not cached yet
     seed_hidden: torch.Tensor  # (B, H) the target hidden that produced it
     req_slots: torch.Tensor  # (B,)
     kv_lens: torch.Tensor  # (B,) int32: cached tokens = the root's position
     kv_lens_cpu: list[int]
-    max_accept: torch.Tensor  # (B,) drafts each request may still cache (the context's end)
 
 
 class MTPDecoding(DecodeStrategy):
@@ -58,7 +57,10 @@ class MTPDecoding(DecodeStrategy):
         self.drafter = drafter
         self.cfg = config or SpecConfig()
         self.draft_graph: GraphRunner | None = None
+        # Verify and the round's tail (spec.verify): greedy rounds, and rounds with a
+        # sampled request.
         self.verify_graph: GraphRunner | None = None
+        self.sampled_verify_graph: GraphRunner | None = None
 
     def extra_kv_slots(self) -> int:
         return self.cfg.num_draft_tokens  # a round holds a whole verify tree's slots briefly
@@ -81,26 +83,32 @@ class MTPDecoding(DecodeStrategy):
         if ctx.graph_backend is None:
             return ()
         args = (ctx.graph_backend, ctx.graph_config, ctx.device)
-        loop_shape = draft_shape(target.config.hidden_size, next(target.parameters()).dtype)
-        loop = captured_draft_loop(drafter, ctx.attn_backend, self.cfg)
-        self.verify_graph = GraphRunner(
-            target, ctx.attn_backend, *args, shape=verify_shape(self.cfg.num_draft_tokens)
+        n = self.cfg.num_draft_tokens
+        verify = verify_round(
+            target, ctx.attn_backend, ctx.ledger.req_to_token, ctx.max_context_len
+        )
+        self.verify_graph, self.sampled_verify_graph = (
+            GraphRunner(target, ctx.attn_backend, *args, verify_shape(n, sampled), forward=verify)
+            for sampled in (False, True)
         )
         # One backend, one pool: the verify graphs (the larger) first, then the draft loops.
+        runners = (self.verify_graph, self.sampled_verify_graph)
         # The loop's steps derive their rows inside the graph, so their attention metadata
         # must be the capture-safe kind; attention that needs host lengths per step (a
         # breakable backend's) drafts eagerly and verifies on graphs.
         if not ctx.attn_backend.capture_safe:
-            return (self.verify_graph,)
+            return runners
+        loop_shape = draft_shape(target.config.hidden_size, next(target.parameters()).dtype)
+        loop = captured_draft_loop(drafter, ctx.attn_backend, self.cfg)
         self.draft_graph = GraphRunner(drafter, ctx.attn_backend, *args, loop_shape, forward=loop)
-        return (self.verify_graph, self.draft_graph)
+        return (*runners, self.draft_graph)
 
     def after_prefill(self, reqs: list[Request], out: RunnerOutput) -> None:
         for i, req in enumerate(reqs):
             req.spec_seed = out.hidden[i]  # the hidden that produced the token: the first seed
 
     def cleanup(self) -> None:
-        for runner in (self.draft_graph, self.verify_graph):
+        for runner in (self.draft_graph, self.verify_graph, self.sampled_verify_graph):
             if runner is not None:
                 runner.cleanup()
 
@@ -111,13 +119,18 @@ class MTPDecoding(DecodeStrategy):
         inputs = self.round_inputs(reqs)
         tree, _ = self.draft(inputs)
         held = self.ctx.ledger.hold(len(reqs) * tree.num_nodes, self.ctx.device)
+        # Verify commits its path into the token table past each request's tokens, where
+        # the next real round writes again, and moves the streams on: put those back.
+        draws = [r.draws for r in reqs]
         try:
             yield {
                 "draft": lambda graphs: self.draft(inputs, graphs)[1],
-                "verify": lambda graphs: self.verify(inputs, tree, held.device, graphs)[1],
+                "verify": lambda graphs: self.verify(inputs, tree, held.device, graphs)[2],
             }
         finally:
             self.ctx.ledger.free(held.host)
+            for req, n in zip(reqs, draws):
+                req.draws = n
 
     # ---- one round ---------------------------------------------------------------
 
@@ -126,34 +139,27 @@ class MTPDecoding(DecodeStrategy):
         tree, drafted_on_graph = self.draft(inputs)
         # Node slots on both sides: the host settles the rejected ones without reading back.
         held = self.ctx.ledger.hold(len(reqs) * tree.num_nodes, self.ctx.device)  # node-major
-        out, verified_on_graph = self.verify(inputs, tree, held.device)
-        acc = accept(tree, self.target_tokens(reqs, out, tree.num_nodes), inputs.max_accept)
-        outcome = self.commit(reqs, inputs, tree, out, acc, held)
+        packed, seeds, verified_on_graph = self.verify(inputs, tree, held.device)
+        outcome = self.settle(reqs, packed, seeds, held)
         outcome.graph_forwards = int(verified_on_graph)
         outcome.eager_forwards = int(not verified_on_graph)
         outcome.graph_rounds = len(reqs) if drafted_on_graph and verified_on_graph else 0
         return outcome
 
     def round_inputs(self, reqs: list[Request]) -> RoundInputs:
-        dev, ctx = self.ctx.device, self.ctx.max_context_len
         kv_lens_cpu = [r.kv_len for r in reqs]
-        # One pinned copy for all four per-request rows.
-        root, req_slots, kv_lens, max_accept = to_device(
-            [
-                [r.output_ids[-1] for r in reqs],
-                [r.req_slot for r in reqs],
-                kv_lens_cpu,
-                [ctx - 1 - n for n in kv_lens_cpu],
-            ],
-            dev,
-        )  # (4, B) -> four (B,) rows
+        # One pinned copy for all three per-request rows.
+        root, req_slots, kv_lens = to_device(
+            [[r.output_ids[-1] for r in reqs], [r.req_slot for r in reqs], kv_lens_cpu],
+            self.ctx.device,
+        )  # (3, B) -> three (B,) rows
         return RoundInputs(
+            reqs=list(reqs),
             root=root,
             seed_hidden=torch.stack([r.spec_seed for r in reqs]),
             req_slots=req_slots,
             kv_lens=kv_lens.to(torch.int32),
             kv_lens_cpu=kv_lens_cpu,
-            max_accept=max_accept,
         )
 
     def draft(self, inputs: RoundInputs, graphs: bool = True) -> tuple[VerifyTree, bool]:
@@ -168,9 +174,13 @@ class MTPDecoding(DecodeStrategy):
 
     def verify(
         self, inputs: RoundInputs, tree: VerifyTree, locs: torch.Tensor, graphs: bool = True
-    ) -> tuple[RunnerOutput, bool]:
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The target over every node, their KV into ``locs`` ((B * n,) device slots,
-        node-major); -> (output, graph used)."""
+        node-major), then the round's tail (spec.verify): acceptance, and the accepted
+        path committed into the token table. -> (packed, seeds, graph used)."""
+        sampling = None
+        if not all(r.params.greedy for r in inputs.reqs):
+            sampling = request_rows(inputs.reqs, self.ctx.device)
         batch = verify_batch(
             tree,
             inputs.req_slots,
@@ -178,38 +188,29 @@ class MTPDecoding(DecodeStrategy):
             inputs.kv_lens_cpu,
             locs,
             self.ctx.max_context_len - 1,
+            sampling,
         )
-        return self.ctx.forward(batch, self.verify_graph if graphs else None)
+        # Every node draws from its request's stream: node i at draw ``draws + i``.
+        for req in inputs.reqs:
+            req.draws += tree.num_nodes
+        graph = self.sampled_verify_graph if sampling is not None else self.verify_graph
+        if graphs and graph is not None and graph.can_run_graph(batch):
+            packed, seeds = graph.execute(batch)
+            return packed, seeds, True
+        out = self.ctx.eager_runner.execute(batch)
+        ctx = self.ctx
+        packed, seeds = round_tail(
+            out.logits, out.hidden, batch, ctx.ledger.req_to_token, ctx.max_context_len
+        )
+        return packed, seeds, False
 
-    def target_tokens(self, reqs: list[Request], out: RunnerOutput, n: int) -> torch.Tensor:
-        """(B, n) the target's token after every node: its argmax, or a draw per node
-        (node i of a request at draw ``draws + i`` of its stream)."""
-        rows = repeat_rows(request_rows(reqs, out.logits.device), n)
-        for req in reqs:
-            req.draws += n
-        return sample(out.logits, rows).view(len(reqs), n)
-
-    def commit(
-        self,
-        reqs: list[Request],
-        inputs: RoundInputs,
-        tree: VerifyTree,
-        out: RunnerOutput,
-        acc: Acceptance,
-        held: HeldSlots,
+    def settle(
+        self, reqs: list[Request], packed: torch.Tensor, seeds: torch.Tensor, held: HeldSlots
     ) -> StepOutcome:
-        bs, n = len(reqs), tree.num_nodes
-        commit_kv(
-            self.ctx.ledger.req_to_token,
-            inputs.req_slots,
-            inputs.kv_lens,
-            held.device.view(bs, n),
-            acc,
-        )
-        rows = torch.arange(bs, device=out.hidden.device)
-        seeds = out.hidden.view(bs, n, -1)[rows, acc.last_node]  # (B, H) the next seeds
-        # The round's one host read: accepted lengths, path nodes, tokens, drafts.
-        packed = torch.cat([acc.accept_len.unsqueeze(1), acc.path, acc.tokens, tree.tokens], 1)
+        """The round's one host read (``packed``), and what the engine settles from it:
+        each request's emitted tokens and kept slots, the rejected nodes' slots."""
+        bs = len(reqs)
+        n = held.host.numel() // bs
         locs = held.host.view(bs, n)
         rejected = torch.ones(bs, n, dtype=torch.bool)
         outcome = StepOutcome(tokens=[], kept=[], rounds=[])
@@ -219,11 +220,8 @@ class MTPDecoding(DecodeStrategy):
             rejected[b, path] = False
             outcome.kept.append(locs[b, path])  # the root and the accepted drafts
             req.spec_seed = seeds[b]
-            outcome.rounds.append(
-                RoundLog(
-                    self.cfg.num_steps, draft_tokens=row[2 + 2 * n :], accepted_tokens=tokens[:-1]
-                )
-            )
+            log = RoundLog(self.cfg.num_steps, row[2 + 2 * n :], accepted_tokens=tokens[:-1])
+            outcome.rounds.append(log)
             outcome.tokens.append(tokens)
         outcome.released = locs[rejected]
         return outcome

@@ -1,29 +1,76 @@
-"""The verify forward: the target scores every node of every request's tree at once."""
+"""The verify forward and the round's tail: the target scores every node of every
+request's tree, then, in the same graph, picks its token at every node, accepts the
+longest drafted path, commits the path's KV slots into the token table, gathers the
+next round's seed hiddens and packs what the host reads.
+
+One function (``verify_round``) runs in the captured graph and eagerly, so a graph
+round and an eager round are the same arithmetic. Greedy batches and batches with a
+sampled request are two variants (two graphs per batch size): drawing costs a noise
+value per vocabulary entry and node, which greedy rounds should not pay.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from graphrt.core.attention.base import AttentionBackend
 from graphrt.core.batch import ForwardBatch, ForwardMode
+from graphrt.core.engine.sampling import SamplingRows, repeat_rows, sample
 from graphrt.core.runners import GraphShape, StaticField
+from graphrt.core.runners.base import forward_model
+from graphrt.spec.accept import accept, commit_kv
 from graphrt.spec.tree import VerifyTree
+
+# The per-request sampling state a sampled round's graph reads, and what padding holds.
+SAMPLING_FIELDS = (
+    StaticField("temperature", (), torch.float32, pad=0.0),  # padding rows are greedy
+    StaticField("top_k", (), torch.int64, pad=0),
+    StaticField("top_p", (), torch.float32, pad=1.0),
+    StaticField("seed", (), torch.int64, pad=0),
+    StaticField("offset", (), torch.int64, pad=0),
+)
 
 
 @dataclass
 class VerifyInput:
-    """``spec_info`` of a TARGET_VERIFY batch."""
+    """``spec_info`` of a TARGET_VERIFY batch: the tree beside its tokens, and for a
+    sampled round each request's sampling state (None in a greedy round)."""
 
     tree_mask: torch.Tensor  # (B, n, n) bool: node j is node i or one of its ancestors
+    parents: torch.Tensor  # (B, n) int64, -1 for the root and dropped nodes
+    depth: torch.Tensor  # (B, n) int64
+    valid: torch.Tensor  # (B, n) bool
+    temperature: torch.Tensor | None = None  # (B,) float32
+    top_k: torch.Tensor | None = None  # (B,) int64
+    top_p: torch.Tensor | None = None  # (B,) float32
+    seed: torch.Tensor | None = None  # (B,) int64
+    offset: torch.Tensor | None = None  # (B,) int64: the root node's draw; node i draws at +i
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature is not None
 
 
-def verify_shape(num_nodes: int) -> GraphShape:
-    """What a verify graph takes: ``num_nodes`` tokens per request and the tree mask.
-    Padding requests see every padding node (all slot 0), so their softmax stays finite."""
-    mask = StaticField("tree_mask", (num_nodes, num_nodes), torch.bool, pad=True)
+def verify_shape(num_nodes: int, sampled: bool) -> GraphShape:
+    """What a round's verify graph takes: ``num_nodes`` tokens per request and the tree,
+    plus the sampling state in the sampled variant. Padding requests see every padding
+    node (all slot 0), so their softmax stays finite, and accept nothing."""
+    n = (num_nodes,)
+    tree = (
+        StaticField("tree_mask", (num_nodes, num_nodes), torch.bool, pad=True),
+        StaticField("parents", n, torch.int64, pad=-1),
+        StaticField("depth", n, torch.int64, pad=0),
+        StaticField("valid", n, torch.bool, pad=False),
+    )
     return GraphShape(
-        mode=ForwardMode.TARGET_VERIFY, width=num_nodes, spec_info=VerifyInput, fields=(mask,)
+        mode=ForwardMode.TARGET_VERIFY,
+        width=num_nodes,
+        spec_info=VerifyInput,
+        fields=tree + (SAMPLING_FIELDS if sampled else ()),
+        variant="round-sampled" if sampled else "round-greedy",
     )
 
 
@@ -34,11 +81,22 @@ def verify_batch(
     kv_lens_cpu: list[int],
     out_cache_loc: torch.Tensor,  # (B * n,) fresh KV slots, node-major per request
     max_position: int,
+    sampling: SamplingRows | None,  # (B,) rows at each request's root draw; None: greedy
 ) -> ForwardBatch:
     n = tree.num_nodes
     # Near the end of the context, deep nodes would sit past the rope table: they are
     # clamped to the last position and never accepted (acceptance stops at the context).
     positions = tree.positions(kv_lens.long()).clamp(max=max_position)  # (B, n)
+    info = VerifyInput(
+        tree_mask=tree.mask, parents=tree.parents, depth=tree.depth, valid=tree.valid
+    )
+    if sampling is not None:
+        info.temperature, info.top_k, info.top_p = (
+            sampling.temperature,
+            sampling.top_k,
+            sampling.top_p,
+        )
+        info.seed, info.offset = sampling.seed, sampling.offset
     return ForwardBatch(
         mode=ForwardMode.TARGET_VERIFY,
         input_ids=tree.tokens.flatten(),
@@ -48,5 +106,54 @@ def verify_batch(
         out_cache_loc=out_cache_loc,
         seq_lens_cpu=[k + n for k in kv_lens_cpu],
         extend_lens_cpu=[n] * len(kv_lens_cpu),
-        spec_info=VerifyInput(tree_mask=tree.mask),
+        spec_info=info,
     )
+
+
+def round_tail(
+    logits: torch.Tensor,  # (B * n, V) float32, the target's at every node
+    hidden: torch.Tensor,  # (B * n, H) its hidden states
+    batch: ForwardBatch,  # the verify batch that produced them
+    req_to_token: torch.Tensor,  # the token table the path's slots are committed into
+    max_context_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Acceptance and commit on the device; -> (packed (B, 1 + 3n) int64: accepted
+    drafts, path nodes, emitted tokens, drafted tokens; the next seeds (B, H))."""
+    info: VerifyInput = batch.spec_info
+    bs = batch.req_pool_indices.shape[0]
+    n = batch.input_ids.shape[0] // bs
+    tree = VerifyTree(
+        tokens=batch.input_ids.view(bs, n),
+        parents=info.parents,
+        depth=info.depth,
+        mask=info.tree_mask,
+        valid=info.valid,
+    )
+    kv_lens = batch.seq_lens.long() - n  # the root's position
+    if info.sampled:
+        rows = SamplingRows(
+            info.temperature, info.top_k, info.top_p, info.seed, info.offset,
+            greedy=False, filtered=True,
+        )  # fmt: skip
+        target_tokens = sample(logits, repeat_rows(rows, n)).view(bs, n)
+    else:
+        target_tokens = logits.view(bs, n, -1).argmax(dim=-1)  # (B, n)
+    acc = accept(tree, target_tokens, (max_context_len - 1) - kv_lens)
+    commit_kv(req_to_token, batch.req_pool_indices, kv_lens, batch.out_cache_loc.view(bs, n), acc)
+    rows = torch.arange(bs, device=hidden.device)
+    seeds = hidden.view(bs, n, -1)[rows, acc.last_node]  # (B, H)
+    packed = torch.cat([acc.accept_len.unsqueeze(1), acc.path, acc.tokens, tree.tokens], 1)
+    return packed, seeds
+
+
+def verify_round(
+    target, attn: AttentionBackend, req_to_token: torch.Tensor, max_context_len: int
+) -> Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor]]:
+    """What a round's verify graph computes from its static batch: the target forward and
+    the round's tail, -> (packed, seeds); eager rounds call the same function."""
+
+    def forward(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        out = forward_model(target, attn, batch)
+        return round_tail(out.logits, out.hidden, batch, req_to_token, max_context_len)
+
+    return forward

@@ -46,7 +46,8 @@ def _verify_batch(inp) -> ForwardBatch:
         out_cache_loc=inp.out_cache_loc,
         seq_lens_cpu=[p + n for p in inp.prefix_lens],
         extend_lens_cpu=[n] * len(inp.prefix_lens),
-        spec_info=VerifyInput(tree_mask=inp.tree_mask),
+        # Attention reads the mask alone; the round's tail, which reads the rest, is not run.
+        spec_info=VerifyInput(tree_mask=inp.tree_mask, parents=None, depth=None, valid=None),
     )
 
 

@@ -112,7 +112,9 @@ def filtered_probs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    drop = sorted_probs.cumsum(-1) - sorted_probs >= rows.top_p.unsqueeze(1)
+    # top_p 1 keeps all: a cumulative sum rounded up to 1 early must not cut the tail.
+    top_p = rows.top_p.unsqueeze(1)
+    drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1.0)
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
     sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
     return torch.zeros_like(sorted_probs).scatter(-1, order, sorted_probs)
