@@ -180,7 +180,7 @@ if [[ $what == spec || $what == all ]]; then
     # Frozen-KV MTP rounds: random:gemma4-e2b with its assistant, bf16, prompt 512.
     for topk in ${topks//,/ }; do
         graphrt bench --model random:gemma4-e2b --draft random:gemma4-e2b-assistant --dtype bfloat16 \
-            --prompt-len 512 --batch-sizes 1,8,32 --spec-steps 4 --spec-topk "$topk" --steps 30 \
+            --prompt-len 512 --batch-sizes "${SPEC_BATCHES:-1,8,32,64}" --spec-steps 4 --spec-topk "$topk" --steps 30 \
             --runners graph,hf --out "$OUT/bench-h200-spec-topk$topk.json" 2>&1 \
             | tee "$OUT/bench-spec-topk$topk.log" | grep -v Warning
     done
