@@ -35,7 +35,7 @@ from graphrt.core.runners import EagerRunner, GraphRunner, RunnerOutput
 from graphrt.spec.config import SpecConfig
 from graphrt.spec.draft import captured_draft_loop, draft_batch, draft_shape, draft_verify_tree
 from graphrt.spec.tree import VerifyTree
-from graphrt.spec.verify import round_tail, verify_batch, verify_round, verify_shape
+from graphrt.spec.verify import RoundTables, round_tail, verify_batch, verify_round, verify_shape
 
 
 @dataclass
@@ -80,13 +80,19 @@ class MTPDecoding(DecodeStrategy):
             )
         drafter.bind_target(target)
         self.draft_eager = EagerRunner(drafter, ctx.attn_backend)
+        # (max requests + 1, H) each request slot's next seed: the target hidden that
+        # produced its last token. Rounds read and write it on the device, by slot, so
+        # no per-request tensor crosses the host; row 0 is the padding rows'.
+        dtype = next(target.parameters()).dtype
+        rows = ctx.ledger.req_pool.max_requests + 1
+        self.seed_table = torch.zeros(
+            rows, target.config.hidden_size, dtype=dtype, device=ctx.device
+        )
         if ctx.graph_backend is None:
             return ()
         args = (ctx.graph_backend, ctx.graph_config, ctx.device)
         n = self.cfg.num_draft_tokens
-        verify = verify_round(
-            target, ctx.attn_backend, ctx.ledger.req_to_token, ctx.max_context_len
-        )
+        verify = verify_round(target, ctx.attn_backend, self.tables(), ctx.max_context_len)
         self.verify_graph, self.sampled_verify_graph = (
             GraphRunner(target, ctx.attn_backend, *args, verify_shape(n, sampled), forward=verify)
             for sampled in (False, True)
@@ -104,8 +110,9 @@ class MTPDecoding(DecodeStrategy):
         return (*runners, self.draft_graph)
 
     def after_prefill(self, reqs: list[Request], out: RunnerOutput) -> None:
-        for i, req in enumerate(reqs):
-            req.spec_seed = out.hidden[i]  # the hidden that produced the token: the first seed
+        # The hidden that produced each first token: the first seed (one scatter).
+        slots = to_device([r.req_slot for r in reqs], self.ctx.device)
+        self.seed_table[slots] = out.hidden[: len(reqs)].to(self.seed_table.dtype)
 
     def cleanup(self) -> None:
         for runner in (self.draft_graph, self.verify_graph, self.sampled_verify_graph):
@@ -120,17 +127,19 @@ class MTPDecoding(DecodeStrategy):
         tree, _ = self.draft(inputs)
         held = self.ctx.ledger.hold(len(reqs) * tree.num_nodes, self.ctx.device)
         # Verify commits its path into the token table past each request's tokens, where
-        # the next real round writes again, and moves the streams on: put those back.
-        draws = [r.draws for r in reqs]
+        # the next real round writes again, writes the next seeds and moves the streams
+        # on: put those two back.
+        draws, seeds = [r.draws for r in reqs], self.seed_table.clone()
         try:
             yield {
                 "draft": lambda graphs: self.draft(inputs, graphs)[1],
-                "verify": lambda graphs: self.verify(inputs, tree, held.device, graphs)[2],
+                "verify": lambda graphs: self.verify(inputs, tree, held.device, graphs)[1],
             }
         finally:
             self.ctx.ledger.free(held.host)
             for req, n in zip(reqs, draws):
                 req.draws = n
+            self.seed_table.copy_(seeds)
 
     # ---- one round ---------------------------------------------------------------
 
@@ -139,8 +148,8 @@ class MTPDecoding(DecodeStrategy):
         tree, drafted_on_graph = self.draft(inputs)
         # Node slots on both sides: the host settles the rejected ones without reading back.
         held = self.ctx.ledger.hold(len(reqs) * tree.num_nodes, self.ctx.device)  # node-major
-        packed, seeds, verified_on_graph = self.verify(inputs, tree, held.device)
-        outcome = self.settle(reqs, packed, seeds, held)
+        packed, verified_on_graph = self.verify(inputs, tree, held.device)
+        outcome = self.settle(reqs, packed, held)
         outcome.graph_forwards = int(verified_on_graph)
         outcome.eager_forwards = int(not verified_on_graph)
         outcome.graph_rounds = len(reqs) if drafted_on_graph and verified_on_graph else 0
@@ -156,7 +165,7 @@ class MTPDecoding(DecodeStrategy):
         return RoundInputs(
             reqs=list(reqs),
             root=root,
-            seed_hidden=torch.stack([r.spec_seed for r in reqs]),
+            seed_hidden=self.seed_table[req_slots],
             req_slots=req_slots,
             kv_lens=kv_lens.to(torch.int32),
             kv_lens_cpu=kv_lens_cpu,
@@ -174,10 +183,11 @@ class MTPDecoding(DecodeStrategy):
 
     def verify(
         self, inputs: RoundInputs, tree: VerifyTree, locs: torch.Tensor, graphs: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    ) -> tuple[torch.Tensor, bool]:
         """The target over every node, their KV into ``locs`` ((B * n,) device slots,
-        node-major), then the round's tail (spec.verify): acceptance, and the accepted
-        path committed into the token table. -> (packed, seeds, graph used)."""
+        node-major), then the round's tail (spec.verify): acceptance, the accepted path
+        committed into the token table, the next seeds into the seed table. -> (packed,
+        graph used)."""
         sampling = None
         if not all(r.params.greedy for r in inputs.reqs):
             sampling = request_rows(inputs.reqs, self.ctx.device)
@@ -195,33 +205,32 @@ class MTPDecoding(DecodeStrategy):
             req.draws += tree.num_nodes
         graph = self.sampled_verify_graph if sampling is not None else self.verify_graph
         if graphs and graph is not None and graph.can_run_graph(batch):
-            packed, seeds = graph.execute(batch)
-            return packed, seeds, True
+            (packed,) = graph.execute(batch)
+            return packed, True
         out = self.ctx.eager_runner.execute(batch)
-        ctx = self.ctx
-        packed, seeds = round_tail(
-            out.logits, out.hidden, batch, ctx.ledger.req_to_token, ctx.max_context_len
-        )
-        return packed, seeds, False
+        packed = round_tail(out.logits, out.hidden, batch, self.tables(), self.ctx.max_context_len)
+        return packed, False
 
-    def settle(
-        self, reqs: list[Request], packed: torch.Tensor, seeds: torch.Tensor, held: HeldSlots
-    ) -> StepOutcome:
+    def tables(self) -> RoundTables:
+        """The device tables a round's tail writes: the token table, the seed table."""
+        return RoundTables(req_to_token=self.ctx.ledger.req_to_token, seeds=self.seed_table)
+
+    def settle(self, reqs: list[Request], packed: torch.Tensor, held: HeldSlots) -> StepOutcome:
         """The round's one host read (``packed``), and what the engine settles from it:
-        each request's emitted tokens and kept slots, the rejected nodes' slots."""
+        each request's emitted tokens and kept slots, the rejected nodes' slots. Python
+        lists, not tensor ops, per request: at batch 64 those were milliseconds."""
         bs = len(reqs)
         n = held.host.numel() // bs
-        locs = held.host.view(bs, n)
-        rejected = torch.ones(bs, n, dtype=torch.bool)
+        locs = held.host.view(bs, n).tolist()
         outcome = StepOutcome(tokens=[], kept=[], rounds=[])
-        for b, (req, row) in enumerate(zip(reqs, read_host(packed))):
+        released = []
+        for row, node_locs in zip(read_host(packed), locs):
             accepted = row[0]
             path, tokens = row[1 : 2 + accepted], row[1 + n : 2 + n + accepted]
-            rejected[b, path] = False
-            outcome.kept.append(locs[b, path])  # the root and the accepted drafts
-            req.spec_seed = seeds[b]
-            log = RoundLog(self.cfg.num_steps, row[2 + 2 * n :], accepted_tokens=tokens[:-1])
-            outcome.rounds.append(log)
+            outcome.kept.append([node_locs[i] for i in path])  # the root, accepted drafts
+            on_path = set(path)
+            released += [loc for i, loc in enumerate(node_locs) if i not in on_path]
+            outcome.rounds.append(RoundLog(self.cfg.num_steps, row[2 + 2 * n :], tokens[:-1]))
             outcome.tokens.append(tokens)
-        outcome.released = locs[rejected]
+        outcome.released = torch.tensor(released, dtype=torch.int64)
         return outcome

@@ -110,15 +110,23 @@ def verify_batch(
     )
 
 
+@dataclass(frozen=True)
+class RoundTables:
+    """The device tables a round's tail writes, rows by request slot (row 0: padding)."""
+
+    req_to_token: torch.Tensor  # (R + 1, context) the token table: the path's KV slots
+    seeds: torch.Tensor  # (R + 1, H) each request's next seed hidden
+
+
 def round_tail(
     logits: torch.Tensor,  # (B * n, V) float32, the target's at every node
     hidden: torch.Tensor,  # (B * n, H) its hidden states
     batch: ForwardBatch,  # the verify batch that produced them
-    req_to_token: torch.Tensor,  # the token table the path's slots are committed into
+    tables: RoundTables,
     max_context_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Acceptance and commit on the device; -> (packed (B, 1 + 3n) int64: accepted
-    drafts, path nodes, emitted tokens, drafted tokens; the next seeds (B, H))."""
+) -> torch.Tensor:
+    """Acceptance, commit and the next seeds on the device; -> packed (B, 1 + 3n) int64:
+    accepted drafts, path nodes, emitted tokens, drafted tokens (the host's one read)."""
     info: VerifyInput = batch.spec_info
     bs = batch.req_pool_indices.shape[0]
     n = batch.input_ids.shape[0] // bs
@@ -139,21 +147,22 @@ def round_tail(
     else:
         target_tokens = logits.view(bs, n, -1).argmax(dim=-1)  # (B, n)
     acc = accept(tree, target_tokens, (max_context_len - 1) - kv_lens)
-    commit_kv(req_to_token, batch.req_pool_indices, kv_lens, batch.out_cache_loc.view(bs, n), acc)
+    slots = batch.req_pool_indices
+    commit_kv(tables.req_to_token, slots, kv_lens, batch.out_cache_loc.view(bs, n), acc)
     rows = torch.arange(bs, device=hidden.device)
-    seeds = hidden.view(bs, n, -1)[rows, acc.last_node]  # (B, H)
-    packed = torch.cat([acc.accept_len.unsqueeze(1), acc.path, acc.tokens, tree.tokens], 1)
-    return packed, seeds
+    # Padding rows write the padding row: never read as a live request's seed.
+    tables.seeds[slots] = hidden.view(bs, n, -1)[rows, acc.last_node].to(tables.seeds.dtype)
+    return torch.cat([acc.accept_len.unsqueeze(1), acc.path, acc.tokens, tree.tokens], 1)
 
 
 def verify_round(
-    target, attn: AttentionBackend, req_to_token: torch.Tensor, max_context_len: int
-) -> Callable[[ForwardBatch], tuple[torch.Tensor, torch.Tensor]]:
+    target, attn: AttentionBackend, tables: RoundTables, max_context_len: int
+) -> Callable[[ForwardBatch], tuple[torch.Tensor]]:
     """What a round's verify graph computes from its static batch: the target forward and
-    the round's tail, -> (packed, seeds); eager rounds call the same function."""
+    the round's tail, -> (packed,); eager rounds call the same two."""
 
-    def forward(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(batch: ForwardBatch) -> tuple[torch.Tensor]:
         out = forward_model(target, attn, batch)
-        return round_tail(out.logits, out.hidden, batch, req_to_token, max_context_len)
+        return (round_tail(out.logits, out.hidden, batch, tables, max_context_len),)
 
     return forward

@@ -80,7 +80,7 @@ def test_first_round_draft_equals_transformers_candidate_generator(
         strategy.draft_eager.execute,
         strategy.cfg,
         torch.tensor([first]),
-        req.spec_seed.unsqueeze(0),
+        strategy.seed_table[req.req_slot].unsqueeze(0),
         torch.tensor([req.req_slot]),
         torch.tensor([req.kv_len], dtype=torch.int32),
         [req.kv_len],

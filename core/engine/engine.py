@@ -363,8 +363,7 @@ class Engine:
         """Settle a decode step's slots and counts through the ledger and stats; -> the
         tokens each request emits."""
         if outcome.kept is not None:
-            for req, kept in zip(reqs, outcome.kept):
-                self.ledger.keep(req, kept)
+            self.ledger.keep(reqs, outcome.kept)
         if outcome.released is not None:
             self.ledger.free(outcome.released)
         for req, log in zip(reqs, outcome.rounds or ()):

@@ -108,12 +108,17 @@ class Ledger:
         host = self.kv_pool.alloc_host(n)
         return HeldSlots(host=host, device=to_device(host, device))
 
-    def keep(self, req: Request, slots: torch.Tensor) -> None:
-        """``slots`` (host) hold ``req``'s next tokens' KV, in position order: into the
-        host mirror (the device table has them already), and ``kv_len`` grows by them."""
-        n = slots.numel()
-        self.req_pool.host[req.req_slot, req.kv_len : req.kv_len + n] = slots
-        req.kv_len += n
+    def keep(self, reqs: Sequence[Request], slots: Sequence[Sequence[int]]) -> None:
+        """``slots[i]`` (host ids) hold ``reqs[i]``'s next tokens' KV, in position order:
+        into the host mirror in one scatter (the device table has them already), and
+        each ``kv_len`` grows by its count."""
+        rows, cols, values = [], [], []
+        for req, kept in zip(reqs, slots):
+            rows += [req.req_slot] * len(kept)
+            cols += range(req.kv_len, req.kv_len + len(kept))
+            values += kept
+            req.kv_len += len(kept)
+        self.req_pool.host[rows, cols] = torch.tensor(values, dtype=torch.int64)
 
     def free(self, slots: torch.Tensor) -> None:
         """Held ``slots`` (host) no request keeps."""

@@ -131,8 +131,7 @@ class Request:
     # Its random stream (core.engine.sampling): the seed, and the draws taken so far.
     seed: int = field(default=0, repr=False)
     draws: int = field(default=0, repr=False)
-    # Speculative decoding: the target hidden that produced the last token, and a log of rounds.
-    spec_seed: torch.Tensor | None = field(default=None, repr=False)
+    # Speculative decoding: a log of rounds.
     spec_rounds: list[dict] = field(default_factory=list, repr=False)
 
     @property

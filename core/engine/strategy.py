@@ -92,8 +92,8 @@ class StepOutcome:
 
     tokens: list[list[int]]  # emitted tokens, in order
     # A step that held slots (``Ledger.hold``): per request, the held slots that now hold
-    # its next tokens' KV, in position order; the rest go back to the pool.
-    kept: list[torch.Tensor] | None = None
+    # its next tokens' KV, in position order (host ids); the rest go back to the pool.
+    kept: list[list[int]] | None = None
     released: torch.Tensor | None = None
     graph_forwards: int = 0  # target forwards replayed from a graph
     eager_forwards: int = 0
