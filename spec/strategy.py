@@ -58,9 +58,12 @@ class MTPDecoding(DecodeStrategy):
         self.cfg = config or SpecConfig()
         self.draft_graph: GraphRunner | None = None
         # Verify and the round's tail (spec.verify): greedy rounds, and rounds with a
-        # sampled request.
+        # sampled request. The sampled variant is captured when the first sampled round
+        # comes (that round verifies eagerly): its sampling intermediates make it several
+        # times the greedy graphs' memory (6.1 GB with both for gemma4-e2b up to batch 64).
         self.verify_graph: GraphRunner | None = None
         self.sampled_verify_graph: GraphRunner | None = None
+        self._capture_sampled = False
 
     def extra_kv_slots(self) -> int:
         return self.cfg.num_draft_tokens  # a round holds a whole verify tree's slots briefly
@@ -98,7 +101,7 @@ class MTPDecoding(DecodeStrategy):
             for sampled in (False, True)
         )
         # One backend, one pool: the verify graphs (the larger) first, then the draft loops.
-        runners = (self.verify_graph, self.sampled_verify_graph)
+        runners = (self.verify_graph,)
         # The loop's steps derive their rows inside the graph, so their attention metadata
         # must be the capture-safe kind; attention that needs host lengths per step (a
         # breakable backend's) drafts eagerly and verifies on graphs.
@@ -204,12 +207,20 @@ class MTPDecoding(DecodeStrategy):
         for req in inputs.reqs:
             req.draws += tree.num_nodes
         graph = self.sampled_verify_graph if sampling is not None else self.verify_graph
+        if graph is self.sampled_verify_graph and graph is not None and not graph.captured_sizes:
+            self._capture_sampled = True  # after this round (see __init__)
         if graphs and graph is not None and graph.can_run_graph(batch):
             (packed,) = graph.execute(batch)
             return packed, True
         out = self.ctx.eager_runner.execute(batch)
         packed = round_tail(out.logits, out.hidden, batch, self.tables(), self.ctx.max_context_len)
         return packed, False
+
+    def pending_captures(self) -> Sequence[GraphRunner]:
+        if not self._capture_sampled:
+            return ()
+        self._capture_sampled = False
+        return (self.sampled_verify_graph,)
 
     def tables(self) -> RoundTables:
         """The device tables a round's tail writes: the token table, the seed table."""

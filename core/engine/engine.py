@@ -349,6 +349,8 @@ class Engine:
             if not reqs:
                 return []
             emitted = self._apply(reqs, self.strategy.decode(reqs))
+            for runner in self.strategy.pending_captures():
+                self._capture(runner)
         for req, tokens in zip(reqs, emitted):
             for token in tokens:
                 self._append_token(req, token)

@@ -115,6 +115,11 @@ class DecodeStrategy(abc.ABC):
         """Build this strategy's runners over ``ctx``; -> the graph runners the engine
         captures, in that order (one backend, one pool: the largest graphs first)."""
 
+    def pending_captures(self) -> Sequence[GraphRunner]:
+        """Runners a step found it needs, for the engine to capture between steps (graphs
+        that start-up leaves out because most engines never use them)."""
+        return ()
+
     def after_prefill(self, reqs: list[Request], out: RunnerOutput) -> None:  # noqa: B027
         """See each prefilled request's last-token output (a drafter seeds from its hidden)."""
 
