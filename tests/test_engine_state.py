@@ -122,6 +122,7 @@ def test_token_slots_come_back_exactly_once_whatever_the_order():
 # ---- no reference cycles ---------------------------------------------------------------
 
 
+@pytest.mark.graphs
 @pytest.mark.parametrize("strategy", ["plain", "speculative"])
 def test_a_dropped_engine_and_its_graphs_are_freed_without_the_cycle_collector(
     strategy, gemma4_tiny, gemma4_assistant

@@ -204,11 +204,17 @@ def test_cli_generate_with_draft_agrees_with_transformers(
     out = json.loads(capsys.readouterr().out)
     assert [r["output_ids"] for r in out["requests"]] == expected
     spec = out["stats"]["spec"]
-    assert set(spec) == {"rounds", "graph_rounds", "accept_length_mean", "accept_histogram"}
+    assert set(spec) == {
+        "rounds", "graph_rounds", "accept_length_mean", "accept_histogram",
+        "accepted_per_position",
+    }  # fmt: skip
     assert (
         len(spec["accept_histogram"]) == 5 and sum(spec["accept_histogram"]) == spec["rounds"] > 0
     )
     assert spec["accept_length_mean"] >= 1.0
+    # Acceptance by draft position: the request-rounds that accepted the draft at each.
+    accepted = [len(r["accepted_tokens"]) for req in out["requests"] for r in req["spec_rounds"]]
+    assert spec["accepted_per_position"] == [sum(a > i for a in accepted) for i in range(4)]
     for req in out["requests"]:
         rounds = req["spec_rounds"]
         assert rounds and all(len(r["draft_tokens"]) == 4 for r in rounds)  # topk 1: the chain

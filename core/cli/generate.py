@@ -181,6 +181,7 @@ def run_generate(args: argparse.Namespace) -> int:
             "graph_rounds": engine.stats.graph_rounds,
             "accept_length_mean": round(engine.stats.accept_length_mean, 4),
             "accept_histogram": engine.stats.accept_histogram,
+            "accepted_per_position": engine.stats.accepted_per_position,
         }
     if args.json:
         out = {

@@ -113,6 +113,14 @@ class EngineStats:
             self.record_accept(len(log.accepted_tokens), log.num_steps)
 
     @property
+    def accepted_per_position(self) -> list[int]:
+        """[i] = rounds whose draft at position i + 1 was accepted (vLLM's
+        ``spec_decode_num_accepted_tokens_per_pos``); over ``spec_rounds``, the acceptance
+        rate by position."""
+        hist = self.accept_histogram
+        return [sum(hist[k] for k in range(i + 1, len(hist))) for i in range(len(hist) - 1)]
+
+    @property
     def accept_length_mean(self) -> float:
         """Tokens emitted per verify round: accepted drafts plus the target's bonus token."""
         total = sum((k + 1) * n for k, n in enumerate(self.accept_histogram))
