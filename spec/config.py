@@ -20,12 +20,17 @@ class SpecConfig:
     num_steps: int = 4
     topk: int = 1
     num_draft_tokens: int | None = None
+    # True (``--spec-steps auto``): each step is a round or a plain decode step, whichever
+    # the measured costs and acceptance say emits more tokens a second (spec.adaptive).
+    adaptive: bool = False
 
     def __post_init__(self):
         for name in ("num_steps", "topk", "num_draft_tokens"):
             value = getattr(self, name)
             if value is not None and not is_int(value):
                 raise UsageError(f"SpecConfig.{name} must be an integer, got {value!r}")
+        if not isinstance(self.adaptive, bool):
+            raise UsageError(f"SpecConfig.adaptive must be True or False, got {self.adaptive!r}")
         if self.num_steps < 1:
             raise UsageError(f"--spec-steps must be >= 1, got {self.num_steps}")
         if self.topk < 1:

@@ -19,6 +19,7 @@ A round, device work end to end (gpt-fast's ``speculative_decode``, on graphs):
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -26,12 +27,13 @@ import torch
 
 from graphrt.core.engine.ledger import HeldSlots
 from graphrt.core.engine.request import Request
-from graphrt.core.engine.sampling import request_rows
+from graphrt.core.engine.sampling import request_rows, sample_requests
 from graphrt.core.engine.strategy import DecodeStrategy, RoundLog, StepContext, StepOutcome
 from graphrt.core.errors import UsageError
 from graphrt.core.host import read_host, to_device
 from graphrt.core.models.loader import LoadedModel
 from graphrt.core.runners import EagerRunner, GraphRunner, RunnerOutput
+from graphrt.spec.adaptive import DraftChooser
 from graphrt.spec.config import SpecConfig
 from graphrt.spec.draft import captured_draft_loop, draft_batch, draft_shape, draft_verify_tree
 from graphrt.spec.tree import VerifyTree
@@ -64,6 +66,9 @@ class MTPDecoding(DecodeStrategy):
         self.verify_graph: GraphRunner | None = None
         self.sampled_verify_graph: GraphRunner | None = None
         self._capture_sampled = False
+        # Adaptive: plain steps where rounds do not pay, on a decode graph of their own.
+        self.chooser = DraftChooser() if self.cfg.adaptive else None
+        self.plain_graph: GraphRunner | None = None
 
     def extra_kv_slots(self) -> int:
         return self.cfg.num_draft_tokens  # a round holds a whole verify tree's slots briefly
@@ -102,6 +107,9 @@ class MTPDecoding(DecodeStrategy):
         )
         # One backend, one pool: the verify graphs (the larger) first, then the draft loops.
         runners = (self.verify_graph,)
+        if self.chooser is not None:
+            self.plain_graph = GraphRunner(target, ctx.attn_backend, *args)
+            runners += (self.plain_graph,)
         # The loop's steps derive their rows inside the graph, so their attention metadata
         # must be the capture-safe kind; attention that needs host lengths per step (a
         # breakable backend's) drafts eagerly and verifies on graphs.
@@ -118,7 +126,8 @@ class MTPDecoding(DecodeStrategy):
         self.seed_table[slots] = out.hidden[: len(reqs)].to(self.seed_table.dtype)
 
     def cleanup(self) -> None:
-        for runner in (self.draft_graph, self.verify_graph, self.sampled_verify_graph):
+        runners = (self.draft_graph, self.verify_graph, self.sampled_verify_graph, self.plain_graph)
+        for runner in runners:
             if runner is not None:
                 runner.cleanup()
 
@@ -147,6 +156,31 @@ class MTPDecoding(DecodeStrategy):
     # ---- one round ---------------------------------------------------------------
 
     def decode(self, reqs: list[Request]) -> StepOutcome:
+        if self.chooser is None:
+            return self.round(reqs)
+        is_round = self.chooser.choose(len(reqs))
+        start = time.perf_counter()
+        outcome = self.round(reqs) if is_round else self.plain_step(reqs)
+        lengths = [len(log.accepted_tokens) + 1 for log in outcome.rounds or ()]
+        self.chooser.record(is_round, len(reqs), time.perf_counter() - start, lengths)
+        return outcome
+
+    def plain_step(self, reqs: list[Request]) -> StepOutcome:
+        """One target forward, no draft; the hidden that produced each token seeds the
+        request's next round."""
+        batch = self.ctx.decode_batch(reqs)
+        out, on_graph = self.ctx.forward(batch, self.plain_graph)
+        tokens = sample_requests(reqs, out.logits)
+        self.seed_table[batch.req_pool_indices] = out.hidden.to(self.seed_table.dtype)
+        return StepOutcome(
+            tokens=[[t] for t in tokens.tolist()],
+            graph_forwards=int(on_graph),
+            eager_forwards=int(not on_graph),
+            plain_steps=1,
+        )
+
+    def round(self, reqs: list[Request]) -> StepOutcome:
+        """One speculative round over ``reqs``."""
         inputs = self.round_inputs(reqs)
         tree, drafted_on_graph = self.draft(inputs)
         # Node slots on both sides: the host settles the rejected ones without reading back.

@@ -52,16 +52,20 @@ def test_files_fit_the_package_budget():
 
 
 def test_default_command_drafts_with_the_embedded_pair_and_keeps_greedy_output(capsys):
-    spec = _generate(capsys)
+    auto = _generate(capsys)  # --spec-steps auto: rounds where they pay, plain steps where not
+    rounds = _generate(capsys, "--spec-steps", "5")  # every step a round: the drafter's quality
     plain = _generate(capsys, "--no-draft")
-    assert "spec" in spec["stats"] and "spec" not in plain["stats"]
-    assert [r["output_ids"] for r in spec["requests"]] == [
-        r["output_ids"] for r in plain["requests"]
-    ]
-    accept = spec["stats"]["spec"]["accept_length_mean"]
-    assert accept >= ACCEPT_FLOOR, spec["stats"]["spec"]
+    assert "spec" in auto["stats"] and "spec" not in plain["stats"]
+    for out in (auto, rounds):
+        assert [r["output_ids"] for r in out["requests"]] == [
+            r["output_ids"] for r in plain["requests"]
+        ]
+    assert auto["stats"]["spec"]["rounds"] > 0  # auto measures rounds before it chooses
+    assert rounds["stats"]["spec"]["plain_steps"] == 0
+    accept = rounds["stats"]["spec"]["accept_length_mean"]
+    assert accept >= ACCEPT_FLOOR, rounds["stats"]["spec"]
     # Readable text: the tokenizer ships with the target and decodes the continuation.
-    assert all(r["text"] and "\ufffd" not in r["text"] for r in spec["requests"])
+    assert all(r["text"] and "\ufffd" not in r["text"] for r in auto["requests"])
 
 
 def test_explicit_model_without_draft_does_not_draft(capsys):

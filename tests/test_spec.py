@@ -206,8 +206,9 @@ def test_cli_generate_with_draft_agrees_with_transformers(
     spec = out["stats"]["spec"]
     assert set(spec) == {
         "rounds", "graph_rounds", "accept_length_mean", "accept_histogram",
-        "accepted_per_position",
+        "accepted_per_position", "plain_steps",
     }  # fmt: skip
+    assert spec["plain_steps"] == 0  # --spec-steps 4: every step a round
     assert (
         len(spec["accept_histogram"]) == 5 and sum(spec["accept_histogram"]) == spec["rounds"] > 0
     )

@@ -32,6 +32,7 @@ from graphrt.core.bench.rounds import (
     run_round_bench,
     table,
 )
+from graphrt.core.cli.args import spec_config_args
 from graphrt.core.errors import UsageError
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
@@ -127,7 +128,8 @@ def _run_round_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> in
     if not device.graph_backends():
         raise UsageError(f"device '{device.name}' has no graph backend to benchmark")
     log = report_for(args)
-    spec = SpecConfig(args.spec_steps, args.spec_topk, args.spec_draft_tokens)
+    # The round bench times rounds: auto's rounds, always (no plain steps between).
+    spec = SpecConfig(**{**spec_config_args(args), "adaptive": False})
     cfg = RoundBenchConfig(
         batch_sizes=tuple(args.batch_sizes),
         prompt_len=args.prompt_len,

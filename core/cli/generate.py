@@ -13,6 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from graphrt import devices
+from graphrt.core.cli.args import spec_config_args
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.errors import GraphrtError, RequestError, UsageError
 from graphrt.core.models import load_model
@@ -100,7 +101,7 @@ def run_generate(args: argparse.Namespace) -> int:
     tp = join(args.tp, device)  # the group of one unless this is a rank of a --tp job
     spec_config = None
     if args.draft is not None:
-        spec_config = SpecConfig(args.spec_steps, args.spec_topk, args.spec_draft_tokens)
+        spec_config = SpecConfig(**spec_config_args(args))
     # --graph-backend asks for graphs: it implies --runner graph where the runner is unset.
     runner = args.runner or ("graph" if args.graph_backend else default_runner(device, tp))
     check_runner(device, runner, tp)
@@ -182,6 +183,7 @@ def run_generate(args: argparse.Namespace) -> int:
             "accept_length_mean": round(engine.stats.accept_length_mean, 4),
             "accept_histogram": engine.stats.accept_histogram,
             "accepted_per_position": engine.stats.accepted_per_position,
+            "plain_steps": engine.stats.spec_plain_steps,  # --spec-steps auto's undrafted steps
         }
     if args.json:
         out = {
@@ -217,6 +219,12 @@ def run_generate(args: argparse.Namespace) -> int:
             f"; speculative: accept length {spec['accept_length_mean']:.2f} tokens per round "
             f"over {spec['rounds']} rounds, drafts accepted per round {spec['accept_histogram']}"
         )
+        chooser = engine.strategy.chooser
+        if chooser is not None:  # --spec-steps auto: what it chose, and why
+            summary += (
+                f"; auto: {chooser.rounds} rounds and {chooser.plain_steps} plain steps "
+                f"({chooser.explain(chooser.last_batch_size)})"
+            )
     print(summary)
     _raise_failures(reqs)
     return 0

@@ -98,6 +98,7 @@ class EngineStats:
     spec_rounds: int = 0
     graph_rounds: int = 0  # request rounds whose draft loop and verify both replayed graphs
     accept_histogram: list[int] = field(default_factory=list)  # [k] = rounds accepting k drafts
+    spec_plain_steps: int = 0  # steps a speculative strategy ran without drafting
 
     def record_accept(self, accepted: int, num_steps: int) -> None:
         if len(self.accept_histogram) < num_steps + 1:
@@ -109,6 +110,7 @@ class EngineStats:
         self.graph_steps += outcome.graph_forwards
         self.eager_steps += outcome.eager_forwards
         self.graph_rounds += outcome.graph_rounds
+        self.spec_plain_steps += outcome.plain_steps
         for log in outcome.rounds or ():
             self.record_accept(len(log.accepted_tokens), log.num_steps)
 

@@ -99,6 +99,7 @@ class StepOutcome:
     eager_forwards: int = 0
     rounds: list[RoundLog] | None = None  # a speculative step: each request's round
     graph_rounds: int = 0  # request rounds whose draft loop and verify both replayed graphs
+    plain_steps: int = 0  # a speculative strategy's plain decode steps (spec.adaptive)
 
 
 class DecodeStrategy(abc.ABC):
