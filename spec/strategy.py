@@ -27,8 +27,14 @@ import torch
 
 from graphrt.core.engine.ledger import HeldSlots
 from graphrt.core.engine.request import Request
-from graphrt.core.engine.sampling import request_rows, sample_requests
-from graphrt.core.engine.strategy import DecodeStrategy, RoundLog, StepContext, StepOutcome
+from graphrt.core.engine.sampling import request_rows
+from graphrt.core.engine.strategy import (
+    DecodeStrategy,
+    PlainDecode,
+    RoundLog,
+    StepContext,
+    StepOutcome,
+)
 from graphrt.core.errors import UsageError
 from graphrt.core.host import read_host, to_device
 from graphrt.core.models.loader import LoadedModel
@@ -68,7 +74,7 @@ class MTPDecoding(DecodeStrategy):
         self._capture_sampled = False
         # Adaptive: plain steps where rounds do not pay, on a decode graph of their own.
         self.chooser = DraftChooser() if self.cfg.adaptive else None
-        self.plain_graph: GraphRunner | None = None
+        self.plain = PlainDecode() if self.cfg.adaptive else None
 
     def extra_kv_slots(self) -> int:
         return self.cfg.num_draft_tokens  # a round holds a whole verify tree's slots briefly
@@ -96,6 +102,8 @@ class MTPDecoding(DecodeStrategy):
         self.seed_table = torch.zeros(
             rows, target.config.hidden_size, dtype=dtype, device=ctx.device
         )
+        # Adaptive plain steps: their own decode graphs, captured after the verify graphs.
+        plain_runners = tuple(self.plain.setup(ctx)) if self.plain is not None else ()
         if ctx.graph_backend is None:
             return ()
         args = (ctx.graph_backend, ctx.graph_config, ctx.device)
@@ -107,9 +115,7 @@ class MTPDecoding(DecodeStrategy):
         )
         # One backend, one pool: the verify graphs (the larger) first, then the draft loops.
         runners = (self.verify_graph,)
-        if self.chooser is not None:
-            self.plain_graph = GraphRunner(target, ctx.attn_backend, *args)
-            runners += (self.plain_graph,)
+        runners += plain_runners
         # The loop's steps derive their rows inside the graph, so their attention metadata
         # must be the capture-safe kind; attention that needs host lengths per step (a
         # breakable backend's) drafts eagerly and verifies on graphs.
@@ -125,11 +131,17 @@ class MTPDecoding(DecodeStrategy):
         slots = to_device([r.req_slot for r in reqs], self.ctx.device)
         self.seed_table[slots] = out.hidden[: len(reqs)].to(self.seed_table.dtype)
 
+    @property
+    def plain_graph(self) -> GraphRunner | None:
+        """The decode graphs of adaptive plain steps (None: no plain steps, or eager)."""
+        return self.plain.graph_runner if self.plain is not None else None
+
     def cleanup(self) -> None:
-        runners = (self.draft_graph, self.verify_graph, self.sampled_verify_graph, self.plain_graph)
-        for runner in runners:
+        for runner in (self.draft_graph, self.verify_graph, self.sampled_verify_graph):
             if runner is not None:
                 runner.cleanup()
+        if self.plain is not None:
+            self.plain.cleanup()
 
     @contextlib.contextmanager
     def bench_pieces(self, reqs: list[Request]) -> Iterator[dict[str, Callable[[bool], bool]]]:
@@ -166,18 +178,12 @@ class MTPDecoding(DecodeStrategy):
         return outcome
 
     def plain_step(self, reqs: list[Request]) -> StepOutcome:
-        """One target forward, no draft; the hidden that produced each token seeds the
-        request's next round."""
-        batch = self.ctx.decode_batch(reqs)
-        out, on_graph = self.ctx.forward(batch, self.plain_graph)
-        tokens = sample_requests(reqs, out.logits)
+        """A plain decode step; the hidden that produced each token seeds the request's
+        next round."""
+        outcome, out, batch = self.plain.step(reqs)
         self.seed_table[batch.req_pool_indices] = out.hidden.to(self.seed_table.dtype)
-        return StepOutcome(
-            tokens=[[t] for t in tokens.tolist()],
-            graph_forwards=int(on_graph),
-            eager_forwards=int(not on_graph),
-            plain_steps=1,
-        )
+        outcome.plain_steps = 1
+        return outcome
 
     def round(self, reqs: list[Request]) -> StepOutcome:
         """One speculative round over ``reqs``."""
@@ -225,9 +231,8 @@ class MTPDecoding(DecodeStrategy):
         node-major), then the round's tail (spec.verify): acceptance, the accepted path
         committed into the token table, the next seeds into the seed table. -> (packed,
         graph used)."""
-        sampling = None
-        if not all(r.params.greedy for r in inputs.reqs):
-            sampling = request_rows(inputs.reqs, self.ctx.device)
+        rows = request_rows(inputs.reqs, self.ctx.device)
+        sampling = None if rows.greedy else rows  # greedy rounds: the argmax variant
         batch = verify_batch(
             tree,
             inputs.req_slots,
@@ -266,7 +271,7 @@ class MTPDecoding(DecodeStrategy):
         lists, not tensor ops, per request: at batch 64 those were milliseconds."""
         bs = len(reqs)
         n = held.host.numel() // bs
-        locs = held.host.view(bs, n).tolist()
+        locs = held.host.view(bs, n).tolist()  # host ids: no device read
         outcome = StepOutcome(tokens=[], kept=[], rounds=[])
         released = []
         for row, node_locs in zip(read_host(packed), locs):

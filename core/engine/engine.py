@@ -351,7 +351,7 @@ class Engine:
         if admitted:
             out, _ = self.ctx.forward(self._prefill_batch(admitted), None)
             self.stats.eager_steps += 1
-            tokens = sample_requests(admitted, out.logits).tolist()
+            tokens = sample_requests(admitted, out.logits)
             self.strategy.after_prefill(admitted, out)
             emitted, reqs = [[t] for t in tokens], admitted
         else:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from graphrt.core.engine.request import Request, SamplingParams
-from graphrt.core.host import to_device
+from graphrt.core.host import read_host, to_device
 
 _MASK32 = 0xFFFFFFFF
 _NOISE_BITS = 24  # a float32 holds 24 bits exactly: U = (h + 0.5) / 2^24 is never 0 or 1
@@ -29,13 +29,14 @@ _NOISE_BITS = 24  # a float32 holds 24 bits exactly: U = (h + 0.5) / 2^24 is nev
 
 @dataclass
 class SamplingRows:
-    """What each row of a batch samples with; (R,) tensors on the logits' device."""
+    """What each row of a batch samples with; (R,) tensors on the logits' device, or None
+    for a batch of greedy rows alone (an argmax needs none: no copies to the device)."""
 
-    temperature: torch.Tensor  # float32; 0 = greedy
-    top_k: torch.Tensor  # int64; 0 = no cut
-    top_p: torch.Tensor  # float32; 1 = no cut
-    seed: torch.Tensor  # int64: the request's stream
-    offset: torch.Tensor  # int64: the draw's number in that stream
+    temperature: torch.Tensor | None  # float32; 0 = greedy
+    top_k: torch.Tensor | None  # int64; 0 = no cut
+    top_p: torch.Tensor | None  # float32; 1 = no cut
+    seed: torch.Tensor | None  # int64: the request's stream
+    offset: torch.Tensor | None  # int64: the draw's number in that stream
     # Known on the host when the rows are built, so no read decides what runs:
     greedy: bool  # every row greedy: an argmax, nothing else
     filtered: bool  # some row cuts by top-k or top-p: a sort of every row's logits
@@ -75,6 +76,8 @@ def sampling_rows(
 def repeat_rows(rows: SamplingRows, n: int) -> SamplingRows:
     """Each row ``n`` times in a row, drawing at offsets ``offset .. offset + n - 1``: the
     nodes of a request's verify tree, each an independent draw of its stream."""
+    if rows.seed is None:  # greedy rows alone: nothing to repeat
+        return rows
     step = torch.arange(n, device=rows.offset.device).repeat(rows.num_rows)
     return SamplingRows(
         temperature=rows.temperature.repeat_interleave(n),
@@ -158,17 +161,20 @@ def _int64(seed: int) -> int:
 
 
 def request_rows(reqs: Sequence[Request], device: torch.device) -> SamplingRows:
-    """Each request's row at its next draw."""
+    """Each request's row at its next draw (no tensors when every request is greedy)."""
     params = [r.params for r in reqs]
+    if all(p.greedy for p in params):
+        return SamplingRows(None, None, None, None, None, greedy=True, filtered=False)
     return sampling_rows(params, [r.seed for r in reqs], [r.draws for r in reqs], device)
 
 
-def sample_requests(reqs: Sequence[Request], logits: torch.Tensor) -> torch.Tensor:
-    """(B, V) logits, a row per request -> (B,) tokens; each request's stream moves on
-    by one draw, and requests that keep logits get their row."""
+def sample_requests(reqs: Sequence[Request], logits: torch.Tensor) -> list[int]:
+    """(B, V) logits, a row per request -> B tokens on the host: the step's one wait on
+    the device (core.host.read_host). Each request's stream moves on by one draw;
+    requests that keep logits (tests, logprobs; off by default) get their row."""
     tokens = sample(logits, request_rows(reqs, logits.device))
     for i, req in enumerate(reqs):
         req.draws += 1
         if req.params.return_logits:
             req.output_logits.append(logits[i].to("cpu", copy=True))
-    return tokens
+    return read_host(tokens)
