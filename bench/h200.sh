@@ -4,6 +4,7 @@
 # table prints last. Usage: bash bench/h200.sh [tests|bench|spec|all] [bench runners] [spec topks]
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
 #   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
+#   bash bench/h200.sh auto [tokens]: bench/profile_auto.py (auto's plain steps vs a plain engine)
 #   bash bench/h200.sh pair ["train flags"]: train the embedded Gemma 4 pair, eval on cuda
 #     (EVAL_CONFIGS=3x1,5x1,... picks the speculative configurations measured)
 #   bash bench/h200.sh paireval ["name=target:assistant ..."]: eval pairs on cuda
@@ -48,6 +49,26 @@ if [[ $what == kernels ]]; then
     python -m pytest tests/test_triton_fused.py tests/test_triton_ops.py tests/test_gemma4.py -m cuda \
         -q -p no:cacheprovider -ra ${2:+-k "$2"} 2>&1 \
         | tee "$OUT/tests-kernels.log" | tail -n 25
+fi
+
+if [[ $what == auto ]]; then
+    # Issue 20: --spec-steps auto's plain steps against a plain engine's (bench/profile_auto.py).
+    # The README's first command, with and without drafting, interleaved, fresh processes.
+    for i in 1 2; do
+        for mode in no-draft auto; do
+            flag=$([[ $mode == no-draft ]] && echo --no-draft)
+            graphrt generate --prompt "def fibonacci(n):" --max-new-tokens "${2:-400}" --ignore-eos \
+                $flag --json > "$OUT/cli-$mode-$i.json" 2> "$OUT/cli-$mode-$i.err"
+            python -c "import json,sys; s=json.load(open(sys.argv[1]))['stats']; print(sys.argv[2], s['tokens_per_s'], 'tok/s', s.get('spec', ''))" \
+                "$OUT/cli-$mode-$i.json" "$mode $i"
+        done
+    done
+    for mode in ${3:-plain auto forced plain}; do  # one process each
+        python bench/profile_auto.py "${2:-400}" cuda "$mode" 2>&1 | grep -v Warning | tail -n 1
+    done
+    PROFILE=1 python bench/profile_auto.py "${2:-400}" cuda plain,forced 2>&1 | grep -v Warning \
+        > "$OUT/profile-auto.log"
+    tail -n 2 "$OUT/profile-auto.log"
 fi
 
 if [[ $what == profile ]]; then

@@ -1,108 +1,188 @@
-"""Choosing, step by step, between a speculative round and a plain decode step.
+"""Choosing each step's draft length: 0 (a plain decode step) up to the configured steps.
 
-A round pays when the tokens it emits per second beat a plain step's:
-``L / t_round > 1 / t_plain``, with ``L`` the tokens a round emits (accepted drafts plus
-the bonus token). Both times are measured as the engine runs, per batch size (the
-median of the recent steps of each kind; the first of each, which pays for lazy compiles
-and first-touch allocations, is left out), and ``L`` as a moving average over rounds
-(each round's mean weighs 1/4: a few rounds after the text changes, ``L`` has). The mode
-that loses still runs now and then, so that its figures follow what changes (acceptance
-drifts with the text): after 16 steps, then 32, then every 64 while the same mode keeps
-winning (at most 1 step in 64 spent looking: a change shows within about 200 steps).
+Each step runs the step count ``k`` that maximises the batch's expected tokens a second,
+``sum_r E_r(k) / t(B, k)``:
 
-This is the first part of issue 20's automatic draft length: the choice is between no
-draft and the configured length; choosing the length itself is still to come.
+- ``E_r(k) = 1 + sum_{i<=k} a_r[1] * ... * a_r[i]``: the bonus token plus each drafted
+  position reached and accepted. ``a_r[i]`` is request r's acceptance at position i given
+  position i - 1 was accepted, a moving average over its rounds (each weighs 1/4), which
+  starts from the engine-wide rates (each request-round weighs 1/10 there). A position
+  never drafted yet takes the rate of the one before it. ``E_r(0) = 1``; a request that
+  opted out (``SamplingParams.speculate``) emits 1 token whatever ``k``.
+- ``t(B, k)``: the median wall time of the recent steps of ``k`` at batch bucket ``B``
+  (the first of each, which pays for lazy captures, compiles and first touches, is left
+  out). A ``k`` not measured yet is interpolated linearly between the nearest measured
+  counts below and above: optimistic where a round's fixed cost dominates, so a count
+  that might win gets tried, and then it is measured.
+
+At a new bucket the longest rounds run first (they measure acceptance at every
+position), then plain steps. The runner-up still runs now and then, so its figures follow
+what changes (acceptance drifts with the text): after 16 steps of the same winner, then
+32, then every 64 (at most 1 step in 64 spent looking once the choice is stable).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-WINDOW = 8  # recent steps per (kind, batch size) whose median counts
-LENGTH_WEIGHT = 0.25  # a round's weight in the moving average of tokens per round
-FIRST_EXPLORE = 16  # steps before the losing kind runs again, doubling up to
+from graphrt.core.engine.request import Request
+
+WINDOW = 8  # recent steps per (kind, bucket) whose median counts
+REQUEST_WEIGHT = 0.25  # a round's weight in its request's acceptance rates
+ENGINE_WEIGHT = 0.1  # a request-round's weight in the engine-wide rates
+FIRST_EXPLORE = 16  # steps before the runner-up runs again, doubling up to
 MAX_EXPLORE = 64
+UNSEEN_RATE = 0.5  # acceptance assumed at position 1 before any round ran
 
 
 @dataclass
-class _BatchSize:
-    """What the chooser knows at one batch size."""
+class _Bucket:
+    """What the chooser knows at one batch bucket: step times by step count."""
 
-    seconds: dict[bool, deque] = field(
-        default_factory=lambda: {True: deque(maxlen=WINDOW), False: deque(maxlen=WINDOW)}
-    )
-    seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    seconds: dict[int, deque] = field(default_factory=dict)
+    seen: dict[int, int] = field(default_factory=dict)
     since_explore: int = 0
     explore_every: int = FIRST_EXPLORE
-    last_winner: bool | None = None
+    last_winner: int | None = None
+
+    def median(self, steps: int) -> float | None:
+        times = self.seconds.get(steps)
+        return statistics.median(times) if times else None
+
+
+class Acceptance:
+    """Acceptance by draft position (1-based), each a moving average; None: not seen."""
+
+    def __init__(self, max_steps: int, weight: float, prior: Acceptance | None = None):
+        self.weight = weight
+        self.rates: list[float | None] = list(prior.rates) if prior else [None] * max_steps
+        self._expected: tuple[float, ...] | None = None  # cached until the next record
+
+    def record(self, num_steps: int, accepted: int) -> None:
+        """One round of ``num_steps`` that accepted ``accepted`` drafts: positions up to
+        ``accepted`` were accepted, the next one (if drafted) rejected."""
+        for i in range(min(accepted + 1, num_steps)):
+            hit = 1.0 if i < accepted else 0.0
+            old = self.rates[i]
+            self.rates[i] = hit if old is None else old + self.weight * (hit - old)
+        self._expected = None
+
+    def expected_tokens(self) -> tuple[float, ...]:
+        """[k] = tokens a round of k steps emits, bonus token included (k = 0: 1)."""
+        if self._expected is None:
+            tokens, reach, rate = [1.0], 1.0, UNSEEN_RATE
+            for seen in self.rates:
+                rate = rate if seen is None else seen
+                reach *= rate
+                tokens.append(tokens[-1] + reach)
+            self._expected = tuple(tokens)
+        return self._expected
 
 
 class DraftChooser:
-    def __init__(self) -> None:
-        self._sizes: dict[int, _BatchSize] = {}
-        self._tokens_per_round: float | None = None
-        self.rounds = 0  # steps run as rounds
-        self.plain_steps = 0
-        self.last_batch_size = 1  # of the last step: what a summary explains
+    def __init__(self, max_steps: int):
+        self.max_steps = max_steps
+        self._buckets: dict[int, _Bucket] = {}
+        self.engine_rates = Acceptance(max_steps, ENGINE_WEIGHT)
+        self._requests: dict[int, Acceptance] = {}  # by request id, while it runs
+        self.steps_by_count = [0] * (max_steps + 1)  # [k] = steps run with k draft steps
+        self.last: tuple[int, list[float], list[float]] | None = None  # what explain() says
 
-    def choose(self, batch_size: int) -> bool:
-        """True: the next step of ``batch_size`` requests is a round; False: a plain step."""
-        size = self._sizes.setdefault(batch_size, _BatchSize())
-        for kind in (True, False):  # each kind measured first (its first step left out)
-            if len(size.seconds[kind]) == 0:
-                return kind
-        winner = self.round_pays(batch_size)
+    @property
+    def rounds(self) -> int:
+        return sum(self.steps_by_count[1:])
+
+    @property
+    def plain_steps(self) -> int:
+        return self.steps_by_count[0]
+
+    def choose(self, bucket: int, reqs: Sequence[Request]) -> int:
+        """The draft steps of the next step of ``reqs`` (batch bucket ``bucket``); 0: a plain
+        decode step."""
+        if len(self._requests) > 2 * len(reqs) + 16:  # finished requests' rates go
+            running = {r.rid for r in reqs}
+            self._requests = {rid: a for rid, a in self._requests.items() if rid in running}
+        size = self._buckets.setdefault(bucket, _Bucket())
+        for steps in (self.max_steps, 0):  # each end measured first (its first step left out)
+            if not size.seconds.get(steps):
+                return steps
+        rates = self.rates(bucket, reqs)
+        ranked = sorted(range(self.max_steps + 1), key=lambda k: rates[k], reverse=True)
+        winner, runner_up = ranked[0], ranked[1]
         if winner != size.last_winner:  # the winner changed: watch closely again
-            size.last_winner, size.explore_every = winner, FIRST_EXPLORE
+            size.last_winner, size.explore_every, size.since_explore = winner, FIRST_EXPLORE, 0
         size.since_explore += 1
         if size.since_explore >= size.explore_every:
             size.since_explore = 0
             size.explore_every = min(2 * size.explore_every, MAX_EXPLORE)
-            return not winner
+            return runner_up
         return winner
 
-    def record(self, is_round: bool, batch_size: int, seconds: float, lengths=()) -> None:
-        """A step ran: its wall time (the host's read included) and, for a round, the
-        tokens each request emitted."""
-        size = self._sizes.setdefault(batch_size, _BatchSize())
-        self.last_batch_size = batch_size
-        size.seen[is_round] += 1
-        if size.seen[is_round] > 1:
-            size.seconds[is_round].append(seconds)
-        if lengths:
-            mean = statistics.fmean(lengths)
-            old = self._tokens_per_round
-            self._tokens_per_round = mean if old is None else old + LENGTH_WEIGHT * (mean - old)
-        if is_round:
-            self.rounds += 1
-        else:
-            self.plain_steps += 1
+    def rates(self, bucket: int, reqs: Sequence[Request]) -> list[float]:
+        """[k] = expected tokens a second of a step with k draft steps over ``reqs``."""
+        plain = (1.0,) * (self.max_steps + 1)
+        engine = self.engine_rates
+        per_request = [
+            (self._requests.get(r.rid) or engine).expected_tokens() if r.params.speculate else plain
+            for r in reqs
+        ]
+        tokens = [sum(column) for column in zip(*per_request)]
+        seconds = self.step_seconds(bucket)
+        self.last = (bucket, tokens, seconds)
+        return [t / s for t, s in zip(tokens, seconds)]
 
-    @property
-    def tokens_per_round(self) -> float:
-        return 1.0 if self._tokens_per_round is None else self._tokens_per_round
+    def step_seconds(self, bucket: int) -> list[float]:
+        """[k] = a step's measured (or interpolated) seconds with k draft steps."""
+        size = self._buckets[bucket]
+        known = {k: m for k in range(self.max_steps + 1) if (m := size.median(k)) is not None}
+        seconds = []
+        for k in range(self.max_steps + 1):
+            if k in known:
+                seconds.append(known[k])
+                continue
+            below = max(j for j in known if j < k)  # 0 and max_steps are measured first
+            above = min(j for j in known if j > k)
+            share = (k - below) / (above - below)
+            seconds.append(known[below] + share * (known[above] - known[below]))
+        return seconds
 
-    def round_pays(self, batch_size: int) -> bool:
-        round_s, plain_s = self._median(batch_size, True), self._median(batch_size, False)
-        if round_s is None or plain_s is None:
-            return True
-        return self.tokens_per_round * plain_s > round_s
+    def record(
+        self,
+        steps: int,
+        bucket: int,
+        seconds: float,
+        accepted: Sequence[tuple[Request, int]] = (),
+    ) -> None:
+        """A step with ``steps`` draft steps ran: its wall time (the host's read included)
+        and, for a round, the drafts each drafting request accepted."""
+        size = self._buckets.setdefault(bucket, _Bucket())
+        size.seen[steps] = size.seen.get(steps, 0) + 1
+        if size.seen[steps] > 1:
+            size.seconds.setdefault(steps, deque(maxlen=WINDOW)).append(seconds)
+        self.steps_by_count[steps] += 1
+        for req, n in accepted:
+            if req.rid not in self._requests:
+                self._requests[req.rid] = Acceptance(
+                    self.max_steps, REQUEST_WEIGHT, self.engine_rates
+                )
+            self._requests[req.rid].record(steps, n)
+            self.engine_rates.record(steps, n)
 
-    def explain(self, batch_size: int) -> str:
-        """One clause: what a round and a plain step cost at ``batch_size``, and which pays."""
-        round_s, plain_s = self._median(batch_size, True), self._median(batch_size, False)
-        if round_s is None or plain_s is None:
-            return f"not measured at batch {batch_size} yet"
-        verdict = "rounds pay" if self.round_pays(batch_size) else "plain steps pay"
-        return (
-            f"at batch {batch_size} a round emits {self.tokens_per_round:.2f} tokens in "
-            f"{round_s * 1e3:.1f} ms, a plain step 1 in {plain_s * 1e3:.1f} ms: {verdict}"
+    def explain(self) -> str:
+        """One clause: what the last choice weighed (tokens and time a step, by step
+        count, at its bucket), and which count pays."""
+        if self.last is None:
+            return "not measured yet"
+        bucket, tokens, seconds = self.last
+        best = max(range(len(tokens)), key=lambda k: tokens[k] / seconds[k])
+        measured = self._buckets[bucket].seconds
+        cells = ", ".join(
+            f"{'a plain step' if k == 0 else f'{k} draft steps'} {t:.2f} tokens in "
+            f"{'' if measured.get(k) else '~'}{s * 1e3:.2f} ms"
+            for k, (t, s) in enumerate(zip(tokens, seconds))
         )
-
-    def _median(self, batch_size: int, is_round: bool) -> float | None:
-        size = self._sizes.get(batch_size)
-        if size is None or not size.seconds[is_round]:
-            return None
-        return statistics.median(size.seconds[is_round])
+        verdict = "plain steps pay" if best == 0 else f"rounds of {best} draft steps pay"
+        return f"at batch {bucket}: {cells} (~ interpolated): {verdict}"

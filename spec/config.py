@@ -49,6 +49,18 @@ class SpecConfig:
                 f"{self.num_steps} steps and topk {self.topk}, got {self.num_draft_tokens}"
             )
 
+    def for_steps(self, num_steps: int) -> SpecConfig:
+        """The rounds of ``num_steps`` (<= this config's) that ``--spec-steps auto`` may
+        run: the same topk, a tree no wider than this one's nor than that length's default."""
+        if num_steps == self.num_steps:
+            return self
+        default = SpecConfig(num_steps=num_steps, topk=self.topk).num_draft_tokens
+        return SpecConfig(
+            num_steps=num_steps,
+            topk=self.topk,
+            num_draft_tokens=min(self.num_draft_tokens, default),
+        )
+
     @property
     def max_draft_tokens(self) -> int:
         """Root plus every node the draft loop scores: topk + (steps - 1) * topk^2."""

@@ -100,16 +100,17 @@ def draft_batch(
     )
 
 
-def draft_shape(seed_hidden_size: int, dtype: torch.dtype) -> GraphShape:
+def draft_shape(seed_hidden_size: int, dtype: torch.dtype, num_steps: int) -> GraphShape:
     """What a draft-loop graph takes: one row per request (its last token, frozen
-    position and KV length) and the seed hidden beside it."""
+    position and KV length) and the seed hidden beside it. Loops of different lengths
+    take the same rows: the variant tells their graphs apart."""
     hidden = StaticField("hidden", (seed_hidden_size,), dtype)
     return GraphShape(
         mode=ForwardMode.DRAFT,
         width=1,
         spec_info=DraftInput,
         fields=(hidden,),
-        variant="mtp-draft",
+        variant=f"mtp-draft-{num_steps}",
     )
 
 

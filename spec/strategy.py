@@ -14,6 +14,13 @@ A round, device work end to end (gpt-fast's ``speculative_decode``, on graphs):
    pinned copy waited on through an event. The round returns the path's slots to
    keep and the rejected nodes' slots to free (their ids are known on the host,
    which held them through the ledger); the engine settles both.
+
+With ``--spec-steps auto`` (``SpecConfig.adaptive``) each step runs rounds of the draft
+length ``spec.adaptive`` picks, 0 meaning a plain decode step: each length has its own
+graphs, the longest captured at start-up and the others when first chosen (that round
+runs eagerly: capturing every length up front would multiply start-up time). A request
+that opted out (``SamplingParams.speculate``) accepts no draft in a round: it emits the
+target's token, as a plain step would.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from graphrt.core.errors import UsageError
 from graphrt.core.host import read_host, to_device
 from graphrt.core.models.loader import LoadedModel
 from graphrt.core.runners import EagerRunner, GraphRunner, RunnerOutput
+from graphrt.core.runners.buckets import pad_to_bucket
 from graphrt.spec.adaptive import DraftChooser
 from graphrt.spec.config import SpecConfig
 from graphrt.spec.draft import captured_draft_loop, draft_batch, draft_shape, draft_verify_tree
@@ -58,23 +66,53 @@ class RoundInputs:
     kv_lens_cpu: list[int]
 
 
+@dataclass
+class RoundGraphs:
+    """The graphs of rounds with one draft length (all None: rounds run eagerly)."""
+
+    cfg: SpecConfig
+    draft: GraphRunner | None = None  # the draft loop and its tree
+    verify: GraphRunner | None = None  # verify and the round's tail: greedy rounds
+    sampled_verify: GraphRunner | None = None  # the same with a sampled request
+
+    def runners(self) -> tuple[GraphRunner, ...]:
+        """(Lengths whose trees have one width share their verify runners.)"""
+        return tuple(r for r in (self.verify, self.sampled_verify, self.draft) if r is not None)
+
+
 class MTPDecoding(DecodeStrategy):
     name = "speculative"
 
     def __init__(self, drafter: LoadedModel, config: SpecConfig | None = None):
         self.drafter = drafter
         self.cfg = config or SpecConfig()
-        self.draft_graph: GraphRunner | None = None
-        # Verify and the round's tail (spec.verify): greedy rounds, and rounds with a
-        # sampled request. The sampled variant is captured when the first sampled round
-        # comes (that round verifies eagerly): its sampling intermediates make it several
-        # times the greedy graphs' memory (6.1 GB with both for gemma4-e2b up to batch 64).
-        self.verify_graph: GraphRunner | None = None
-        self.sampled_verify_graph: GraphRunner | None = None
-        self._capture_sampled = False
-        # Adaptive: plain steps where rounds do not pay, on a decode graph of their own.
-        self.chooser = DraftChooser() if self.cfg.adaptive else None
-        self.plain = PlainDecode() if self.cfg.adaptive else None
+        lengths = range(1, self.cfg.num_steps + 1) if self.cfg.adaptive else (self.cfg.num_steps,)
+        self.variants = {k: RoundGraphs(self.cfg.for_steps(k)) for k in lengths}
+        self.chooser = DraftChooser(self.cfg.num_steps) if self.cfg.adaptive else None
+        self.plain: PlainDecode | None = None  # plain steps (auto's, or an opted-out batch's)
+        # Runners built but not captured at start-up, and those a step has since needed (the
+        # engine captures them between steps): the sampled verify graphs (their sampling
+        # intermediates make them several times the greedy graphs' memory: 6.1 GB with both
+        # for gemma4-e2b up to batch 64), the shorter lengths' graphs, fixed-length rounds'
+        # plain decode graphs (used only when a whole batch opted out).
+        self._later: list[GraphRunner] = []
+        self._pending: list[GraphRunner] = []
+
+    @property
+    def longest(self) -> RoundGraphs:
+        return self.variants[self.cfg.num_steps]
+
+    @property
+    def draft_graph(self) -> GraphRunner | None:
+        return self.longest.draft
+
+    @property
+    def verify_graph(self) -> GraphRunner | None:
+        return self.longest.verify
+
+    @property
+    def sampled_verify_graph(self) -> GraphRunner | None:
+        return self.longest.sampled_verify
 
     def extra_kv_slots(self) -> int:
         return self.cfg.num_draft_tokens  # a round holds a whole verify tree's slots briefly
@@ -99,32 +137,45 @@ class MTPDecoding(DecodeStrategy):
         # no per-request tensor crosses the host; row 0 is the padding rows'.
         dtype = next(target.parameters()).dtype
         rows = ctx.ledger.req_pool.max_requests + 1
-        self.seed_table = torch.zeros(
+        self.seed_table = seeds = torch.zeros(
             rows, target.config.hidden_size, dtype=dtype, device=ctx.device
         )
-        # Adaptive plain steps: their own decode graphs, captured after the verify graphs.
-        plain_runners = tuple(self.plain.setup(ctx)) if self.plain is not None else ()
+
+        def write_seeds(batch, out: RunnerOutput) -> None:
+            # A plain step's hiddens seed the next rounds, inside its decode graph. (Closes
+            # over the table, not the strategy: the runner must not hold its owner.)
+            seeds[batch.req_pool_indices] = out.hidden.to(seeds.dtype)
+
+        self.plain = PlainDecode(after_forward=write_seeds)
+        plain_runners = tuple(self.plain.setup(ctx))
         if ctx.graph_backend is None:
             return ()
         args = (ctx.graph_backend, ctx.graph_config, ctx.device)
-        n = self.cfg.num_draft_tokens
         verify = verify_round(target, ctx.attn_backend, self.tables(), ctx.max_context_len)
-        self.verify_graph, self.sampled_verify_graph = (
-            GraphRunner(target, ctx.attn_backend, *args, verify_shape(n, sampled), forward=verify)
-            for sampled in (False, True)
-        )
-        # One backend, one pool: the verify graphs (the larger) first, then the draft loops.
-        runners = (self.verify_graph,)
-        runners += plain_runners
-        # The loop's steps derive their rows inside the graph, so their attention metadata
-        # must be the capture-safe kind; attention that needs host lengths per step (a
-        # breakable backend's) drafts eagerly and verifies on graphs.
-        if not ctx.attn_backend.capture_safe:
-            return runners
-        loop_shape = draft_shape(target.config.hidden_size, next(target.parameters()).dtype)
-        loop = captured_draft_loop(drafter, ctx.attn_backend, self.cfg)
-        self.draft_graph = GraphRunner(drafter, ctx.attn_backend, *args, loop_shape, forward=loop)
-        return (*runners, self.draft_graph)
+        by_width: dict[int, tuple[GraphRunner, GraphRunner]] = {}  # verify is the same
+        for variant in self.variants.values():  # arithmetic at one width, whatever the length
+            n = variant.cfg.num_draft_tokens
+            if n not in by_width:
+                by_width[n] = tuple(
+                    GraphRunner(target, ctx.attn_backend, *args, verify_shape(n, s), forward=verify)
+                    for s in (False, True)
+                )
+            variant.verify, variant.sampled_verify = by_width[n]
+            # The loop's steps derive their rows inside the graph, so their attention
+            # metadata must be the capture-safe kind; attention that needs host lengths per
+            # step (a breakable backend's) drafts eagerly and verifies on graphs.
+            if ctx.attn_backend.capture_safe:
+                steps = variant.cfg.num_steps
+                loop = captured_draft_loop(drafter, ctx.attn_backend, variant.cfg)
+                shape = draft_shape(target.config.hidden_size, dtype, steps)
+                variant.draft = GraphRunner(drafter, ctx.attn_backend, *args, shape, forward=loop)
+        # One backend, one pool: the longest rounds' verify graphs (the larger) first, then
+        # plain decode graphs where steps may be plain, then the draft loops.
+        now = (self.longest.verify,) + (plain_runners if self.chooser is not None else ())
+        now += (self.longest.draft,) if self.longest.draft is not None else ()
+        every = [r for v in self.variants.values() for r in v.runners()] + list(plain_runners)
+        self._later = [r for i, r in enumerate(every) if r not in now and r not in every[:i]]
+        return now
 
     def after_prefill(self, reqs: list[Request], out: RunnerOutput) -> None:
         # The hidden that produced each first token: the first seed (one scatter).
@@ -133,20 +184,19 @@ class MTPDecoding(DecodeStrategy):
 
     @property
     def plain_graph(self) -> GraphRunner | None:
-        """The decode graphs of adaptive plain steps (None: no plain steps, or eager)."""
+        """The decode graphs of plain steps (None: eager)."""
         return self.plain.graph_runner if self.plain is not None else None
 
     def cleanup(self) -> None:
-        for runner in (self.draft_graph, self.verify_graph, self.sampled_verify_graph):
-            if runner is not None:
-                runner.cleanup()
+        for runner in {id(r): r for v in self.variants.values() for r in v.runners()}.values():
+            runner.cleanup()
         if self.plain is not None:
             self.plain.cleanup()
 
     @contextlib.contextmanager
     def bench_pieces(self, reqs: list[Request]) -> Iterator[dict[str, Callable[[bool], bool]]]:
-        """A round's draft loop and verify forward over ``reqs``, to time apart. Verify
-        writes its nodes' KV into slots held for the bench and freed after it."""
+        """The longest round's draft loop and verify forward over ``reqs``, to time apart.
+        Verify writes its nodes' KV into slots held for the bench and freed after it."""
         inputs = self.round_inputs(reqs)
         tree, _ = self.draft(inputs)
         held = self.ctx.ledger.hold(len(reqs) * tree.num_nodes, self.ctx.device)
@@ -165,34 +215,62 @@ class MTPDecoding(DecodeStrategy):
                 req.draws = n
             self.seed_table.copy_(seeds)
 
-    # ---- one round ---------------------------------------------------------------
+    # ---- one step ----------------------------------------------------------------
 
     def decode(self, reqs: list[Request]) -> StepOutcome:
-        if self.chooser is None:
-            return self.round(reqs)
-        is_round = self.chooser.choose(len(reqs))
+        bucket = self._bucket(len(reqs))
+        if not any(r.params.speculate for r in reqs):
+            steps = 0  # nothing to draft for
+        elif self.chooser is None:
+            steps = self.cfg.num_steps
+        else:
+            steps = self.chooser.choose(bucket, reqs)
         start = time.perf_counter()
-        outcome = self.round(reqs) if is_round else self.plain_step(reqs)
-        lengths = [len(log.accepted_tokens) + 1 for log in outcome.rounds or ()]
-        self.chooser.record(is_round, len(reqs), time.perf_counter() - start, lengths)
+        outcome = self.round(reqs, steps) if steps else self.plain_step(reqs)
+        if self.chooser is not None:
+            accepted = [
+                (r, len(log.accepted_tokens))
+                for r, log in zip(reqs, outcome.rounds or ())
+                if r.params.speculate
+            ]
+            self.chooser.record(steps, bucket, time.perf_counter() - start, accepted)
         return outcome
 
+    def _bucket(self, batch_size: int) -> int:
+        """The batch bucket a step of ``batch_size`` requests runs at (its graphs' padded
+        size; the size itself when eager): what the chooser times steps by."""
+        runner = self.plain_graph
+        if runner is None:
+            return batch_size
+        return pad_to_bucket(batch_size, runner.buckets, runner.config.padding) or batch_size
+
+    def _use(self, runner: GraphRunner | None) -> None:
+        """A step needs ``runner``: if start-up left it uncaptured, capture it after this step."""
+        if runner is not None and runner in self._later:
+            self._later.remove(runner)
+            self._pending.append(runner)
+
     def plain_step(self, reqs: list[Request]) -> StepOutcome:
-        """A plain decode step; the hidden that produced each token seeds the request's
-        next round."""
-        outcome, out, batch = self.plain.step(reqs)
-        self.seed_table[batch.req_pool_indices] = out.hidden.to(self.seed_table.dtype)
+        """A plain decode step; its forward writes the hidden that produced each token
+        into the seed table, for the request's next round."""
+        self._use(self.plain.graph_runner)
+        outcome = self.plain.step(reqs)[0]
         outcome.plain_steps = 1
         return outcome
 
-    def round(self, reqs: list[Request]) -> StepOutcome:
-        """One speculative round over ``reqs``."""
+    def round(self, reqs: list[Request], num_steps: int | None = None) -> StepOutcome:
+        """One speculative round over ``reqs``, of ``num_steps`` draft steps (default: the
+        configured length)."""
+        variant = self.variants[num_steps or self.cfg.num_steps]
         inputs = self.round_inputs(reqs)
-        tree, drafted_on_graph = self.draft(inputs)
+        tree, drafted_on_graph = self.draft(inputs, variant=variant)
+        if not all(r.params.speculate for r in reqs):  # opted out: no draft can be accepted
+            speculate = [[r.params.speculate] for r in reqs]
+            tree.valid &= to_device(speculate, self.ctx.device, torch.bool)  # (B, 1)
         # Node slots on both sides: the host settles the rejected ones without reading back.
         held = self.ctx.ledger.hold(len(reqs) * tree.num_nodes, self.ctx.device)  # node-major
-        packed, verified_on_graph = self.verify(inputs, tree, held.device)
-        outcome = self.settle(reqs, packed, held)
+        packed, verified_on_graph = self.verify(inputs, tree, held.device, variant=variant)
+        outcome = self.settle(reqs, packed, held, variant.cfg.num_steps)
         outcome.graph_forwards = int(verified_on_graph)
         outcome.eager_forwards = int(not verified_on_graph)
         outcome.graph_rounds = len(reqs) if drafted_on_graph and verified_on_graph else 0
@@ -214,23 +292,34 @@ class MTPDecoding(DecodeStrategy):
             kv_lens_cpu=kv_lens_cpu,
         )
 
-    def draft(self, inputs: RoundInputs, graphs: bool = True) -> tuple[VerifyTree, bool]:
-        """The draft tree, from the draft-loop graph where one fits; -> (tree, graph used)."""
+    def draft(
+        self, inputs: RoundInputs, graphs: bool = True, variant: RoundGraphs | None = None
+    ) -> tuple[VerifyTree, bool]:
+        """The draft tree of ``variant``'s length (default: the longest), from its draft-loop
+        graph where one fits; -> (tree, graph used)."""
+        variant = variant or self.longest
         args = (inputs.root, inputs.seed_hidden, inputs.req_slots, inputs.kv_lens)
         batch = draft_batch(*args, inputs.kv_lens_cpu)
-        on_graph = graphs and self.draft_graph is not None and self.draft_graph.can_run_graph(batch)
-        if on_graph:
-            return VerifyTree(*self.draft_graph.execute(batch)), True
-        tree = draft_verify_tree(self.draft_eager.execute, self.cfg, *args, inputs.kv_lens_cpu)
+        graph = variant.draft
+        self._use(graph)
+        if graphs and graph is not None and graph.can_run_graph(batch):
+            return VerifyTree(*graph.execute(batch)), True
+        tree = draft_verify_tree(self.draft_eager.execute, variant.cfg, *args, inputs.kv_lens_cpu)
         return tree, False
 
     def verify(
-        self, inputs: RoundInputs, tree: VerifyTree, locs: torch.Tensor, graphs: bool = True
+        self,
+        inputs: RoundInputs,
+        tree: VerifyTree,
+        locs: torch.Tensor,
+        graphs: bool = True,
+        variant: RoundGraphs | None = None,
     ) -> tuple[torch.Tensor, bool]:
         """The target over every node, their KV into ``locs`` ((B * n,) device slots,
         node-major), then the round's tail (spec.verify): acceptance, the accepted path
         committed into the token table, the next seeds into the seed table. -> (packed,
         graph used)."""
+        variant = variant or self.longest
         rows = request_rows(inputs.reqs, self.ctx.device)
         sampling = None if rows.greedy else rows  # greedy rounds: the argmax variant
         batch = verify_batch(
@@ -245,9 +334,8 @@ class MTPDecoding(DecodeStrategy):
         # Every node draws from its request's stream: node i at draw ``draws + i``.
         for req in inputs.reqs:
             req.draws += tree.num_nodes
-        graph = self.sampled_verify_graph if sampling is not None else self.verify_graph
-        if graph is self.sampled_verify_graph and graph is not None and not graph.captured_sizes:
-            self._capture_sampled = True  # after this round (see __init__)
+        graph = variant.sampled_verify if sampling is not None else variant.verify
+        self._use(graph)
         if graphs and graph is not None and graph.can_run_graph(batch):
             (packed,) = graph.execute(batch)
             return packed, True
@@ -256,16 +344,16 @@ class MTPDecoding(DecodeStrategy):
         return packed, False
 
     def pending_captures(self) -> Sequence[GraphRunner]:
-        if not self._capture_sampled:
-            return ()
-        self._capture_sampled = False
-        return (self.sampled_verify_graph,)
+        pending, self._pending = self._pending, []
+        return pending
 
     def tables(self) -> RoundTables:
         """The device tables a round's tail writes: the token table, the seed table."""
         return RoundTables(req_to_token=self.ctx.ledger.req_to_token, seeds=self.seed_table)
 
-    def settle(self, reqs: list[Request], packed: torch.Tensor, held: HeldSlots) -> StepOutcome:
+    def settle(
+        self, reqs: list[Request], packed: torch.Tensor, held: HeldSlots, num_steps: int
+    ) -> StepOutcome:
         """The round's one host read (``packed``), and what the engine settles from it:
         each request's emitted tokens and kept slots, the rejected nodes' slots. Python
         lists, not tensor ops, per request: at batch 64 those were milliseconds."""
@@ -280,7 +368,7 @@ class MTPDecoding(DecodeStrategy):
             outcome.kept.append([node_locs[i] for i in path])  # the root, accepted drafts
             on_path = set(path)
             released += [loc for i, loc in enumerate(node_locs) if i not in on_path]
-            outcome.rounds.append(RoundLog(self.cfg.num_steps, row[2 + 2 * n :], tokens[:-1]))
+            outcome.rounds.append(RoundLog(num_steps, row[2 + 2 * n :], tokens[:-1]))
             outcome.tokens.append(tokens)
         outcome.released = torch.tensor(released, dtype=torch.int64)
         return outcome

@@ -189,13 +189,15 @@ class OracleDraftRunner:
 
     def __init__(self, engine, truth: dict[int, list[int]], topk: int):
         self.engine, self.truth, self.topk = engine, truth, topk
-        self.calls = 0
+        self.step = 0
 
     def execute(self, batch):
         from graphrt.core.runners import RunnerOutput
 
-        step = self.calls % self.engine.strategy.cfg.num_steps
-        self.calls += 1
+        # A round's first step feeds the target's seed hiddens; later steps feed this
+        # oracle's own, zeros: so rounds of any length (--spec-steps auto) count right.
+        self.step = 0 if bool(batch.spec_info.hidden.any()) else self.step + 1
+        step = self.step
         vocab = self.engine.loaded.model.vocab_size
         dev = self.engine.torch_device
         logits = torch.full((batch.num_tokens, vocab), -10.0, device=dev)

@@ -155,7 +155,9 @@ def test_speculative_rounds_with_oracle_accept_lengths_equal_eager(gemma4_pair):
         plain, spec_schedule(seed, target.model.vocab_size, requests), 10**6, record_outputs=True
     )
     engines = spec_engines(target, drafter, steps=steps, topk=1)
-    engines["cuda-full"].strategy.draft_graph = None  # the oracle drafts eagerly; verify on graphs
+    engines[
+        "cuda-full"
+    ].strategy.longest.draft = None  # the oracle drafts eagerly; verify on graphs
     truths = {}
     for name, engine in engines.items():
         truths[name] = {}

@@ -206,9 +206,11 @@ def test_cli_generate_with_draft_agrees_with_transformers(
     spec = out["stats"]["spec"]
     assert set(spec) == {
         "rounds", "graph_rounds", "accept_length_mean", "accept_histogram",
-        "accepted_per_position", "plain_steps",
+        "accepted_per_position", "drafted_per_position", "plain_steps", "rounds_by_steps",
     }  # fmt: skip
-    assert spec["plain_steps"] == 0  # --spec-steps 4: every step a round
+    assert spec["plain_steps"] == 0  # --spec-steps 4: every step a round of 4 steps
+    assert spec["rounds_by_steps"] == {"4": spec["rounds"]}
+    assert spec["drafted_per_position"] == [spec["rounds"]] * 4
     assert (
         len(spec["accept_histogram"]) == 5 and sum(spec["accept_histogram"]) == spec["rounds"] > 0
     )

@@ -1,74 +1,133 @@
-"""``--spec-steps auto``: each step a speculative round or a plain decode step, whichever
-emits more tokens a second by what the engine measured (spec.adaptive).
+"""``--spec-steps auto``: each step a round of the draft length, or a plain decode step,
+that emits the most tokens a second by what the engine measured (spec.adaptive).
 
 The choice must never change what is generated (greedy output equals plain decoding's,
-whatever the mix of rounds and plain steps), must follow the measured costs, and must go
-on looking at the losing kind now and then.
+whatever the mix of lengths and plain steps), must follow the measured costs and each
+request's acceptance, and must go on looking at the runner-up now and then.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from helpers import CPU, cpu_engine, random_prompts, standin_device
+from tokenizers import Tokenizer
 
+from graphrt.core import pretrained
 from graphrt.core.engine import SamplingParams
 from graphrt.core.models import load_model
 from graphrt.spec import MTPDecoding, SpecConfig
-from graphrt.spec.adaptive import FIRST_EXPLORE, DraftChooser
+from graphrt.spec.adaptive import FIRST_EXPLORE, MAX_EXPLORE, DraftChooser
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
-def _run(chooser: DraftChooser, steps: int, round_s: float, plain_s: float, length: int):
-    """``steps`` decisions at batch 1 with fixed costs; -> the kinds chosen (True: round)."""
-    kinds = []
+@dataclass
+class _Req:  # what the chooser reads of a request
+    rid: int
+    params: SamplingParams = GREEDY
+
+
+ONE_REQUEST = (_Req(0),)
+
+
+def _run(chooser, steps, seconds, accepted, reqs=ONE_REQUEST):
+    """``steps`` decisions at bucket 1 with fixed step times (``seconds(k)``) and acceptance
+    (``accepted(k, rid)``: drafts accepted by a round of k); -> the step counts chosen."""
+    chosen = []
     for _ in range(steps):
-        is_round = chooser.choose(1)
-        kinds.append(is_round)
-        chooser.record(is_round, 1, round_s if is_round else plain_s, [length] if is_round else ())
-    return kinds
+        k = chooser.choose(1, reqs)
+        chosen.append(k)
+        rounds = [(r, accepted(k, r.rid)) for r in reqs if r.params.speculate] if k else []
+        chooser.record(k, 1, seconds(k), rounds)
+    return chosen
 
 
-def test_the_chooser_measures_both_kinds_then_follows_what_pays():
-    # A round of 3 tokens in 5 ms beats plain steps of 2 ms (1.5 ms a token).
-    chooser = DraftChooser()
-    kinds = _run(chooser, 200, round_s=5e-3, plain_s=2e-3, length=3)
-    assert kinds[:4] == [True, True, False, False]  # each kind twice: the first is left out
-    assert sum(kinds) > 180
-    assert chooser.explain(1).endswith(
-        "3.00 tokens in 5.0 ms, a plain step 1 in 2.0 ms: rounds pay"
-    )
-    # Rounds of 1 token (nothing accepted) in 5 ms lose to 2 ms plain steps.
-    chooser = DraftChooser()
-    kinds = _run(chooser, 200, round_s=5e-3, plain_s=2e-3, length=1)
-    assert sum(not k for k in kinds) > 180 and chooser.explain(1).endswith("plain steps pay")
+def linear(fixed_ms, per_step_ms):
+    """A plain step costs 1 ms; a round of k steps ``fixed + k * per_step`` ms."""
+    return lambda k: 1e-3 if k == 0 else (fixed_ms + k * per_step_ms) * 1e-3
 
 
-def test_the_losing_kind_still_runs_less_and_less_often():
-    kinds = _run(DraftChooser(), 1000, round_s=5e-3, plain_s=2e-3, length=1)
-    explored = [i for i, k in enumerate(kinds) if k and i >= 4]  # rounds after measuring
+def test_the_chooser_measures_both_ends_then_follows_what_pays():
+    # Every draft accepted, rounds of k steps cost 1.5 + 0.1 k ms: 5 steps emit 6 tokens
+    # in 2 ms, the best rate.
+    chooser = DraftChooser(5)
+    chosen = _run(chooser, 200, linear(1.5, 0.1), lambda k, rid: k)
+    assert chosen[:4] == [5, 5, 0, 0]  # each end twice: the first is left out
+    assert chosen.count(5) > 180
+    assert chooser.explain().endswith("rounds of 5 draft steps pay")
+    assert "a plain step 1.00 tokens in 1.00 ms" in chooser.explain()
+    # Nothing ever accepted: plain steps pay.
+    chooser = DraftChooser(5)
+    chosen = _run(chooser, 200, linear(1.5, 0.1), lambda k, rid: 0)
+    assert chosen.count(0) > 180 and chooser.explain().endswith("plain steps pay")
+
+
+def test_the_chooser_finds_the_length_that_pays_between_the_ends():
+    # Position 1 always accepted, position 2 never: a round of k >= 1 emits 2 tokens, so
+    # 1 step (1.2 ms) beats plain (1 token in 1 ms) and every longer round.
+    chooser = DraftChooser(5)
+    chosen = _run(chooser, 300, linear(1.0, 0.2), lambda k, rid: min(k, 1))
+    assert chosen[-100:].count(1) > 90, chosen[-100:]
+    assert "1 draft steps 2.00 tokens in 1.20 ms" in chooser.explain()
+
+
+def test_the_runner_up_still_runs_less_and_less_often():
+    chosen = _run(DraftChooser(3), 1000, linear(4.0, 0.5), lambda k, rid: 0)
+    explored = [i for i, k in enumerate(chosen) if k != 0 and i >= 4]  # after the ends
     gaps = [b - a for a, b in zip(explored, explored[1:])]
-    assert explored and gaps == sorted(gaps) and gaps[0] >= FIRST_EXPLORE - 1
-    assert len(explored) < 20  # 16, 32, then 64 steps apart
+    assert explored and gaps[-5:] == [MAX_EXPLORE] * 5 and gaps[0] >= FIRST_EXPLORE - 1
+    assert len(explored) < 30
 
 
 def test_a_change_in_acceptance_changes_the_choice():
-    chooser = DraftChooser()
-    _run(chooser, 100, round_s=5e-3, plain_s=2e-3, length=1)  # plain steps pay
-    kinds = _run(chooser, 400, round_s=5e-3, plain_s=2e-3, length=4)  # now rounds do
-    assert sum(kinds[-100:]) >= 90 and "rounds pay" in chooser.explain(1)
+    chooser = DraftChooser(4)
+    _run(chooser, 100, linear(2.0, 0.5), lambda k, rid: 0)  # plain steps pay
+    chosen = _run(chooser, 400, linear(2.0, 0.5), lambda k, rid: k)  # now 4 steps do
+    assert chosen[-100:].count(4) >= 90 and chooser.explain().endswith(
+        "rounds of 4 draft steps pay"
+    )
+
+
+def test_acceptance_is_tracked_per_request():
+    # Request 0 accepts every draft, request 1 none: a batch of both expects 1 + 5 tokens
+    # from 5 steps, a batch of request 1 alone expects 1 whatever the length.
+    chooser = DraftChooser(5)
+    both = (_Req(0), _Req(1))
+    _run(chooser, 50, linear(1.5, 0.1), lambda k, rid: k if rid == 0 else 0, both)
+    assert chooser.rates(1, both)[5] * 2e-3 == pytest.approx(1 + 6, rel=0.05)
+    assert chooser.rates(1, (_Req(1),))[5] * 2e-3 == pytest.approx(1, rel=0.05)
+    # An opted-out request emits 1 token a round whatever its history.
+    opted_out = _Req(0, SamplingParams(max_new_tokens=8, speculate=False))
+    assert chooser.rates(1, (opted_out,))[5] * 2e-3 == pytest.approx(1)
+
+
+class CyclingChooser(DraftChooser):
+    """Every length in turn, plain steps included, whatever pays."""
+
+    def __init__(self, max_steps, order):
+        super().__init__(max_steps)
+        self.order, self.step = order, 0
+
+    def choose(self, bucket, reqs):
+        self.step += 1
+        return self.order[(self.step - 1) % len(self.order)]
 
 
 @pytest.mark.parametrize("runner", ["eager", pytest.param("graph", marks=pytest.mark.graphs)])
-def test_greedy_output_is_plain_decodings_whatever_mix_of_rounds_and_plain_steps(
-    runner, gemma4_tiny, gemma4_assistant
+@pytest.mark.parametrize("chooser", ["measured", "cycling"])
+def test_greedy_output_is_plain_decodings_whatever_mix_of_lengths_and_plain_steps(
+    runner, chooser, gemma4_tiny, gemma4_assistant
 ):
     target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
     drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
     prompts = random_prompts((5, 11, 7), seed=31, vocab=target.model.vocab_size)
     plain = cpu_engine(target, max_context_len=64).generate(prompts, GREEDY)
     strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
+    if chooser == "cycling":
+        strategy.chooser = CyclingChooser(3, order=(3, 1, 0, 2, 2, 3, 0, 1))
     device = standin_device() if runner == "graph" else None
     engine = cpu_engine(
         target, strategy, device, runner=runner, max_context_len=64, graph_buckets=(1, 2, 4)
@@ -78,7 +137,66 @@ def test_greedy_output_is_plain_decodings_whatever_mix_of_rounds_and_plain_steps
     stats = engine.stats
     assert stats.spec_rounds > 0 and stats.spec_plain_steps > 0  # both kinds ran
     assert stats.spec_plain_steps == strategy.chooser.plain_steps
+    assert sum(stats.rounds_by_steps.values()) == stats.spec_rounds
+    if chooser == "cycling":
+        assert sorted(stats.rounds_by_steps) == [1, 2, 3]
+        assert stats.drafted_per_position[0] == stats.spec_rounds
+        assert stats.drafted_per_position[2] == stats.rounds_by_steps[3]
     if runner == "graph":  # plain steps on the drafter's own decode graphs, rounds on theirs
         assert sum(strategy.plain_graph.replays_per_size().values()) == stats.spec_plain_steps
-        assert stats.graph_rounds == stats.spec_rounds and stats.eager_steps == 1  # prefill
+        # Lengths first chosen while running (all but the longest) ran that round eagerly,
+        # then were captured: every later round of theirs replayed graphs.
+        later = sorted(set(stats.rounds_by_steps) - {3})
+        assert stats.eager_steps == 1 + len(later)  # the prefill, one verify each
+        for k in stats.rounds_by_steps:
+            variant = strategy.variants[k]
+            assert variant.draft.captured_sizes == variant.verify.captured_sizes == [1, 2, 4]
+            if chooser == "cycling":  # each length runs again after its capture
+                assert sum(variant.draft.replays_per_size().values()) > 0, k
+        eager_rounds = stats.spec_rounds - stats.graph_rounds
+        assert eager_rounds <= len(prompts) * len(later)
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
+
+
+def test_a_request_that_opts_out_accepts_no_draft_and_keeps_its_output():
+    """``SamplingParams(speculate=False)`` beside a drafting request, on the embedded pair
+    (a trained assistant: drafts are accepted): the opted-out request accepts nothing in
+    every round, the other accepts drafts, and both outputs are plain greedy decoding's."""
+    target = load_model(str(pretrained.TARGET_DIR), CPU, torch.float32)
+    drafter = load_model(str(pretrained.ASSISTANT_DIR), CPU, torch.float32)
+    tokens = Tokenizer.from_file(str(pretrained.TARGET_DIR / "tokenizer.json"))
+    prompts = [tokens.encode(p).ids for p in ("def fibonacci(n):", "import os\nimport sys\n")]
+    drafting = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    opted_out = SamplingParams(max_new_tokens=32, ignore_eos=True, speculate=False)
+    plain = cpu_engine(target).generate(prompts, drafting)
+    engine = cpu_engine(target, MTPDecoding(drafter, SpecConfig(num_steps=3)))
+    engine.add_request(prompts[0], drafting)
+    engine.add_request(prompts[1], opted_out)
+    reqs = list(engine.waiting)
+    while engine.has_work:
+        engine.step()
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+    accepted = [[len(rnd["accepted_tokens"]) for rnd in r.spec_rounds] for r in reqs]
+    assert sum(accepted[0]) > 0 and accepted[1] and not any(accepted[1]), accepted
+
+
+@pytest.mark.graphs
+def test_a_batch_that_opted_out_takes_plain_steps_on_decode_graphs(gemma4_tiny, gemma4_assistant):
+    """Fixed-length rounds, every request opted out: plain steps, on decode graphs captured
+    when first needed (that step runs eagerly); the output is plain greedy decoding's."""
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    prompts = random_prompts((5, 9), seed=32, vocab=target.model.vocab_size)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, speculate=False)
+    plain = cpu_engine(target, max_context_len=64).generate(prompts, params)
+    strategy = MTPDecoding(drafter, SpecConfig(num_steps=3))
+    engine = cpu_engine(
+        target, strategy, standin_device(), runner="graph", max_context_len=64, graph_buckets=(2,)
+    )
+    assert strategy.plain_graph.captured_sizes == []  # not at start-up: rounds need none
+    reqs = engine.generate(prompts, params)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+    stats = engine.stats
+    assert stats.spec_rounds == 0 and stats.spec_plain_steps == 11
+    assert strategy.plain_graph.captured_sizes == [2]
+    assert sum(strategy.plain_graph.replays_per_size().values()) == 10  # all but the first

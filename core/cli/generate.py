@@ -183,8 +183,17 @@ def run_generate(args: argparse.Namespace) -> int:
             "accept_length_mean": round(engine.stats.accept_length_mean, 4),
             "accept_histogram": engine.stats.accept_histogram,
             "accepted_per_position": engine.stats.accepted_per_position,
+            "drafted_per_position": engine.stats.drafted_per_position,
+            # request rounds by draft steps (--spec-steps auto picks them step by step)
+            "rounds_by_steps": {str(k): n for k, n in sorted(engine.stats.rounds_by_steps.items())},
             "plain_steps": engine.stats.spec_plain_steps,  # --spec-steps auto's undrafted steps
         }
+        chooser = engine.strategy.chooser
+        if chooser is not None:  # --spec-steps auto: why it chose as it did
+            stats["spec"]["auto"] = {
+                "round_steps": chooser.rounds,  # steps run as rounds (of all running requests)
+                "why": chooser.explain(),
+            }
     if args.json:
         out = {
             "requests": [_request_json(r, decode, drafter is not None) for r in reqs],
@@ -219,11 +228,10 @@ def run_generate(args: argparse.Namespace) -> int:
             f"; speculative: accept length {spec['accept_length_mean']:.2f} tokens per round "
             f"over {spec['rounds']} rounds, drafts accepted per round {spec['accept_histogram']}"
         )
-        chooser = engine.strategy.chooser
-        if chooser is not None:  # --spec-steps auto: what it chose, and why
+        if "auto" in spec:  # --spec-steps auto: what it chose, and why
             summary += (
-                f"; auto: {chooser.rounds} rounds and {chooser.plain_steps} plain steps "
-                f"({chooser.explain(chooser.last_batch_size)})"
+                f"; auto: {spec['auto']['round_steps']} rounds and {spec['plain_steps']} plain "
+                f"steps ({spec['auto']['why']})"
             )
     print(summary)
     _raise_failures(reqs)

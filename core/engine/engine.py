@@ -99,11 +99,17 @@ class EngineStats:
     graph_rounds: int = 0  # request rounds whose draft loop and verify both replayed graphs
     accept_histogram: list[int] = field(default_factory=list)  # [k] = rounds accepting k drafts
     spec_plain_steps: int = 0  # steps a speculative strategy ran without drafting
+    rounds_by_steps: dict[int, int] = field(default_factory=dict)  # draft steps -> rounds
+    drafted_per_position: list[int] = field(default_factory=list)  # [i] = rounds drafting i + 1
 
     def record_accept(self, accepted: int, num_steps: int) -> None:
         if len(self.accept_histogram) < num_steps + 1:
             self.accept_histogram += [0] * (num_steps + 1 - len(self.accept_histogram))
+            self.drafted_per_position += [0] * (num_steps - len(self.drafted_per_position))
         self.accept_histogram[accepted] += 1
+        for i in range(num_steps):
+            self.drafted_per_position[i] += 1
+        self.rounds_by_steps[num_steps] = self.rounds_by_steps.get(num_steps, 0) + 1
         self.spec_rounds += 1
 
     def record_step(self, outcome: StepOutcome) -> None:
@@ -117,8 +123,8 @@ class EngineStats:
     @property
     def accepted_per_position(self) -> list[int]:
         """[i] = rounds whose draft at position i + 1 was accepted (vLLM's
-        ``spec_decode_num_accepted_tokens_per_pos``); over ``spec_rounds``, the acceptance
-        rate by position."""
+        ``spec_decode_num_accepted_tokens_per_pos``); over ``drafted_per_position[i]``,
+        the acceptance rate by position."""
         hist = self.accept_histogram
         return [sum(hist[k] for k in range(i + 1, len(hist))) for i in range(len(hist) - 1)]
 

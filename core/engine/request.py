@@ -76,6 +76,9 @@ class SamplingParams:
     seed: int | None = None  # None: derived from the engine seed and the request id
     ignore_eos: bool = False
     return_logits: bool = False  # keep each step's logits on the request (tests, logprobs)
+    # False: this request takes no drafted tokens (an engine with a drafter gives it one
+    # token a step, the target's own, as a plain step would); True: drafts where they pay.
+    speculate: bool = True
 
     def __post_init__(self):
         # Integers are integers: 1.5 tokens or top_k 2.5 is a caller's bug, not a rounding.
@@ -83,7 +86,7 @@ class SamplingParams:
             _require_int(name, getattr(self, name))
         for name in ("temperature", "top_p"):
             _require_number(name, getattr(self, name))
-        for name in ("ignore_eos", "return_logits"):
+        for name in ("ignore_eos", "return_logits", "speculate"):
             _require_bool(name, getattr(self, name))
         if self.seed is not None:
             _require_int("seed", self.seed)

@@ -143,16 +143,29 @@ class DecodeStrategy(abc.ABC):
 
 
 class PlainDecode(DecodeStrategy):
-    """One target forward per step: each request feeds its last token and samples one."""
+    """One target forward per step: each request feeds its last token and samples one.
+
+    ``after_forward(batch, out)``, where given, runs on every step's forward output, inside
+    the decode graph where one replays (device ops only): a drafter taking plain steps
+    writes its next seeds there, with no launch of its own.
+    """
 
     name = "plain"
+
+    def __init__(self, after_forward: Callable[[ForwardBatch, RunnerOutput], None] | None = None):
+        self.after_forward = after_forward
 
     def setup(self, ctx: StepContext) -> Sequence[GraphRunner]:
         self.ctx = ctx
         if ctx.graph_backend is None:
             return ()
         self.graph_runner = GraphRunner(
-            ctx.loaded.model, ctx.attn_backend, ctx.graph_backend, ctx.graph_config, ctx.device
+            ctx.loaded.model,
+            ctx.attn_backend,
+            ctx.graph_backend,
+            ctx.graph_config,
+            ctx.device,
+            after_forward=self.after_forward,
         )
         return (self.graph_runner,)
 
@@ -164,6 +177,8 @@ class PlainDecode(DecodeStrategy):
         taking a plain step seeds its next round from them)."""
         batch = self.ctx.decode_batch(reqs)
         out, on_graph = self.ctx.forward(batch, self.graph_runner)
+        if not on_graph and self.after_forward is not None:
+            self.after_forward(batch, out)  # the graph ran it already
         outcome = StepOutcome(
             tokens=[[t] for t in sample_requests(reqs, out.logits)],
             graph_forwards=int(on_graph),

@@ -49,6 +49,7 @@ class GraphRunner(BaseRunner):
         device: torch.device,
         shape: GraphShape = DECODE_SHAPE,
         forward: Callable[[ForwardBatch], Any] | None = None,
+        after_forward: Callable[[ForwardBatch, RunnerOutput], None] | None = None,
     ):
         super().__init__(model, attn_backend)
         self.backend = backend
@@ -58,6 +59,9 @@ class GraphRunner(BaseRunner):
         # a bound method stored on self: that would be a reference cycle, and a dropped
         # runner's graphs would wait for the cycle collector.)
         self._own_forward = forward
+        # Work on the default forward's output captured in the same graph (a drafter's plain
+        # steps write their seeds): device ops only, outputs unchanged.
+        self._after_forward = after_forward
         # Device graphs of every bucket write their logits into slices of this one buffer
         # (allocated at capture, so graph memory counts it): only one graph replays at a
         # time, and per-bucket logits were most of the graphs' memory (20 llama-1b buckets:
@@ -120,7 +124,16 @@ class GraphRunner(BaseRunner):
         # code, which returns fresh outputs from every call).
         shared = self._shared_logits
         logits = None if shared is None else shared[: batch.num_tokens]
-        return lambda: forward_model(model, attn, batch, logits)
+        after = self._after_forward
+        if after is None:
+            return lambda: forward_model(model, attn, batch, logits)
+
+        def forward_then() -> RunnerOutput:
+            out = forward_model(model, attn, batch, logits)
+            after(batch, out)
+            return out
+
+        return forward_then
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -6,7 +6,8 @@ lockstep. After every step they must agree on the drafts, the accepted and emitt
 tokens, each live request's token-table entries (device and host copies) and the KV
 stored at them. Cases: batches that shrink between rounds (padded replays), mixed
 accept lengths driven by an oracle drafter (the verify graph, acceptance and commit
-under every accept length), and exact mode. float32: greedy near-ties between two
+under every accept length), exact mode, and `--spec-steps auto` changing the draft
+length between rounds. float32: greedy near-ties between two
 kernels would make a bfloat16 comparison about rounding, not about graphrt.
 """
 
@@ -20,6 +21,7 @@ from helpers import OracleDraftRunner, random_prompts, rel_err
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.models import load_model
 from graphrt.spec import MTPDecoding, SpecConfig
+from graphrt.spec.adaptive import DraftChooser
 
 SPEC_CASES = [c for c in CASES if c.dtype == torch.float32]
 pytestmark = pytest.mark.graphs
@@ -155,7 +157,9 @@ def test_mixed_accept_lengths_from_an_oracle_drafter(spec_case, engines):
             by_slot = {r.req_slot: truth[tuple(r.prompt_ids)] for r in engine.running}
             strategy.draft_eager = OracleDraftRunner(engine, by_slot, topk=1)
             # The oracle runs eagerly; the verify forward still replays its graph.
-            strategy.draft = lambda inputs, graphs=True, s=strategy: type(s).draft(s, inputs, False)
+            strategy.draft = lambda inputs, graphs=True, variant=None, s=strategy: type(s).draft(
+                s, inputs, False, variant
+            )
 
     eager0 = graph.stats.eager_steps
     try:
@@ -198,3 +202,72 @@ def test_exact_mode_runs_rounds_on_graphs_at_captured_sizes_only(spec_case, engi
     rounds_at = {size: sum(n == size for n, _ in sizes) for size in buckets}
     replays = {size: n - replays0.get(size, 0) for size, n in verify.replays_per_size().items()}
     assert replays == rounds_at and all(rounds_at.values())
+
+
+class CyclingChooser(DraftChooser):
+    """`--spec-steps auto` with its choice scripted: every length in turn, plain steps too."""
+
+    ORDER = (3, 1, 0, 2, 1, 3, 0, 2, 2)
+
+    def __init__(self):
+        super().__init__(3)
+        self.steps = 0
+
+    def choose(self, bucket, reqs):
+        self.steps += 1
+        return self.ORDER[(self.steps - 1) % len(self.ORDER)]
+
+
+def test_auto_lengths_change_between_rounds_and_graph_rounds_equal_eager_rounds(
+    spec_case, gemma4_tiny, gemma4_assistant, session_cache
+):
+    """`--spec-steps auto`: rounds of 3, 1 and 2 draft steps and plain steps in turn, under
+    mixed accept lengths (the oracle drafter); each length's graphs are captured when first
+    chosen. Every step the graph engine equals the eager one."""
+    if spec_case.id == "cpu-compile":
+        pytest.skip(
+            "inductor compiles each length's graphs: minutes on 2 cores (the stand-ins run it)"
+        )
+    target, drafter = (
+        load_model(str(c.path), spec_case.device, spec_case.dtype)
+        for c in (gemma4_tiny, gemma4_assistant)
+    )
+    pair = []
+    for graphs in (True, False):
+        strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
+        strategy.chooser = CyclingChooser()
+        config = EngineConfig(
+            max_running_requests=4,
+            max_context_len=64,
+            runner="graph" if graphs else "eager",
+            graph_buckets=buckets_for(spec_case),
+        )
+        pair.append(Engine(target, config, case_device(spec_case), strategy))
+    graph, eager = pair
+    prompts = random_prompts(PROMPT_LENS, seed=8, vocab=target.model.vocab_size)
+    plain = Engine(target, EngineConfig(runner="eager"), case_device(spec_case))
+    truth = {
+        tuple(p): p
+        + plain.generate([p], SamplingParams(max_new_tokens=n + 4, ignore_eos=True))[0].output_ids
+        for p, n in zip(prompts, LIMITS)
+    }
+
+    def use_oracle(*engines):
+        for engine in engines:
+            by_slot = {r.req_slot: truth[tuple(r.prompt_ids)] for r in engine.running}
+            engine.strategy.draft_eager = OracleDraftRunner(engine, by_slot, topk=1)
+            for variant in engine.strategy.variants.values():
+                variant.draft = None  # the oracle drafts eagerly; verify replays graphs
+
+    reqs = _lockstep(graph, eager, prompts, spec_case.rtol, before_decode=use_oracle)
+    stats = graph.stats
+    assert set(stats.rounds_by_steps) == {1, 2, 3} and stats.spec_plain_steps > 0
+    accepted = {len(rnd["accepted_tokens"]) for r in reqs for rnd in r.spec_rounds}
+    assert {0, 1, 2} <= accepted, accepted
+    # Every length verified on its graphs once captured: one eager verify each for the
+    # lengths start-up left out (1 and 2), and the prefill.
+    assert stats.eager_steps == 1 + 2
+    for k in (1, 2, 3):
+        assert sum(graph.strategy.variants[k].verify.replays_per_size().values()) > 0, k
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == truth[tuple(p)][len(p) : len(p) + len(r.output_ids)]
