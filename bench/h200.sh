@@ -4,7 +4,9 @@
 # table prints last. Usage: bash bench/h200.sh [tests|bench|spec|all] [bench runners] [spec topks]
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
 #   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
-#   bash bench/h200.sh auto [tokens]: bench/profile_auto.py (auto's plain steps vs a plain engine)
+#   bash bench/h200.sh auto [tokens]: the README's command with and without drafting, and
+#     bench/profile_auto.py (auto vs --no-draft vs rounds of 5, side by side in one process)
+#   bash bench/h200.sh matrix ["spec_matrix.py flags"]: the speculative speed matrix (issue 20)
 #   bash bench/h200.sh pair ["train flags"]: train the embedded Gemma 4 pair, eval on cuda
 #     (EVAL_CONFIGS=3x1,5x1,... picks the speculative configurations measured)
 #   bash bench/h200.sh paireval ["name=target:assistant ..."]: eval pairs on cuda
@@ -52,8 +54,8 @@ if [[ $what == kernels ]]; then
 fi
 
 if [[ $what == auto ]]; then
-    # Issue 20: --spec-steps auto's plain steps against a plain engine's (bench/profile_auto.py).
-    # The README's first command, with and without drafting, interleaved, fresh processes.
+    # Issue 20: the README's first command with and without drafting (fresh processes,
+    # interleaved), then the three engines side by side in one process.
     for i in 1 2; do
         for mode in no-draft auto; do
             flag=$([[ $mode == no-draft ]] && echo --no-draft)
@@ -63,12 +65,16 @@ if [[ $what == auto ]]; then
                 "$OUT/cli-$mode-$i.json" "$mode $i"
         done
     done
-    for mode in ${3:-plain auto forced plain}; do  # one process each
-        python bench/profile_auto.py "${2:-400}" cuda "$mode" 2>&1 | grep -v Warning | tail -n 1
-    done
-    PROFILE=1 python bench/profile_auto.py "${2:-400}" cuda plain,forced 2>&1 | grep -v Warning \
-        > "$OUT/profile-auto.log"
-    tail -n 2 "$OUT/profile-auto.log"
+    python bench/profile_auto.py "${2:-400}" cuda 5 2>&1 | grep -v Warning | tail -n 7
+fi
+
+if [[ $what == matrix ]]; then
+    # Issue 20: the speculative speed matrix (bench/spec_matrix.py), then auto vs --no-draft
+    # side by side on the embedded pair (bench/profile_auto.py).
+    timeout 480 python bench/spec_matrix.py --out "$OUT/spec-matrix.json" ${2:-} 2>&1 \
+        | grep -v Warning > "$OUT/spec-matrix.log"
+    echo "matrix exit $?"; grep -v '^{' "$OUT/spec-matrix.log" | tail -n 40
+    python bench/profile_auto.py 400 cuda 5 2>&1 | grep -v Warning | tail -n 7
 fi
 
 if [[ $what == profile ]]; then

@@ -16,9 +16,10 @@ Each step runs the step count ``k`` that maximises the batch's expected tokens a
   that might win gets tried, and then it is measured.
 
 At a new bucket the longest rounds run first (they measure acceptance at every
-position), then plain steps. The runner-up still runs now and then, so its figures follow
+position), then plain steps. Another count still runs now and then, so the figures follow
 what changes (acceptance drifts with the text): after 16 steps of the same winner, then
-32, then every 64 (at most 1 step in 64 spent looking once the choice is stable).
+32, then every 64 (at most 1 step in 64 spent looking once the choice is stable), the
+runner-up and the longest rounds in turn.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class _Bucket:
     seen: dict[int, int] = field(default_factory=dict)
     since_explore: int = 0
     explore_every: int = FIRST_EXPLORE
+    explored: int = 0  # looks at the runner-up taken
     last_winner: int | None = None
 
     def median(self, steps: int) -> float | None:
@@ -118,6 +120,12 @@ class DraftChooser:
         if size.since_explore >= size.explore_every:
             size.since_explore = 0
             size.explore_every = min(2 * size.explore_every, MAX_EXPLORE)
+            size.explored += 1
+            # Every other look runs the longest rounds, whatever the runner-up: only they
+            # measure acceptance at every position (a shorter runner-up would leave the
+            # deeper positions' rates as old as the last long round).
+            if size.explored % 2 == 0 and winner != self.max_steps:
+                return self.max_steps
             return runner_up
         return winner
 

@@ -17,8 +17,9 @@ A round, device work end to end (gpt-fast's ``speculative_decode``, on graphs):
 
 With ``--spec-steps auto`` (``SpecConfig.adaptive``) each step runs rounds of the draft
 length ``spec.adaptive`` picks, 0 meaning a plain decode step: each length has its own
-graphs, the longest captured at start-up and the others when first chosen (that round
-runs eagerly: capturing every length up front would multiply start-up time). A request
+graphs, the longest captured at start-up and the others just before the first step that
+chooses them (capturing every length up front would multiply start-up time; the engine
+reports those captures apart from decoding time). A request
 that opted out (``SamplingParams.speculate``) accepts no draft in a round: it emits the
 target's token, as a plain step would.
 """
@@ -90,13 +91,13 @@ class MTPDecoding(DecodeStrategy):
         self.variants = {k: RoundGraphs(self.cfg.for_steps(k)) for k in lengths}
         self.chooser = DraftChooser(self.cfg.num_steps) if self.cfg.adaptive else None
         self.plain: PlainDecode | None = None  # plain steps (auto's, or an opted-out batch's)
-        # Runners built but not captured at start-up, and those a step has since needed (the
-        # engine captures them between steps): the sampled verify graphs (their sampling
-        # intermediates make them several times the greedy graphs' memory: 6.1 GB with both
-        # for gemma4-e2b up to batch 64), the shorter lengths' graphs, fixed-length rounds'
-        # plain decode graphs (used only when a whole batch opted out).
+        # Runners built but not captured at start-up; the engine captures each before the
+        # first step that needs it (``captures_before``): the sampled verify graphs (their
+        # sampling intermediates make them several times the greedy graphs' memory: 6.1 GB
+        # with both for gemma4-e2b up to batch 64), the shorter lengths' graphs, and
+        # fixed-length rounds' plain decode graphs (used only when a whole batch opted out).
         self._later: list[GraphRunner] = []
-        self._pending: list[GraphRunner] = []
+        self._planned: tuple[list[Request], int] | None = None  # (reqs, draft steps) next
 
     @property
     def longest(self) -> RoundGraphs:
@@ -217,14 +218,30 @@ class MTPDecoding(DecodeStrategy):
 
     # ---- one step ----------------------------------------------------------------
 
-    def decode(self, reqs: list[Request]) -> StepOutcome:
-        bucket = self._bucket(len(reqs))
+    def plan(self, reqs: list[Request]) -> int:
+        """The draft steps of the next step of ``reqs`` (0: a plain step)."""
         if not any(r.params.speculate for r in reqs):
-            steps = 0  # nothing to draft for
-        elif self.chooser is None:
-            steps = self.cfg.num_steps
+            return 0  # nothing to draft for
+        if self.chooser is None:
+            return self.cfg.num_steps
+        return self.chooser.choose(self._bucket(len(reqs)), reqs)
+
+    def captures_before(self, reqs: list[Request]) -> Sequence[GraphRunner]:
+        steps = self.plan(reqs)
+        self._planned = (reqs, steps)
+        if steps == 0:
+            needs = (self.plain_graph,)
         else:
-            steps = self.chooser.choose(bucket, reqs)
+            variant = self.variants[steps]
+            greedy = all(r.params.greedy for r in reqs)
+            needs = (variant.verify if greedy else variant.sampled_verify, variant.draft)
+        now = [r for r in needs if r in self._later]
+        self._later = [r for r in self._later if r not in now]
+        return now
+
+    def decode(self, reqs: list[Request]) -> StepOutcome:
+        planned, self._planned = self._planned, None
+        steps = planned[1] if planned is not None and planned[0] == reqs else self.plan(reqs)
         start = time.perf_counter()
         outcome = self.round(reqs, steps) if steps else self.plain_step(reqs)
         if self.chooser is not None:
@@ -233,6 +250,7 @@ class MTPDecoding(DecodeStrategy):
                 for r, log in zip(reqs, outcome.rounds or ())
                 if r.params.speculate
             ]
+            bucket = self._bucket(len(reqs))
             self.chooser.record(steps, bucket, time.perf_counter() - start, accepted)
         return outcome
 
@@ -244,16 +262,9 @@ class MTPDecoding(DecodeStrategy):
             return batch_size
         return pad_to_bucket(batch_size, runner.buckets, runner.config.padding) or batch_size
 
-    def _use(self, runner: GraphRunner | None) -> None:
-        """A step needs ``runner``: if start-up left it uncaptured, capture it after this step."""
-        if runner is not None and runner in self._later:
-            self._later.remove(runner)
-            self._pending.append(runner)
-
     def plain_step(self, reqs: list[Request]) -> StepOutcome:
         """A plain decode step; its forward writes the hidden that produced each token
         into the seed table, for the request's next round."""
-        self._use(self.plain.graph_runner)
         outcome = self.plain.step(reqs)[0]
         outcome.plain_steps = 1
         return outcome
@@ -301,7 +312,6 @@ class MTPDecoding(DecodeStrategy):
         args = (inputs.root, inputs.seed_hidden, inputs.req_slots, inputs.kv_lens)
         batch = draft_batch(*args, inputs.kv_lens_cpu)
         graph = variant.draft
-        self._use(graph)
         if graphs and graph is not None and graph.can_run_graph(batch):
             return VerifyTree(*graph.execute(batch)), True
         tree = draft_verify_tree(self.draft_eager.execute, variant.cfg, *args, inputs.kv_lens_cpu)
@@ -335,17 +345,12 @@ class MTPDecoding(DecodeStrategy):
         for req in inputs.reqs:
             req.draws += tree.num_nodes
         graph = variant.sampled_verify if sampling is not None else variant.verify
-        self._use(graph)
         if graphs and graph is not None and graph.can_run_graph(batch):
             (packed,) = graph.execute(batch)
             return packed, True
         out = self.ctx.eager_runner.execute(batch)
         packed = round_tail(out.logits, out.hidden, batch, self.tables(), self.ctx.max_context_len)
         return packed, False
-
-    def pending_captures(self) -> Sequence[GraphRunner]:
-        pending, self._pending = self._pending, []
-        return pending
 
     def tables(self) -> RoundTables:
         """The device tables a round's tail writes: the token table, the seed table."""

@@ -30,6 +30,7 @@ STATS_KEYS = {
     "captured_sizes",
     "tokens_per_s",
     "capture_time_s",
+    "lazy_capture_s",
     "compile_time_s",
     "prefill_time_s",
     "graph_memory_bytes",

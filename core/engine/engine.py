@@ -87,6 +87,7 @@ class EngineStats:
     generated_tokens: int = 0
     elapsed_s: float = 0.0  # in generate(), prefills and lazy compiles included
     capture_time_s: float = 0.0
+    lazy_capture_s: float = 0.0  # captures inside generate() (graphs a step first needed)
     compile_time_s: float = 0.0  # lazy compiles inside elapsed_s (CPU `compile` backend)
     # Prefill steps (each emits a request's first token): on a GPU the first one also pays
     # the eager kernels' JIT compiles, seconds that are no measure of decoding.
@@ -137,8 +138,9 @@ class EngineStats:
     @property
     def tokens_per_s(self) -> float:
         """Decoding speed: the tokens decode steps (or speculative rounds) emitted over
-        their time in generate(); prefill steps and lazy compiles are not counted."""
-        decoding_s = self.elapsed_s - self.prefill_s - self.compile_time_s
+        their time in generate(); prefill steps, lazy compiles and the captures of graphs a
+        step first needed are not counted."""
+        decoding_s = self.elapsed_s - self.prefill_s - self.compile_time_s - self.lazy_capture_s
         tokens = self.generated_tokens - self.prefill_tokens
         return tokens / decoding_s if decoding_s > 0 and tokens > 0 else 0.0
 
@@ -364,9 +366,11 @@ class Engine:
             reqs = list(self.running)
             if not reqs:
                 return []
-            emitted = self._apply(reqs, self.strategy.decode(reqs))
-            for runner in self.strategy.pending_captures():
+            for runner in self.strategy.captures_before(reqs):
+                start = time.perf_counter()
                 self._capture(runner)
+                self.stats.lazy_capture_s += time.perf_counter() - start
+            emitted = self._apply(reqs, self.strategy.decode(reqs))
         for req, tokens in zip(reqs, emitted):
             for token in tokens:
                 self._append_token(req, token)

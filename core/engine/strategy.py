@@ -116,9 +116,9 @@ class DecodeStrategy(abc.ABC):
         """Build this strategy's runners over ``ctx``; -> the graph runners the engine
         captures, in that order (one backend, one pool: the largest graphs first)."""
 
-    def pending_captures(self) -> Sequence[GraphRunner]:
-        """Runners a step found it needs, for the engine to capture between steps (graphs
-        that start-up leaves out because most engines never use them)."""
+    def captures_before(self, reqs: list[Request]) -> Sequence[GraphRunner]:
+        """Runners the next step of ``reqs`` needs that start-up left uncaptured (graphs
+        most engines never use): the engine captures them, then calls ``decode``."""
         return ()
 
     def after_prefill(self, reqs: list[Request], out: RunnerOutput) -> None:  # noqa: B027
