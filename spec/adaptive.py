@@ -5,15 +5,14 @@ Each step runs the step count ``k`` that maximises the batch's expected tokens a
 
 - ``E_r(k) = 1 + sum_{i<=k} a_r[1] * ... * a_r[i]``: the bonus token plus each drafted
   position reached and accepted. ``a_r[i]`` is request r's acceptance at position i given
-  position i - 1 was accepted, a moving average over its rounds (each weighs 1/4), which
-  starts from the engine-wide rates (each request-round weighs 1/10 there). A position
-  never drafted yet takes the rate of the one before it. ``E_r(0) = 1``; a request that
-  opted out (``SamplingParams.speculate``) emits 1 token whatever ``k``.
+  position i - 1 was accepted: its own recent rounds (evidence fading by 1/10 an engine
+  step), blended with the engine-wide rate (all requests' rounds, fading by 1/50 a step;
+  a position no recent round reached takes the rate of the one before it): ``Acceptance``. ``E_r(0) = 1``; a
+  request that opted out (``SamplingParams.speculate``) emits 1 token whatever ``k``.
 - ``t(B, k)``: the median wall time of the recent steps of ``k`` at batch bucket ``B``
-  (the first of each, which pays for lazy captures, compiles and first touches, is left
-  out). A ``k`` not measured yet is interpolated linearly between the nearest measured
-  counts below and above: optimistic where a round's fixed cost dominates, so a count
-  that might win gets tried, and then it is measured.
+  (the first of each, which pays for first touches, is left out), or where ``k`` was
+  measured fewer than 4 times, a line ``a + b * k`` fitted through the measured lengths
+  (``step_seconds``): one noisy sample must not decide for 64 steps.
 
 At a new bucket the longest rounds run first (they measure acceptance at every
 position), then plain steps. Another count still runs now and then, so the figures follow
@@ -31,12 +30,14 @@ from dataclasses import dataclass, field
 
 from graphrt.core.engine.request import Request
 
-WINDOW = 8  # recent steps per (kind, bucket) whose median counts
-REQUEST_WEIGHT = 0.25  # a round's weight in its request's acceptance rates
-ENGINE_WEIGHT = 0.1  # a request-round's weight in the engine-wide rates
+WINDOW = 16  # recent steps per (kind, bucket) whose median counts
+TRUSTED_SAMPLES = 4  # a length measured fewer times takes the fitted line's time
+REQUEST_WEIGHT = 0.1  # each engine step fades a request's own evidence by this share
+ENGINE_WEIGHT = 0.02  # and the engine-wide evidence by this one
 FIRST_EXPLORE = 16  # steps before the runner-up runs again, doubling up to
 MAX_EXPLORE = 64
 UNSEEN_RATE = 0.5  # acceptance assumed at position 1 before any round ran
+PRIOR_WEIGHT = 1.0  # observations a position's prior is worth
 
 
 @dataclass
@@ -56,32 +57,60 @@ class _Bucket:
 
 
 class Acceptance:
-    """Acceptance by draft position (1-based), each a moving average; None: not seen."""
+    """Acceptance by draft position (1-based), given the position before was accepted.
+
+    Evidence fades with time: at each record, every position's counts are scaled by
+    ``(1 - weight) ** steps``, the engine steps since the last record (plain steps
+    included: a round after a long run of plain steps speaks for now, not the old
+    rounds), then what this round saw is counted. A position's rate blends its counts
+    with a prior worth ``PRIOR_WEIGHT`` observations: for a request's own estimate the
+    engine-wide rate; engine-wide, the previous position's rate (a chain's rates drift
+    slowly with depth). A position that short rounds stopped reaching falls back to what
+    its neighbours say instead of keeping an old figure, so longer rounds get tried
+    again when the positions before them look good."""
 
     def __init__(self, max_steps: int, weight: float, prior: Acceptance | None = None):
-        self.weight = weight
-        self.rates: list[float | None] = list(prior.rates) if prior else [None] * max_steps
-        self._expected: tuple[float, ...] | None = None  # cached until the next record
+        self.weight, self.prior = weight, prior
+        self.hits = [0.0] * max_steps
+        self.seen = [0.0] * max_steps
+        self.clock = 0  # the engine step of the last record
+        self.version = 0  # bumped by every record
+        self._cached: tuple[tuple[int, int], tuple[float, ...]] | None = None  # by versions
 
-    def record(self, num_steps: int, accepted: int) -> None:
-        """One round of ``num_steps`` that accepted ``accepted`` drafts: positions up to
-        ``accepted`` were accepted, the next one (if drafted) rejected."""
+    def record(self, num_steps: int, accepted: int, step: int) -> None:
+        """A round of ``num_steps`` at engine step ``step`` accepted ``accepted`` drafts:
+        positions up to ``accepted`` were accepted, the next one (if drafted) rejected."""
+        if step > self.clock:
+            keep = (1.0 - self.weight) ** (step - self.clock)
+            self.hits = [h * keep for h in self.hits]
+            self.seen = [n * keep for n in self.seen]
+            self.clock = step
         for i in range(min(accepted + 1, num_steps)):
-            hit = 1.0 if i < accepted else 0.0
-            old = self.rates[i]
-            self.rates[i] = hit if old is None else old + self.weight * (hit - old)
-        self._expected = None
+            self.seen[i] += 1.0
+            self.hits[i] += 1.0 if i < accepted else 0.0
+        self.version += 1
+
+    def rates(self) -> list[float]:
+        """[i] = the acceptance rate at position i + 1."""
+        priors = self.prior.rates() if self.prior is not None else None
+        rates, before = [], UNSEEN_RATE
+        for i, (hits, seen) in enumerate(zip(self.hits, self.seen)):
+            prior = priors[i] if priors is not None else before
+            before = (hits + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT)
+            rates.append(before)
+        return rates
 
     def expected_tokens(self) -> tuple[float, ...]:
-        """[k] = tokens a round of k steps emits, bonus token included (k = 0: 1)."""
-        if self._expected is None:
-            tokens, reach, rate = [1.0], 1.0, UNSEEN_RATE
-            for seen in self.rates:
-                rate = rate if seen is None else seen
+        """[k] = tokens a round of k steps emits, bonus token included (k = 0: 1). Cached
+        until this estimate or its prior records again (plain steps reuse it)."""
+        versions = (self.version, self.prior.version if self.prior is not None else 0)
+        if self._cached is None or self._cached[0] != versions:
+            tokens, reach = [1.0], 1.0
+            for rate in self.rates():
                 reach *= rate
                 tokens.append(tokens[-1] + reach)
-            self._expected = tuple(tokens)
-        return self._expected
+            self._cached = (versions, tuple(tokens))
+        return self._cached[1]
 
 
 class DraftChooser:
@@ -143,18 +172,30 @@ class DraftChooser:
         return [t / s for t, s in zip(tokens, seconds)]
 
     def step_seconds(self, bucket: int) -> list[float]:
-        """[k] = a step's measured (or interpolated) seconds with k draft steps."""
+        """[k] = a step's seconds with k draft steps: measured, or modelled.
+
+        A round costs about ``a + b * k`` (the draft loop grows by one step's kernels per
+        step; verify reads the target's weights once whatever its width), so once two
+        lengths are measured a line through their medians (weighted by samples; through
+        the well-measured ones where two are) predicts the others, and stands in for a
+        length measured only a few times. Before that, lengths
+        between a plain step and the longest rounds are interpolated linearly between the
+        two: optimistic (a round's fixed cost is spread), so they get tried."""
         size = self._buckets[bucket]
-        known = {k: m for k in range(self.max_steps + 1) if (m := size.median(k)) is not None}
+        counts = {k: len(size.seconds.get(k, ())) for k in range(self.max_steps + 1)}
+        known = {k: size.median(k) for k, n in counts.items() if n}
+        rounds = {k: (m, counts[k]) for k, m in known.items() if k > 0}
+        trusted = {k: p for k, p in rounds.items() if p[1] >= TRUSTED_SAMPLES}
+        line = _fit_line(trusted if len(trusted) >= 2 else rounds)
         seconds = []
         for k in range(self.max_steps + 1):
-            if k in known:
+            if k in known and (k == 0 or counts[k] >= TRUSTED_SAMPLES or line is None):
                 seconds.append(known[k])
-                continue
-            below = max(j for j in known if j < k)  # 0 and max_steps are measured first
-            above = min(j for j in known if j > k)
-            share = (k - below) / (above - below)
-            seconds.append(known[below] + share * (known[above] - known[below]))
+            elif line is not None:
+                seconds.append(max(line[0] + line[1] * k, 1e-9))
+            else:  # 0 and max_steps are measured first
+                share = k / self.max_steps
+                seconds.append(known[0] + share * (known[self.max_steps] - known[0]))
         return seconds
 
     def record(
@@ -171,13 +212,14 @@ class DraftChooser:
         if size.seen[steps] > 1:
             size.seconds.setdefault(steps, deque(maxlen=WINDOW)).append(seconds)
         self.steps_by_count[steps] += 1
+        clock = sum(self.steps_by_count)
         for req, n in accepted:
             if req.rid not in self._requests:
                 self._requests[req.rid] = Acceptance(
                     self.max_steps, REQUEST_WEIGHT, self.engine_rates
                 )
-            self._requests[req.rid].record(steps, n)
-            self.engine_rates.record(steps, n)
+            self._requests[req.rid].record(steps, n, clock)
+            self.engine_rates.record(steps, n, clock)
 
     def explain(self) -> str:
         """One clause: what the last choice weighed (tokens and time a step, by step
@@ -193,4 +235,18 @@ class DraftChooser:
             for k, (t, s) in enumerate(zip(tokens, seconds))
         )
         verdict = "plain steps pay" if best == 0 else f"rounds of {best} draft steps pay"
-        return f"at batch {bucket}: {cells} (~ interpolated): {verdict}"
+        return f"at batch {bucket}: {cells} (~ modelled): {verdict}"
+
+
+def _fit_line(points: dict[int, tuple[float, int]]) -> tuple[float, float] | None:
+    """``(a, b)`` of ``t = a + b * k`` by least squares over ``{k: (median, samples)}``,
+    each length weighing its sample count; None with fewer than two lengths."""
+    if len(points) < 2:
+        return None
+    weight = sum(n for _, n in points.values())
+    mean_k = sum(k * n for k, (_, n) in points.items()) / weight
+    mean_t = sum(t * n for t, n in points.values()) / weight
+    var = sum(n * (k - mean_k) ** 2 for k, (_, n) in points.items())
+    cov = sum(n * (k - mean_k) * (t - mean_t) for k, (t, n) in points.items())
+    slope = max(cov / var, 0.0)  # a longer round never costs less
+    return mean_t - slope * mean_k, slope

@@ -421,8 +421,8 @@ def test_cuda_round_waits_on_the_device_once(topk, gemma4_tiny, gemma4_assistant
     greedy = SamplingParams(max_new_tokens=14, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p, params in zip(prompts, (greedy, sampled, greedy))]
     engine.step()  # prefill (samples on the host; not a round)
-    # The first round with a sampled request verifies eagerly; the sampled verify graphs
-    # are captured after it (capture synchronises): the rounds counted come after.
+    # The first round with a sampled request: its sampled verify graphs are captured just
+    # before it (capture synchronises): the rounds counted come after.
     engine.step()
     rounds0 = engine.stats.graph_rounds, engine.stats.spec_rounds
     waits = []
