@@ -14,8 +14,9 @@ Each step runs the step count ``k`` that maximises the batch's expected tokens a
   measured fewer than 4 times, a line ``a + b * k`` fitted through the measured lengths
   (``step_seconds``): one noisy sample must not decide for 64 steps.
 
-At a new bucket the longest rounds run first (they measure acceptance at every
-position), then plain steps. Another count still runs now and then, so the figures follow
+At the first bucket the longest rounds run first (they measure acceptance at every
+position), then plain steps; a later bucket starts from the nearest measured one's times,
+scaled. Another count still runs now and then, so the figures follow
 what changes (acceptance drifts with the text): after 16 steps of the same winner, then
 32, then every 64 (at most 1 step in 64 spent looking once the choice is stable), the
 runner-up and the longest rounds in turn.
@@ -23,6 +24,7 @@ runner-up and the longest rounds in turn.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -38,6 +40,11 @@ FIRST_EXPLORE = 16  # steps before the runner-up runs again, doubling up to
 MAX_EXPLORE = 64
 UNSEEN_RATE = 0.5  # acceptance assumed at position 1 before any round ran
 PRIOR_WEIGHT = 1.0  # observations a position's prior is worth
+# Engine-wide, a position's prior is the one before it times this: a drafter recurring on
+# its own guesses does not get better with depth (and only rounds that accepted every
+# position before reach it, a few at first: without the decline one lucky round made
+# the deepest positions look certain).
+DEPTH_DECLINE = 0.9
 
 
 @dataclass
@@ -64,10 +71,10 @@ class Acceptance:
     included: a round after a long run of plain steps speaks for now, not the old
     rounds), then what this round saw is counted. A position's rate blends its counts
     with a prior worth ``PRIOR_WEIGHT`` observations: for a request's own estimate the
-    engine-wide rate; engine-wide, the previous position's rate (a chain's rates drift
-    slowly with depth). A position that short rounds stopped reaching falls back to what
-    its neighbours say instead of keeping an old figure, so longer rounds get tried
-    again when the positions before them look good."""
+    engine-wide rate; engine-wide, the previous position's rate times ``DEPTH_DECLINE``.
+    A position that short rounds stopped reaching falls back to what its neighbours say
+    instead of keeping an old figure, so longer rounds get tried again when the
+    positions before them look good."""
 
     def __init__(self, max_steps: int, weight: float, prior: Acceptance | None = None):
         self.weight, self.prior = weight, prior
@@ -95,7 +102,7 @@ class Acceptance:
         priors = self.prior.rates() if self.prior is not None else None
         rates, before = [], UNSEEN_RATE
         for i, (hits, seen) in enumerate(zip(self.hits, self.seen)):
-            prior = priors[i] if priors is not None else before
+            prior = priors[i] if priors is not None else before * DEPTH_DECLINE
             before = (hits + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT)
             rates.append(before)
         return rates
@@ -137,9 +144,10 @@ class DraftChooser:
             running = {r.rid for r in reqs}
             self._requests = {rid: a for rid, a in self._requests.items() if rid in running}
         size = self._buckets.setdefault(bucket, _Bucket())
-        for steps in (self.max_steps, 0):  # each end measured first (its first step left out)
-            if not size.seconds.get(steps):
-                return steps
+        if self._donor(bucket) is None:  # the first bucket: each end measured first
+            for steps in (self.max_steps, 0):  # (their first step left out)
+                if not size.seconds.get(steps):
+                    return steps
         rates = self.rates(bucket, reqs)
         ranked = sorted(range(self.max_steps + 1), key=lambda k: rates[k], reverse=True)
         winner, runner_up = ranked[0], ranked[1]
@@ -172,30 +180,57 @@ class DraftChooser:
         return [t / s for t, s in zip(tokens, seconds)]
 
     def step_seconds(self, bucket: int) -> list[float]:
-        """[k] = a step's seconds with k draft steps: measured, or modelled.
+        """[k] = a step's seconds with k draft steps at ``bucket``: its own measurements
+        and model (``_own_seconds``), and where those say nothing, the nearest bucket's
+        figures scaled to this one's (a batch that shrinks or grows into a new bucket
+        starts from what the engine knows, instead of measuring both ends again)."""
+        own = self._own_seconds(bucket)
+        if None not in own:
+            return own
+        donor = self._donor(bucket)
+        theirs = self._own_seconds(donor)
+        ratios = [o / t for o, t in zip(own, theirs) if o is not None]
+        scale = statistics.median(ratios) if ratios else 1.0
+        return [o if o is not None else t * scale for o, t in zip(own, theirs)]
+
+    def _donor(self, bucket: int) -> int | None:
+        """The measured bucket nearest ``bucket`` in size (both ends measured), if any."""
+        measured = [
+            b
+            for b, size in self._buckets.items()
+            if b != bucket and size.seconds.get(0) and size.seconds.get(self.max_steps)
+        ]
+        return min(measured, key=lambda b: abs(math.log(b / bucket)), default=None)
+
+    def _own_seconds(self, bucket: int) -> list[float | None]:
+        """[k] = a step's seconds with k draft steps from ``bucket``'s own measurements:
+        measured, or modelled; None where they say nothing.
 
         A round costs about ``a + b * k`` (the draft loop grows by one step's kernels per
         step; verify reads the target's weights once whatever its width), so once two
         lengths are measured a line through their medians (weighted by samples; through
         the well-measured ones where two are) predicts the others, and stands in for a
-        length measured only a few times. Before that, lengths
-        between a plain step and the longest rounds are interpolated linearly between the
-        two: optimistic (a round's fixed cost is spread), so they get tried."""
+        length measured only a few times. Before that, lengths between a plain step and
+        the longest rounds are interpolated linearly between the two: optimistic (a
+        round's fixed cost is spread), so they get tried."""
         size = self._buckets[bucket]
         counts = {k: len(size.seconds.get(k, ())) for k in range(self.max_steps + 1)}
         known = {k: size.median(k) for k, n in counts.items() if n}
         rounds = {k: (m, counts[k]) for k, m in known.items() if k > 0}
         trusted = {k: p for k, p in rounds.items() if p[1] >= TRUSTED_SAMPLES}
         line = _fit_line(trusted if len(trusted) >= 2 else rounds)
-        seconds = []
+        ends = 0 in known and self.max_steps in known
+        seconds: list[float | None] = []
         for k in range(self.max_steps + 1):
             if k in known and (k == 0 or counts[k] >= TRUSTED_SAMPLES or line is None):
                 seconds.append(known[k])
-            elif line is not None:
+            elif line is not None and k > 0:
                 seconds.append(max(line[0] + line[1] * k, 1e-9))
-            else:  # 0 and max_steps are measured first
+            elif ends and k > 0:
                 share = k / self.max_steps
                 seconds.append(known[0] + share * (known[self.max_steps] - known[0]))
+            else:
+                seconds.append(None)
         return seconds
 
     def record(

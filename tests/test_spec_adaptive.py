@@ -221,3 +221,18 @@ def test_a_length_measured_a_few_times_takes_the_line_through_the_others():
     for _ in range(4):
         chooser.record(3, 1, 9e-3)
     assert chooser.step_seconds(1)[3] == pytest.approx(9e-3)  # measured enough: believed
+
+
+def test_a_new_batch_bucket_starts_from_the_nearest_measured_one():
+    """A batch that shrinks into a new bucket does not measure both ends again: the
+    nearest bucket's times, scaled, decide until its own are measured."""
+    chooser = DraftChooser(5)
+    step = linear(1.5, 0.1)
+    for _ in range(60):  # bucket 8: nothing accepted, plain steps pay
+        k = chooser.choose(8, ONE_REQUEST)
+        chooser.record(k, 8, step(k), [(ONE_REQUEST[0], 0)] if k else [])
+    assert chooser.choose(4, ONE_REQUEST) == 0  # not the longest rounds "to measure"
+    chooser.record(0, 4, 0.5e-3)  # the first step of a kind at a bucket is left out
+    chooser.record(0, 4, 0.5e-3)
+    seconds = chooser.step_seconds(4)  # bucket 8's times at half the cost
+    assert seconds[0] == pytest.approx(0.5e-3) and seconds[5] == pytest.approx(1e-3)
