@@ -69,9 +69,9 @@ def _positive(text: str) -> int:
     return value
 
 
-# --spec-steps auto: rounds of this many draft steps where they pay, plain steps where
-# not. The embedded pair, held-out code, greedy: accept length 2.48 at 3 steps, 2.88 at 5
-# (topk 1); topk 3 accepts more (3.45 at 5) but verifies 12 tokens a round.
+# --spec-steps auto: each step a plain step or a round of 1 to this many draft steps,
+# whichever pays. The embedded pair, held-out code, greedy: accept length 2.48 at 3 steps,
+# 2.88 at 5 (topk 1); topk 3 accepts more (3.45 at 5) but verifies 12 tokens a round.
 AUTO_SPEC_STEPS = 5
 
 
@@ -147,10 +147,10 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
         "--spec-steps",
         type=spec_steps,
         default="auto",
-        help=f"draft steps per round; auto: rounds of {AUTO_SPEC_STEPS} steps where they emit "
-        "more tokens a second than plain decode steps, plain steps where not, measured as it "
-        f"runs (generate; the round bench times {AUTO_SPEC_STEPS}-step rounds) "
-        "(default: %(default)s)",
+        help=f"draft steps per round; auto: each step a plain decode step or a round of 1 to "
+        f"{AUTO_SPEC_STEPS} steps, whichever emits the most tokens a second by the acceptance "
+        f"and times measured as it runs (generate; the round bench times {AUTO_SPEC_STEPS}-step "
+        "rounds) (default: %(default)s)",
     )
     p.add_argument(
         "--spec-topk",
