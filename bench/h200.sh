@@ -71,7 +71,7 @@ fi
 if [[ $what == matrix ]]; then
     # Issue 20: the speculative speed matrix (bench/spec_matrix.py), then auto vs --no-draft
     # side by side on the embedded pair (bench/profile_auto.py).
-    timeout 480 python bench/spec_matrix.py --out "$OUT/spec-matrix.json" ${2:-} 2>&1 \
+    timeout 480 python bench/spec_matrix.py --out "$OUT/spec-matrix.json" ${2:---tokens 128} 2>&1 \
         | grep -v Warning > "$OUT/spec-matrix.log"
     echo "matrix exit $?"; grep -v '^{' "$OUT/spec-matrix.log" | tail -n 40
     python bench/profile_auto.py 400 cuda 5 2>&1 | grep -v Warning | tail -n 7

@@ -11,6 +11,7 @@ loop can be captured as one graph per request batch size.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -77,9 +78,52 @@ def top_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def draft_verify_tree(run_step, cfg: SpecConfig, tokens, seed_hidden, *rows) -> VerifyTree:
     """The round's verify tree: ``draft_tree`` (same arguments) built into mask, depths
-    and parents, with the last accepted tokens as roots."""
+    and parents, with the last accepted tokens as roots. A chain that verifies every
+    drafted token (topk 1, the default tree width) takes ``draft_chain``: the same tree."""
+    if is_full_chain(cfg):
+        return draft_chain(run_step, cfg, tokens, seed_hidden, *rows)
     drafted = draft_tree(run_step, cfg, tokens, seed_hidden, *rows)
     return build_verify_tree(tokens, *drafted, cfg.topk)
+
+
+def is_full_chain(cfg: SpecConfig) -> bool:
+    return cfg.topk == 1 and cfg.num_draft_tokens == cfg.num_steps + 1
+
+
+def draft_chain(
+    run_step: Callable[[ForwardBatch], RunnerOutput],
+    cfg: SpecConfig,
+    tokens: torch.Tensor,  # (B,) last accepted token of each request
+    seed_hidden: torch.Tensor,  # (B, H)
+    req_pool_indices: torch.Tensor,  # (B,)
+    kv_lens: torch.Tensor,  # (B,) int32
+    kv_lens_cpu: list[int],
+) -> VerifyTree:
+    """``draft_tree`` + ``build_verify_tree`` for a chain: each step drafts its row's
+    argmax, and the tree is the chain itself, whose parents, depths, mask and validity
+    are the same every round. The general path spends about 30 launches a step on
+    scores, top-k expansion and the tree build that a chain does not need (launches are
+    what a captured draft loop pays for): here a step is the drafter's forward and one
+    argmax, and every step reuses one batch (its rows do not change along a chain)."""
+    batch_size, n = tokens.shape[0], cfg.num_steps + 1
+    step = draft_batch(tokens, seed_hidden, req_pool_indices, kv_lens, kv_lens_cpu)
+    drafted = [tokens.long()]
+    for _ in range(cfg.num_steps):
+        out = run_step(step)
+        token = out.logits.argmax(dim=-1)  # (B,) the first maximum, as top_probs' max
+        drafted.append(token)
+        step = dataclasses.replace(step, input_ids=token, spec_info=DraftInput(hidden=out.hidden))
+    dev = tokens.device
+    # Whole tensors, not broadcast views: kernels (Triton verify) read them by their
+    # contiguous layout.
+    depth = torch.arange(n, device=dev).repeat(batch_size, 1)  # (B, n)
+    return VerifyTree(
+        tokens=torch.stack(drafted, dim=1),  # (B, n)
+        parents=depth - 1,  # the root's is -1
+        depth=depth,
+        mask=depth.unsqueeze(1) <= depth.unsqueeze(2),  # (B, n, n): j <= i
+        valid=torch.ones(batch_size, n, dtype=torch.bool, device=dev),
+    )
 
 
 def draft_batch(

@@ -21,7 +21,8 @@ from helpers import (
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.models import load_model
 from graphrt.spec import MTPDecoding, SpecConfig
-from graphrt.spec.draft import draft_tree
+from graphrt.spec.draft import draft_chain, draft_tree
+from graphrt.spec.tree import build_verify_tree
 
 PROMPT_LENS = (9, 16, 12)  # all longer than the sliding window (6)
 NEW_TOKENS = 24
@@ -87,6 +88,27 @@ def test_first_round_draft_equals_transformers_candidate_generator(
     )
     assert drafts[0].tolist() == expected
     assert len(set(expected)) > 1  # a real chain, not one repeated token
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5])
+def test_the_chain_path_drafts_the_general_trees_chain(steps, gemma4_tiny, gemma4_assistant):
+    """topk 1 verifying every draft takes ``draft_chain`` (no scores, no tree build): its
+    tree equals the general path's, field by field, for requests at different lengths."""
+    engine = spec_engine(gemma4_tiny, gemma4_assistant, steps=steps, topk=1)
+    prompts = random_prompts([9, 16, 5], seed=11)
+    reqs = [
+        engine.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in prompts
+    ]
+    engine.step()  # prefill
+    strategy = engine.strategy
+    inputs = strategy.round_inputs(reqs)
+    args = (inputs.root, inputs.seed_hidden, inputs.req_slots, inputs.kv_lens, inputs.kv_lens_cpu)
+    run = strategy.draft_eager.execute
+    chain = draft_chain(run, strategy.cfg, *args)
+    general = build_verify_tree(inputs.root, *draft_tree(run, strategy.cfg, *args), 1)
+    for name in ("tokens", "parents", "depth", "mask", "valid"):
+        assert torch.equal(getattr(chain, name), getattr(general, name)), name
+    assert chain.mask.is_contiguous() and chain.depth.is_contiguous()
 
 
 @pytest.mark.parametrize("topk", [1, 3])
