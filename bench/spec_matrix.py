@@ -33,7 +33,7 @@ from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.models import load_model
 from graphrt.core.pretrained import ASSISTANT_DIR, TARGET_DIR
 from graphrt.spec import MTPDecoding, SpecConfig
-from graphrt.spec import verify as spec_verify
+from graphrt.spec.accept import accept
 
 PAIR_PROMPTS = [
     "def fibonacci(n):",
@@ -59,8 +59,8 @@ def decoding_tokens_per_s(engine: Engine, prompts, params: SamplingParams) -> fl
 class CoinAcceptance:
     """The oracle: acceptance decided by a coin per drafted node, inside the verify graph.
 
-    Stands in for ``spec.verify.accept`` (patched there before any engine captures): the
-    assistant's drafts stay as drafted, and node d of a chain counts as the target's own
+    The engines' acceptance rule (``MTPDecoding(accept_rule=...)``): the assistant's
+    drafts stay as drafted, and node d of a chain counts as the target's own
     token with probability ``rate`` (a fixed coin per root token, position and depth,
     so every mode sees the same coins), after which the real acceptance walks the path,
     commits it and emits it. Comparing drafts with a greedy continuation computed
@@ -89,11 +89,11 @@ class CoinAcceptance:
         return self.real_accept(tree, forced, max_accept)
 
 
-def engine_for(mode: str, target, drafter, device, cfg: EngineConfig) -> Engine:
+def engine_for(mode: str, target, drafter, device, cfg: EngineConfig, oracle=None) -> Engine:
     if mode == "plain":
         return Engine(target, cfg, device)
     spec = SpecConfig(MAX_STEPS, adaptive=True) if mode == "auto" else SpecConfig(int(mode))
-    return Engine(target, cfg, device, MTPDecoding(drafter, spec))
+    return Engine(target, cfg, device, MTPDecoding(drafter, spec, oracle or accept))
 
 
 def run_model(name, target, drafter, prompts_for, rates, args, device, results) -> None:
@@ -107,17 +107,12 @@ def run_model(name, target, drafter, prompts_for, rates, args, device, results) 
     )
     oracle = None
     if rates != (None,):  # acceptance by coin, in every engine's verify graph
-        oracle = CoinAcceptance(spec_verify.accept, device.torch_device())
+        oracle = CoinAcceptance(accept, device.torch_device())
         oracle.max_context_len = min(target.model.max_context_len, cfg.max_context_len)
-        spec_verify.accept = oracle
-    try:
-        for mode in args.modes:
-            run_mode(
-                name, mode, target, drafter, prompts_for, rates, oracle, args, device, cfg, results
-            )
-    finally:
-        if oracle is not None:
-            spec_verify.accept = oracle.real_accept
+    for mode in args.modes:
+        run_mode(
+            name, mode, target, drafter, prompts_for, rates, oracle, args, device, cfg, results
+        )
 
 
 def run_mode(name, mode, target, drafter, prompts_for, rates, oracle, args, device, cfg, results):
@@ -125,7 +120,7 @@ def run_mode(name, mode, target, drafter, prompts_for, rates, oracle, args, devi
     params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
     warm = SamplingParams(max_new_tokens=16, ignore_eos=True)
     start = time.perf_counter()
-    engine = engine_for(mode, target, drafter, device, cfg)
+    engine = engine_for(mode, target, drafter, device, cfg, oracle)
     built = time.perf_counter() - start
     s = engine.stats
     for bs in args.batch_sizes:

@@ -48,11 +48,19 @@ from graphrt.core.host import read_host, to_device
 from graphrt.core.models.loader import LoadedModel
 from graphrt.core.runners import EagerRunner, GraphRunner, RunnerOutput
 from graphrt.core.runners.buckets import pad_to_bucket
+from graphrt.spec.accept import accept
 from graphrt.spec.adaptive import DraftChooser
 from graphrt.spec.config import SpecConfig
 from graphrt.spec.draft import captured_draft_loop, draft_batch, draft_shape, draft_verify_tree
 from graphrt.spec.tree import VerifyTree
-from graphrt.spec.verify import RoundTables, round_tail, verify_batch, verify_round, verify_shape
+from graphrt.spec.verify import (
+    AcceptRule,
+    RoundTables,
+    round_tail,
+    verify_batch,
+    verify_round,
+    verify_shape,
+)
 
 
 @dataclass
@@ -84,9 +92,15 @@ class RoundGraphs:
 class MTPDecoding(DecodeStrategy):
     name = "speculative"
 
-    def __init__(self, drafter: LoadedModel, config: SpecConfig | None = None):
+    def __init__(
+        self,
+        drafter: LoadedModel,
+        config: SpecConfig | None = None,
+        accept_rule: AcceptRule = accept,
+    ):
         self.drafter = drafter
         self.cfg = config or SpecConfig()
+        self.accept_rule = accept_rule  # spec.accept.accept; an oracle in benchmarks
         lengths = range(1, self.cfg.num_steps + 1) if self.cfg.adaptive else (self.cfg.num_steps,)
         self.variants = {k: RoundGraphs(self.cfg.for_steps(k)) for k in lengths}
         self.chooser = DraftChooser(self.cfg.num_steps) if self.cfg.adaptive else None
@@ -152,7 +166,9 @@ class MTPDecoding(DecodeStrategy):
         if ctx.graph_backend is None:
             return ()
         args = (ctx.graph_backend, ctx.graph_config, ctx.device)
-        verify = verify_round(target, ctx.attn_backend, self.tables(), ctx.max_context_len)
+        verify = verify_round(
+            target, ctx.attn_backend, self.tables(), ctx.max_context_len, self.accept_rule
+        )
         by_width: dict[int, tuple[GraphRunner, GraphRunner]] = {}  # verify is the same
         for variant in self.variants.values():  # arithmetic at one width, whatever the length
             n = variant.cfg.num_draft_tokens
@@ -349,7 +365,10 @@ class MTPDecoding(DecodeStrategy):
             (packed,) = graph.execute(batch)
             return packed, True
         out = self.ctx.eager_runner.execute(batch)
-        packed = round_tail(out.logits, out.hidden, batch, self.tables(), self.ctx.max_context_len)
+        tables, max_context_len = self.tables(), self.ctx.max_context_len
+        packed = round_tail(
+            out.logits, out.hidden, batch, tables, max_context_len, self.accept_rule
+        )
         return packed, False
 
     def tables(self) -> RoundTables:

@@ -21,7 +21,7 @@ from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.engine.sampling import SamplingRows, repeat_rows, sample
 from graphrt.core.runners import GraphShape, StaticField
 from graphrt.core.runners.base import forward_model
-from graphrt.spec.accept import accept, commit_kv
+from graphrt.spec.accept import Acceptance, accept, commit_kv
 from graphrt.spec.tree import VerifyTree
 
 # The per-request sampling state a sampled round's graph reads, and what padding holds.
@@ -118,12 +118,19 @@ class RoundTables:
     seeds: torch.Tensor  # (R + 1, H) each request's next seed hidden
 
 
+# The rule that turns the target's token at every node into the accepted path: ``accept``
+# (spec.accept); benchmarks pass an oracle (bench/spec_matrix.py). Device ops only: it runs
+# inside the verify graph.
+AcceptRule = Callable[[VerifyTree, torch.Tensor, torch.Tensor], Acceptance]
+
+
 def round_tail(
     logits: torch.Tensor,  # (B * n, V) float32, the target's at every node
     hidden: torch.Tensor,  # (B * n, H) its hidden states
     batch: ForwardBatch,  # the verify batch that produced them
     tables: RoundTables,
     max_context_len: int,
+    accept_rule: AcceptRule = accept,
 ) -> torch.Tensor:
     """Acceptance, commit and the next seeds on the device; -> packed (B, 1 + 3n) int64:
     accepted drafts, path nodes, emitted tokens, drafted tokens (the host's one read)."""
@@ -146,7 +153,7 @@ def round_tail(
         target_tokens = sample(logits, repeat_rows(rows, n)).view(bs, n)
     else:
         target_tokens = logits.view(bs, n, -1).argmax(dim=-1)  # (B, n)
-    acc = accept(tree, target_tokens, (max_context_len - 1) - kv_lens)
+    acc = accept_rule(tree, target_tokens, (max_context_len - 1) - kv_lens)
     slots = batch.req_pool_indices
     commit_kv(tables.req_to_token, slots, kv_lens, batch.out_cache_loc.view(bs, n), acc)
     rows = torch.arange(bs, device=hidden.device)
@@ -156,13 +163,17 @@ def round_tail(
 
 
 def verify_round(
-    target, attn: AttentionBackend, tables: RoundTables, max_context_len: int
+    target,
+    attn: AttentionBackend,
+    tables: RoundTables,
+    max_context_len: int,
+    accept_rule: AcceptRule = accept,
 ) -> Callable[[ForwardBatch], tuple[torch.Tensor]]:
     """What a round's verify graph computes from its static batch: the target forward and
     the round's tail, -> (packed,); eager rounds call the same two."""
 
     def forward(batch: ForwardBatch) -> tuple[torch.Tensor]:
         out = forward_model(target, attn, batch)
-        return (round_tail(out.logits, out.hidden, batch, tables, max_context_len),)
+        return (round_tail(out.logits, out.hidden, batch, tables, max_context_len, accept_rule),)
 
     return forward
