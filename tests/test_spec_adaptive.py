@@ -19,7 +19,7 @@ from graphrt.core import pretrained
 from graphrt.core.engine import SamplingParams
 from graphrt.core.models import load_model
 from graphrt.spec import MTPDecoding, SpecConfig
-from graphrt.spec.adaptive import FIRST_EXPLORE, MAX_EXPLORE, DraftChooser
+from graphrt.spec.adaptive import FIRST_EXPLORE, MAX_EXPLORE, PER_REQUEST_MAX, DraftChooser
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
@@ -106,6 +106,10 @@ def test_acceptance_is_tracked_per_request():
     # An opted-out request emits 1 token a round whatever its history.
     opted_out = _Req(0, SamplingParams(max_new_tokens=8, speculate=False))
     assert chooser.rates(1, (opted_out,))[5] * 2e-3 == pytest.approx(1)
+    # Past PER_REQUEST_MAX requests, each drafting one expects the engine-wide figure.
+    many = [_Req(100 + i) for i in range(PER_REQUEST_MAX)] + [opted_out]
+    engine = chooser.engine_rates.expected_tokens()[5]
+    assert chooser.rates(1, many)[5] * 2e-3 == pytest.approx(PER_REQUEST_MAX * engine + 1)
 
 
 class CyclingChooser(DraftChooser):
