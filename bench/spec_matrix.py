@@ -23,6 +23,8 @@ import argparse
 import json
 import platform
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -96,36 +98,45 @@ def engine_for(mode: str, target, drafter, device, cfg: EngineConfig, oracle=Non
     return Engine(target, cfg, device, MTPDecoding(drafter, spec, oracle or accept))
 
 
-def run_model(name, target, drafter, prompts_for, rates, args, device, results) -> None:
-    """Every mode x batch size (x oracle rate) of one model; cells into ``results``."""
+@dataclass
+class Subject:
+    """A matrix row group: a target and drafter, its prompts and its oracle rates."""
+
+    name: str
+    target: object  # LoadedModel
+    drafter: object
+    prompts_for: Callable[[int], list[list[int]]]  # batch size -> that many prompts
+    rates: tuple[float | None, ...] = (None,)  # None: the drafter's own acceptance
+    oracle: CoinAcceptance | None = None
+
+
+def run_model(subject: Subject, args, device, results) -> None:
+    """Every mode x batch size (x oracle rate) of one subject; cells into ``results``."""
     max_bs = max(args.batch_sizes)
-    prompt_len = max(len(p) for p in prompts_for(max_bs))
+    prompt_len = max(len(p) for p in subject.prompts_for(max_bs))
+    tokens = prompt_len + args.tokens + 2 * MAX_STEPS + 8
     cfg = EngineConfig(
-        max_running_requests=max_bs,
-        max_context_len=prompt_len + args.tokens + 2 * MAX_STEPS + 8,
-        kv_pool_tokens=max_bs * (prompt_len + args.tokens + 2 * MAX_STEPS + 8),
+        max_running_requests=max_bs, max_context_len=tokens, kv_pool_tokens=max_bs * tokens
     )
-    oracle = None
-    if rates != (None,):  # acceptance by coin, in every engine's verify graph
-        oracle = CoinAcceptance(accept, device.torch_device())
-        oracle.max_context_len = min(target.model.max_context_len, cfg.max_context_len)
+    if subject.rates != (None,):  # acceptance by coin, in every engine's verify graph
+        subject.oracle = CoinAcceptance(accept, device.torch_device())
+        subject.oracle.max_context_len = min(subject.target.model.max_context_len, tokens)
     for mode in args.modes:
-        run_mode(
-            name, mode, target, drafter, prompts_for, rates, oracle, args, device, cfg, results
-        )
+        run_mode(subject, mode, args, device, cfg, results)
 
 
-def run_mode(name, mode, target, drafter, prompts_for, rates, oracle, args, device, cfg, results):
+def run_mode(subject: Subject, mode: str, args, device, cfg: EngineConfig, results) -> None:
     """One engine of ``mode``, every batch size (and oracle rate) on it."""
     params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
     warm = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    oracle = subject.oracle
     start = time.perf_counter()
-    engine = engine_for(mode, target, drafter, device, cfg, oracle)
+    engine = engine_for(mode, subject.target, subject.drafter, device, cfg, oracle)
     built = time.perf_counter() - start
     s = engine.stats
     for bs in args.batch_sizes:
-        prompts = prompts_for(bs)
-        for rate in rates:
+        prompts = subject.prompts_for(bs)
+        for rate in subject.rates:
             if oracle is not None:
                 oracle.rate.fill_(rate)
             engine.generate(prompts, warm)  # this batch size's graphs, auto's first looks
@@ -136,7 +147,7 @@ def run_mode(name, mode, target, drafter, prompts_for, rates, oracle, args, devi
             ]
             rounds = sum(hist)
             cell = {
-                "model": name if rate is None else f"{name}-{rate}",
+                "model": subject.name if rate is None else f"{subject.name}-{rate}",
                 "batch_size": bs,
                 "mode": mode,
                 "tokens_per_s": round(tps, 1),
@@ -150,7 +161,7 @@ def run_mode(name, mode, target, drafter, prompts_for, rates, oracle, args, devi
                 cell["why"] = engine.strategy.chooser.explain()
             results.append(cell)
             print(json.dumps(cell), flush=True)
-    print(f"# {name} {mode}: engine built in {built:.1f} s", flush=True)
+    print(f"# {subject.name} {mode}: engine built in {built:.1f} s", flush=True)
     engine.cleanup()
     del engine
     if device.name == "cuda":
@@ -202,7 +213,7 @@ def main() -> None:
         def pair_prompts(bs):
             return [encoded[i % len(encoded)] for i in range(bs)]
 
-        run_model("pair", target, drafter, pair_prompts, (None,), args, device, results)
+        run_model(Subject("pair", target, drafter, pair_prompts), args, device, results)
         del target, drafter
     if "oracle" in models:
         target = load_model(args.oracle_model, device, dtype)
@@ -217,7 +228,8 @@ def main() -> None:
             return [row.tolist() for row in pool[:bs]]
 
         rates = tuple(float(r) for r in args.rates.split(","))
-        run_model("oracle", target, drafter, oracle_prompts, rates, args, device, results)
+        subject = Subject("oracle", target, drafter, oracle_prompts, rates)
+        run_model(subject, args, device, results)
     header = {
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if device.name == "cuda" else platform.processor(),
