@@ -21,21 +21,13 @@ import torch
 from tokenizers import Tokenizer
 
 from graphrt import devices
+from graphrt.core.bench.decode import generate_tokens_per_s
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.models import load_model
 from graphrt.core.pretrained import ASSISTANT_DIR, TARGET_DIR
 from graphrt.spec import MTPDecoding, SpecConfig
 
 PROMPT = "def fibonacci(n):"
-
-
-def decoding_tokens_per_s(engine: Engine, prompt: list[int], params: SamplingParams) -> float:
-    """One generate call's decoding tokens/s (what the CLI reports, for this call alone)."""
-    s = engine.stats
-    before = (s.generated_tokens - s.prefill_tokens, s.elapsed_s - s.prefill_s - s.lazy_capture_s)
-    engine.generate([prompt], params)
-    after = (s.generated_tokens - s.prefill_tokens, s.elapsed_s - s.prefill_s - s.lazy_capture_s)
-    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def profile(name: str, engine: Engine, prompt: list[int]) -> None:
@@ -69,7 +61,7 @@ def main() -> None:
         engine.generate([prompt], params)  # warm: lazy compiles and captures, first touches
     for _ in range(reps):
         for name, engine in engines.items():
-            speeds[name].append(decoding_tokens_per_s(engine, prompt, params))
+            speeds[name].append(generate_tokens_per_s(engine, [prompt], params))
     chooser = engines["auto"].strategy.chooser
     lines = [f"{device.name}, {dtype}, {tokens} tokens, batch 1, median of {reps} runs each:"]
     base = statistics.median(speeds["no-draft"])

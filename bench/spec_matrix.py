@@ -31,6 +31,7 @@ import triton
 from tokenizers import Tokenizer
 
 from graphrt import devices
+from graphrt.core.bench.decode import generate_tokens_per_s
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.models import load_model
 from graphrt.core.pretrained import ASSISTANT_DIR, TARGET_DIR
@@ -43,19 +44,6 @@ PAIR_PROMPTS = [
     "class Stack:\n    def __init__(self",
 ]
 MAX_STEPS = 5
-
-
-def decoding_tokens_per_s(engine: Engine, prompts, params: SamplingParams) -> float:
-    """One generate call's decoding tokens/s (what the CLI reports, for this call alone)."""
-    s = engine.stats
-
-    def counters():
-        return s.generated_tokens - s.prefill_tokens, s.elapsed_s - s.prefill_s - s.lazy_capture_s
-
-    before = counters()
-    engine.generate(prompts, params)
-    after = counters()
-    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 class CoinAcceptance:
@@ -141,7 +129,7 @@ def run_mode(subject: Subject, mode: str, args, device, cfg: EngineConfig, resul
                 oracle.rate.fill_(rate)
             engine.generate(prompts, warm)  # this batch size's graphs, auto's first looks
             hist0 = list(s.accept_histogram)
-            tps = decoding_tokens_per_s(engine, prompts, params)
+            tps = generate_tokens_per_s(engine, prompts, params)
             hist = [
                 n - (hist0[i] if i < len(hist0) else 0) for i, n in enumerate(s.accept_histogram)
             ]

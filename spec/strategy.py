@@ -281,7 +281,7 @@ class MTPDecoding(DecodeStrategy):
     def plain_step(self, reqs: list[Request]) -> StepOutcome:
         """A plain decode step; its forward writes the hidden that produced each token
         into the seed table, for the request's next round."""
-        outcome = self.plain.step(reqs)[0]
+        outcome = self.plain.decode(reqs)
         outcome.plain_steps = 1
         return outcome
 

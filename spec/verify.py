@@ -91,12 +91,8 @@ def verify_batch(
         tree_mask=tree.mask, parents=tree.parents, depth=tree.depth, valid=tree.valid
     )
     if sampling is not None:
-        info.temperature, info.top_k, info.top_p = (
-            sampling.temperature,
-            sampling.top_k,
-            sampling.top_p,
-        )
-        info.seed, info.offset = sampling.seed, sampling.offset
+        for name in ("temperature", "top_k", "top_p", "seed", "offset"):
+            setattr(info, name, getattr(sampling, name))
     return ForwardBatch(
         mode=ForwardMode.TARGET_VERIFY,
         input_ids=tree.tokens.flatten(),

@@ -146,11 +146,14 @@ def test_a_dropped_engine_and_its_graphs_are_freed_without_the_cycle_collector(
         engine.generate(random_prompts((5, 7), vocab=target.model.vocab_size), SamplingParams())
         assert engine.stats.graph_steps > 0
         backend = weakref.ref(engine.graph_backend)
-        runners = [
-            weakref.ref(r) for r in (engine.graph_runner, getattr(spec, "verify_graph", None)) if r
-        ]
+        owned = (engine.graph_runner,)
+        if spec is not None:  # every runner it built, captured or not
+            owned += (spec.plain_graph, spec.draft_graph, spec.verify_graph)
+            owned += (spec.sampled_verify_graph,)
+        runners = [weakref.ref(r) for r in owned if r is not None]
+        assert len(runners) == (1 if spec is None else 4)
         dropped = weakref.ref(engine)
-        del engine, spec
+        del engine, spec, owned
         assert dropped() is None and backend() is None
         assert all(r() is None for r in runners)
     finally:

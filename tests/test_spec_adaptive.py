@@ -155,7 +155,8 @@ def test_greedy_output_is_plain_decodings_whatever_mix_of_lengths_and_plain_step
         # Lengths first chosen while running (all but the longest) were captured just
         # before that step: every round replayed graphs.
         assert stats.graph_rounds == stats.spec_rounds and stats.eager_steps == 1  # prefill
-        assert stats.lazy_capture_s > 0 if len(stats.rounds_by_steps) > 1 else True
+        if len(stats.rounds_by_steps) > 1:  # a shorter length was captured while running
+            assert stats.lazy_capture_s > 0
         for k in stats.rounds_by_steps:
             variant = strategy.variants[k]
             assert variant.draft.captured_sizes == variant.verify.captured_sizes == [1, 2, 4]

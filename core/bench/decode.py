@@ -89,6 +89,15 @@ class DecodeBenchResult:
         return asdict(self)
 
 
+def generate_tokens_per_s(engine: Engine, prompts, params: SamplingParams) -> float:
+    """Decoding tokens/s of one ``engine.generate(prompts, params)`` call alone: what the
+    CLI reports (``EngineStats.tokens_per_s``), for this call's share of the stats."""
+    stats = engine.stats
+    tokens, seconds = stats.decoded_tokens, stats.decoding_s
+    engine.generate(prompts, params)
+    return (stats.decoded_tokens - tokens) / (stats.decoding_s - seconds)
+
+
 def run_decode_bench(
     engine: Engine,
     cfg: DecodeBenchConfig,

@@ -136,13 +136,21 @@ class EngineStats:
         return total / self.spec_rounds if self.spec_rounds else 0.0
 
     @property
+    def decoding_s(self) -> float:
+        """generate()'s time in decode steps and speculative rounds: prefill steps, lazy
+        compiles and the captures of graphs a step first needed are not counted."""
+        return self.elapsed_s - self.prefill_s - self.compile_time_s - self.lazy_capture_s
+
+    @property
+    def decoded_tokens(self) -> int:
+        """The tokens decode steps (or speculative rounds) emitted."""
+        return self.generated_tokens - self.prefill_tokens
+
+    @property
     def tokens_per_s(self) -> float:
-        """Decoding speed: the tokens decode steps (or speculative rounds) emitted over
-        their time in generate(); prefill steps, lazy compiles and the captures of graphs a
-        step first needed are not counted."""
-        decoding_s = self.elapsed_s - self.prefill_s - self.compile_time_s - self.lazy_capture_s
-        tokens = self.generated_tokens - self.prefill_tokens
-        return tokens / decoding_s if decoding_s > 0 and tokens > 0 else 0.0
+        """Decoding speed: ``decoded_tokens`` over ``decoding_s``."""
+        seconds, tokens = self.decoding_s, self.decoded_tokens
+        return tokens / seconds if seconds > 0 and tokens > 0 else 0.0
 
 
 class Engine:

@@ -170,21 +170,15 @@ class PlainDecode(DecodeStrategy):
         return (self.graph_runner,)
 
     def decode(self, reqs: list[Request]) -> StepOutcome:
-        return self.step(reqs)[0]
-
-    def step(self, reqs: list[Request]) -> tuple[StepOutcome, RunnerOutput, ForwardBatch]:
-        """``decode``, with the forward's output and batch beside the outcome (a drafter
-        taking a plain step seeds its next round from them)."""
         batch = self.ctx.decode_batch(reqs)
         out, on_graph = self.ctx.forward(batch, self.graph_runner)
         if not on_graph and self.after_forward is not None:
             self.after_forward(batch, out)  # the graph ran it already
-        outcome = StepOutcome(
+        return StepOutcome(
             tokens=[[t] for t in sample_requests(reqs, out.logits)],
             graph_forwards=int(on_graph),
             eager_forwards=int(not on_graph),
         )
-        return outcome, out, batch
 
     def cleanup(self) -> None:
         if self.graph_runner is not None:
