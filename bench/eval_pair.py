@@ -208,6 +208,9 @@ def main() -> int:
     p.add_argument("--device", default="cpu", help="graphrt device: cpu, cuda, npu, xpu, auto")
     p.add_argument("--dtype", default="auto", help="auto: the device's (float32 on cpu)")
     p.add_argument(
+        "--batch-invariant", action="store_true", help="the target's batch-invariant ops"
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -226,7 +229,7 @@ def main() -> int:
 
     device = devices.current(args.device)
     dtype = None if args.dtype == "auto" else parse_dtype(args.dtype)
-    target = load_model(args.target, device, dtype)
+    target = load_model(args.target, device, dtype, batch_invariant=args.batch_invariant)
     drafter = load_model(args.draft, device, dtype or target.dtype)  # they share KV
     heldout = torch.load(args.tokens)["heldout"]
     prompts = heldout_prompts(heldout, target.eos_token_ids, args.files, args.prompt_len)

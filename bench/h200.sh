@@ -7,6 +7,8 @@
 #   bash bench/h200.sh auto [tokens]: the README's command with and without drafting, and
 #     bench/profile_auto.py (auto vs --no-draft vs rounds of 5, side by side in one process)
 #   bash bench/h200.sh matrix ["spec_matrix.py flags"]: the speculative speed matrix (issue 20)
+#   bash bench/h200.sh invariant [eval configs]: batch-invariant kernels' tests, bf16 spec ==
+#     plain on the embedded pair with and without --batch-invariant, its decode cost
 #   bash bench/h200.sh pair ["train flags"]: train the embedded Gemma 4 pair, eval on cuda
 #     (EVAL_CONFIGS=3x1,5x1,... picks the speculative configurations measured)
 #   bash bench/h200.sh paireval ["name=target:assistant ..."]: eval pairs on cuda
@@ -75,6 +77,27 @@ if [[ $what == matrix ]]; then
         | grep -v Warning > "$OUT/spec-matrix.log"
     echo "matrix exit $?"; grep -v '^{' "$OUT/spec-matrix.log" | tail -n 40
     python bench/profile_auto.py 400 cuda 5 2>&1 | grep -v Warning | tail -n 7
+fi
+
+if [[ $what == invariant ]]; then
+    # Issue 20: batch-invariant matmuls. The kernel invariance tests, then bf16 greedy output
+    # with and without the drafter on the embedded pair (default ops vs --batch-invariant),
+    # then the decode step with and without --batch-invariant (graphs, prompt 512).
+    python -m pytest tests/test_triton_fused.py tests/test_triton_verify.py -m cuda -q \
+        -p no:cacheprovider -k "invariant or decode_rows" 2>&1 | tail -n 3
+    pair="--target core/pretrained/gemma4-code-target --draft core/pretrained/gemma4-code-assistant"
+    for flag in "" --batch-invariant; do
+        python bench/eval_pair.py --device cuda --runner graph $pair --dtype bfloat16 \
+            --configs "${2:-3x1,5x1,3x3,5x3}" $flag --out "$OUT/eval-bf16${flag:+-invariant}.json" \
+            2>&1 | grep -v "Warning\|Loading weights" | tail -n 8
+    done
+    for model in random:gemma4-e2b random:llama-1b; do
+        for flag in "" --batch-invariant; do
+            graphrt bench --model $model --batch-sizes 1,8,64 --runners graph --prompt-len 512 \
+                --steps 50 $flag --out "$OUT/bench-${model#random:}${flag:+-invariant}.json" \
+                2>&1 | grep -v Warning | tail -n 5
+        done
+    done
 fi
 
 if [[ $what == profile ]]; then

@@ -146,8 +146,11 @@ class Device(abc.ABC):
 
         return TorchAttentionBackend(kv_pool, req_to_token_pool)
 
-    def model_ops(self) -> ModelOps:
-        """The table of elementwise kernels models use here; the torch reference by default."""
+    def model_ops(self, batch_invariant: bool = False) -> ModelOps:
+        """The table of elementwise kernels models use here; the torch reference by default.
+
+        ``batch_invariant``: kernels whose every row's result does not depend on the rows
+        beside it, where the device has them; the reference's are torch's own (no promise)."""
         from graphrt.core.models.ops import TORCH_OPS
 
         return TORCH_OPS

@@ -221,8 +221,47 @@ CPU_GEMV_SHAPES = [(1, 20, 200, False), (3, 20, 200, True), (16, 36, 72, False)]
 def _cpu_configs(rows):
     from graphrt.devices.cuda.triton_gemv import GemvConfig, configs_for
 
-    small = GemvConfig(8, 64) if rows == 1 else GemvConfig(16, 64)
+    small = GemvConfig(8, 64, block_m=1) if rows == 1 else GemvConfig(16, 64)
     return (small, configs_for(rows)[0])  # the tuner's interpreter pick, too
+
+
+def gemv_invariance(dtype, configs, device, row_counts, k=200, seed=0, across=False) -> dict:
+    """Width invariance: every row of an M-row call equals, bit for bit, the same row run
+    alone, for each epilogue (norm + residual, norm + gated act, ``up`` product); with
+    ``across``, alone under the first configuration (tiles: any tile gives the same bits)."""
+    from graphrt.devices.cuda.triton_gemv import gemv
+
+    gen = torch.Generator().manual_seed(seed)
+    n, rows = 20, max(row_counts)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(device, dtype)
+
+    x, weight = randn(rows, k), randn(2 * n, k, scale=k**-0.5)
+    norm = PreNorm(randn(k, scale=0.2) + 1, EPS)
+    residual, up = randn(rows, n), randn(rows, n)
+    ops = {
+        "norm_residual": lambda c, a, b: gemv(
+            x[a:b], weight[:n], None, c, norm=norm, residual=residual[a:b]
+        ),
+        "norm_gated_silu": lambda c, a, b: gemv(
+            x[a:b], weight, None, c, act="silu", gated=True, norm=norm
+        ),
+        "up_gelu": lambda c, a, b: gemv(
+            x[a:b], weight[:n], None, c, act="gelu_pytorch_tanh", up=up[a:b]
+        ),
+    }
+    results = {}
+    name = str(dtype).removeprefix("torch.")
+    for config in configs:
+        tag = f"{config.block_m}x{config.block_n}x{config.block_k}w{config.num_warps}"
+        for op, run in ops.items():
+            solo = configs[0] if across else config
+            alone = torch.cat([run(solo, r, r + 1) for r in range(rows)])
+            for m in row_counts:
+                equal = torch.equal(run(config, 0, m), alone[:m])
+                results[f"{name}/invariance/{tag}/{op}/M{m}"] = {"ok": equal}
+    return results
 
 
 def interpreter_results() -> dict:
@@ -252,6 +291,8 @@ def interpreter_results() -> dict:
             TORCH_OPS.linear_act_mul(x, w, None, "gelu_pytorch_tanh"),
             "matmul",
         )
+        if dtype == torch.bfloat16:  # several K chunks (200 > 64), and one (512)
+            results.update(gemv_invariance(dtype, _cpu_configs(1), "cpu", (2, 5)))
         # Past 16 rows: the matmul stays torch's, the activation is the Triton kernel.
         tall = torch.randn(17, 64, generator=gen).to(dtype)
         results[f"{name}/ops/linear_act_mul_17_rows"] = check(
@@ -266,8 +307,9 @@ def interpreter_results() -> dict:
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_fused_kernels_under_interpreter_match_reference():
     results = run_under_triton_interpreter(__file__)
-    # 2 dtypes x (2 gemma shapes x 23 outputs + (2 + 2 + 2) gemv configs x 5 ops + 4 ops)
-    assert len(results) == 2 * (2 * 23 + 6 * 5 + 4)
+    # 2 dtypes x (2 gemma shapes x 23 outputs + (2 + 2 + 2) gemv configs x 5 ops + 4 ops),
+    # and in bfloat16 2 configs x 3 ops x 2 row counts of width invariance
+    assert len(results) == 2 * (2 * 23 + 6 * 5 + 4) + 12
     bad = {key: m for key, m in results.items() if not m["ok"]}
     assert not bad, bad
 
@@ -361,7 +403,7 @@ def engine_results(checkpoint: str) -> dict:
     class TritonOnCpu(CpuDevice):
         """The CUDA device's kernels, run by Triton's interpreter on CPU tensors."""
 
-        def model_ops(self):
+        def model_ops(self, batch_invariant=False):
             return TRITON_OPS
 
         def create_attention_backend(self, kv_pool, req_to_token_pool):
@@ -458,6 +500,25 @@ def test_cuda_fused_kernels_match_reference(dtype):
         )
     )
     bad = {key: m for key, m in results.items() if not m["ok"]}
+    assert not bad, bad
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_gemv_rows_are_batch_invariant(dtype):
+    """Every tile configuration (16 to 128 rows, mma and wgmma) gives a row the bits it
+    gets alone in the first 16-row tile, at any M; every row-path configuration gives a
+    row its own one-row bits."""
+    from graphrt.devices.cuda.triton_gemv import DOT_CONFIGS, ROW_CONFIGS, TILE_CONFIGS
+
+    results = {}
+    for k in (1536, 8192):  # one K chunk for some configurations, several for all
+        tiles = DOT_CONFIGS + TILE_CONFIGS
+        results.update(gemv_invariance(dtype, tiles, "cuda", (3, 16, 40, 130), k, k, True))
+        results.update(gemv_invariance(dtype, ROW_CONFIGS, "cuda", (2, 6), k=k, seed=k))
+    bad = [key for key, m in results.items() if not m["ok"]]
     assert not bad, bad
 
 

@@ -205,8 +205,7 @@ def run_kernel(
 
     q = inp.q if q is None else q
     rows, num_heads, head_dim = q.shape
-    # S prefix splits plus the tree split.
-    splits = (NUM_KV_SPLITS if num_kv_splits is None else num_kv_splits) + 1
+    splits = NUM_KV_SPLITS if num_kv_splits is None else num_kv_splits  # decode's
     scratch = allocate_decode_scratch(rows + 3, num_heads, head_dim, q.device, splits)
     out = torch.full_like(inp.q, float("nan"))
     result = tree_verify_attention(
@@ -264,7 +263,43 @@ def interpreter_results() -> dict:
     out = run_kernel(inp, 3)
     errors["padding/vs_naive"] = rel_err(out, naive_verify(inp))
     flags["padding/zeros"] = torch.equal(out[3:], torch.zeros_like(out[3:]))
+    flags.update(invariance_flags("cpu", torch.float32, 3, 16))
     return {"errors": errors, "flags": flags}
+
+
+def invariance_flags(device, dtype, splits: int | None, block_n: int | None) -> dict[str, bool]:
+    """Width invariance: each node's row equals, bit for bit, decode attention's row for
+    that token with the node's path in the token table (what a plain step would see)."""
+    from graphrt.devices.cuda.triton_decode import (
+        NUM_KV_SPLITS,
+        allocate_decode_scratch,
+        decode_attention,
+    )
+
+    flags = {}
+    for window, chain in ((None, False), (6, False), (None, True)):
+        inp = make_inputs([0, 3, 21, 70], 5, 8, 2, 64, dtype, device, seed=11, window=window,
+                          chain=chain)  # fmt: skip
+        verify = run_kernel(inp, splits, block_n)
+        rows, n = inp.q.shape[0], inp.num_nodes
+        table = torch.zeros(rows + 1, inp.req_to_token.shape[1], dtype=torch.int64)
+        for r in range(rows):
+            b, i = divmod(r, n)
+            req, prefix = int(inp.req_pool_indices[b]), inp.prefix_lens[b]
+            table[r + 1, :prefix] = inp.req_to_token[req, :prefix].cpu()
+            for j in range(n):
+                if inp.tree_mask[b, i, j]:
+                    table[r + 1, int(inp.positions[b * n + j])] = int(inp.out_cache_loc[b * n + j])
+        scratch = allocate_decode_scratch(rows, 8, 64, inp.q.device, splits or NUM_KV_SPLITS)
+        decode = torch.full_like(inp.q, float("nan"))
+        decode_attention(
+            inp.q, inp.k_buffer, inp.v_buffer, table.to(inp.q.device),
+            torch.arange(1, rows + 1, device=inp.q.device),
+            (inp.positions + 1).to(torch.int32), decode, *scratch, inp.sm_scale, window,
+            block_n=block_n,
+        )  # fmt: skip
+        flags[f"invariance/window{window}-chain{chain}"] = torch.equal(verify, decode)
+    return flags
 
 
 @needs_triton
@@ -273,7 +308,7 @@ def test_verify_kernel_under_interpreter_matches_naive_and_sdpa():
     results = run_under_triton_interpreter(__file__)
     # Per case: 3 errors and 1 flag; then the padding request's error and flag.
     assert len(results["errors"]) == 3 * len(INTERPRETER_CASES) + 1
-    assert len(results["flags"]) == len(INTERPRETER_CASES) + 1
+    assert len(results["flags"]) == len(INTERPRETER_CASES) + 1 + 3
     too_far = {name: err for name, err in results["errors"].items() if not err <= 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]
@@ -319,6 +354,16 @@ def test_cuda_verify_matches_naive(dtype, shape, num_nodes, window):
 @pytest.mark.cuda
 @needs_gpu
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_verify_rows_equal_decode_rows_bitwise(dtype):
+    """Width invariance on the GPU, in 16-bit: decode's splits and blocks."""
+    flags = invariance_flags("cuda", dtype, None, None)
+    assert all(flags.values()), flags
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
 @pytest.mark.parametrize("dtype", list(CUDA_TOLERANCES), ids=str)
 def test_cuda_graph_replay_matches_eager_bitwise(dtype):
     """Captured once (a full and a windowed launch on one scratch), replayed after every
@@ -337,7 +382,7 @@ def test_cuda_graph_replay_matches_eager_bitwise(dtype):
 
     static = fresh(0, [1] * bs)
     scratch = allocate_decode_scratch(
-        bs * num_nodes, num_heads, head_dim, torch.device("cuda"), NUM_KV_SPLITS + 1
+        bs * num_nodes, num_heads, head_dim, torch.device("cuda"), NUM_KV_SPLITS
     )
     static_outs = [torch.empty_like(static.q) for _ in windows]
 

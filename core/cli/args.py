@@ -128,6 +128,13 @@ def _add_tp_flag(p: argparse.ArgumentParser) -> None:
 
 def _add_check_weights(p: argparse.ArgumentParser) -> None:
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="matmuls whose every row's result does not depend on the batch (CUDA: "
+        "tensor-core tiles only), so drafting keeps greedy output equal to --no-draft in "
+        "bfloat16 and float16; costs decode speed, see BENCHMARKS.md",
+    )
+    p.add_argument(
         "--check-weights",
         action="store_true",
         default=None,

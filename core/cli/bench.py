@@ -80,7 +80,10 @@ def _run_decode_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> i
         seed=args.seed,
     )
     log = report_for(args)
-    loaded = load_model(args.model, device, dtype, check_finite=args.check_weights, tp=tp)
+    loaded = load_model(
+        args.model, device, dtype, check_finite=args.check_weights, tp=tp,
+        batch_invariant=args.batch_invariant,
+    )  # fmt: skip
     graphs = "graph" in runners
     log(
         f"graphrt bench: {args.model} {str(dtype).removeprefix('torch.')} on {device.describe()}"
@@ -137,7 +140,10 @@ def _run_round_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> in
         warmup=args.warmup,
         seed=args.seed,
     )
-    target = load_model(args.model, device, dtype, check_finite=args.check_weights, tp=tp)
+    target = load_model(
+        args.model, device, dtype, check_finite=args.check_weights, tp=tp,
+        batch_invariant=args.batch_invariant,
+    )  # fmt: skip
     # They share KV: the drafter in the target's dtype.
     drafter = load_model(
         args.draft, device, dtype or target.dtype, check_finite=args.check_weights, tp=tp

@@ -119,7 +119,10 @@ def run_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     with _phase(f"loaded {args.model} on {device.name}"):
-        loaded = load_model(args.model, device, dtype, check_finite=args.check_weights, tp=tp)
+        loaded = load_model(
+            args.model, device, dtype, check_finite=args.check_weights, tp=tp,
+            batch_invariant=args.batch_invariant,
+        )  # fmt: skip
     drafter = None
     if args.draft is not None:
         with _phase(f"loaded drafter {args.draft}"):

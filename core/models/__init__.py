@@ -22,6 +22,7 @@ def load_model(
     ops: ModelOps | None = None,
     check_finite: bool | None = None,
     tp: TPGroup = SINGLE,
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """``name`` is a checkpoint directory or ``random:<preset>``.
 
@@ -33,10 +34,12 @@ def load_model(
     fused kernels (``Device.model_ops()``) and, with dtype None, the device's float32
     preference (the CPU) over the checkpoint's dtype. A plain ``torch.device`` loads
     with the torch reference ops unless ``ops`` is given; dtype None = the checkpoint's.
+    ``batch_invariant``: the device's ops whose every row's result is independent of the
+    rows beside it (``Device.model_ops``), for speculative output equal to plain in 16-bit.
     """
     if device is None or isinstance(device, Device):
         device = device or devices.current()
-        ops = ops or device.model_ops()
+        ops = ops or device.model_ops(batch_invariant=batch_invariant)
         if dtype is None and device.default_dtype() == torch.float32:
             dtype = torch.float32
         device = device.torch_device()

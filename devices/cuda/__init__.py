@@ -45,13 +45,14 @@ class CudaDevice(Device):
 
         torch.cuda.synchronize()
 
-    def model_ops(self):
-        """Fused Triton kernels when triton is installed (graphrt[cuda]), else torch's."""
+    def model_ops(self, batch_invariant: bool = False):
+        """Fused Triton kernels when triton is installed (graphrt[cuda]), else torch's;
+        ``batch_invariant``: the tiles-only matmuls (ops.INVARIANT_OPS)."""
         try:
-            from graphrt.devices.cuda.ops import TRITON_OPS
+            from graphrt.devices.cuda.ops import INVARIANT_OPS, TRITON_OPS
         except ImportError:
             return super().model_ops()
-        return TRITON_OPS
+        return INVARIANT_OPS if batch_invariant else TRITON_OPS
 
     def _graph_backend_factories(self):
         from graphrt.devices.cuda.graph import CudaBreakableGraphBackend, CudaFullGraphBackend

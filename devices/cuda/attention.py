@@ -117,8 +117,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
         out = torch.empty_like(q)
         meta = batch.attn_metadata
         if batch.mode is ForwardMode.TARGET_VERIFY:
-            # One extra split beyond the prefix's: the tree nodes themselves.
-            scratch = self._scratch_for(spec.num_heads, spec.head_dim, self.num_kv_splits + 1, q)
+            # Decode's splits and blocks: a node's output equals decode's for that token.
+            scratch = self._scratch_for(spec.num_heads, spec.head_dim, self.num_kv_splits, q)
             tree_verify_attention(
                 q,
                 k_buffer,

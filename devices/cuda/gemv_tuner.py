@@ -15,7 +15,9 @@ HAZARD (reproducibility): the choice is a timing, made anew in every process, an
 row class is part of the key. Two processes may pick different kernels for one shape
 (float32 sums in another order: logits differ in the last bits, near-tie greedy tokens
 may too), and a batch padded into a graph bucket of another class (15 verify rows run
-eagerly vs 20 in the bucket-4 graph) runs another kernel than its eager twin.
+eagerly vs 20 in the bucket-4 graph) runs another kernel than its eager twin. The
+batch-invariant ops (ops.INVARIANT_OPS) offer tiles only, never cuBLAS or the row path:
+every tile gives a row the same bits, so there the timing picks speed, not arithmetic.
 
 Under the Triton interpreter (CPU tensors, the CPU test lane) nothing can be
 timed: the first GEMV configuration is taken, so the tests exercise the kernel.
@@ -47,7 +49,7 @@ class GemvTuner:
     def __init__(self) -> None:
         self._choices: dict[Hashable, GemvConfig | None] = {}
         # key -> (cuBLAS ms, the chosen candidate's ms) per call: what the bench reports
-        self.timings: dict[Hashable, tuple[float, float]] = {}
+        self.timings: dict[Hashable, tuple[float | None, float]] = {}  # None: cuBLAS not timed
         self.tuning_s = 0.0  # time spent tuning so far
         # HAZARD: cuBLAS keeps a workspace (32 MiB on Hopper) per stream it ever ran on, for
         # the life of the process: a fresh stream per tuned shape cycles through torch's 32
@@ -56,21 +58,30 @@ class GemvTuner:
         # on this one stream when the caller is on the default stream, which cannot capture.
         self._stream: torch.cuda.Stream | None = None
 
-    def choose(self, key: Hashable, rows: int, weight: torch.Tensor, run: Run) -> GemvConfig | None:
+    def choose(
+        self,
+        key: Hashable,
+        rows: int,
+        weight: torch.Tensor,
+        run: Run,
+        candidates: tuple[GemvConfig | None, ...] | None = None,
+    ) -> GemvConfig | None:
         """The configuration for ``key``; ``run(choice, weight)`` computes the op with a
-        choice on a weight of ``weight``'s shape (the tuner passes copies)."""
+        choice on a weight of ``weight``'s shape (the tuner passes copies). ``candidates``:
+        what may serve it (default: cuBLAS and ``configs_for(rows)``)."""
         choice = self._choices.get(key, "unset")
         if choice != "unset":
             return choice
-        candidates = configs_for(rows)
+        if candidates is None:
+            candidates = (CUBLAS, *configs_for(rows))
         if weight.device.type != "cuda":  # the interpreter: nothing to time
-            choice = candidates[0]
+            choice = next(c for c in candidates if c is not CUBLAS)
         elif torch.cuda.is_current_stream_capturing():
             raise GraphrtError(
                 f"matmul {key} was not tuned before graph capture; run a warm-up forward first"
             )
         else:
-            choice = self._time(key, (CUBLAS, *candidates), weight, run)
+            choice = self._time(key, candidates, weight, run)
         self._choices[key] = choice
         return choice
 
@@ -111,9 +122,10 @@ class GemvTuner:
         del weights, calls
         best = min(range(len(candidates)), key=per_call.__getitem__)
         self.tuning_s += time.perf_counter() - start
-        self.timings[key] = (per_call[0], per_call[best])
+        cublas_ms = per_call[0] if candidates[0] is CUBLAS else None
+        self.timings[key] = (cublas_ms, per_call[best])
         log.debug(
-            "gemv %s: %s %.4f ms (cuBLAS %.4f)", key, candidates[best], per_call[best], per_call[0]
+            "gemv %s: %s %.4f ms (cuBLAS %s)", key, candidates[best], per_call[best], cublas_ms
         )
         return candidates[best]
 
@@ -127,7 +139,11 @@ class GemvTuner:
         for key, (cublas_ms, best_ms) in sorted(self.timings.items(), key=str):
             choice = self._choices[key]
             name = "cuBLAS" if choice is None else f"gemv {choice.block_n}x{choice.block_k}"
-            line = f"{key}: {name} {best_ms * 1e3:.1f} us (cuBLAS {cublas_ms * 1e3:.1f} us)"
+            line = f"{key}: {name} {best_ms * 1e3:.1f} us"
+            # The width-invariant class never times cuBLAS: it may not serve those rows.
+            line += (
+                " (width-invariant)" if cublas_ms is None else f" (cuBLAS {cublas_ms * 1e3:.1f} us)"
+            )
             if weight_bytes is not None:
                 line += f", {weight_bytes(key) / best_ms / 1e6:.0f} GB/s"
             lines.append(line)

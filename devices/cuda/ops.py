@@ -9,6 +9,8 @@ keep cuBLAS's arithmetic).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -19,7 +21,7 @@ from graphrt.devices.cuda.triton_gemma import (
     gemma_per_layer_inputs,
     gemma_residual_norm,
 )
-from graphrt.devices.cuda.triton_gemv import MAX_ROWS, gemv
+from graphrt.devices.cuda.triton_gemv import MAX_ROWS, gemv, invariant_configs
 from graphrt.devices.cuda.triton_ops import (
     ACTIVATION_CODES,
     triton_act_mul,
@@ -123,9 +125,76 @@ def triton_linear_act_mul(
     # An activation without a fused epilogue (erf GELU) keeps torch's matmul and activation.
     if act not in ACTIVATION_CODES or not _skinny(x, weight, norm):
         return run()
-    key = ("act_mul", _row_class(x), *weight.shape, x.dtype, bias is not None, act, up is None)
+    key = (
+        "act_mul",
+        _row_class(x),
+        *weight.shape,
+        x.dtype,
+        bias is not None,
+        act,
+        up is None,
+    )
     key += (norm is not None,)
     return run(TUNER.choose(key, x.shape[0], weight, run))
+
+
+# ---- batch-invariant ops ----------------------------------------------------------------
+
+# Decode and verify rows up to 64 requests x 16 tree nodes; above (prefill), cuBLAS.
+INVARIANT_MAX_ROWS = 1024
+
+
+def _invariant(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.dim() == 2
+        and 0 < x.shape[0] <= INVARIANT_MAX_ROWS
+        and x.dtype in _GEMV_DTYPES
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+        and weight.is_contiguous()
+    )
+
+
+def _tile_class(x: torch.Tensor) -> str:
+    rows = x.shape[0]
+    if rows <= MAX_ROWS:
+        return f"1-{MAX_ROWS}"
+    return next(f"<={top}" for top in (64, 256, INVARIANT_MAX_ROWS) if rows <= top)
+
+
+def invariant_linear(x, weight, bias=None, *, norm=None, residual=None) -> torch.Tensor:
+    """``linear`` whose every row gets the same bits whatever the rows beside it: the norm
+    kernel (per row), then tensor-core tiles only (triton_gemv.TILE_CONFIGS). The GEMV's
+    fused norm is left out: its sum of squares runs in another order than the norm
+    kernel's, and one model must not mix the two across row classes."""
+    if not _invariant(x, weight):
+        return cublas_linear(x, weight, bias, norm=norm, residual=residual)
+    if norm is not None:
+        x = triton_rms_norm(x, norm.weight, norm.eps)
+
+    def run(config, w=weight):
+        return gemv(x, w, bias, config, residual=residual)
+
+    key = ("linear-inv", _tile_class(x), *weight.shape, x.dtype, bias is not None)
+    key += (residual is not None,)
+    candidates = invariant_configs(x.shape[0])
+    return run(TUNER.choose(key, x.shape[0], weight, run, candidates))
+
+
+def invariant_linear_act_mul(x, weight, bias, act, up=None, *, norm=None) -> torch.Tensor:
+    """``linear_act_mul`` on tiles only, as ``invariant_linear``."""
+    if act not in ACTIVATION_CODES or not _invariant(x, weight):
+        return cublas_linear_act_mul(x, weight, bias, act, up, norm=norm)
+    if norm is not None:
+        x = triton_rms_norm(x, norm.weight, norm.eps)
+
+    def run(config, w=weight):
+        return gemv(x, w, bias, config, act=act, gated=up is None, up=up)
+
+    key = ("act_mul-inv", _tile_class(x), *weight.shape, x.dtype, bias is not None, act)
+    key += (up is None,)
+    candidates = invariant_configs(x.shape[0])
+    return run(TUNER.choose(key, x.shape[0], weight, run, candidates))
 
 
 TRITON_OPS = ModelOps(
@@ -140,4 +209,14 @@ TRITON_OPS = ModelOps(
     gemma_qkv_norm_rope=gemma_qkv_norm_rope,
     gemma_per_layer_inputs=gemma_per_layer_inputs,
     float_logits=float_logits,
+)
+
+# Batch-invariant (``--batch-invariant``): a row's logits do not depend on how many rows
+# run beside it, so speculative greedy output equals plain greedy output in 16-bit, as
+# with float32. Attention is invariant in both tables (triton_verify walks decode's splits).
+INVARIANT_OPS = dataclasses.replace(
+    TRITON_OPS,
+    name="triton-batch-invariant",
+    linear=invariant_linear,
+    linear_act_mul=invariant_linear_act_mul,
 )

@@ -16,6 +16,13 @@ launch), and can finish the layer's next elementwise op in registers:
   itself (a first pass over x, an L1 hit in the second), so the norm is no launch.
 - ``residual`` given: ``residual + x @ W^T``, the block's residual add, in the store.
 
+Two paths. The row path (``block_m`` 1, decode's M = 1) computes a row with CUDA-core
+products summed in a (BLOCK_N, BLOCK_K) tile; it serves any M, one program for every row
+of its outputs, each row a one-row call's arithmetic. Tensor-core tiles (``block_m`` 16
+to 128) serve more rows; their sums follow the MMAs' k order, so a row's bits do not
+depend on M or the tile (batch invariance, see TILE_CONFIGS), and the fused norm's sum of
+squares is the diagonal of x @ x.T for that reason (a tl.sum's tree follows the layout).
+
 With ``norm`` before the projection that reads the residual stream and ``residual``
 after the one that writes it, a Llama layer is 7 launches: qkv, rope, attention
 (2), o, gate/up, down.
@@ -61,18 +68,19 @@ class GemvConfig:
     block_k: int  # reduction chunk per loop iteration
     num_warps: int = 4
     num_stages: int = 3
+    block_m: int = 16  # x rows per program: 1 is the CUDA-core row path, else tensor-core tiles
 
 
 # What the tuner tries (and the interpreter's default is the first): small blocks keep
 # every SM busy on 1536..4096-row projections; big K chunks keep bytes in flight.
 ROW_CONFIGS = (  # M == 1: a broadcast multiply and a row sum, no tensor cores
-    GemvConfig(8, 512),
-    GemvConfig(2, 1024),
-    GemvConfig(4, 2048, num_warps=8),  # a whole 1536/2048 row in one iteration
-    GemvConfig(2, 2048),
-    GemvConfig(8, 1024, num_warps=8),
-    GemvConfig(16, 512, num_warps=8),
-    GemvConfig(16, 256),
+    GemvConfig(8, 512, block_m=1),
+    GemvConfig(2, 1024, block_m=1),
+    GemvConfig(4, 2048, num_warps=8, block_m=1),  # a whole 1536/2048 row in one iteration
+    GemvConfig(2, 2048, block_m=1),
+    GemvConfig(8, 1024, num_warps=8, block_m=1),
+    GemvConfig(16, 512, num_warps=8, block_m=1),
+    GemvConfig(16, 256, block_m=1),
 )
 DOT_CONFIGS = (  # 2 <= M <= 16: one 16-row tensor-core tile, rows beyond M masked
     GemvConfig(16, 256),
@@ -84,8 +92,27 @@ DOT_CONFIGS = (  # 2 <= M <= 16: one 16-row tensor-core tile, rows beyond M mask
 )
 
 
+# Batch-invariant mode (ops.INVARIANT_OPS) runs every decode and verify matmul on tiles:
+# all of them, 16 to 128 rows a tile, whatever BLOCK_N, BLOCK_K, warps and stages, give
+# each row the same bits at any M (measured on the H200, bench/probe_invariance.py: the
+# MMAs add in k order whatever the tile), so the tuner may pick per row class freely.
+TILE_CONFIGS = (
+    GemvConfig(32, 128, block_m=32),
+    GemvConfig(64, 64, block_m=64),
+    GemvConfig(64, 128, block_m=64),
+    GemvConfig(128, 64, block_m=64),
+    GemvConfig(128, 64, num_warps=8, block_m=128),
+    GemvConfig(64, 128, num_warps=8, block_m=128),
+)
+
+
 def configs_for(rows: int) -> tuple[GemvConfig, ...]:
     return ROW_CONFIGS if rows == 1 else DOT_CONFIGS
+
+
+def invariant_configs(rows: int) -> tuple[GemvConfig, ...]:
+    """Tensor-core tiles only: the row path sums in another order than the tiles."""
+    return DOT_CONFIGS if rows <= MAX_ROWS else DOT_CONFIGS + TILE_CONFIGS
 
 
 @triton.jit
@@ -118,13 +145,28 @@ def _inv_rms_rows(
     x_rows, m_mask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE: tl.constexpr
 ):
     """(BLOCK_M, 1) float32 inv_rms of the x rows, as the RMSNorm kernel computes it."""
-    sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask = m_mask[:, None] & (offs_k < K)[None, :]
-        x = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        sq += x * x
-    return inv_rms(tl.sum(sq, axis=1)[:, None], K, eps, PRECISE)
+    if BLOCK_M == 1:
+        sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask = m_mask[:, None] & (offs_k < K)[None, :]
+            x = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+            sq += x * x
+        sum_sq = tl.sum(sq, axis=1)[:, None]
+    else:
+        # The diagonal of x @ x.T on tensor cores (16-bit products are exact): the MMAs add
+        # in k order whatever the tile, so a row's sum does not depend on BLOCK_M, BLOCK_K or
+        # the warps, as a tl.sum's reduction tree does (through the layout). Width invariance.
+        gram = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask = m_mask[:, None] & (offs_k < K)[None, :]
+            x = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0)
+            gram = _dot(gram, x, x, PRECISE)
+        offs = tl.arange(0, BLOCK_M)
+        diagonal = offs[:, None] == offs[None, :]
+        sum_sq = tl.sum(tl.where(diagonal, gram, 0.0), axis=1)[:, None]  # one term a row: exact
+    return inv_rms(sum_sq, K, eps, PRECISE)
 
 
 @triton.jit
@@ -174,45 +216,67 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr,
 ):
     dtype = Out.dtype.element_ty
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
+    if BLOCK_M == 1:  # the row path: one program serves every row of its BLOCK_N outputs
+        m_tiles = 1
+        offs_m = tl.arange(0, 1)
+    else:
+        # Row tiles vary fastest in launch order: the tiles sharing a weight tile run
+        # together and read it once from memory, the others from L2. (One grid axis: the
+        # second is limited to 65535 programs, fewer than an LM head needs.)
+        m_tiles = tl.cdiv(M, BLOCK_M)
+        offs_m = (tl.program_id(0) % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (tl.program_id(0) // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    m_mask = offs_m < M
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1) row pointers
-    x_rows = X + offs_m[:, None] * stride_xm  # (BLOCK_M, 1)
+    up_offset = N * stride_wn
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start its weight reads
     # One chunk: the whole weight tile is read first, overlapping the previous kernel's tail.
     if ONE_CHUNK:
-        w_first, w_up_first = _load_w(w_rows, N * stride_wn, 0, K, n_mask, BLOCK_K, GATED)
+        w_first, w_up_first = _load_w(w_rows, up_offset, 0, K, n_mask, BLOCK_K, GATED)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's outputs (x, up, residual) are ready
-    if NORM:
-        row_inv_rms = _inv_rms_rows(
-            x_rows, m_mask, K, eps, BLOCK_M, BLOCK_K, PRECISE
-        )  # (BLOCK_M, 1)
-    else:
-        row_inv_rms = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
     if BLOCK_M == 1:
-        # One row: elementwise products summed in a (BLOCK_N, BLOCK_K) float32 tile, reduced
-        # across K once at the end (a reduction per chunk costs shuffles every iteration).
-        part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        part_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        if ONE_CHUNK:
-            x = _load_x(x_rows, m_mask, NormWeight, row_inv_rms, 0, K, BLOCK_K, NORM, dtype)
-            part += x * w_first.to(tl.float32)
-            if GATED:
-                part_up += x * w_up_first.to(tl.float32)
-        else:
-            for k0 in range(0, K, BLOCK_K):
-                x = _load_x(x_rows, m_mask, NormWeight, row_inv_rms, k0, K, BLOCK_K, NORM, dtype)
-                w, w_up = _load_w(w_rows, N * stride_wn, k0, K, n_mask, BLOCK_K, GATED)
-                part += x * w.to(tl.float32)
+        # Width invariance: each row runs exactly the arithmetic of a one-row call, whatever
+        # M (a verify forward's rows equal decode's bit for bit). Elementwise products are
+        # summed in a (BLOCK_N, BLOCK_K) float32 tile, reduced across K once at the end (a
+        # reduction per chunk costs shuffles every iteration). With one chunk the weight tile
+        # stays in registers for every row; else each row re-reads it (from L1/L2).
+        for row in range(0, M):
+            row_m = row + offs_m  # (1,)
+            m_mask = row_m < M
+            x_rows = X + row_m[:, None] * stride_xm  # (1, 1)
+            row_inv_rms = tl.zeros((1, 1), dtype=tl.float32)
+            if NORM:
+                row_inv_rms = _inv_rms_rows(x_rows, m_mask, K, eps, 1, BLOCK_K, PRECISE)
+            part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            part_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            if ONE_CHUNK:
+                x = _load_x(x_rows, m_mask, NormWeight, row_inv_rms, 0, K, BLOCK_K, NORM, dtype)
+                part += x * w_first.to(tl.float32)
                 if GATED:
-                    part_up += x * w_up.to(tl.float32)
-        acc = tl.sum(part, axis=1)[None, :]  # (1, BLOCK_N)
-        acc_up = tl.sum(part_up, axis=1)[None, :]
+                    part_up += x * w_up_first.to(tl.float32)
+            else:
+                for k0 in range(0, K, BLOCK_K):
+                    x = _load_x(
+                        x_rows, m_mask, NormWeight, row_inv_rms, k0, K, BLOCK_K, NORM, dtype
+                    )
+                    w, w_up = _load_w(w_rows, up_offset, k0, K, n_mask, BLOCK_K, GATED)
+                    part += x * w.to(tl.float32)
+                    if GATED:
+                        part_up += x * w_up.to(tl.float32)
+            acc = tl.sum(part, axis=1)[None, :]  # (1, BLOCK_N)
+            acc_up = tl.sum(part_up, axis=1)[None, :]
+            _epilogue(
+                acc, acc_up, row_m, m_mask, offs_n, n_mask, Bias, Up, Residual, Out, N,
+                stride_um, stride_rm, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT, PRECISE,
+            )  # fmt: skip
     else:
+        m_mask = offs_m < M
+        x_rows = X + offs_m[:, None] * stride_xm  # (BLOCK_M, 1)
+        row_inv_rms = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
+        if NORM:
+            row_inv_rms = _inv_rms_rows(x_rows, m_mask, K, eps, BLOCK_M, BLOCK_K, PRECISE)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if ONE_CHUNK:
@@ -223,11 +287,24 @@ def _gemv_kernel(
         else:
             for k0 in range(0, K, BLOCK_K):
                 x = _load_x(x_rows, m_mask, NormWeight, row_inv_rms, k0, K, BLOCK_K, NORM, dtype)
-                w, w_up = _load_w(w_rows, N * stride_wn, k0, K, n_mask, BLOCK_K, GATED)
+                w, w_up = _load_w(w_rows, up_offset, k0, K, n_mask, BLOCK_K, GATED)
                 acc = _dot(acc, x.to(dtype), w, PRECISE)  # (BLOCK_M, BLOCK_K) x (BLOCK_N, BLOCK_K)
                 if GATED:
                     acc_up = _dot(acc_up, x.to(dtype), w_up, PRECISE)
-    # Epilogue, rounding where the unfused ops round: matmul output, activation, product.
+        _epilogue(
+            acc, acc_up, offs_m, m_mask, offs_n, n_mask, Bias, Up, Residual, Out, N,
+            stride_um, stride_rm, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT, PRECISE,
+        )  # fmt: skip
+
+
+@triton.jit
+def _epilogue(
+    acc, acc_up, offs_m, m_mask, offs_n, n_mask, Bias, Up, Residual, Out, N, stride_um, stride_rm,
+    dtype: tl.constexpr, GATED: tl.constexpr, HAS_UP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, ACT: tl.constexpr, PRECISE: tl.constexpr,
+):  # fmt: skip
+    """Bias, activation, gate product, ``up`` product and residual on the float32
+    (rows, BLOCK_N) sums, rounding where the unfused ops round; stores the rows."""
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y = _round(acc, dtype)
@@ -264,7 +341,6 @@ def gemv(
     ``x``'s dtype."""
     rows, k = x.shape
     n = weight.shape[0] // (2 if gated else 1)
-    assert rows <= MAX_ROWS, f"gemv takes at most {MAX_ROWS} rows, got {rows}"
     assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (
         f"x {tuple(x.shape)} / weight {tuple(weight.shape)}: K must match, unit stride"
     )
@@ -282,8 +358,8 @@ def gemv(
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
-    block_m = 1 if rows == 1 else 16
-    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+    m_tiles = 1 if config.block_m == 1 else triton.cdiv(rows, config.block_m)
+    _gemv_kernel[(m_tiles * triton.cdiv(n, config.block_n),)](
         x,
         weight,
         weight if bias is None else bias,
@@ -299,7 +375,7 @@ def gemv(
         0 if up is None else up.stride(0),
         0 if residual is None else residual.stride(0),
         0.0 if norm is None else float(norm.eps),
-        BLOCK_M=block_m,
+        BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         ONE_CHUNK=k <= config.block_k,

@@ -7,18 +7,17 @@ at ``out_cache_loc``. Node i attends to its request's cached prefix (positions
 ``tree_mask[b, i, j]`` marks (itself and its ancestors), each key subject to
 the sliding window ``k_pos > q_pos - window``, in one softmax.
 
-Work decomposition, as in triton_decode.py's flash-decoding (whose building blocks,
-q loading, K/V blocks, the online-softmax step and the partial store, it shares): stage 1 runs one
-program per (node row, KV head, split), grid B*n x Hkv x (S + 1), and each
-program serves the G query heads of its KV head with ``tl.dot`` (G padded to
-16 rows). Splits 0 .. S-1 cut the node's visible prefix range into S equal
-chunks; split S takes the n tree keys, masked by the node's tree-mask row and
-the window, as one padded block (blocks of BLOCK_N when n is larger). Stage 2
-is triton_decode.py's log-sum-exp combine over the S + 1 partials of each
-(node row, query head). The n nodes of a request each re-read the shared
-prefix, mostly from L2 at n <= 16, and one program per node keeps each node's
-window range its own; a program per (request, KV head, split) serving all
-n * G rows would read the prefix once, the next step if verify is bandwidth-bound.
+Width invariance: node i's token is computed exactly as decode would compute it once
+its path were accepted. Stage 1 runs decode's grid, one program per (node row, KV
+head, split), B*n x Hkv x S, over the keys decode would see, positions
+[lo, q_pos], split into decode's S chunks and walked in decode's BLOCK_N blocks with
+triton_decode.py's building blocks (q loading, K/V blocks, the online-softmax step,
+the partial store). Only where a key's slot comes from differs: the token table below
+the tree, the node's path (its ancestor at that depth, found through the tree-mask
+row) from the tree on. Stage 2 is decode's log-sum-exp combine. So a verify row's
+output equals decode's bit for bit, and greedy speculative output equals plain
+decoding's wherever the matmuls are width-invariant too (ops.INVARIANT_ROWS). The n
+nodes of a request each re-read the shared prefix, mostly from L2 at n <= 16.
 
 Capture-safe: the launches read only device tensors and host shapes, never
 sync, allocate nothing (the caller owns ``out`` and the scratch), and their
@@ -34,9 +33,7 @@ import triton.language as tl
 
 from graphrt.devices.cuda.triton_decode import (
     MIN_DOT,
-    TILE_BYTES,
     _attend_block,
-    _attend_cached,
     _load_kv_block,
     _load_q_group,
     _store_partial,
@@ -57,8 +54,8 @@ def _verify_partial_kernel(
     Positions,  # (B*n,)
     OutCacheLoc,  # (B*n,) the tree nodes' slots
     TreeMask,  # (B, n, n) uint8 view of the bool mask
-    PartialOut,  # (>= B*n, H, S + 1, D) float32
-    PartialLse,  # (>= B*n, H, S + 1) float32
+    PartialOut,  # (>= B*n, H, S, D) float32
+    PartialLse,  # (>= B*n, H, S) float32
     sm_scale,
     window,  # 0 = no sliding window
     num_nodes,  # n
@@ -78,9 +75,9 @@ def _verify_partial_kernel(
     stride_plh,
     KV_GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # KV_GROUP padded to a power of two >= MIN_DOT
-    NUM_PREFIX_SPLITS: tl.constexpr,  # S; split S is the tree split
-    BLOCK_N: tl.constexpr,  # prefix keys per loop step
-    BLOCK_T: tl.constexpr,  # tree keys per loop step (n padded, at most BLOCK_N)
+    NUM_KV_SPLITS: tl.constexpr,  # S, decode's
+    BLOCK_N: tl.constexpr,  # keys per loop step, decode's
+    BLOCK_T: tl.constexpr,  # n padded to a power of two
     HEAD_DIM: tl.constexpr,  # constant, so K/V rows load as 16-byte vectors
     BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= MIN_DOT
     DOT_PRECISION: tl.constexpr,
@@ -95,16 +92,23 @@ def _verify_partial_kernel(
     # Padding rows may carry seq_len < n: their prefix is empty, not negative.
     prefix = tl.maximum(tl.load(SeqLens + b).to(tl.int32) - num_nodes, 0)
     q_pos = tl.load(Positions + row).to(tl.int32)
-    # Prefix key j (position j) is visible iff j > q_pos - window; node positions
-    # are >= prefix, so the window can only cut the range's start.
-    lo = tl.where(window > 0, tl.maximum(q_pos - window + 1, 0), 0)
-    lo = tl.minimum(lo, prefix)
-    chunk = tl.cdiv(prefix - lo, NUM_PREFIX_SPLITS)
-    # The tree split starts at lo + S * chunk >= prefix: its prefix loop is empty.
+    # The keys decode would see for this token: positions [lo, q_pos], split as decode
+    # splits a sequence of q_pos + 1 tokens (key j is visible iff j > q_pos - window).
+    seq_len = q_pos + 1
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    chunk = tl.cdiv(seq_len - lo, NUM_KV_SPLITS)
     start = lo + split * chunk
-    end = tl.minimum(start + chunk, prefix)
-    # ... and only the tree split walks the tree keys.
-    num_tree = tl.where(split == NUM_PREFIX_SPLITS, num_nodes, 0)
+    end = tl.minimum(start + chunk, seq_len)
+
+    # Position p >= prefix is the node's ancestor at depth p - prefix (or the node itself):
+    # the tree node j with tree_mask[b, node, j] whose position is p.
+    node_rows = b * num_nodes  # row of the request's root
+    offs_t = tl.arange(0, BLOCK_T)
+    mask_t = offs_t < num_nodes
+    tree_slots = tl.load(OutCacheLoc + node_rows + offs_t, mask=mask_t, other=0).to(tl.int64)
+    tree_pos = tl.load(Positions + node_rows + offs_t, mask=mask_t, other=-1).to(tl.int32)
+    in_tree = tl.load(TreeMask + b * stride_mb + node * stride_mi + offs_t, mask=mask_t, other=0)
+    tree_pos = tl.where(in_tree != 0, tree_pos, -1)  # (BLOCK_T,) -1: not on the path
 
     q, heads, mask_g, offs_d, mask_d = _load_q_group(
         Q, row, kv_h, stride_qt, stride_qh, K.dtype.element_ty, KV_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D
@@ -112,45 +116,29 @@ def _verify_partial_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
     l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # Prefix splits: a contiguous range of cached positions, all visible.
-    m, l_sum, acc = _attend_cached(
-        q, m, l_sum, acc, K, V, ReqToToken, req, start, end, kv_h, offs_d, mask_d, sm_scale,
-        stride_req, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N, DOT_PRECISION,
-    )  # fmt: skip
-    # Tree split: the request's n nodes, visible through the tree mask and the window.
-    node_rows = b * num_nodes  # row of the request's root
-    for t0 in range(0, num_tree, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        mask_t = offs_t < num_tree
-        slots = tl.load(OutCacheLoc + node_rows + offs_t, mask=mask_t, other=0).to(tl.int64)
-        k_pos = tl.load(Positions + node_rows + offs_t, mask=mask_t, other=0).to(tl.int32)
-        in_tree = tl.load(
-            TreeMask + b * stride_mb + node * stride_mi + offs_t, mask=mask_t, other=0
-        )  # (BLOCK_T,) node j is this node or its ancestor
-        visible = mask_t & (in_tree != 0) & ((window == 0) | (k_pos > q_pos - window))
+    # Decode's loop (triton_decode._attend_cached), but a key's slot comes from the token
+    # table before the tree and from the node's path after it: the same blocks in the same
+    # order, so a node's output equals decode's for that token bit for bit.
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        cached = tl.load(
+            ReqToToken + req * stride_req + offs_n, mask=mask_n & (offs_n < prefix), other=0
+        ).to(tl.int64)
+        on_path = offs_n[:, None] == tree_pos[None, :]  # (BLOCK_N, BLOCK_T): one match at most
+        path = tl.max(tl.where(on_path, tree_slots[None, :], 0), axis=1)
+        # Trees whose positions skip (tests' gapped trees) leave positions with no ancestor:
+        # not visible. MTP trees have one at every depth, so this is decode's mask there.
+        visible = mask_n & ((offs_n < prefix) | (tl.max(on_path.to(tl.int32), axis=1) > 0))
+        slots = tl.where(offs_n < prefix, cached, path)
         k, v = _load_kv_block(
-            K, V, slots, mask_t, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh
-        )  # (BLOCK_D, BLOCK_T), (BLOCK_T, BLOCK_D)
+            K, V, slots, visible, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh
+        )
         m, l_sum, acc = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
     _store_partial(
         PartialOut, PartialLse, row, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
         stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
     )  # fmt: skip
-
-
-def verify_block_n(head_dim: int, element_size: int) -> int:
-    """Prefix keys per loop step: default_block_n, halved (not below MIN_DOT) while a K
-    plus a V tile passes TILE_BYTES.
-
-    default_block_n stops at 32, and at D = 512 (Gemma 4's full layers) a 32-key bf16
-    K plus V tile is 64 KB, twice the budget: 16 keys keep both the pipeline's shared
-    memory and the dot operands' registers at the D = 256 level.
-    """
-    block_d = max(triton.next_power_of_2(head_dim), MIN_DOT)
-    block_n = default_block_n(head_dim, element_size)
-    while block_n > MIN_DOT and 2 * block_n * block_d * element_size > TILE_BYTES:
-        block_n //= 2
-    return block_n
 
 
 def tree_verify_attention(
@@ -164,26 +152,25 @@ def tree_verify_attention(
     out_cache_loc: torch.Tensor,  # (B*n,) int64, the nodes' K/V already stored there
     tree_mask: torch.Tensor,  # (B, n, n) bool: node j is node i or its ancestor
     out: torch.Tensor,  # (B*n, H, D), written, q's dtype
-    partial_out: torch.Tensor,  # (>= B*n, H, S + 1, D) float32 scratch
-    partial_lse: torch.Tensor,  # (>= B*n, H, S + 1) float32 scratch
+    partial_out: torch.Tensor,  # (>= B*n, H, S, D) float32 scratch
+    partial_lse: torch.Tensor,  # (>= B*n, H, S) float32 scratch
     sm_scale: float,
     sliding_window: int | None = None,
-    block_n: int | None = None,  # prefix keys per loop step (>= 16); None: verify_block_n
+    block_n: int | None = None,  # keys per loop step (>= 16); None: decode's default_block_n
 ) -> torch.Tensor:
     """Each tree node's attention over its prefix and its tree ancestors; returns ``out``.
 
-    The prefix split count S is the scratch's third dimension minus one. Shapes
-    are checked on the host only (no device sync), so this may be captured.
+    The split count S is the scratch's third dimension, decode's. Shapes are checked on
+    the host only (no device sync), so this may be captured.
     """
     bs, num_nodes = tree_mask.shape[:2]
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
-    num_splits = partial_out.shape[2]  # S + 1
+    num_splits = partial_out.shape[2]
     assert tree_mask.shape == (bs, num_nodes, num_nodes) and tree_mask.dtype == torch.bool
     assert num_rows == bs * num_nodes, f"{num_rows} query rows for {bs} trees of {num_nodes}"
     assert req_pool_indices.shape == seq_lens.shape == (bs,)
     assert positions.shape == out_cache_loc.shape == (num_rows,)
-    assert num_splits >= 2, "the scratch holds S >= 1 prefix splits plus the tree split"
     check_paged_inputs(q, k_buffer, v_buffer, req_to_token, out, partial_out, partial_lse)
     assert tree_mask.stride(2) == 1
     for t in (req_pool_indices, seq_lens, positions, out_cache_loc):
@@ -193,7 +180,7 @@ def tree_verify_attention(
 
     block_d = max(triton.next_power_of_2(head_dim), MIN_DOT)
     if block_n is None:
-        block_n = verify_block_n(head_dim, k_buffer.element_size())
+        block_n = default_block_n(head_dim, k_buffer.element_size())
     assert block_n >= MIN_DOT and block_n == triton.next_power_of_2(block_n), block_n
     window = 0 if sliding_window is None else int(sliding_window)
     assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
@@ -230,9 +217,9 @@ def tree_verify_attention(
         partial_lse.stride(1),
         KV_GROUP=group,
         BLOCK_G=max(triton.next_power_of_2(group), MIN_DOT),
-        NUM_PREFIX_SPLITS=num_splits - 1,
+        NUM_KV_SPLITS=num_splits,
         BLOCK_N=block_n,
-        BLOCK_T=min(max(triton.next_power_of_2(num_nodes), MIN_DOT), block_n),
+        BLOCK_T=triton.next_power_of_2(num_nodes),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         # float32 caches keep float32 products (tf32 would cost ~1e-3 relative);

@@ -117,6 +117,11 @@ def _lockstep(graph: Engine, eager: Engine, prompts, rtol: float, before_decode=
 
 @pytest.mark.parametrize("topk", [1, 2])
 def test_graph_rounds_equal_eager_rounds_as_the_batch_shrinks(spec_case, engines, topk):
+    if spec_case.id == "cpu-compile" and topk == 2:
+        # Both topks replay one verify shape there (see _engine), so topk 2 would only
+        # compile the same graphs again: 33 s of the lane's 6 minutes on 2 cores. The
+        # stand-ins run topk 2's trees on graphs.
+        pytest.skip("cpu-compile verifies topk 2 as the same 4-token chain as topk 1")
     graph, eager = engines(topk)
     vocab = graph.loaded.model.vocab_size
     rounds0 = graph.stats.graph_rounds, graph.stats.spec_rounds
