@@ -33,12 +33,14 @@ from graphrt.devices.cuda.triton_rope import gemma_qkv_norm_rope, triton_rope
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _skinny(x: torch.Tensor, weight: torch.Tensor, norm: PreNorm | None = None) -> bool:
+def _skinny(
+    x: torch.Tensor, weight: torch.Tensor, norm: PreNorm | None = None, max_rows: int = MAX_ROWS
+) -> bool:
     """A decode-sized matmul the GEMV may serve (else cuBLAS, untuned)."""
     return (
         (norm is None or norm.weight.dtype == x.dtype)
         and x.dim() == 2
-        and 0 < x.shape[0] <= MAX_ROWS
+        and 0 < x.shape[0] <= max_rows
         and x.dtype in _GEMV_DTYPES
         and weight.dtype == x.dtype
         and x.stride(1) == 1
@@ -144,17 +146,6 @@ def triton_linear_act_mul(
 INVARIANT_MAX_ROWS = 1024
 
 
-def _invariant(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        x.dim() == 2
-        and 0 < x.shape[0] <= INVARIANT_MAX_ROWS
-        and x.dtype in _GEMV_DTYPES
-        and weight.dtype == x.dtype
-        and x.stride(1) == 1
-        and weight.is_contiguous()
-    )
-
-
 def _tile_class(x: torch.Tensor) -> str:
     rows = x.shape[0]
     if rows <= MAX_ROWS:
@@ -167,7 +158,7 @@ def invariant_linear(x, weight, bias=None, *, norm=None, residual=None) -> torch
     kernel (per row), then tensor-core tiles only (triton_gemv.TILE_CONFIGS). The GEMV's
     fused norm is left out: its sum of squares runs in another order than the norm
     kernel's, and one model must not mix the two across row classes."""
-    if not _invariant(x, weight):
+    if not _skinny(x, weight, max_rows=INVARIANT_MAX_ROWS):
         return cublas_linear(x, weight, bias, norm=norm, residual=residual)
     if norm is not None:
         x = triton_rms_norm(x, norm.weight, norm.eps)
@@ -183,7 +174,7 @@ def invariant_linear(x, weight, bias=None, *, norm=None, residual=None) -> torch
 
 def invariant_linear_act_mul(x, weight, bias, act, up=None, *, norm=None) -> torch.Tensor:
     """``linear_act_mul`` on tiles only, as ``invariant_linear``."""
-    if act not in ACTIVATION_CODES or not _invariant(x, weight):
+    if act not in ACTIVATION_CODES or not _skinny(x, weight, max_rows=INVARIANT_MAX_ROWS):
         return cublas_linear_act_mul(x, weight, bias, act, up, norm=norm)
     if norm is not None:
         x = triton_rms_norm(x, norm.weight, norm.eps)
