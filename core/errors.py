@@ -19,6 +19,20 @@ class GraphrtError(Exception):
     exit_code = 1
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread by the CLI's handler: it stops work the way
+    Ctrl-C does (everything produced is printed first), and the process exits 143."""
+
+    exit_code = 143
+
+
+def interrupted_status(stop: KeyboardInterrupt) -> tuple[str, int]:
+    """The CLI's line and exit status for a SIGINT (130) or a SIGTERM (143)."""
+    if isinstance(stop, Terminated):
+        return "terminated (SIGTERM)", Terminated.exit_code
+    return "interrupted", 130
+
+
 class UsageError(GraphrtError):
     """Command-line flags or API arguments that are wrong in themselves or together."""
 

@@ -292,3 +292,17 @@ def test_cuda_names_its_collective_kernels_and_nothing_else():
         "cutlass_80_wmma",
     ):
         assert not pattern.search(kernel)
+
+
+def test_results_that_cannot_be_written_go_to_stdout(capsys):
+    """--out passed the checks before the run but cannot be written after it (/proc takes
+    no new files): the results print as JSON on stdout, then one error line, exit 1."""
+    from graphrt.core.cli.main import main
+
+    args = ["bench", "--model", "random:llama-tiny", "--batch-sizes", "1", "--steps", "2"]
+    args += ["--warmup", "1", "--runners", "eager", "--prompt-len", "8", "--out", "/proc/x.json"]
+    assert main(args) == 1
+    out, err = capsys.readouterr()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["model"] == "random:llama-tiny" and len(result["batches"]) == 1
+    assert err.strip().splitlines()[-1].startswith("graphrt: error: --out: cannot write")

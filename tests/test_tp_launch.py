@@ -121,6 +121,32 @@ def test_a_killed_rank_ends_the_job_with_one_line(llama_gqa_untied):
         assert len(requests) == 4 and all(r["error"] for r in requests)
 
 
+def test_sigterm_to_the_launcher_stops_and_reaps_its_ranks(llama_gqa_untied):
+    """SIGTERM to `generate --tp 2` is forwarded: the ranks stop (rank 0 printing its
+    requests so far, finished "interrupted"), the launcher reaps both within its grace
+    period, and the job says so in one line, exit 143."""
+    args = _generate_args(llama_gqa_untied.path, "--tp", "2") + [
+        "--prompt-ids", "9,10", "--max-new-tokens", "400",
+    ]  # fmt: skip
+    job = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while "set up the engine" not in job.stderr.readline():  # rank 0 is about to decode
+        assert job.poll() is None, job.stderr.read()
+    ranks = [_rank_pid(job.pid, r) for r in (0, 1)]
+    time.sleep(0.3)
+    job.send_signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    out, err = job.communicate(timeout=120)
+    assert time.monotonic() - stopped < GRACE_S + 10
+    assert job.returncode == 143
+    assert err.strip().splitlines()[-1] == "graphrt: terminated (SIGTERM)"
+    assert err.count("graphrt:") == 1 and "Traceback" not in err
+    for pid in ranks:  # reaped: gone, not left running or a zombie
+        assert not os.path.exists(f"/proc/{pid}"), f"rank process {pid} outlived the job"
+    if out:  # rank 0 stopped between steps: its requests so far
+        reasons = {r["finish_reason"] for r in json.loads(out)["requests"]}
+        assert reasons <= {"interrupted", "length"}
+
+
 def test_a_rank_that_fails_ends_the_job_with_its_one_line(llama_gqa_untied):
     proc = _run(CLI + _generate_args(llama_gqa_untied.path, "--tp", "3"))
     assert proc.returncode == 2  # a usage error, on every rank

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from graphrt.core.errors import GraphrtError
 from graphrt.core.parallel.launch import is_output_rank
 
 
@@ -24,7 +25,13 @@ def write_result(result: dict, args: argparse.Namespace, plot, log) -> int:
     if not is_output_rank():
         return 0
     out = Path(args.out)
-    out.write_text(json.dumps(result, indent=2))
+    try:
+        out.write_text(json.dumps(result, indent=2))
+    except OSError as e:  # checked before the run, yet gone (/proc, a full disk, a race):
+        print(json.dumps(result))  # the results go to stdout rather than nowhere
+        raise GraphrtError(
+            f"--out: cannot write {str(out)!r} ({e.strerror or e}); the results are on stdout"
+        ) from None
     log(f"wrote {out}")
     if args.plot and plot(result, out.with_suffix(".png")):
         log(f"wrote {out.with_suffix('.png')}")

@@ -63,6 +63,7 @@ def _request_json(req, decode, spec: bool) -> dict:
         "prompt_ids": req.prompt_ids,
         "output_ids": req.output_ids,
         "text": decode(req.output_ids),
+        "finish_reason": req.finish_reason.value,
     }
     if spec:
         out["spec_rounds"] = req.spec_rounds
@@ -71,8 +72,33 @@ def _request_json(req, decode, spec: bool) -> dict:
     return out
 
 
-def _raise_failures(reqs) -> None:
-    """After every output is out: one error line (via main) if any request failed."""
+class _TextStream:
+    """One request's text to stdout as its tokens arrive (core.text), flushed each step."""
+
+    def __init__(self, tokenizer) -> None:
+        from graphrt.core.text import IncrementalDetokenizer
+
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._pushed = 0
+
+    def write(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def push(self, output_ids: list[int]) -> None:
+        new, self._pushed = output_ids[self._pushed :], len(output_ids)
+        if new:
+            self.write(self._detokenizer.push(new))
+
+    def close(self) -> None:
+        self.write(self._detokenizer.flush() + "\n")
+
+
+def _raise_failures(reqs, stopped: KeyboardInterrupt | None = None) -> None:
+    """After every output is out: one error line (via main) if the run was interrupted or
+    any request failed."""
+    if stopped is not None:
+        raise stopped
     failed = [i for i, r in enumerate(reqs) if r.error is not None]
     if failed:
         first = reqs[failed[0]]
@@ -151,21 +177,40 @@ def run_generate(args: argparse.Namespace) -> int:
     for prompt in prompts:
         engine.validate_request(prompt, params)
 
-    total = len(prompts) * args.max_new_tokens
-    with tqdm(
-        total=total,
-        unit="tok",
-        disable=args.json or not is_output_rank() or None,
-        file=sys.stderr,
-        leave=False,
-    ) as bar:
-        reqs = engine.generate(prompts, params, on_step=lambda stepped: bar.update(len(stepped)))
-
     decode = (
         (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         if tokenizer
         else (lambda ids: None)
     )
+    # One prompt with text: its continuation streams to stdout as it is decoded; otherwise
+    # (several requests, --json, no tokenizer) everything prints at the end.
+    stream = _TextStream(tokenizer) if len(prompts) == 1 and tokenizer and not args.json else None
+    if stream is not None and is_output_rank():
+        stream.write(decode(prompts[0]))
+    reqs = engine.add_requests(prompts, params)
+    stopped = None  # a SIGINT or SIGTERM: print what was produced, then its one line
+    total = len(prompts) * args.max_new_tokens
+    with tqdm(
+        total=total,
+        unit="tok",
+        disable=args.json or stream is not None or not is_output_rank() or None,
+        file=sys.stderr,
+        leave=False,
+    ) as bar:
+
+        def on_step(stepped) -> None:
+            bar.update(len(stepped))
+            if stream is not None and is_output_rank():
+                stream.push(reqs[0].output_ids)
+
+        try:
+            engine.run_until_finished(reqs, on_step=on_step)
+        except KeyboardInterrupt as e:  # unfinished requests are now "interrupted"
+            stopped = e
+    if stream is not None and is_output_rank():
+        stream.push(reqs[0].output_ids)
+        stream.close()
+
     stats = {
         "device": device.name,
         "runner": runner,
@@ -204,13 +249,17 @@ def run_generate(args: argparse.Namespace) -> int:
             "stats": stats,
         }
         print(json.dumps(out))
-        _raise_failures(reqs)
+        _raise_failures(reqs, stopped)
         return 0
     for i, r in enumerate(reqs):
-        print(
+        header = (
             f"[{i}] {len(r.prompt_ids)} prompt tokens, {len(r.output_ids)} generated, "
             f"finished: {r.finish_reason.value}"
         )
+        if stream is not None:  # the text is out already: the header follows it
+            print(header)
+            continue
+        print(header)
         text = decode(r.output_ids)
         if text is None:  # no tokenizer (random presets, --prompt-ids only checkpoints)
             print(f"    output_ids: {r.output_ids}")
@@ -240,5 +289,5 @@ def run_generate(args: argparse.Namespace) -> int:
                 f"steps ({spec['auto']['why']})"
             )
     print(summary)
-    _raise_failures(reqs)
+    _raise_failures(reqs, stopped)
     return 0

@@ -15,7 +15,9 @@ the command; errors name the rank.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 
 from graphrt import devices
 
@@ -27,14 +29,32 @@ from graphrt.core.errors import (  # noqa: E402
     GraphrtError,
     OutOfMemoryError,
     RankFailedError,
+    Terminated,
     collective_failure,
     first_line,
+    interrupted_status,
     out_of_memory,
 )
 
 
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    # SIGTERM stops work as Ctrl-C does: what was produced is printed, then one line.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt as stop:  # during start-up (imports, parsing): one line
+        return _interrupted(stop, rank="")
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from graphrt.core.parallel.launch import in_job, leave_job, spawn_ranks  # torch: after --help
 
@@ -45,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     # In a job, every rank may fail: its error line says which one it is.
     status = _run_command(args, rank=f"rank {os.environ['RANK']}: ")
     leave_job(status)
+    return status
+
+
+def _interrupted(stop: KeyboardInterrupt, rank: str) -> int:
+    line, status = interrupted_status(stop)
+    print(f"graphrt: {rank}{line}", file=sys.stderr)
     return status
 
 
@@ -73,9 +99,8 @@ def _run_command(args, rank: str) -> int:
             print(f"graphrt: error: {rank}lost the other ranks: {first_line(e)}", file=sys.stderr)
             return RankFailedError.exit_code
         raise
-    except KeyboardInterrupt:
-        print("graphrt: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:  # SIGINT or SIGTERM: what was produced is already out
+        return _interrupted(stop, rank)
     except BrokenPipeError:  # `graphrt info | head -1`: the reader left; nothing to report
         # Point stdout at devnull so the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

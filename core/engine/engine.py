@@ -12,6 +12,7 @@ in FIFO order, and one that could never fit is refused when it is added.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -203,6 +204,10 @@ class Engine:
         self.graph_backend = (
             self.device.create_graph_backend(cfg.graph_backend) if runner == "graph" else None
         )
+        # HAZARD (threads): every change to requests, pools and stats happens under this
+        # lock; generate() callers on several threads take turns stepping the whole engine,
+        # so their requests share batches. Re-entrant: generate() holds it around step().
+        self._lock = threading.RLock()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = EngineStats()
@@ -265,15 +270,27 @@ class Engine:
         params = sampling_params(params)
         prompt_ids = token_ids(prompt_ids)
         self.validate_request(prompt_ids, params)
-        req = Request(rid=self._next_rid, prompt_ids=prompt_ids, params=params)
-        req.kv_budget = self.kv_budget(len(prompt_ids), params)
-        seed = params.seed
-        if seed is None:  # modulo 2^64: any integer --seed is a valid stream
-            seed = (self.config.seed * 1_000_003 + req.rid) % 2**64
-        req.seed = seed
-        self._next_rid += 1
-        self.waiting.append(req)
+        with self._lock:
+            req = Request(rid=self._next_rid, prompt_ids=prompt_ids, params=params)
+            req.kv_budget = self.kv_budget(len(prompt_ids), params)
+            seed = params.seed
+            if seed is None:  # modulo 2^64: any integer --seed is a valid stream
+                seed = (self.config.seed * 1_000_003 + req.rid) % 2**64
+            req.seed = seed
+            self._next_rid += 1
+            self.waiting.append(req)
         return req
+
+    def add_requests(
+        self, prompts: Iterable[Sequence[int]], params: SamplingParams | None = None
+    ) -> list[Request]:
+        """Queue every prompt, in order, after validating them all: a bad one queues none."""
+        params = sampling_params(params)
+        prompts = [token_ids(p) for p in prompts]
+        for prompt in prompts:
+            self.validate_request(prompt, params)
+        with self._lock:
+            return [self.add_request(p, params) for p in prompts]
 
     def kv_budget(self, prompt_len: int, params: SamplingParams) -> int:
         """Token slots a request holds while running: what admission reserves."""
@@ -311,21 +328,44 @@ class Engine:
         params: SamplingParams | None = None,
         on_step: Callable[[list[Request]], None] | None = None,
     ) -> list[Request]:
-        """Run the given prompts to completion; returns requests in input order. Every
+        """Run the given prompts to completion; returns their requests in input order. Every
         prompt is validated before any is queued (a bad one queues nothing); a request
-        whose step failed comes back finished with ``FinishReason.ERROR``."""
-        prompts = [token_ids(p) for p in prompts]
-        for prompt in prompts:
-            self.validate_request(prompt, sampling_params(params))
-        reqs = [self.add_request(p, params) for p in prompts]
+        whose step failed comes back finished with ``FinishReason.ERROR``. Safe to call
+        from several threads at once: see ``run_until_finished``."""
+        return self.run_until_finished(self.add_requests(prompts, params), on_step)
+
+    def run_until_finished(
+        self, reqs: list[Request], on_step: Callable[[list[Request]], None] | None = None
+    ) -> list[Request]:
+        """Step the engine until every one of ``reqs`` has finished; returns ``reqs``.
+
+        Callers on several threads take turns: each step (under the engine's lock) serves
+        every running request, so concurrent calls share batches. ``on_step`` gets those
+        of ``reqs`` a step gave tokens to (or failed). If the call is interrupted
+        (KeyboardInterrupt, SIGTERM's, or an exception out of ``on_step``), its unfinished
+        requests finish as ``INTERRUPTED`` with their KV freed, keeping what they
+        generated, and the exception goes on: nothing is left for the next call."""
+        pending = set(reqs)
         start = time.perf_counter()
-        while self.has_work:
-            stepped = self.step()
-            if on_step is not None:
-                on_step(stepped)
-        self.stats.elapsed_s += time.perf_counter() - start
-        if self.graph_backend is not None:
-            self.stats.compile_time_s = self.graph_backend.lazy_compile_s()
+        try:
+            while pending:
+                with self._lock:
+                    stepped = self.step() if any(not r.finished for r in pending) else []
+                mine = [r for r in stepped if r in pending]
+                pending = {r for r in pending if not r.finished}
+                if on_step is not None and mine:
+                    on_step(mine)
+        except BaseException:
+            with self._lock:
+                for req in reqs:
+                    if not req.finished:
+                        self.abort(req, FinishReason.INTERRUPTED)
+            raise
+        finally:
+            with self._lock:
+                self.stats.elapsed_s += time.perf_counter() - start
+                if self.graph_backend is not None:
+                    self.stats.compile_time_s = self.graph_backend.lazy_compile_s()
         return reqs
 
     # ---- one step -------------------------------------------------------------
@@ -336,6 +376,10 @@ class Engine:
         or that failed: if the step raises, its requests finish with ``FinishReason.ERROR``
         (the error in ``Request.error``, logged), their slots come back, and the engine
         goes on serving the others."""
+        with self._lock:
+            return self._step_locked()
+
+    def _step_locked(self) -> list[Request]:
         admitted = self._admit()
         stepping = admitted or list(self.running)
         start = time.perf_counter()
@@ -446,14 +490,15 @@ class Engine:
         req.finish_reason = reason
         self._release(req)
 
-    def abort(self, req: Request) -> None:
-        """Stop a request now (finish reason LENGTH) and free its KV; waiting ones just leave."""
-        if req in self.waiting:
-            self.waiting.remove(req)
-        elif req in self.running:
-            self._release(req)
-        if req.finish_reason is None:
-            req.finish_reason = FinishReason.LENGTH
+    def abort(self, req: Request, reason: FinishReason = FinishReason.LENGTH) -> None:
+        """Stop a request now (with ``reason``) and free its KV; waiting ones just leave."""
+        with self._lock:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            elif req in self.running:
+                self._release(req)
+            if req.finish_reason is None:
+                req.finish_reason = reason
 
     def _release(self, req: Request) -> None:
         self.ledger.release(req)

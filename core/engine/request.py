@@ -116,6 +116,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # sampled an end-of-sequence token
     LENGTH = "length"  # max_new_tokens or the context length reached
     ERROR = "error"  # a step it was in failed: ``Request.error`` says how
+    INTERRUPTED = "interrupted"  # its generate() call was interrupted (SIGINT, SIGTERM)
 
 
 @dataclass(eq=False)

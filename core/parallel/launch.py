@@ -29,7 +29,13 @@ import time
 import weakref
 from typing import NoReturn
 
-from graphrt.core.errors import RankFailedError, UsageError, first_line
+from graphrt.core.errors import (
+    RankFailedError,
+    Terminated,
+    UsageError,
+    first_line,
+    interrupted_status,
+)
 from graphrt.core.parallel.group import SINGLE, TPGroup, init_tp
 
 GRACE_S = 3.0  # after the first failure, how long the other ranks get to exit on their own
@@ -168,6 +174,8 @@ class _Rank:
         if text.startswith(ERROR_PREFIX):
             self.error_line = self.error_line or text.removeprefix(ERROR_PREFIX)
             return
+        if text.startswith("graphrt: "):  # "rank 0: interrupted": the job says it once
+            return
         if text.strip():
             self.last_line = text.strip()
         if self.forward:
@@ -189,10 +197,15 @@ def spawn_ranks(size: int, argv: list[str]) -> int:
     ranks = [_Rank(r, size, port, argv) for r in range(size)]
     try:
         first_failed = _wait(ranks)
-    except KeyboardInterrupt:
-        _stop(ranks)
-        print("graphrt: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:  # SIGINT, or SIGTERM (errors.Terminated)
+        # Forward it: each rank stops as a single process would (rank 0 prints what it
+        # produced), then is reaped; one line for the job.
+        line, status = interrupted_status(stop)
+        _stop(ranks, signal.SIGTERM if status == Terminated.exit_code else signal.SIGINT)
+        for r in ranks:
+            r.reader.join(timeout=5)
+        print(f"graphrt: {line}", file=sys.stderr)
+        return status
     for r in ranks:
         r.reader.join(timeout=5)
     if first_failed is None:
@@ -222,13 +235,14 @@ def _wait(ranks: list[_Rank]) -> _Rank | None:
     return first_failed
 
 
-def _stop(ranks: list[_Rank]) -> None:
+def _stop(ranks: list[_Rank], sig: int = signal.SIGTERM) -> None:
     for r in ranks:
         if r.process.poll() is None:
-            r.process.terminate()
+            r.process.send_signal(sig)
+    deadline = time.monotonic() + GRACE_S
     for r in ranks:
         try:
-            r.process.wait(timeout=2)
+            r.process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             r.process.kill()
             r.process.wait()

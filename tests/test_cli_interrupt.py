@@ -1,0 +1,93 @@
+"""Nothing produced is lost (issue 22): a single prompt streams its text as it decodes, and
+SIGINT or SIGTERM during a run prints everything generated so far (finish reason
+``interrupted``) before one error line, exit 130 or 143; a SIGINT during start-up is one
+line too. Real processes on the embedded pair, whose tokenizer makes text."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from graphrt.core.cli.main import main
+
+PROMPT = "def fibonacci(n):"
+LONG = ["--max-new-tokens", "480", "--ignore-eos", "--no-draft"]
+
+
+def _start(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "graphrt.core.cli.main", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+
+
+def _read_until_streaming(proc: subprocess.Popen, prompt: str) -> bytes:
+    """stdout until text past the prompt has arrived, the process still running."""
+    seen = b""
+    while len(seen) <= len(prompt.encode()) + 16:
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        assert chunk, "stdout closed before any text streamed"
+        seen += chunk
+    assert proc.poll() is None, "the run ended before its text arrived: nothing streamed"
+    return seen
+
+
+def test_one_prompt_streams_the_same_text_the_json_holds(capsys):
+    args = ["generate", "--prompt", PROMPT, "--max-new-tokens", "24", "--no-draft"]
+    assert main(args) == 0
+    streamed = capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    request = json.loads(capsys.readouterr().out)["requests"][0]
+    assert request["finish_reason"] == "length"
+    # The prompt's text, the continuation as it streamed, then the request's header line.
+    text, header = streamed.split("\n[0] ", 1)
+    assert text == PROMPT + request["text"]
+    assert header.startswith("9 prompt tokens, 24 generated, finished: length")
+
+
+def test_sigterm_mid_run_prints_what_was_generated_then_one_line():
+    proc = _start("generate", "--prompt", PROMPT, *LONG)
+    early = _read_until_streaming(proc, PROMPT)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    out, err = (early + out).decode(), err.decode()
+    assert proc.returncode == 143, err
+    assert out.startswith(PROMPT)
+    header = next(line for line in out.splitlines() if line.startswith("[0] "))
+    assert header.endswith("finished: interrupted")
+    generated = int(header.split(", ")[1].split()[0])
+    assert 0 < generated < 480
+    assert "tok/s decoding" in out  # the summary line too
+    assert err.strip().splitlines()[-1] == "graphrt: terminated (SIGTERM)"
+    assert "Traceback" not in err
+
+
+def test_sigint_mid_run_keeps_the_json():
+    proc = _start("generate", "--prompt", PROMPT, "--prompt", "import os", *LONG, "--json")
+    time.sleep(1.0)
+    while b"set up the engine" not in (line := proc.stderr.readline()):
+        assert line, "the run ended before its engine was set up"
+    time.sleep(0.5)  # some decode steps
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err.decode()
+    requests = json.loads(out)["requests"]
+    assert [r["finish_reason"] for r in requests] == ["interrupted"] * 2
+    assert all(0 < len(r["output_ids"]) < 480 for r in requests)
+    assert err.decode().strip().splitlines()[-1] == "graphrt: interrupted"
+
+
+def test_sigint_during_start_up_is_one_line():
+    proc = _start("info")
+    time.sleep(0.3)  # importing torch, well before any output
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.decode().strip() == "graphrt: interrupted"
