@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from graphrt.core.errors import UsageError
 from graphrt.devices.base import Device
 from graphrt.devices.registry import get, names, probe
 
@@ -28,6 +29,8 @@ def current(name: str | None = None) -> Device:
     else probing ("auto" also means probe). Raises `DeviceUnavailableError`
     when the chosen device is unknown or cannot be used.
     """
+    if name is not None and not isinstance(name, str):
+        raise UsageError(f"devices.current: name must be a device name (str), got {name!r}")
     choice = (name or os.environ.get(ENV_VAR) or AUTO).strip()
     device = probe() if choice == AUTO else get(choice)
     device.ensure_ready()

@@ -146,6 +146,11 @@ class Device(abc.ABC):
 
         return TorchAttentionBackend(kv_pool, req_to_token_pool)
 
+    def check_environment(self) -> None:
+        """Refuse (UsageError) a bad value of an environment variable this device reads,
+        before anything loads. None by default."""
+        return None
+
     def model_ops(self, batch_invariant: bool = False) -> ModelOps:
         """The table of elementwise kernels models use here; the torch reference by default.
 

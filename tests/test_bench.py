@@ -296,13 +296,12 @@ def test_cuda_names_its_collective_kernels_and_nothing_else():
 
 def test_results_that_cannot_be_written_go_to_stdout(capsys):
     """--out passed the checks before the run but cannot be written after it (/proc takes
-    no new files): the results print as JSON on stdout, then one error line, exit 1."""
-    from graphrt.core.cli.main import main
+    no new files): the results print as JSON on stdout, then one error line (exit 1)."""
+    from graphrt.core.bench.output import write_result
+    from graphrt.core.errors import GraphrtError
 
-    args = ["bench", "--model", "random:llama-tiny", "--batch-sizes", "1", "--steps", "2"]
-    args += ["--warmup", "1", "--runners", "eager", "--prompt-len", "8", "--out", "/proc/x.json"]
-    assert main(args) == 1
-    out, err = capsys.readouterr()
-    result = json.loads(out.strip().splitlines()[-1])
-    assert result["model"] == "random:llama-tiny" and len(result["batches"]) == 1
-    assert err.strip().splitlines()[-1].startswith("graphrt: error: --out: cannot write")
+    result = {"model": "random:llama-tiny", "batches": [{"batch_size": 1, "graph_ms": 1.0}]}
+    args = SimpleNamespace(out="/proc/graphrt-bench.json", plot=True, json=False)
+    with pytest.raises(GraphrtError, match=r"--out: cannot write '/proc/graphrt-bench.json'"):
+        write_result(result, args, plot=lambda *a: pytest.fail("no plot without JSON"), log=print)
+    assert json.loads(capsys.readouterr().out) == result

@@ -7,6 +7,7 @@ where the default is decided at run time (tests/test_cli.py checks this).
 from __future__ import annotations
 
 import argparse
+import math
 
 from graphrt.core.cli.version import package_version
 
@@ -62,10 +63,60 @@ def _size_list(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a whole number, got {text!r}") from None
+
+
+# Counts past this (tokens, requests, slots) are typos: tensors are sized by them.
+MAX_COUNT = 2**31 - 1
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    value = _whole(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT}, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = _whole(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: no cut), got {value}")
+    return value
+
+
+def _real(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    from graphrt.core.engine.request import MIN_TEMPERATURE  # torch: only with the flag
+
+    value = _real(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: greedy), got {value}")
+    if 0 < value < MIN_TEMPERATURE:  # logits / temperature would overflow
+        raise argparse.ArgumentTypeError(
+            f"{value} is too small to sample with (>= {MIN_TEMPERATURE}); use 0 for greedy"
+        )
+    return value
+
+
+def _top_p(text: str) -> float:
+    value = _real(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1: no cut), got {value}")
     return value
 
 
@@ -75,9 +126,30 @@ def _positive(text: str) -> int:
 AUTO_SPEC_STEPS = 5
 
 
+# Draft steps a round may take: past the assistant's useful depth (acceptance compounds
+# per position; the embedded pair accepts 3.5 tokens at 5 steps), a longer round only
+# costs. --spec-steps 100 ran at 0.2 tok/s.
+MAX_SPEC_STEPS = 16
+
+
 def spec_steps(text: str) -> int | str:
-    """``--spec-steps``: a positive count, or "auto"."""
-    return "auto" if text == "auto" else _positive(text)
+    """``--spec-steps``: a count from 1 to MAX_SPEC_STEPS, or "auto"."""
+    if text == "auto":
+        return "auto"
+    value = _positive(text)
+    if value > MAX_SPEC_STEPS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SPEC_STEPS}, got {value}")
+    return value
+
+
+def check_environment(device) -> None:
+    """The GRAPHRT_* variables a run reads, checked before anything loads (exit 2):
+    GRAPHRT_DEVICE by devices.current, GRAPHRT_CHECK_FINITE here, the device's own
+    (GRAPHRT_ALL_REDUCE on CUDA) by the device."""
+    from graphrt.core.models.loader import CHECK_FINITE_ENV, env_flag
+
+    env_flag(CHECK_FINITE_ENV)
+    device.check_environment()
 
 
 def spec_config_args(args: argparse.Namespace) -> dict:
@@ -226,15 +298,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="run only exactly captured batch sizes as graphs; others run eager",
     )
     gen.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)"
+        "--temperature", type=_temperature, default=0.0, help="0 = greedy (default: %(default)s)"
     )
     gen.add_argument(
-        "--top-p", type=float, default=1.0, help="1 = no nucleus cut (default: %(default)s)"
+        "--top-p", type=_top_p, default=1.0, help="1 = no nucleus cut (default: %(default)s)"
     )
-    gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut (default: %(default)s)")
+    gen.add_argument(
+        "--top-k", type=_non_negative, default=0, help="0 = no top-k cut (default: %(default)s)"
+    )
     gen.add_argument(
         "--seed",
-        type=int,
+        type=_whole,
         default=0,
         # engine.add_request: request i's stream is seeded with seed * 1000003 + i.
         help="sampling is seeded with 0 unless --seed is given; each request's random stream "
@@ -329,7 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="graphs captured up to this (default: %(default)s)",
     )
     bench.add_argument(
-        "--seed", type=int, default=0, help="seeds the random prompt tokens (default: %(default)s)"
+        "--seed",
+        type=_whole,
+        default=0,
+        help="seeds the random prompt tokens (default: %(default)s)",
     )
     bench.add_argument(
         "--out",

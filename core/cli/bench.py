@@ -32,7 +32,7 @@ from graphrt.core.bench.rounds import (
     run_round_bench,
     table,
 )
-from graphrt.core.cli.args import spec_config_args
+from graphrt.core.cli.args import check_environment, spec_config_args
 from graphrt.core.errors import UsageError
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
@@ -43,6 +43,7 @@ from graphrt.spec import MTPDecoding, SpecConfig
 
 def run_bench(args: argparse.Namespace) -> int:
     device = devices.current(args.device)
+    check_environment(device)
     runners = tuple(args.runners)
     unknown = set(runners) - {"eager", "graph", "hf"}
     if unknown:

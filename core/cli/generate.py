@@ -13,9 +13,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from graphrt import devices
-from graphrt.core.cli.args import spec_config_args
+from graphrt.core.cli.args import check_environment, spec_config_args
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
-from graphrt.core.errors import GraphrtError, RequestError, UsageError
+from graphrt.core.errors import CheckpointError, GraphrtError, RequestError, UsageError, first_line
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
 from graphrt.core.parallel.launch import check_runner, default_runner, is_output_rank, join
@@ -39,7 +39,41 @@ def _tokenizer(path: Path | None):
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises plain Exceptions on malformed files
-        raise GraphrtError(f"cannot read {path}: {e}") from None
+        raise CheckpointError(f"cannot read {path}: {first_line(e)}") from None
+
+
+def _output_tokenizer(path: Path | None, prompts):
+    """The tokenizer, read only when text is needed: for --prompt, and for the output's
+    text. A run of --prompt-ids alone survives a broken tokenizer.json (one warning line,
+    ids instead of text); a --prompt needs it (exit 3)."""
+    if any(kind == "text" for kind, _ in prompts):
+        return _tokenizer(path)
+    try:
+        return _tokenizer(path)
+    except CheckpointError as e:
+        _warn(f"{e}; printing token ids without text")
+        return None
+
+
+def _warn(message: str) -> None:
+    if is_output_rank():
+        print(f"graphrt: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _check_text_prompts(prompts) -> None:
+    """Arguments that are not valid UTF-8 arrive with lone surrogates (surrogateescape):
+    refuse them by name before anything loads."""
+    for i, (kind, value) in enumerate(prompts):
+        if kind != "text":
+            continue
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            byte = ord(value[e.start]) & 0xFF
+            raise UsageError(
+                f"--prompt {i + 1} is not valid UTF-8 text (byte 0x{byte:02x} at offset "
+                f"{e.start}); pass text, or token ids with --prompt-ids"
+            ) from None
 
 
 def _encode_prompts(prompts, tokenizer) -> list[list[int]]:
@@ -94,6 +128,18 @@ class _TextStream:
         self.write(self._detokenizer.flush() + "\n")
 
 
+def _warn_about_limits(args, engine: Engine, prompts: list[list[int]]) -> None:
+    """Flags past the model's limits are clamped, never silently: one line each."""
+    context = engine.max_context_len
+    if args.max_context_len is not None and args.max_context_len > context:
+        _warn(f"--max-context-len {args.max_context_len} is above what this engine allows; "
+              f"using {context} (the model's limit, or the 4096 cap)")  # fmt: skip
+    longest = max(len(p) for p in prompts)
+    if longest + args.max_new_tokens > context:
+        _warn(f"--max-new-tokens {args.max_new_tokens} does not fit the context ({context} "
+              f"tokens, prompt included): generation stops at the context")  # fmt: skip
+
+
 def _raise_failures(reqs, stopped: KeyboardInterrupt | None = None) -> None:
     """After every output is out: one error line (via main) if the run was interrupted or
     any request failed."""
@@ -123,7 +169,9 @@ def _model_and_draft(args: argparse.Namespace) -> tuple[str, str | None]:
 
 def run_generate(args: argparse.Namespace) -> int:
     args.model, args.draft = _model_and_draft(args)
+    _check_text_prompts(args.prompts or [])
     device = devices.current(args.device)
+    check_environment(device)
     tp = join(args.tp, device)  # the group of one unless this is a rank of a --tp job
     spec_config = None
     if args.draft is not None:
@@ -156,7 +204,7 @@ def run_generate(args: argparse.Namespace) -> int:
             drafter = load_model(
                 args.draft, device, dtype or loaded.dtype, check_finite=args.check_weights, tp=tp
             )
-    tokenizer = _tokenizer(loaded.tokenizer_path)
+    tokenizer = _output_tokenizer(loaded.tokenizer_path, args.prompts or [])
     prompts = _encode_prompts(args.prompts, tokenizer)
     config = EngineConfig(
         max_running_requests=args.max_running_requests,
@@ -176,6 +224,7 @@ def run_generate(args: argparse.Namespace) -> int:
     # Validate every prompt before generating anything, so a bad one costs no work.
     for prompt in prompts:
         engine.validate_request(prompt, params)
+    _warn_about_limits(args, engine, prompts)
 
     decode = (
         (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))

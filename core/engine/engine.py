@@ -154,6 +154,12 @@ class EngineStats:
         return tokens / seconds if seconds > 0 and tokens > 0 else 0.0
 
 
+def _require_type(name: str, value, kind: type, what: str, optional: bool = False) -> None:
+    if (value is None and optional) or isinstance(value, kind):
+        return
+    raise UsageError(f"{name} must be {what}, got {value!r}"[:300])
+
+
 class Engine:
     def __init__(
         self,
@@ -162,6 +168,10 @@ class Engine:
         device: Device | None = None,
         strategy: DecodeStrategy | None = None,
     ):
+        _require_type("loaded", loaded, LoadedModel, "a LoadedModel from load_model()")
+        _require_type("config", config, EngineConfig, "an EngineConfig", optional=True)
+        _require_type("device", device, Device, "a graphrt Device (devices.current())", True)
+        _require_type("strategy", strategy, DecodeStrategy, "a DecodeStrategy", optional=True)
         self.loaded = loaded
         self.config = cfg = config or EngineConfig()
         self.device = device or devices.current()
@@ -286,6 +296,10 @@ class Engine:
     ) -> list[Request]:
         """Queue every prompt, in order, after validating them all: a bad one queues none."""
         params = sampling_params(params)
+        if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, Iterable):
+            raise UsageError(
+                f"prompts must be a list of prompts (each a list of token ids), got {prompts!r}"
+            )
         prompts = [token_ids(p) for p in prompts]
         for prompt in prompts:
             self.validate_request(prompt, params)
@@ -492,6 +506,7 @@ class Engine:
 
     def abort(self, req: Request, reason: FinishReason = FinishReason.LENGTH) -> None:
         """Stop a request now (with ``reason``) and free its KV; waiting ones just leave."""
+        _require_type("req", req, Request, "a Request from add_request()")
         with self._lock:
             if req in self.waiting:
                 self.waiting.remove(req)

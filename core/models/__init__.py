@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from graphrt import devices
+from graphrt.core.errors import UsageError
 from graphrt.core.models.loader import LoadedModel, load_checkpoint
 from graphrt.core.models.ops import TORCH_OPS, ModelOps
 from graphrt.core.models.presets import PRESETS, load_random
@@ -37,6 +40,17 @@ def load_model(
     ``batch_invariant``: the device's ops whose every row's result is independent of the
     rows beside it (``Device.model_ops``), for speculative output equal to plain in 16-bit.
     """
+    if not isinstance(name, (str, os.PathLike)):
+        raise UsageError(
+            f"load_model: name must be a checkpoint directory or 'random:<preset>', got {name!r}"
+        )
+    name = os.fspath(name)
+    if device is not None and not isinstance(device, (Device, torch.device)):
+        raise UsageError(
+            f"load_model: device must be a graphrt Device or a torch.device, got {device!r}"
+        )
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise UsageError(f"load_model: dtype must be a torch.dtype, got {dtype!r}")
     if device is None or isinstance(device, Device):
         device = device or devices.current()
         ops = ops or device.model_ops(batch_invariant=batch_invariant)

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from graphrt.core.errors import CheckpointError, UsageError
+from graphrt.core.errors import CheckpointError, UsageError, first_line, out_of_memory
 from graphrt.core.models.config import architectures, eos_ids, parse_dtype
 from graphrt.core.models.layers import MergedLinear
 from graphrt.core.models.ops import TORCH_OPS, ModelOps
@@ -53,7 +53,8 @@ class LoadedModel:
 
 def read_hf_config(path: Path) -> dict[str, Any]:
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise CheckpointError(f"checkpoint directory {str(path)!r} {what}")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file} is missing")
@@ -61,6 +62,8 @@ def read_hf_config(path: Path) -> dict[str, Any]:
         cfg = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+    except OSError as e:  # permissions, a dangling symlink, an I/O error
+        raise CheckpointError(f"cannot read {cfg_file}: {e.strerror or e}") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{cfg_file} must hold a JSON object")
     return cfg
@@ -99,7 +102,7 @@ def load_checkpoint(
     load time on 2 CPU cores)."""
     path = Path(path)
     if check_finite is None:
-        check_finite = _env_flag(CHECK_FINITE_ENV)
+        check_finite = env_flag(CHECK_FINITE_ENV)
     hf_config = read_hf_config(path)
     architectures(hf_config)  # a list of strings, before the registry reads it
     arch_name, arch = resolve_architecture(hf_config)
@@ -107,6 +110,8 @@ def load_checkpoint(
         config = arch.parse_config(hf_config, arch_name)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path / 'config.json'} is malformed: {e!r}") from None
+    eos_token_ids = _generation_eos(path) or config.eos_token_ids
+    _check_special_ids(path, config, eos_token_ids)
     dtype = dtype or config.dtype or torch.float32
     model = build_model(arch.model_class, config, device, dtype, ops, tp)
     load_weights(model, iter_safetensors(path), check_finite)
@@ -115,11 +120,26 @@ def load_checkpoint(
         config=config,
         source=str(path),
         tokenizer_path=(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else None,
-        eos_token_ids=_generation_eos(path) or config.eos_token_ids,
+        eos_token_ids=eos_token_ids,
     )
 
 
-def _env_flag(name: str) -> bool:
+def _check_special_ids(path: Path, config, eos_token_ids: tuple[int, ...]) -> None:
+    """End and begin token ids must be tokens of the vocabulary: an eos the model can never
+    emit silently turns every stop into --max-new-tokens."""
+    text = getattr(config, "text", config)  # an assistant's: its text config's vocabulary
+    vocab = text.vocab_size
+    named = [("eos_token_id", t) for t in eos_token_ids]
+    if getattr(text, "bos_token_id", None) is not None:
+        named.append(("bos_token_id", text.bos_token_id))
+    for name, token in named:
+        if not 0 <= token < vocab:
+            raise CheckpointError(
+                f"{path}: {name} {token} is outside the vocabulary (vocab_size {vocab})"
+            )
+
+
+def env_flag(name: str) -> bool:
     value = os.environ.get(name, "").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False
@@ -166,6 +186,8 @@ def _weight_map(index: Path) -> dict[str, str]:
         weight_map = json.loads(index.read_text()).get("weight_map")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         raise CheckpointError(f"{index} is not a valid JSON object") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {index}: {e.strerror or e}") from None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
@@ -221,10 +243,20 @@ class LazyTensor:
         self.dtype = _SAFETENSORS_DTYPES[kind]
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        return self._slice[(slice(None),) * dim + (slice(start, start + length),)]
+        return self._get((slice(None),) * dim + (slice(start, start + length),))
 
     def read(self) -> torch.Tensor:
-        return self._slice[...]
+        return self._get(...)
+
+    def _get(self, index) -> torch.Tensor:
+        try:
+            return self._slice[index]
+        except (MemoryError, RuntimeError) as e:
+            if out_of_memory(e):
+                raise
+            raise CheckpointError(f"cannot read tensor {self.name!r}: {first_line(e)}") from None
+        except Exception as e:  # OSError from the mapped file, safetensors' own errors
+            raise CheckpointError(f"cannot read tensor {self.name!r}: {first_line(e)}") from None
 
 
 def materialize(tensor: torch.Tensor | LazyTensor) -> torch.Tensor:

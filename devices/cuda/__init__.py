@@ -45,6 +45,11 @@ class CudaDevice(Device):
 
         torch.cuda.synchronize()
 
+    def check_environment(self) -> None:
+        from graphrt.devices.cuda import collectives
+
+        collectives.choice()  # GRAPHRT_ALL_REDUCE
+
     def model_ops(self, batch_invariant: bool = False):
         """Fused Triton kernels when triton is installed (graphrt[cuda]), else torch's;
         ``batch_invariant``: the tiles-only matmuls (ops.INVARIANT_OPS)."""

@@ -1,0 +1,218 @@
+"""Bad input, probed (issue 22): a table of bad CLI flags, environment, checkpoints and
+Python API calls, each of which must end in one line naming the problem, the
+documented exit status (or a ``GraphrtError`` subclass from Python), no traceback; then
+a seeded, bounded fuzz pass of random flag values and random config mutations holding
+the same properties. The CLI runs in process (``main``), so a traceback would fail the
+test as an exception."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from helpers import CPU, cli_error_line
+
+from graphrt import devices
+from graphrt.core.cli.main import main
+from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+from graphrt.core.errors import GraphrtError
+from graphrt.core.models import load_model
+from graphrt.spec import SpecConfig
+
+TINY = ["generate", "--model", "random:llama-tiny", "--prompt-ids", "1,2,3"]
+NOT_UTF8 = "def f(\udcff):"  # what Python makes of argv bytes that are not UTF-8
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        status = main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+# (argv, exit status, what the error line must say)
+FLAG_CASES = [
+    (TINY + ["--top-p", "1.5"], 2, "--top-p: must be in (0, 1]"),
+    (TINY + ["--top-k", "-5"], 2, "--top-k: must be >= 0"),
+    (TINY + ["--temperature", "-1"], 2, "--temperature: must be >= 0"),
+    (TINY + ["--temperature", "nan"], 2, "--temperature: must be finite"),
+    (TINY + ["--max-new-tokens", "0"], 2, "--max-new-tokens: must be >= 1"),
+    (TINY + ["--max-new-tokens", "ten"], 2, "--max-new-tokens: wants a whole number"),
+    (TINY + ["--seed", "x"], 2, "--seed: wants a whole number"),
+    (TINY + ["--spec-steps", "100"], 2, "--spec-steps: must be at most 16"),
+    (["generate", "--model", "random:llama-tiny", "--prompt", NOT_UTF8], 2, "not valid UTF-8"),
+    (TINY + ["--device", "nosuchdevice"], 4, "nosuchdevice"),
+]
+
+
+@pytest.mark.parametrize(
+    "argv, status, says", FLAG_CASES, ids=[" ".join(c[0][3:]) for c in FLAG_CASES]
+)
+def test_bad_flags_get_one_line_and_their_status(argv, status, says, capsys):
+    got, _, err = _run(argv, capsys)
+    assert got == status, err
+    line = cli_error_line(err)
+    assert says in line and "_positive" not in line and "Traceback" not in err
+
+
+def test_bad_environment_is_refused_before_loading(monkeypatch, capsys):
+    monkeypatch.setenv("GRAPHRT_CHECK_FINITE", "banana")
+    status, _, err = _run(TINY, capsys)
+    assert status == 2 and "GRAPHRT_CHECK_FINITE='banana'" in cli_error_line(err)
+    assert "loaded" not in err  # nothing was loaded first
+
+
+def test_cuda_all_reduce_choice_is_checked_by_the_device(monkeypatch):
+    from graphrt.devices.cuda import CudaDevice
+
+    monkeypatch.setenv("GRAPHRT_ALL_REDUCE", "banana")
+    with pytest.raises(GraphrtError, match="GRAPHRT_ALL_REDUCE='banana'"):
+        CudaDevice().check_environment()
+
+
+def _copy(checkpoint, tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoint.path, path)
+    return path
+
+
+def _edit_config(path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_bad_checkpoints_get_status_3(llama_gqa_untied, tmp_path, capsys):
+    not_a_dir = tmp_path / "file.txt"
+    not_a_dir.write_text("x")
+    status, _, err = _run(["generate", "--model", str(not_a_dir), "--prompt-ids", "1"], capsys)
+    assert status == 3 and "is not a directory" in cli_error_line(err)
+
+    path = _copy(llama_gqa_untied, tmp_path)
+    _edit_config(path, eos_token_id=10**6)
+    status, _, err = _run(["generate", "--model", str(path), "--prompt-ids", "1"], capsys)
+    assert status == 3 and "eos_token_id 1000000 is outside the vocabulary" in cli_error_line(err)
+
+
+def test_a_broken_tokenizer_fails_text_prompts_only(llama_gqa_untied, tmp_path, capsys):
+    path = _copy(llama_gqa_untied, tmp_path)
+    (path / "tokenizer.json").write_text("{ not json")
+    argv = ["generate", "--model", str(path), "--max-new-tokens", "2", "--runner", "eager"]
+    status, _, err = _run([*argv, "--prompt", "hello"], capsys)
+    assert status == 3 and "tokenizer.json" in cli_error_line(err)
+    status, out, err = _run([*argv, "--prompt-ids", "5,6"], capsys)  # needs no tokenizer
+    assert status == 0, err
+    assert "graphrt: warning:" in err and "output_ids" in out
+
+
+def test_flags_past_the_models_limits_are_clamped_aloud(capsys):
+    argv = TINY + ["--max-context-len", "100000", "--max-new-tokens", "100000", "--ignore-eos"]
+    status, out, err = _run(argv, capsys)
+    assert status == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("graphrt: warning:")]
+    assert len(warnings) == 2
+    assert "--max-context-len 100000" in warnings[0] and "--max-new-tokens 100000" in warnings[1]
+
+
+# ---- Python API ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(load_model("random:llama-tiny", devices.current("cpu")),
+                  EngineConfig(runner="eager"), devices.current("cpu"))  # fmt: skip
+
+
+API_CASES = [
+    ("load_model(None)", lambda e: load_model(None), "name"),
+    ("load_model(3)", lambda e: load_model(3), "name"),
+    ("load_model(dtype='x')", lambda e: load_model("random:llama-tiny", CPU, "x"), "dtype"),
+    ("Engine('x')", lambda e: Engine("x"), "loaded"),
+    ("Engine(config='x')", lambda e: Engine(e.loaded, "x"), "config"),
+    ("Engine(device='cpu')", lambda e: Engine(e.loaded, None, "cpu"), "device"),
+    ("Engine(strategy=1)", lambda e: Engine(e.loaded, None, None, 1), "strategy"),
+    ("generate(None)", lambda e: e.generate(None), "prompts"),
+    ("generate('abc')", lambda e: e.generate("abc"), "prompts"),
+    ("generate([[1.5]])", lambda e: e.generate([[1.5]]), "token"),
+    ("add_request(None)", lambda e: e.add_request(None), "prompt"),
+    ("abort('x')", lambda e: e.abort("x"), "req"),
+    ("SamplingParams(top_p=2)", lambda e: SamplingParams(top_p=2.0), "top_p"),
+    ("SamplingParams(max_new_tokens='4')", lambda e: SamplingParams(max_new_tokens="4"), "max_new_tokens"),
+    ("EngineConfig(max_running_requests='4')", lambda e: EngineConfig(max_running_requests="4"), "max_running_requests"),
+    ("SpecConfig(num_steps='x')", lambda e: SpecConfig(num_steps="x"), "num_steps"),
+    ("devices.current(5)", lambda e: devices.current(5), "name"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "call, names", [(c[1], c[2]) for c in API_CASES], ids=[c[0] for c in API_CASES]
+)
+def test_wrongly_typed_api_calls_raise_graphrt_errors_naming_the_argument(engine, call, names):
+    with pytest.raises(GraphrtError) as caught:
+        call(engine)
+    assert names in str(caught.value)
+    assert not engine.waiting and not engine.running  # nothing queued by a refused call
+
+
+# ---- fuzz ------------------------------------------------------------------------------
+
+FUZZ_FLAGS = ["--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed",
+              "--spec-steps", "--max-context-len", "--max-running-requests", "--kv-pool-tokens"]  # fmt: skip
+GOOD_VALUES = ["1", "2", "3", "4", "8", "64", "0.5", "0.9", "auto"]
+BAD_VALUES = ["-1", "0", "1.5", "nan", "inf", "-inf", "abc", "", "1e309",
+              "99999999999999999999", "0x10", " 4", "1" * 400]  # fmt: skip
+DOCUMENTED = {0, 1, 2, 3, 4, 5}
+
+
+def _holds(status, err: str) -> None:
+    assert status in DOCUMENTED, (status, err)
+    assert "Traceback" not in err
+    if status:
+        cli_error_line(err)  # the last line, the only error line
+
+
+def test_fuzzed_flags_end_in_one_line_and_a_documented_status(capsys):
+    rng = random.Random(22)
+    statuses = []
+    for _ in range(40):
+        argv = TINY + ["--runner", "eager"]
+        for flag in rng.sample(FUZZ_FLAGS, rng.randint(1, 3)):
+            argv += [flag, rng.choice(GOOD_VALUES if rng.random() < 0.6 else BAD_VALUES)]
+        if "--max-new-tokens" not in argv:
+            argv += ["--max-new-tokens", "2"]
+        status, _, err = _run(argv, capsys)
+        _holds(status, err)
+        statuses.append(status)
+    assert statuses.count(0) >= 5 and statuses.count(2) >= 8  # runs, and refusals
+
+
+CONFIG_KEYS = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "intermediate_size", "rms_norm_eps", "rope_theta",
+               "max_position_embeddings", "eos_token_id", "bos_token_id", "tie_word_embeddings",
+               "hidden_act", "architectures", "rope_scaling", "head_dim", "torch_dtype"]  # fmt: skip
+CONFIG_VALUES = [None, "x", -1, 0, 1, 2, 4, 8, 64, 1.5, 1e30, float("nan"), [], {}, True, [1, "a"]]
+
+
+def test_fuzzed_configs_end_in_one_line_and_a_documented_status(llama_gqa_untied, tmp_path, capsys):
+    rng = random.Random(23)
+    statuses = []
+    for i in range(24):
+        path = tmp_path / f"ckpt{i}"
+        shutil.copytree(llama_gqa_untied.path, path)
+        changes = {
+            rng.choice(CONFIG_KEYS): rng.choice(CONFIG_VALUES) for _ in range(rng.randint(1, 2))
+        }
+        _edit_config(path, **changes)
+        argv = ["generate", "--model", str(path), "--prompt-ids", "1,2", "--max-new-tokens", "2"]
+        status, _, err = _run([*argv, "--runner", "eager"], capsys)
+        _holds(status, err)
+        assert status in (0, 3), (changes, err)  # a config is the checkpoint's problem
+        statuses.append(status)
+        shutil.rmtree(path)
+    assert statuses.count(3) >= 8 and statuses.count(0) >= 2
+    assert torch.get_default_dtype() == torch.float32
