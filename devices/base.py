@@ -146,6 +146,12 @@ class Device(abc.ABC):
 
         return TorchAttentionBackend(kv_pool, req_to_token_pool)
 
+    def free_memory_bytes(self) -> int | None:
+        """Bytes this process could still allocate on the device (None: unknown), checked
+        before weights and the KV pool are allocated, so a model too large fails in one
+        line rather than in the allocator (or, on the host, by the kernel's OOM killer)."""
+        return None
+
     def check_environment(self) -> None:
         """Refuse (UsageError) a bad value of an environment variable this device reads,
         before anything loads. None by default."""

@@ -216,3 +216,21 @@ def test_fuzzed_configs_end_in_one_line_and_a_documented_status(llama_gqa_untied
         shutil.rmtree(path)
     assert statuses.count(3) >= 8 and statuses.count(0) >= 2
     assert torch.get_default_dtype() == torch.float32
+
+
+# ---- memory, checked before allocation ----------------------------------------------
+
+
+def test_a_model_larger_than_free_memory_is_refused_before_allocating(monkeypatch, capsys):
+    from graphrt.devices.cpu import CpuDevice
+
+    monkeypatch.setattr(CpuDevice, "free_memory_bytes", lambda self: 1 << 10)  # 1 KiB free
+    status, _, err = _run(TINY, capsys)
+    line = cli_error_line(err)
+    assert status == 5 and "the model needs" in line and "0.0 GiB is free" in line
+
+
+def test_a_kv_pool_larger_than_free_memory_is_refused_before_allocating(capsys):
+    status, _, err = _run(TINY + ["--kv-pool-tokens", str(2**31 - 1)], capsys)
+    line = cli_error_line(err)
+    assert status == 5 and "do not fit in cpu memory" in line and "GiB free" in line

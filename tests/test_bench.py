@@ -305,3 +305,13 @@ def test_results_that_cannot_be_written_go_to_stdout(capsys):
     with pytest.raises(GraphrtError, match=r"--out: cannot write '/proc/graphrt-bench.json'"):
         write_result(result, args, plot=lambda *a: pytest.fail("no plot without JSON"), log=print)
     assert json.loads(capsys.readouterr().out) == result
+
+
+def test_a_missing_plotting_library_is_said_not_silent(tmp_path, capsys):
+    from graphrt.core.bench.output import write_result
+
+    args = SimpleNamespace(out=str(tmp_path / "bench.json"), plot=True, json=False)
+    assert write_result({"batches": []}, args, plot=lambda *a: False, log=print) == 0
+    err = capsys.readouterr().err
+    assert "graphrt: warning: no plot written (bench.json" not in err  # the PNG's name
+    assert "no plot written (bench.png): matplotlib is not installed" in err

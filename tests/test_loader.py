@@ -112,8 +112,12 @@ def test_unsupported_architecture(ckpt):
 
 
 def test_no_architectures_names_model_type(ckpt):
+    """A config without 'architectures' is not "unsupported": it says nothing; the line
+    says what is missing (exit 3, CheckpointError)."""
     _edit_config(ckpt, architectures=_DELETE, model_type="gpt2")
-    assert "gpt2" in _load_error(ckpt, UnsupportedModelError)
+    message = _load_error(ckpt, CheckpointError)
+    assert "no 'architectures' list" in message and "gpt2" in message
+    assert "unsupported" not in message
 
 
 def test_unsupported_rope_type(ckpt):

@@ -33,8 +33,16 @@ def write_result(result: dict, args: argparse.Namespace, plot, log) -> int:
             f"--out: cannot write {str(out)!r} ({e.strerror or e}); the results are on stdout"
         ) from None
     log(f"wrote {out}")
-    if args.plot and plot(result, out.with_suffix(".png")):
-        log(f"wrote {out.with_suffix('.png')}")
+    if args.plot:
+        png = out.with_suffix(".png")
+        if plot(result, png):
+            log(f"wrote {png}")
+        else:  # not silently: the user asked for a plot by default
+            print(
+                f"graphrt: warning: no plot written ({png.name}): matplotlib is not installed "
+                "(pip install 'graphrt[bench]'; --no-plot skips it)",
+                file=sys.stderr,
+            )
     if args.json:
         print(json.dumps(result))
     return 0

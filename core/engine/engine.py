@@ -193,6 +193,20 @@ class Engine:
                 "as --model"
             )
         slots = cfg.kv_pool_tokens or self._slots_for_bytes(kv_specs, param.dtype)
+        too_big = OutOfMemoryError(
+            f"the KV pool ({slots} tokens) and request table ({cfg.max_running_requests} "
+            f"requests x {self.max_context_len} tokens) do not fit in {self.device.name} "
+            "memory: lower --kv-pool-tokens, --max-running-requests or --max-context-len"
+        )
+        # Checked before allocating: a host allocation too large may not fail but be
+        # killed later by the kernel's OOM killer.
+        need = slots * self._kv_bytes_per_token(kv_specs, param.dtype)
+        need += cfg.max_running_requests * self.max_context_len * 8  # int64 token table
+        free = self.device.free_memory_bytes()
+        if free is not None and need > free:
+            raise OutOfMemoryError(
+                f"{too_big} (needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free)"
+            )
         try:
             req_pool = ReqToTokenPool(
                 cfg.max_running_requests, self.max_context_len, self.torch_device
@@ -201,11 +215,7 @@ class Engine:
         except (MemoryError, RuntimeError) as e:
             if not out_of_memory(e):
                 raise
-            raise OutOfMemoryError(
-                f"the KV pool ({slots} tokens) and request table ({cfg.max_running_requests} "
-                f"requests x {self.max_context_len} tokens) do not fit in {self.device.name} "
-                "memory: lower --kv-pool-tokens, --max-running-requests or --max-context-len"
-            ) from None
+            raise too_big from None
         self.ledger = Ledger(req_pool, kv_pool)
         self.attn_backend = self.device.create_attention_backend(kv_pool, req_pool)
         self.eager_runner = EagerRunner(model, self.attn_backend)
@@ -264,11 +274,15 @@ class Engine:
         """The next decode batch for ``reqs`` (running requests); one new KV slot each."""
         return self.ctx.decode_batch(reqs)
 
-    def _slots_for_bytes(self, kv_specs, dtype) -> int:
+    @staticmethod
+    def _kv_bytes_per_token(kv_specs, dtype) -> int:
         per_token = sum(
             2 * s.num_kv_heads * s.head_dim for s in kv_specs if s.cache_index is not None
         )
-        per_token *= torch.empty((), dtype=dtype).element_size()
+        return per_token * dtype.itemsize
+
+    def _slots_for_bytes(self, kv_specs, dtype) -> int:
+        per_token = self._kv_bytes_per_token(kv_specs, dtype)
         by_bytes = self.config.kv_cache_bytes // max(per_token, 1)
         return max(1, min(by_bytes, self.config.max_running_requests * self.max_context_len))
 

@@ -51,16 +51,20 @@ def load_model(
         )
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise UsageError(f"load_model: dtype must be a torch.dtype, got {dtype!r}")
+    free_bytes = None  # a plain torch.device: nothing to ask
     if device is None or isinstance(device, Device):
         device = device or devices.current()
         ops = ops or device.model_ops(batch_invariant=batch_invariant)
+        free_bytes = device.free_memory_bytes()
         if dtype is None and device.default_dtype() == torch.float32:
             dtype = torch.float32
         device = device.torch_device()
     ops = ops or TORCH_OPS
     if name.startswith(RANDOM_PREFIX):
-        return load_random(name[len(RANDOM_PREFIX) :], device, dtype, seed, ops, tp)
-    return load_checkpoint(name, device, dtype, ops, check_finite=check_finite, tp=tp)
+        return load_random(name[len(RANDOM_PREFIX) :], device, dtype, seed, ops, tp, free_bytes)
+    return load_checkpoint(
+        name, device, dtype, ops, check_finite=check_finite, tp=tp, free_bytes=free_bytes
+    )
 
 
 __all__ = ["PRESETS", "TORCH_OPS", "LoadedModel", "ModelOps", "load_model"]

@@ -24,7 +24,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from graphrt.core.errors import CheckpointError, UsageError, first_line, out_of_memory
+from graphrt.core.errors import (
+    CheckpointError,
+    OutOfMemoryError,
+    UsageError,
+    first_line,
+    out_of_memory,
+)
 from graphrt.core.models.config import architectures, eos_ids, parse_dtype
 from graphrt.core.models.layers import MergedLinear
 from graphrt.core.models.ops import TORCH_OPS, ModelOps
@@ -76,17 +82,39 @@ def build_model(
     dtype: torch.dtype,
     ops: ModelOps = TORCH_OPS,
     tp: TPGroup = SINGLE,
+    free_bytes: int | None = None,
 ) -> nn.Module:
+    """``free_bytes``: what the device has free; a model whose build needs more is refused
+    (OutOfMemoryError, the numbers named) before anything is allocated."""
     if not tp.is_single and not getattr(model_class, "supports_tp", False):
         raise UsageError(
             f"tensor parallelism is not implemented for {model_class.__name__} yet "
             "(the Llama family and Gemma 4 have it)"
         )
+    if free_bytes is not None:
+        _check_fits(model_class, config, ops, tp, device, dtype, free_bytes)
     # Built directly on the target device so rope tables and weights never
     # round-trip through host memory.
     with torch.device(device):
         model = model_class(config, ops) if tp.is_single else model_class(config, ops, tp=tp)
     return model.to(dtype=dtype).eval().requires_grad_(False)
+
+
+def _check_fits(model_class, config, ops, tp, device, dtype, free_bytes: int) -> None:
+    # The same modules on the meta device: sizes without memory. The build below makes
+    # them in the default dtype (float32) and casts after, so the peak is that size.
+    with torch.device("meta"):
+        probe = model_class(config, ops) if tp.is_single else model_class(config, ops, tp=tp)
+    tensors = [*probe.parameters(), *probe.buffers()]
+    built = sum(t.numel() * t.element_size() for t in tensors)
+    final = sum(t.numel() * dtype.itemsize if t.is_floating_point() else 0 for t in tensors)
+    if built > free_bytes:
+        gib = 1 << 30
+        raise OutOfMemoryError(
+            f"the model needs {built / gib:.1f} GiB to build on {device} ({final / gib:.1f} "
+            f"GiB of weights in {str(dtype).removeprefix('torch.')}) but {free_bytes / gib:.1f} "
+            "GiB is free: free memory, use a smaller model, or shard it (--tp)"
+        )
 
 
 def load_checkpoint(
@@ -96,6 +124,7 @@ def load_checkpoint(
     ops: ModelOps = TORCH_OPS,
     check_finite: bool | None = None,
     tp: TPGroup = SINGLE,
+    free_bytes: int | None = None,
 ) -> LoadedModel:
     """``check_finite``: refuse weights holding NaN or Inf (None: the GRAPHRT_CHECK_FINITE
     environment variable, off by default: one more pass over the weights, 12-22% of the
@@ -113,7 +142,7 @@ def load_checkpoint(
     eos_token_ids = _generation_eos(path) or config.eos_token_ids
     _check_special_ids(path, config, eos_token_ids)
     dtype = dtype or config.dtype or torch.float32
-    model = build_model(arch.model_class, config, device, dtype, ops, tp)
+    model = build_model(arch.model_class, config, device, dtype, ops, tp, free_bytes)
     load_weights(model, iter_safetensors(path), check_finite)
     return LoadedModel(
         model=model,

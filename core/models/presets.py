@@ -180,6 +180,7 @@ def load_random(
     seed: int = 0,
     ops: ModelOps = TORCH_OPS,
     tp: TPGroup = SINGLE,
+    free_bytes: int | None = None,
 ) -> LoadedModel:
     """Under tensor parallelism every rank draws the whole model's weights, tensor by
     tensor, and keeps its shard: the ranks together hold the model one process gets
@@ -187,7 +188,9 @@ def load_random(
     hf_config = preset_hf_config(preset)
     arch_name, arch = resolve_architecture(hf_config)
     config = arch.parse_config(hf_config, arch_name)
-    model = build_model(arch.model_class, config, device, dtype or config.dtype, ops, tp)
+    model = build_model(
+        arch.model_class, config, device, dtype or config.dtype, ops, tp, free_bytes
+    )
     generator = torch.Generator(device=device).manual_seed(seed)
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():

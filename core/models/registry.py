@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from graphrt.core.errors import UnsupportedModelError
+from graphrt.core.errors import CheckpointError, UnsupportedModelError
 from graphrt.core.models.config import llama_config_from_hf
 from graphrt.core.models.gemma4 import Gemma4ForCausalLM
 from graphrt.core.models.gemma4_assistant import (
@@ -47,7 +47,12 @@ def resolve_architecture(hf_config: dict[str, Any]) -> tuple[str, Architecture]:
     for name in names:
         if name in ARCHITECTURES:
             return name, ARCHITECTURES[name]
-    shown = ", ".join(names) if names else f"model_type {hf_config.get('model_type')!r}"
+    supported = ", ".join(sorted(ARCHITECTURES))
+    if not names:  # not an unsupported model: a config that does not say which it is
+        raise CheckpointError(
+            f"config.json has no 'architectures' list (model_type "
+            f"{hf_config.get('model_type')!r}); graphrt reads it to pick one of {supported}"
+        )
     raise UnsupportedModelError(
-        f"unsupported architecture {shown}; graphrt supports {', '.join(sorted(ARCHITECTURES))}"
+        f"unsupported architecture {', '.join(names)}; graphrt supports {supported}"
     )

@@ -40,6 +40,17 @@ class CpuDevice(Device):
         # decodes ~60 tokens/s (BENCHMARKS.md, issue 9). `--runner graph` still compiles.
         return "eager"
 
+    def free_memory_bytes(self) -> int | None:
+        # MemAvailable: what the kernel can hand out without swapping (Linux only).
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return None
+
     def describe(self) -> str:
         return f"cpu ({_usable_cores()} cores)"
 

@@ -45,6 +45,11 @@ class CudaDevice(Device):
 
         torch.cuda.synchronize()
 
+    def free_memory_bytes(self) -> int | None:
+        import torch
+
+        return torch.cuda.mem_get_info()[0]
+
     def check_environment(self) -> None:
         from graphrt.devices.cuda import collectives
 
