@@ -107,6 +107,14 @@ def make_tokenizer(directory: str | Path, vocab_size: int) -> Path:
     return out
 
 
+def assert_engine_idle(engine) -> None:
+    """No request left anywhere, every KV slot, request row and reservation returned."""
+    assert not engine.running and not engine.waiting
+    assert engine.kv_pool.available() == engine.kv_pool.num_slots
+    assert engine.req_pool.available() == engine.config.max_running_requests
+    assert engine.ledger.reserved_tokens == 0
+
+
 def cpu_engine(loaded, strategy=None, device=None, **config):
     """An Engine on the CPU (eager unless ``runner="graph"``) over ``loaded``."""
     from graphrt.core.engine import Engine, EngineConfig

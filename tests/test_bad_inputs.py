@@ -234,3 +234,70 @@ def test_a_kv_pool_larger_than_free_memory_is_refused_before_allocating(capsys):
     status, _, err = _run(TINY + ["--kv-pool-tokens", str(2**31 - 1)], capsys)
     line = cli_error_line(err)
     assert status == 5 and "do not fit in cpu memory" in line and "GiB free" in line
+
+
+# ---- no silent garbage ----------------------------------------------------------------
+
+
+def test_rows_with_nan_or_inf_logits_are_marked_and_minus_inf_is_not():
+    from graphrt.core.engine.sampling import BAD_LOGITS, mark_bad_rows
+
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([[1.0, 2.0, 0.0], [1.0, nan, 3.0], [inf, 0.0, 1.0], [-inf, 5.0, 1.0]])
+    tokens = mark_bad_rows(logits, logits.argmax(-1))
+    assert tokens.tolist() == [1, BAD_LOGITS, BAD_LOGITS, 1]
+
+
+def _poison(checkpoint, tmp_path, value: float):
+    """A copy of the checkpoint with one layer's MLP weight holding ``value``."""
+    from safetensors.torch import load_file, save_file
+
+    path = _copy(checkpoint, tmp_path)
+    file = next(path.glob("*.safetensors"))
+    tensors = load_file(str(file))
+    name = next(n for n in tensors if "mlp.down_proj.weight" in n)
+    tensors[name][0, 0] = value
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    return path
+
+
+def test_nan_weights_fail_their_requests_in_one_line_not_token_0(
+    llama_gqa_untied, tmp_path, capsys
+):
+    """Without --check-weights the weights load; the first step's logits are NaN, and the
+    requests finish with an error (the JSON keeps them) instead of decoding token 0."""
+    path = _poison(llama_gqa_untied, tmp_path, float("nan"))
+    argv = ["generate", "--model", str(path), "--prompt-ids", "5,6,7", "--prompt-ids", "8"]
+    status, out, err = _run([*argv, "--max-new-tokens", "4", "--runner", "eager", "--json"], capsys)
+    assert status == 1
+    assert "logits held NaN or Inf" in cli_error_line(err)
+    requests = json.loads(out)["requests"]
+    assert [r["finish_reason"] for r in requests] == ["error", "error"]
+    assert all(r["output_ids"] == [] for r in requests)
+
+
+def test_nan_verify_logits_fail_speculative_rounds_too(gemma4_tiny, gemma4_assistant, monkeypatch):
+    """Logits turn NaN in a round's verify forward (after a clean prefill): the rows are
+    marked inside the round's tail, and the requests fail with the line, KV freed."""
+    from graphrt.core.batch import ForwardMode
+    from graphrt.core.runners import base as runners_base
+    from graphrt.spec import MTPDecoding
+
+    forward_model = runners_base.forward_model
+
+    def nan_verify_logits(model, attn, batch, *args, **kwargs):
+        out = forward_model(model, attn, batch, *args, **kwargs)
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            out.logits[:] = float("nan")
+        return out
+
+    monkeypatch.setattr(runners_base, "forward_model", nan_verify_logits)
+    cpu = devices.current("cpu")
+    target = load_model(str(gemma4_tiny.path), cpu, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), cpu, torch.float32)
+    strategy = MTPDecoding(drafter, SpecConfig(num_steps=2))
+    engine = Engine(target, EngineConfig(runner="eager"), cpu, strategy)
+    reqs = engine.generate([[5, 6, 7], [9, 10]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert [len(r.output_ids) for r in reqs] == [1, 1]  # the prefill's token, then the error
+    assert all(r.finish_reason.value == "error" and "NaN or Inf" in r.error for r in reqs)
+    assert engine.kv_pool.available() == engine.kv_pool.num_slots

@@ -302,7 +302,12 @@ def test_cli_check_weights_refuses_a_nan_weight_in_one_line(llama, capsys, monke
     assert main([*argv, "--check-weights"]) == 3
     captured = capsys.readouterr()
     assert captured.out == "" and K_PROJ in cli_error_line(captured.err), captured.err
-    assert main(argv) == 0  # unchecked by default: it loads (and its outputs are garbage)
+    # Unchecked by default: it loads, and its first step's NaN logits fail the request in
+    # one line (issue 22: no silent garbage), the request in the JSON with reason error.
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "logits held NaN or Inf" in cli_error_line(captured.err)
+    assert json.loads(captured.out)["requests"][0]["finish_reason"] == "error"
 
 
 def test_finite_check_env_value_must_be_a_switch(llama, monkeypatch):

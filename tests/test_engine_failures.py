@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from helpers import CPU, cli_error_line, cpu_engine, random_prompts
+from helpers import CPU, assert_engine_idle, cli_error_line, cpu_engine, random_prompts
 
 from graphrt.core.cli.main import main
 from graphrt.core.engine import FinishReason, SamplingParams
@@ -28,13 +28,6 @@ GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 @pytest.fixture(scope="module")
 def loaded(llama_gqa_untied):
     return load_model(str(llama_gqa_untied.path), CPU, torch.float32)
-
-
-def _assert_idle(engine) -> None:
-    assert not engine.running and not engine.waiting
-    assert engine.kv_pool.available() == engine.kv_pool.num_slots
-    assert engine.req_pool.available() == engine.config.max_running_requests
-    assert engine.ledger.reserved_tokens == 0
 
 
 def _fail_on_call(monkeypatch, obj, name: str, call: int) -> list[int]:
@@ -69,11 +62,11 @@ def test_a_sampling_failure_fails_its_step_only_and_frees_every_slot(loaded, mon
     # The request that waited behind the failed step ran afterwards, as if alone.
     (survivor,) = [r for r in reqs if r.finish_reason is FinishReason.LENGTH]
     assert survivor is reqs[2] and survivor.output_ids == _fresh(loaded, [prompts[2]])[0]
-    _assert_idle(engine)
+    assert_engine_idle(engine)
     # The engine serves the next call as a fresh engine would.
     again = random_prompts((6, 11), seed=3)
     assert [r.output_ids for r in engine.generate(again, GREEDY)] == _fresh(loaded, again)
-    _assert_idle(engine)
+    assert_engine_idle(engine)
 
 
 @pytest.mark.graphs
@@ -84,12 +77,12 @@ def test_a_forward_failure_in_a_graph_replay_frees_every_slot(loaded, monkeypatc
     _fail_on_call(monkeypatch, engine.graph_runner, "execute", 2)
     reqs = engine.generate(prompts, GREEDY)
     assert all(r.finish_reason is FinishReason.ERROR for r in reqs)
-    _assert_idle(engine)
+    assert_engine_idle(engine)
     again = random_prompts((4, 8, 12), seed=5)
     got = [r.output_ids for r in engine.generate(again, GREEDY)]
     assert got == _fresh(loaded, again)
     assert engine.stats.graph_steps > 0  # the graphs still serve after the failure
-    _assert_idle(engine)
+    assert_engine_idle(engine)
 
 
 def test_a_failed_speculative_round_frees_its_tree_slots(
@@ -106,19 +99,19 @@ def test_a_failed_speculative_round_frees_its_tree_slots(
     prompts = random_prompts((5, 9), seed=7)
     reqs = engine.generate(prompts, GREEDY)
     assert all(r.finish_reason is FinishReason.ERROR for r in reqs)
-    _assert_idle(engine)
+    assert_engine_idle(engine)
     plain = cpu_engine(target, MTPDecoding(drafter, SpecConfig(num_steps=3)), max_context_len=64)
     again = random_prompts((6, 10), seed=8)
     want = [r.output_ids for r in plain.generate(again, GREEDY)]
     assert [r.output_ids for r in engine.generate(again, GREEDY)] == want
-    _assert_idle(engine)
+    assert_engine_idle(engine)
 
 
 def test_generate_with_one_bad_prompt_queues_nothing(loaded):
     engine = cpu_engine(loaded, max_context_len=64)
     with pytest.raises(RequestError, match="outside the vocabulary"):
         engine.generate([[1, 2], [3, 4], [10**9]], GREEDY)
-    _assert_idle(engine)  # the two good prompts were not left queued
+    assert_engine_idle(engine)  # the two good prompts were not left queued
     reqs = engine.generate([[5, 6]], GREEDY)
     assert len(reqs) == 1 and len(reqs[0].output_ids) == GREEDY.max_new_tokens
 

@@ -14,7 +14,7 @@ import threading
 
 import pytest
 import torch
-from helpers import CPU, cpu_engine, random_prompts
+from helpers import CPU, assert_engine_idle, cpu_engine, random_prompts
 
 from graphrt.core.engine import FinishReason, SamplingParams
 from graphrt.core.models import load_model
@@ -25,12 +25,6 @@ THREADS, CALLS = 8, 20
 @pytest.fixture(scope="module")
 def loaded(llama_gqa_untied):
     return load_model(str(llama_gqa_untied.path), CPU, torch.float32)
-
-
-def _assert_idle(engine) -> None:
-    assert not engine.running and not engine.waiting
-    assert engine.kv_pool.available() == engine.kv_pool.num_slots
-    assert engine.ledger.reserved_tokens == 0
 
 
 def _call_plan(thread: int) -> list[tuple[list[int], SamplingParams]]:
@@ -71,7 +65,7 @@ def test_concurrent_generate_calls_each_get_their_own_results(loaded):
     assert got == expected
     # Shared batches: fewer steps than the calls would take one after another.
     assert engine.stats.generated_tokens == sum(len(o) for row in expected for o in row)
-    _assert_idle(engine)
+    assert_engine_idle(engine)
 
 
 def test_an_interrupted_call_keeps_its_tokens_and_leaves_nothing_behind(loaded):
@@ -91,7 +85,7 @@ def test_an_interrupted_call_keeps_its_tokens_and_leaves_nothing_behind(loaded):
     for req in reqs:  # the prefill's token and two decode steps' each
         assert req.finish_reason is FinishReason.INTERRUPTED
         assert len(req.output_ids) == 3
-    _assert_idle(engine)
+    assert_engine_idle(engine)
 
     before = engine.stats.generated_tokens
     (req,) = engine.generate([prompts[0]], SamplingParams(max_new_tokens=4, ignore_eos=True))
@@ -130,4 +124,4 @@ def test_a_failing_caller_does_not_disturb_another_threads_call(loaded):
     assert len(errors) == 1
     assert results["b"].output_ids == expected_b
     assert results["b"].finish_reason is FinishReason.LENGTH
-    _assert_idle(engine)
+    assert_engine_idle(engine)

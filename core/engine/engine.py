@@ -31,7 +31,7 @@ from graphrt.core.engine.request import (
     sampling_params,
     token_ids,
 )
-from graphrt.core.engine.sampling import sample_requests
+from graphrt.core.engine.sampling import BAD_LOGITS, sample_requests
 from graphrt.core.engine.strategy import DecodeStrategy, PlainDecode, StepContext, StepOutcome
 from graphrt.core.errors import (
     OutOfMemoryError,
@@ -453,6 +453,9 @@ class Engine:
             emitted = self._apply(reqs, self.strategy.decode(reqs))
         for req, tokens in zip(reqs, emitted):
             for token in tokens:
+                if token == BAD_LOGITS:  # the target's logits held NaN or +Inf
+                    self._fail_bad_logits(req)
+                    break
                 self._append_token(req, token)
                 if req.finished:
                     break
@@ -513,6 +516,14 @@ class Engine:
             self._finish(req, FinishReason.STOP)
         elif len(req.output_ids) >= req.params.max_new_tokens:
             self._finish(req, FinishReason.LENGTH)
+
+    def _fail_bad_logits(self, req: Request) -> None:
+        req.error = (
+            f"the model's logits held NaN or Inf at token {len(req.output_ids)} of this "
+            "request: broken weights or an overflow (--check-weights tests the weights)"
+        )
+        log.warning("request %d: %s; it finishes with 'error'", req.rid, req.error)
+        self._finish(req, FinishReason.ERROR)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason

@@ -90,14 +90,30 @@ def repeat_rows(rows: SamplingRows, n: int) -> SamplingRows:
     )
 
 
+# The token of a row whose logits hold NaN or +Inf (broken weights, an overflow): it rides
+# the step's one host read with the others, and the host fails that request in one line
+# instead of emitting the argmax of garbage. Never an input: the request stops first.
+BAD_LOGITS = -1
+
+
+def mark_bad_rows(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens`` (R,), with BAD_LOGITS where a row of ``logits`` (R, V) holds NaN or +Inf:
+    one max over the logits (a NaN propagates through it); -Inf, a ruled-out token, is
+    fine. Device ops only: capture-safe, no sync."""
+    row_max = logits.amax(dim=-1)
+    bad = torch.isnan(row_max) | torch.isposinf(row_max)
+    return torch.where(bad, BAD_LOGITS, tokens)
+
+
 def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    """(R, V) logits -> (R,) int64 tokens: the argmax of greedy rows, a draw for others."""
+    """(R, V) logits -> (R,) int64 tokens: the argmax of greedy rows, a draw for others;
+    BAD_LOGITS for a row whose logits hold NaN or +Inf."""
     greedy_tokens = logits.argmax(dim=-1)
     if rows.greedy:
-        return greedy_tokens
+        return mark_bad_rows(logits, greedy_tokens)
     probs = filtered_probs(logits, rows)
     drawn = (probs / exponential_noise(rows.seed, rows.offset, logits.shape[-1])).argmax(-1)
-    return torch.where(rows.temperature == 0, greedy_tokens, drawn)
+    return mark_bad_rows(logits, torch.where(rows.temperature == 0, greedy_tokens, drawn))
 
 
 def filtered_probs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
