@@ -176,7 +176,7 @@ GRAPH = ["--prompt-ids", "1", "--runner", "graph"]
         (["--prompt-ids", ""], "empty prompt", 1),
         (
             ["--prompt-ids", ",".join(["5"] * 9), "--max-context-len", "8"],
-            "longer than the context",
+            "longer than the context (8): --max-context-len (max_context_len) raises it",
             1,
         ),
         (["--prompt", "hi"], "tokenizer.json", 1),
@@ -391,3 +391,15 @@ def test_numpy_is_a_runtime_dependency():
     with open(ROOT / "pyproject.toml", "rb") as f:
         dependencies = tomllib.load(f)["project"]["dependencies"]
     assert any(re.match(r"numpy\b", dep) for dep in dependencies), dependencies
+
+
+def test_a_generate_of_n_prompts_captures_graphs_up_to_n(capsys):
+    """A batch never grows past the prompts given: one prompt, one graph (issue 21); an
+    explicit --graph-bs list is kept as given."""
+    argv = ["--model", "random:llama-tiny", "--prompt-ids", "1,2", "--prompt-ids", "3"]
+    out = run_json(capsys, *argv, "--max-new-tokens", "1", "--runner", "graph")
+    assert out["stats"]["captured_sizes"] == [1, 2]
+    out = run_json(
+        capsys, *argv[:4], "--max-new-tokens", "1", "--runner", "graph", "--graph-bs", "4"
+    )
+    assert out["stats"]["captured_sizes"] == [4]

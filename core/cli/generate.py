@@ -23,12 +23,14 @@ from graphrt.spec import MTPDecoding, SpecConfig
 
 
 @contextmanager
-def _phase(what: str) -> Iterator[None]:
-    """One status line on stderr per phase, with its time (stdout stays the result's)."""
-    start = time.perf_counter()
-    yield
+def _phase(what: str) -> Iterator[list[str]]:
+    """One status line on stderr per phase, with its time (stdout stays the result's);
+    details the phase appends to the yielded list go in parentheses after its name."""
+    start, details = time.perf_counter(), []
+    yield details
     if is_output_rank():  # one job, one voice: rank 0's
-        print(f"{what}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        said = f" ({', '.join(details)})" if details else ""
+        print(f"{what}{said}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def _tokenizer(path: Path | None):
@@ -215,12 +217,14 @@ def run_generate(args: argparse.Namespace) -> int:
         graph_backend=args.graph_backend,
         graph_buckets=args.graph_bs,
         graph_padding=args.graph_padding,
+        graph_max_batch=len(prompts),  # N prompts: no batch above N, no graph for one
     )
     strategy = MTPDecoding(drafter, spec_config) if drafter is not None else None
     # With graphs this is the capture (a lazy backend compiles later, inside the steps: the
     # summary line reports that time apart).
-    with _phase("set up the engine" + (" and its graphs" if runner == "graph" else "")):
+    with _phase("set up the engine" + (" and its graphs" if runner == "graph" else "")) as said:
         engine = Engine(loaded, config, device, strategy)
+        said.append(f"KV pool {engine.kv_pool.num_slots} tokens, context {engine.max_context_len}")
     # Validate every prompt before generating anything, so a bad one costs no work.
     for prompt in prompts:
         engine.validate_request(prompt, params)

@@ -61,10 +61,13 @@ class EngineConfig:
     graph_backend: str | None = None  # the device's graph backend (--graph-backend); None: default
     graph_buckets: tuple[int, ...] | None = None  # --graph-bs; None = the default list
     graph_padding: bool = True  # False (--no-graph-padding): exact captured sizes only
+    # Capture default buckets up to this batch only (a generate of N prompts never runs more
+    # than N: the CLI passes N); None: up to max_running_requests. --graph-bs lists win.
+    graph_max_batch: int | None = None
 
     def __post_init__(self):
         sizes = ("max_running_requests", "max_prefill_tokens", "kv_cache_bytes")
-        optional = ("max_context_len", "kv_pool_tokens")
+        optional = ("max_context_len", "kv_pool_tokens", "graph_max_batch")
         for name in (*sizes, *optional, "seed"):
             value = getattr(self, name)
             if value is None and name in optional:
@@ -232,6 +235,11 @@ class Engine:
         self.running: list[Request] = []
         self.stats = EngineStats()
         self._next_rid = 0
+        # No batch can exceed the running-request cap or the KV slots, nor the workload
+        # the caller announced (graph_max_batch; an explicit bucket list wins over it).
+        graph_max_bs = min(cfg.max_running_requests, kv_pool.num_slots)
+        if cfg.graph_max_batch is not None and cfg.graph_buckets is None:
+            graph_max_bs = min(graph_max_bs, cfg.graph_max_batch)
         self.ctx = StepContext(
             loaded=loaded,
             ledger=self.ledger,
@@ -239,8 +247,7 @@ class Engine:
             eager_runner=self.eager_runner,
             graph_backend=self.graph_backend,
             graph_config=GraphRunnerConfig(
-                # No batch can exceed the running-request cap or the KV slots.
-                max_bs=min(cfg.max_running_requests, kv_pool.num_slots),
+                max_bs=graph_max_bs,
                 buckets=cfg.graph_buckets,
                 padding=cfg.graph_padding,
             ),
@@ -333,8 +340,15 @@ class Engine:
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary (size {vocab})")
         if len(prompt_ids) > self.max_context_len:
+            model_max = self.loaded.model.max_context_len
+            fix = (
+                f"--max-context-len (max_context_len) raises it, up to the model's {model_max}"
+                if model_max > self.max_context_len
+                else "that is the model's own limit"
+            )
             raise RequestError(
-                f"prompt of {len(prompt_ids)} tokens is longer than the context ({self.max_context_len})"
+                f"prompt of {len(prompt_ids)} tokens is longer than the context "
+                f"({self.max_context_len}): {fix}"
             )
         # The budget admission reserves: a request above it could never be admitted.
         need = self.kv_budget(len(prompt_ids), params)
