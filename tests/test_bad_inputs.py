@@ -7,6 +7,7 @@ test as an exception."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -301,3 +302,47 @@ def test_nan_verify_logits_fail_speculative_rounds_too(gemma4_tiny, gemma4_assis
     assert [len(r.output_ids) for r in reqs] == [1, 1]  # the prefill's token, then the error
     assert all(r.finish_reason.value == "error" and "NaN or Inf" in r.error for r in reqs)
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
+
+
+API_VALUES = [None, "x", "", -1, 0, 1, 2, 3, 1.5, float("nan"), float("inf"), True, False, [],
+              {}, [1], (1, 2), 10**30, -(10**30), b"ab", torch.tensor([1, 2])]  # fmt: skip
+PARAM_FIELDS = [
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "ignore_eos",
+    "speculate",
+]
+CONFIG_FIELDS = ["max_running_requests", "max_context_len", "kv_pool_tokens", "max_prefill_tokens",
+                 "seed", "runner", "graph_buckets", "graph_padding", "graph_max_batch"]  # fmt: skip
+
+
+def test_fuzzed_api_calls_raise_graphrt_errors_or_work(engine):
+    """Random values (seeded, bounded) for SamplingParams, EngineConfig and generate's
+    prompts: each call works or raises a GraphrtError subclass, never a raw TypeError,
+    ValueError or a torch error, and leaves the engine idle."""
+    rng = random.Random(24)
+    outcomes = {"ok": 0, "refused": 0}
+    for _ in range(150):
+        what = rng.choice(["params", "config", "prompts"])
+        try:
+            if what == "params":
+                fields = rng.sample(PARAM_FIELDS, rng.randint(1, 3))
+                params = SamplingParams(**{f: rng.choice(API_VALUES) for f in fields})
+                params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, 3))
+                engine.generate([[1, 2]], params)
+            elif what == "config":
+                fields = rng.sample(CONFIG_FIELDS, rng.randint(1, 3))
+                values = {"runner": "eager", **{f: rng.choice(API_VALUES) for f in fields}}
+                config = EngineConfig(**values)
+                Engine(engine.loaded, config, devices.current("cpu"))
+            else:
+                prompts = rng.choice([rng.choice(API_VALUES), [rng.choice(API_VALUES)]])
+                engine.generate(prompts, SamplingParams(max_new_tokens=2))
+            outcomes["ok"] += 1
+        except GraphrtError:
+            outcomes["refused"] += 1
+        assert not engine.waiting and not engine.running
+    assert outcomes["ok"] >= 10 and outcomes["refused"] >= 50, outcomes

@@ -371,7 +371,7 @@ def test_pools_too_large_to_allocate_are_one_typed_error(loaded):
         ({"max_running_requests": "8"}, "max_running_requests must be an integer"),  # TypeError
         ({"kv_pool_tokens": 2.5}, "kv_pool_tokens must be an integer"),
         ({"max_context_len": True}, "max_context_len must be an integer"),
-        ({"graph_buckets": (1, "2")}, "graph_buckets must be integers"),
+        ({"graph_buckets": (1, "2")}, "graph_buckets must be a list of integers"),
         ({"graph_padding": "no"}, "graph_padding must be True or False"),
         ({"max_prefill_tokens": 0}, "max_prefill_tokens must be >= 1"),
     ],

@@ -76,8 +76,11 @@ class EngineConfig:
                 raise UsageError(f"{name} must be an integer, got {value!r}")
             if value < 1 and name != "seed":
                 raise UsageError(f"{name} must be >= 1, got {value}")
-        if self.graph_buckets is not None and not all(map(is_int, self.graph_buckets)):
-            raise UsageError(f"graph_buckets must be integers, got {self.graph_buckets!r}")
+        buckets = self.graph_buckets
+        if buckets is not None and not (
+            isinstance(buckets, (tuple, list)) and all(map(is_int, buckets))
+        ):
+            raise UsageError(f"graph_buckets must be a list of integers, got {buckets!r}")
         if not isinstance(self.graph_padding, bool):
             raise UsageError(f"graph_padding must be True or False, got {self.graph_padding!r}")
         if self.runner not in (None, *RUNNERS):
