@@ -305,15 +305,7 @@ class Engine:
         prompt_ids = token_ids(prompt_ids)
         self.validate_request(prompt_ids, params)
         with self._lock:
-            req = Request(rid=self._next_rid, prompt_ids=prompt_ids, params=params)
-            req.kv_budget = self.kv_budget(len(prompt_ids), params)
-            seed = params.seed
-            if seed is None:  # modulo 2^64: any integer --seed is a valid stream
-                seed = (self.config.seed * 1_000_003 + req.rid) % 2**64
-            req.seed = seed
-            self._next_rid += 1
-            self.waiting.append(req)
-        return req
+            return self._queue(prompt_ids, params)
 
     def add_requests(
         self, prompts: Iterable[Sequence[int]], params: SamplingParams | None = None
@@ -327,8 +319,20 @@ class Engine:
         prompts = [token_ids(p) for p in prompts]
         for prompt in prompts:
             self.validate_request(prompt, params)
-        with self._lock:
-            return [self.add_request(p, params) for p in prompts]
+        with self._lock:  # queued together: another thread's requests do not interleave
+            return [self._queue(p, params) for p in prompts]
+
+    def _queue(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """A validated prompt into the waiting queue (under the lock)."""
+        req = Request(rid=self._next_rid, prompt_ids=prompt_ids, params=params)
+        req.kv_budget = self.kv_budget(len(prompt_ids), params)
+        seed = params.seed
+        if seed is None:  # modulo 2^64: any integer --seed is a valid stream
+            seed = (self.config.seed * 1_000_003 + req.rid) % 2**64
+        req.seed = seed
+        self._next_rid += 1
+        self.waiting.append(req)
+        return req
 
     def kv_budget(self, prompt_len: int, params: SamplingParams) -> int:
         """Token slots a request holds while running: what admission reserves."""

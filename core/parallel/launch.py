@@ -174,7 +174,7 @@ class _Rank:
         if text.startswith(ERROR_PREFIX):
             self.error_line = self.error_line or text.removeprefix(ERROR_PREFIX)
             return
-        if text.startswith("graphrt: "):  # "rank 0: interrupted": the job says it once
+        if text.startswith("graphrt: rank "):  # "rank 0: interrupted": the job says it once
             return
         if text.strip():
             self.last_line = text.strip()

@@ -16,8 +16,9 @@ the partial store). Only where a key's slot comes from differs: the token table 
 the tree, the node's path (its ancestor at that depth, found through the tree-mask
 row) from the tree on. Stage 2 is decode's log-sum-exp combine. So a verify row's
 output equals decode's bit for bit, and greedy speculative output equals plain
-decoding's wherever the matmuls are width-invariant too (ops.INVARIANT_ROWS). The n
-nodes of a request each re-read the shared prefix, mostly from L2 at n <= 16.
+decoding's wherever the matmuls are width-invariant too (--batch-invariant,
+ops.INVARIANT_OPS). The n nodes of a request each re-read the shared prefix, mostly
+from L2 at n <= 16.
 
 Capture-safe: the launches read only device tensors and host shapes, never
 sync, allocate nothing (the caller owns ``out`` and the scratch), and their
