@@ -4,6 +4,8 @@
 # table prints last. Usage: bash bench/h200.sh [tests|bench|spec|all] [bench runners] [spec topks]
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
 #   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
+#   bash bench/h200.sh round [topk] [kernels listed]: bench/profile_round.py
+#   bash bench/h200.sh cold: the README's first command on a bare machine, then warm
 #   bash bench/h200.sh auto [tokens]: the README's command with and without drafting, and
 #     bench/profile_auto.py (auto vs --no-draft vs rounds of 5, side by side in one process)
 #   bash bench/h200.sh matrix ["spec_matrix.py flags"]: the speculative speed matrix (issue 20)
@@ -97,6 +99,24 @@ if [[ $what == invariant ]]; then
                 --steps 50 $flag --out "$OUT/bench-${model#random:}${flag:+-invariant}.json" \
                 2>&1 | grep -v Warning | tail -n 5
         done
+    done
+fi
+
+if [[ $what == round ]]; then
+    # Where a round's time goes, kernel by kernel ($2: topk, $3: kernels listed per graph).
+    python bench/profile_round.py "${2:-1}" "${3:-16}" 2>&1 | grep -v Warning \
+        | tee "$OUT/profile-round.log" | grep -E "kernels,|==" 
+fi
+
+if [[ $what == cold ]]; then
+    # Issue 21: the README's first command from a bare machine (no triton cache: every
+    # kernel compiles), then again (cache warm), wall time from the shell.
+    for run in cold warm; do
+        start=$(date +%s.%N)
+        graphrt generate --prompt "def fibonacci(n):" > "$OUT/first-$run.txt" 2>&1
+        rc=$? wall=$(python -c "print(round($(date +%s.%N) - $start, 1))")
+        echo "first command ($run): exit $rc, $wall s wall"
+        grep -E "set up|captur|tok/s" "$OUT/first-$run.txt" | head -n 6
     done
 fi
 
@@ -231,7 +251,7 @@ if [[ $what == spec || $what == all ]]; then
     for topk in ${topks//,/ }; do
         graphrt bench --model random:gemma4-e2b --draft random:gemma4-e2b-assistant --dtype bfloat16 \
             --prompt-len 512 --batch-sizes "${SPEC_BATCHES:-1,8,32,64}" --spec-steps 4 --spec-topk "$topk" --steps 30 \
-            --runners graph,hf --out "$OUT/bench-h200-spec-topk$topk.json" 2>&1 \
+            --runners "${SPEC_RUNNERS:-graph,hf}" --out "$OUT/bench-h200-spec-topk$topk.json" 2>&1 \
             | tee "$OUT/bench-spec-topk$topk.log" | grep -v Warning
     done
 fi

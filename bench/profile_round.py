@@ -1,8 +1,9 @@
 """Where a speculative round's time goes on a GPU: the draft-loop graph and the verify
-graph of random:gemma4-e2b with its assistant (bf16, prompt 512, batch 1), kernel by
-kernel (torch.profiler), beside a plain decode graph step.
+graph of random:gemma4-e2b with its assistant (bf16, prompt 512), kernel by kernel
+(torch.profiler), beside a plain decode graph step (its greedy tokens included).
 
-Run on the device: python bench/profile_round.py [topk, default 1]
+Run on the device: python bench/profile_round.py [topk, default 1] [kernels listed,
+default 15] [batch size, default 1]
 """
 
 from __future__ import annotations
@@ -20,17 +21,21 @@ from graphrt.spec import MTPDecoding, SpecConfig
 
 def main() -> None:
     topk = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    top = int(sys.argv[2]) if len(sys.argv) > 2 else 15
+    bs = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     device = devices.current("cuda")
     target = load_model("random:gemma4-e2b", device, torch.bfloat16)
     drafter = load_model("random:gemma4-e2b-assistant", device, torch.bfloat16)
-    cfg = RoundBenchConfig(batch_sizes=(1,), steps=4)
+    cfg = RoundBenchConfig(batch_sizes=(bs,), steps=4)
     strategy = MTPDecoding(drafter, SpecConfig(4, topk))
     spec, plain = round_engines(target, strategy, device, cfg)
-    prompt = torch.randint(0, target.model.vocab_size, (512,)).tolist()
     for engine in (spec, plain):
-        engine.add_request(prompt)
-        engine.step()  # prefill
+        for _ in range(bs):
+            engine.add_request(torch.randint(0, target.model.vocab_size, (512,)).tolist())
+        while engine.waiting:
+            engine.step()  # prefill
     batch = plain.build_decode_batch(plain.running)
+    print(f"== batch {bs}, topk {topk}")
     with strategy.bench_pieces(spec.running) as pieces:
         for name, fn in [
             ("decode graph step", lambda: plain.graph_runner.execute(batch)),
@@ -38,7 +43,7 @@ def main() -> None:
             ("verify graph", lambda: pieces["verify"](True)),
         ]:
             fn()
-            print_kernels(name, fn, device.synchronize, top=15)
+            print_kernels(name, fn, device.synchronize, top=top)
 
 
 if __name__ == "__main__":

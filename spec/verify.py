@@ -18,7 +18,7 @@ import torch
 
 from graphrt.core.attention.base import AttentionBackend
 from graphrt.core.batch import ForwardBatch, ForwardMode
-from graphrt.core.engine.sampling import SamplingRows, mark_bad_rows, repeat_rows, sample
+from graphrt.core.engine.sampling import SamplingRows, greedy_tokens, repeat_rows, sample
 from graphrt.core.runners import GraphShape, StaticField
 from graphrt.core.runners.base import forward_model
 from graphrt.spec.accept import Acceptance, accept, commit_kv
@@ -148,7 +148,7 @@ def round_tail(
         )  # fmt: skip
         target_tokens = sample(logits, repeat_rows(rows, n)).view(bs, n)
     else:
-        target_tokens = mark_bad_rows(logits, logits.argmax(dim=-1)).view(bs, n)  # (B, n)
+        target_tokens = greedy_tokens(logits).view(bs, n)  # (B, n)
     acc = accept_rule(tree, target_tokens, (max_context_len - 1) - kv_lens)
     slots = batch.req_pool_indices
     commit_kv(tables.req_to_token, slots, kv_lens, batch.out_cache_loc.view(bs, n), acc)

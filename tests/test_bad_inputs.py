@@ -240,13 +240,26 @@ def test_a_kv_pool_larger_than_free_memory_is_refused_before_allocating(capsys):
 # ---- no silent garbage ----------------------------------------------------------------
 
 
-def test_rows_with_nan_or_inf_logits_are_marked_and_minus_inf_is_not():
-    from graphrt.core.engine.sampling import BAD_LOGITS, mark_bad_rows
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_rows_with_nan_or_inf_logits_are_marked_and_minus_inf_is_not(device):
+    """Greedy and sampled rows: the max reduction's NaN propagation must reach the mark
+    wherever the NaN sits (before or after the row's largest finite logit)."""
+    from graphrt.core.engine.request import SamplingParams
+    from graphrt.core.engine.sampling import BAD_LOGITS, greedy_tokens, sample, sampling_rows
 
     inf, nan = float("inf"), float("nan")
-    logits = torch.tensor([[1.0, 2.0, 0.0], [1.0, nan, 3.0], [inf, 0.0, 1.0], [-inf, 5.0, 1.0]])
-    tokens = mark_bad_rows(logits, logits.argmax(-1))
-    assert tokens.tolist() == [1, BAD_LOGITS, BAD_LOGITS, 1]
+    logits = torch.tensor(
+        [[1.0, 2.0, 0.0], [1.0, nan, 3.0], [inf, 0.0, 1.0], [-inf, 5.0, 1.0], [nan, 9.0, 1.0],
+         [4.0, 9.0, nan], [2.0, 2.0, 1.0]],
+        device=device,
+    )  # fmt: skip
+    expected = [1, BAD_LOGITS, BAD_LOGITS, 1, BAD_LOGITS, BAD_LOGITS, 0]  # ties: the first
+    assert greedy_tokens(logits).tolist() == expected  # greedy batches, verify's tail
+    greedy_rows = sampling_rows([SamplingParams()] * 7, [0] * 7, [0] * 7, torch.device(device))
+    assert sample(logits, greedy_rows).tolist() == expected  # temperature-0 rows of a mix
+    params = [SamplingParams(temperature=0.7, seed=1)] * 7
+    drawn = sample(logits, sampling_rows(params, [1] * 7, [0] * 7, torch.device(device))).tolist()
+    assert [t == BAD_LOGITS for t in drawn] == [t == BAD_LOGITS for t in expected]
 
 
 def _poison(checkpoint, tmp_path, value: float):
@@ -277,6 +290,19 @@ def test_nan_weights_fail_their_requests_in_one_line_not_token_0(
     assert all(r["output_ids"] == [] for r in requests)
 
 
+def _nan_logits_in(mode, module, monkeypatch) -> None:
+    """``module``'s forward_model, patched: the logits of ``mode`` batches turn NaN."""
+    forward_model = module.forward_model
+
+    def nan_logits(model, attn, batch, *args, **kwargs):
+        out = forward_model(model, attn, batch, *args, **kwargs)
+        if batch.mode is mode:
+            out.logits[:] = float("nan")
+        return out
+
+    monkeypatch.setattr(module, "forward_model", nan_logits)
+
+
 def test_nan_verify_logits_fail_speculative_rounds_too(gemma4_tiny, gemma4_assistant, monkeypatch):
     """Logits turn NaN in a round's verify forward (after a clean prefill): the rows are
     marked inside the round's tail, and the requests fail with the line, KV freed."""
@@ -284,21 +310,39 @@ def test_nan_verify_logits_fail_speculative_rounds_too(gemma4_tiny, gemma4_assis
     from graphrt.core.runners import base as runners_base
     from graphrt.spec import MTPDecoding
 
-    forward_model = runners_base.forward_model
-
-    def nan_verify_logits(model, attn, batch, *args, **kwargs):
-        out = forward_model(model, attn, batch, *args, **kwargs)
-        if batch.mode is ForwardMode.TARGET_VERIFY:
-            out.logits[:] = float("nan")
-        return out
-
-    monkeypatch.setattr(runners_base, "forward_model", nan_verify_logits)
+    _nan_logits_in(ForwardMode.TARGET_VERIFY, runners_base, monkeypatch)
     cpu = devices.current("cpu")
     target = load_model(str(gemma4_tiny.path), cpu, torch.float32)
     drafter = load_model(str(gemma4_assistant.path), cpu, torch.float32)
     strategy = MTPDecoding(drafter, SpecConfig(num_steps=2))
     engine = Engine(target, EngineConfig(runner="eager"), cpu, strategy)
     reqs = engine.generate([[5, 6, 7], [9, 10]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert [len(r.output_ids) for r in reqs] == [1, 1]  # the prefill's token, then the error
+    assert all(r.finish_reason.value == "error" and "NaN or Inf" in r.error for r in reqs)
+    assert engine.kv_pool.available() == engine.kv_pool.num_slots
+
+
+def test_nan_decode_logits_on_graphs_are_marked_inside_the_graph(llama_gqa_untied, monkeypatch):
+    """Decode logits turn NaN (after a clean prefill) inside a replayed decode graph: the
+    graph's own greedy tokens carry the mark, for greedy and for sampled requests."""
+    from helpers import cpu_engine, standin_device
+
+    from graphrt.core.batch import ForwardMode
+    from graphrt.core.engine.sampling import BAD_LOGITS
+    from graphrt.core.runners import graph as runners_graph
+
+    _nan_logits_in(ForwardMode.DECODE, runners_graph, monkeypatch)  # the graphs' forward
+    target = load_model(str(llama_gqa_untied.path), CPU, torch.float32)
+    engine = cpu_engine(
+        target, device=standin_device(), runner="graph", graph_backend="cuda-full",
+        graph_buckets=(2,), max_context_len=32,
+    )  # fmt: skip
+    greedy = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    sampled = dataclasses.replace(greedy, temperature=0.8, seed=3)
+    reqs = [engine.add_request([5, 6, 7], greedy), engine.add_request([9, 10], sampled)]
+    engine.run_until_finished(reqs)  # one batch: a greedy and a sampled row
+    assert engine.graph_runner.replays_per_size() == {2: 1}  # the one decode step replayed
+    assert engine.strategy.greedy_out[:2].tolist() == [BAD_LOGITS] * 2  # marked in the graph
     assert [len(r.output_ids) for r in reqs] == [1, 1]  # the prefill's token, then the error
     assert all(r.finish_reason.value == "error" and "NaN or Inf" in r.error for r in reqs)
     assert engine.kv_pool.available() == engine.kv_pool.num_slots

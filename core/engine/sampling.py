@@ -96,23 +96,31 @@ def repeat_rows(rows: SamplingRows, n: int) -> SamplingRows:
 BAD_LOGITS = -1
 
 
-def mark_bad_rows(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``tokens`` (R,), with BAD_LOGITS where a row of ``logits`` (R, V) holds NaN or +Inf:
-    one max over the logits (a NaN propagates through it), then ``max < inf``, false for
-    NaN and +Inf alone (-Inf, a ruled-out token, is fine): three small launches a step.
-    Device ops only: capture-safe, no sync."""
-    return torch.where(logits.amax(dim=-1) < float("inf"), tokens, BAD_LOGITS)
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """(R, V) logits -> (R,) int64 argmax tokens, BAD_LOGITS where a row holds NaN or +Inf:
+    one max reduction gives the argmax and the row's max (a NaN propagates through both,
+    a +Inf is the max), then ``max < inf``, false for NaN and +Inf alone (-Inf, a
+    ruled-out token, is fine). No second pass over the logits: a one-row amax over a
+    262k vocabulary cost as much as the argmax. Device ops only: capture-safe, no sync
+    (a decode graph computes it; see PlainDecode)."""
+    top, tokens = logits.max(dim=-1)  # ties: the first maximum, as argmax
+    return torch.where(top < float("inf"), tokens, BAD_LOGITS)
 
 
-def sample(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, rows: SamplingRows, greedy: torch.Tensor | None = None
+) -> torch.Tensor:
     """(R, V) logits -> (R,) int64 tokens: the argmax of greedy rows, a draw for others;
-    BAD_LOGITS for a row whose logits hold NaN or +Inf."""
-    greedy_tokens = logits.argmax(dim=-1)
+    BAD_LOGITS for a row whose logits hold NaN or +Inf. ``greedy``: ``greedy_tokens`` of
+    these logits where already computed (inside a decode graph)."""
+    if greedy is None:
+        greedy = greedy_tokens(logits)
     if rows.greedy:
-        return mark_bad_rows(logits, greedy_tokens)
+        return greedy
     probs = filtered_probs(logits, rows)
     drawn = (probs / exponential_noise(rows.seed, rows.offset, logits.shape[-1])).argmax(-1)
-    return mark_bad_rows(logits, torch.where(rows.temperature == 0, greedy_tokens, drawn))
+    tokens = torch.where(rows.temperature == 0, greedy, drawn)
+    return torch.where(greedy == BAD_LOGITS, BAD_LOGITS, tokens)
 
 
 def filtered_probs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
@@ -183,11 +191,14 @@ def request_rows(reqs: Sequence[Request], device: torch.device) -> SamplingRows:
     return sampling_rows(params, [r.seed for r in reqs], [r.draws for r in reqs], device)
 
 
-def sample_requests(reqs: Sequence[Request], logits: torch.Tensor) -> list[int]:
+def sample_requests(
+    reqs: Sequence[Request], logits: torch.Tensor, greedy: torch.Tensor | None = None
+) -> list[int]:
     """(B, V) logits, a row per request -> B tokens on the host: the step's one wait on
     the device (core.host.read_host). Each request's stream moves on by one draw;
-    requests that keep logits (tests, logprobs; off by default) get their row."""
-    tokens = sample(logits, request_rows(reqs, logits.device))
+    requests that keep logits (tests, logprobs; off by default) get their row.
+    ``greedy``: see ``sample``."""
+    tokens = sample(logits, request_rows(reqs, logits.device), greedy)
     for i, req in enumerate(reqs):
         req.draws += 1
         if req.params.return_logits:

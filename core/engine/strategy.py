@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphrt.core.batch import ForwardBatch, ForwardMode
-from graphrt.core.engine.sampling import sample_requests
+from graphrt.core.engine.sampling import greedy_tokens, sample_requests
 from graphrt.core.runners import (
     BaseRunner,
     EagerRunner,
@@ -145,6 +145,10 @@ class DecodeStrategy(abc.ABC):
 class PlainDecode(DecodeStrategy):
     """One target forward per step: each request feeds its last token and samples one.
 
+    On graphs, the decode graph also takes each row's greedy token (``greedy_tokens``,
+    NaN/Inf mark included) into ``greedy_out``: a greedy step then launches nothing
+    after the replay but its one read, and a sampled step reuses it.
+
     ``after_forward(batch, out)``, where given, runs on every step's forward output, inside
     the decode graph where one replays (device ops only): a drafter taking plain steps
     writes its next seeds there, with no launch of its own.
@@ -154,18 +158,29 @@ class PlainDecode(DecodeStrategy):
 
     def __init__(self, after_forward: Callable[[ForwardBatch, RunnerOutput], None] | None = None):
         self.after_forward = after_forward
+        self.greedy_out: torch.Tensor | None = None  # (rows,) the graphs' greedy tokens
 
     def setup(self, ctx: StepContext) -> Sequence[GraphRunner]:
         self.ctx = ctx
         if ctx.graph_backend is None:
             return ()
+        rows = max(ctx.ledger.req_pool.max_requests, ctx.graph_config.max_bs)
+        greedy = self.greedy_out = torch.empty(rows, dtype=torch.int64, device=ctx.device)
+        user = self.after_forward
+
+        def after(batch: ForwardBatch, out: RunnerOutput) -> None:
+            # Closes over the buffer, not the strategy: the runner must not hold its owner.
+            greedy[: out.logits.shape[0]] = greedy_tokens(out.logits)
+            if user is not None:
+                user(batch, out)
+
         self.graph_runner = GraphRunner(
             ctx.loaded.model,
             ctx.attn_backend,
             ctx.graph_backend,
             ctx.graph_config,
             ctx.device,
-            after_forward=self.after_forward,
+            after_forward=after,
         )
         return (self.graph_runner,)
 
@@ -174,8 +189,9 @@ class PlainDecode(DecodeStrategy):
         out, on_graph = self.ctx.forward(batch, self.graph_runner)
         if not on_graph and self.after_forward is not None:
             self.after_forward(batch, out)  # the graph ran it already
+        greedy = self.greedy_out[: len(reqs)] if on_graph else None
         return StepOutcome(
-            tokens=[[t] for t in sample_requests(reqs, out.logits)],
+            tokens=[[t] for t in sample_requests(reqs, out.logits, greedy)],
             graph_forwards=int(on_graph),
             eager_forwards=int(not on_graph),
         )
