@@ -185,6 +185,7 @@ def interpreter_results() -> dict:
         wide_q = torch.zeros(batch.batch_size, num_heads, head_dim + 8)
         wide_q[:, :, :head_dim] = q.view(-1, num_heads, head_dim)
         scratch = allocate_decode_scratch(8, num_heads, head_dim, torch.device("cpu"), 3)
+        scratch[0].fill_(float("nan"))  # empty splits store no output: never read
         direct = torch.empty(batch.batch_size, num_heads, head_dim)
         decode_attention(
             wide_q[:, :, :head_dim],

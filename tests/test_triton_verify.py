@@ -207,6 +207,7 @@ def run_kernel(
     rows, num_heads, head_dim = q.shape
     splits = NUM_KV_SPLITS if num_kv_splits is None else num_kv_splits  # decode's
     scratch = allocate_decode_scratch(rows + 3, num_heads, head_dim, q.device, splits)
+    scratch[0].fill_(float("nan"))  # empty splits store no output: the combine must not read it
     out = torch.full_like(inp.q, float("nan"))
     result = tree_verify_attention(
         q, *inp.tensors()[1:], out, *scratch, inp.sm_scale, inp.window, block_n=block_n
@@ -293,6 +294,7 @@ def invariance_flags(
                 if inp.tree_mask[b, i, j]:
                     table[r + 1, int(inp.positions[b * n + j])] = int(inp.out_cache_loc[b * n + j])
         scratch = allocate_decode_scratch(rows, 4, head_dim, inp.q.device, splits or NUM_KV_SPLITS)
+        scratch[0].fill_(float("nan"))
         decode = torch.full_like(inp.q, float("nan"))
         decode_attention(
             inp.q, inp.k_buffer, inp.v_buffer, table.to(inp.q.device),

@@ -12,10 +12,16 @@ latency-bound loop per head; decode is bandwidth-bound, so reading each tile
 once is the win, and the padded rows cost idle tensor-core lanes only
 (float32 caches take exact FMA dots instead of tf32 ones). The S
 splits of a row's visible range exist so that batch 1 still fills the GPU
-(8 KV heads x 16 splits = 128 programs on an H200's 132 SMs). Stage 2
-combines the S partials of each (request, query head) by their log-sum-exps
-(grid B x H). A third, tiny kernel stores the step's new K/V rows into the
-pool before stage 1 runs, so every split sees them.
+(8 KV heads x 16 splits = 128 programs on an H200's 132 SMs). Splits are
+block-cyclic: keys are walked in BLOCK_N blocks aligned to absolute positions
+(block j holds positions [j * BLOCK_N, (j + 1) * BLOCK_N)), and split s walks
+the blocks j = s (mod S) of the row's visible range, in order. So the partition
+of a token's keys depends on its own range alone, and tokens of one request
+share their blocks: tree-verify attention (triton_verify.py) reads each shared
+block once for several tree nodes and still computes each node as decode
+would. Stage 2 combines the S partials of each (request, query head) by their
+log-sum-exps (grid B x H). A third, tiny kernel stores the step's new K/V rows
+into the pool before stage 1 runs, so every split sees them.
 
 Capture-safe: the launches read only device tensors and host shapes, never
 sync, allocate nothing (the caller owns ``out`` and the scratch), and their
@@ -35,6 +41,7 @@ from graphrt.devices.cuda import pdl
 # Fixed, not tuned per batch: changing it changes the float summation order.
 # 16 fills an H200 at batch 1 with 8 KV heads; at large batches the extra
 # partials cost B * H * 16 * D * 8 bytes of scratch traffic, small next to the KV.
+# A split walks every 16th block, so sequences under 16 blocks leave splits empty.
 NUM_KV_SPLITS = 16
 # tl.dot on NVIDIA GPUs needs an inner dimension >= 16, and before triton 3.7 M, N >= 16.
 MIN_DOT = 16
@@ -117,56 +124,81 @@ def _load_kv_block(
 
 
 @triton.jit
-def _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step over a block of keys; returns the new (m, l_sum, acc).
-
-    q (BLOCK_G, BLOCK_D), k (BLOCK_D, BLOCK_K), v (BLOCK_K, BLOCK_D), visible (BLOCK_K,).
-    """
-    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_G, BLOCK_K)
-    scores = tl.where(visible[None, :], scores, float("-inf"))
+def _online_softmax(scores, visible, m, l_sum):
+    """The online softmax's step over one block's scores (BLOCK_G, BLOCK_K), ``visible``
+    broadcast to them: -> (m_new, alpha, p, l_sum_new). The caller adds ``p @ V`` as
+    ``acc * alpha[:, None] + pv``."""
+    scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
-    # A block can hold no visible key (a tree block under the window, padding rows):
-    # m_new stays -inf, and shifting by 0 instead makes every exp 0 rather than NaN.
+    # A block can hold no visible key (a tree block under the window, padding rows, a
+    # block another node of a verify program needs): m_new stays m, or -inf, and
+    # shifting by 0 instead makes every exp 0 rather than NaN. Such a block leaves
+    # (m, l_sum, acc) bitwise as they were (alpha = exp(0) = 1 or acc = 0; p = 0).
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - shift)
     p = tl.exp(scores - shift[:, None])
+    return m_new, alpha, p, l_sum * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over a block of keys; returns the new (m, l_sum, acc).
+
+    q (BLOCK_G, BLOCK_D), k (BLOCK_D, BLOCK_K), v (BLOCK_K, BLOCK_D), visible
+    broadcastable to (BLOCK_G, BLOCK_K).
+    """
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale  # (BLOCK_G, BLOCK_K)
+    m_new, alpha, p, l_sum = _online_softmax(scores, visible, m, l_sum)
     pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # (BLOCK_G, BLOCK_D)
-    return m_new, l_sum * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+    return m_new, l_sum, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _first_block(lo, split, NUM_KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The first block of ``split`` at or after position ``lo``'s block: blocks are
+    dealt to splits cyclically, block j to split j % NUM_KV_SPLITS."""
+    first = lo // BLOCK_N
+    return first + (split - first % NUM_KV_SPLITS + NUM_KV_SPLITS) % NUM_KV_SPLITS
 
 
 @triton.jit
 def _attend_cached(
-    q, m, l_sum, acc, K, V, ReqToToken, req, start, end, kv_h, offs_d, mask_d, sm_scale,
+    q, m, l_sum, acc, K, V, ReqToToken, req, lo, end, split, kv_h, offs_d, mask_d, sm_scale,
     stride_req, stride_kt, stride_kh, stride_vt, stride_vh,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over the cached positions [start, end) of request row ``req``."""
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
+    """Online softmax over split ``split``'s blocks of the cached positions [lo, end) of
+    request row ``req``."""
+    first = _first_block(lo, split, NUM_KV_SPLITS, BLOCK_N)
+    for j in range(first, tl.cdiv(end, BLOCK_N), NUM_KV_SPLITS):
+        offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = (offs_n >= lo) & (offs_n < end)
         slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=mask_n, other=0).to(tl.int64)
         k, v = _load_kv_block(
             K, V, slots, mask_n, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh
         )
-        m, l_sum, acc = _attend_block(q, k, v, mask_n, m, l_sum, acc, sm_scale, DOT_PRECISION)
+        m, l_sum, acc = _attend_block(
+            q, k, v, mask_n[None, :], m, l_sum, acc, sm_scale, DOT_PRECISION
+        )
     return m, l_sum, acc
 
 
 @triton.jit
 def _store_partial(
-    PartialOut, PartialLse, row, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
+    PartialOut, PartialLse, rows, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
     stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
 ):  # fmt: skip
-    """One split's normalised output and log-sum-exp. An empty split (short or windowed
+    """One split's normalised output and log-sum-exp for each of BLOCK_G (query row,
+    head) pairs: ``rows`` and ``heads`` (BLOCK_G,). An empty split (short or windowed
     rows) writes zeros and lse = -inf, so the combine gives it weight 0 without reading
     uninitialised scratch."""
     nonempty = l_sum > 0
     safe_sum = tl.where(nonempty, l_sum, 1.0)
     out = acc / safe_sum[:, None]
     lse = tl.where(nonempty, m + tl.log(safe_sum), float("-inf"))
-    po = PartialOut + row * stride_pob + heads[:, None] * stride_poh + split * stride_pos
+    po = PartialOut + rows[:, None] * stride_pob + heads[:, None] * stride_poh + split * stride_pos
     tl.store(po + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
-    tl.store(PartialLse + row * stride_plb + heads * stride_plh + split, lse, mask=mask_g)
+    tl.store(PartialLse + rows * stride_plb + heads * stride_plh + split, lse, mask=mask_g)
 
 
 @triton.jit
@@ -212,9 +244,6 @@ def _decode_partial_kernel(
     req = tl.load(ReqPoolIndices + b).to(tl.int64)
     # Key j is visible to the query at p = seq_len - 1 iff j > p - window.
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    chunk = tl.cdiv(seq_len - lo, NUM_KV_SPLITS)
-    start = lo + split * chunk
-    end = tl.minimum(start + chunk, seq_len)
 
     q, heads, mask_g, offs_d, mask_d = _load_q_group(
         Q, b, kv_h, stride_qb, stride_qh, K.dtype.element_ty, KV_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D
@@ -223,11 +252,12 @@ def _decode_partial_kernel(
     l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     m, l_sum, acc = _attend_cached(
-        q, m, l_sum, acc, K, V, ReqToToken, req, start, end, kv_h, offs_d, mask_d, sm_scale,
-        stride_req, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N, DOT_PRECISION,
+        q, m, l_sum, acc, K, V, ReqToToken, req, lo, seq_len, split, kv_h, offs_d, mask_d,
+        sm_scale, stride_req, stride_kt, stride_kh, stride_vt, stride_vh,
+        NUM_KV_SPLITS, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     _store_partial(
-        PartialOut, PartialLse, b, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
+        PartialOut, PartialLse, heads * 0 + b, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
         stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
     )  # fmt: skip
 

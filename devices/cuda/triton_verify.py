@@ -8,17 +8,26 @@ at ``out_cache_loc``. Node i attends to its request's cached prefix (positions
 the sliding window ``k_pos > q_pos - window``, in one softmax.
 
 Width invariance: node i's token is computed exactly as decode would compute it once
-its path were accepted. Stage 1 runs decode's grid, one program per (node row, KV
-head, split), B*n x Hkv x S, over the keys decode would see, positions
-[lo, q_pos], split into decode's S chunks and walked in decode's BLOCK_N blocks with
-triton_decode.py's building blocks (q loading, K/V blocks, the online-softmax step,
-the partial store). Only where a key's slot comes from differs: the token table below
-the tree, the node's path (its ancestor at that depth, found through the tree-mask
-row) from the tree on. Stage 2 is decode's log-sum-exp combine. So a verify row's
-output equals decode's bit for bit, and greedy speculative output equals plain
-decoding's wherever the matmuls are width-invariant too (--batch-invariant,
-ops.INVARIANT_OPS). The n nodes of a request each re-read the shared prefix, mostly
-from L2 at n <= 16.
+its path were accepted. Stage 1 runs decode's split schedule: BLOCK_N blocks aligned
+to absolute positions, dealt to the S splits cyclically (triton_decode.py), walked
+with decode's building blocks (K/V blocks, the online-softmax step, the partial
+store). Only where a key's slot comes from differs: the token table below the tree,
+the node's path (its ancestor at that depth, found through the tree-mask row) from
+the tree on. Stage 2 is decode's log-sum-exp combine. So a verify row's output equals
+decode's bit for bit, and greedy speculative output equals plain decoding's wherever
+the matmuls are width-invariant too (--batch-invariant, ops.INVARIANT_OPS).
+
+Work decomposition: one program per (group of NODES tree nodes of a request, KV head,
+split). Decode pads a KV head's G query heads to 16 rows for the tensor cores; a
+verify program fills those rows with the G heads of NODES = 16 // G nodes (2 for
+Gemma 4's 8), so a prefix block is read once for them where each node used to read
+it (at 64 requests x 5 nodes, the prefix re-reads made verify attention 8.6x decode's
+time a layer). Rows of one node are each computed as decode computes them: a key
+visible to another row of the program but not to this one scores -inf (weight
+exactly 0), and a block none of a row's keys fall in leaves its running state
+bitwise unchanged. Blocks holding tree positions load each node's own path keys
+(a tree's nodes at one depth differ) and pick each row's scores and values from its
+node's dots.
 
 Capture-safe: the launches read only device tensors and host shapes, never
 sync, allocate nothing (the caller owns ``out`` and the scratch), and their
@@ -35,13 +44,60 @@ import triton.language as tl
 from graphrt.devices.cuda.triton_decode import (
     MIN_DOT,
     _attend_block,
+    _first_block,
     _load_kv_block,
-    _load_q_group,
+    _online_softmax,
     _store_partial,
     check_paged_inputs,
     combine_splits,
     default_block_n,
 )
+
+# Nodes one program serves at most: a tree block's keys are loaded once per node.
+MAX_NODES = 4
+
+
+@triton.jit
+def _node_kv(
+    K, V, OutCacheLoc, Positions, TreeMask, b, node, cached, offs_n, in_range, in_prefix,
+    num_nodes, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh, stride_mb,
+    stride_mi, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """The K/V block ``node`` sees at keys ``offs_n``: below the prefix the token table's
+    slots (``cached``), from the tree on its path's (its ancestor at that position, or
+    itself). -> (k, v, known): ``known`` marks keys that exist for the node."""
+    node_rows = b * num_nodes  # row of the request's root
+    offs_t = tl.arange(0, BLOCK_T)
+    mask_t = offs_t < num_nodes
+    tree_slots = tl.load(OutCacheLoc + node_rows + offs_t, mask=mask_t, other=0).to(tl.int64)
+    tree_pos = tl.load(Positions + node_rows + offs_t, mask=mask_t, other=-1).to(tl.int32)
+    in_tree = tl.load(TreeMask + b * stride_mb + node * stride_mi + offs_t, mask=mask_t, other=0)
+    tree_pos = tl.where(in_tree != 0, tree_pos, -1)  # (BLOCK_T,) -1: not on the path
+    on_path = offs_n[:, None] == tree_pos[None, :]  # (BLOCK_N, BLOCK_T): one match at most
+    path = tl.max(tl.where(on_path, tree_slots[None, :], 0), axis=1)
+    # Trees whose positions skip (tests' gapped trees) leave positions with no ancestor:
+    # not visible. MTP trees have one at every depth, so this is decode's mask there.
+    known = in_range & (in_prefix | (tl.max(on_path.to(tl.int32), axis=1) > 0))
+    slots = tl.where(in_prefix, cached, path)
+    k, v = _load_kv_block(
+        K, V, slots, known, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh
+    )
+    return k, v, known
+
+
+@triton.jit
+def _keep_unseen(visible, step, m, l_sum, acc):
+    """``step`` (the block's new m, l_sum, acc) for rows that see a key of the block, the
+    old state for rows that see none: decode never walks a block its row sees nothing
+    of, so such a row's state must not pass through the step's arithmetic (exact as
+    that would be wherever exp(0) is exactly 1)."""
+    seen = tl.max(visible.to(tl.int32), 1) > 0  # (BLOCK_G,)
+    m_new, l_new, acc_new = step
+    return (
+        tl.where(seen, m_new, m),
+        tl.where(seen, l_new, l_sum),
+        tl.where(seen[:, None], acc_new, acc),
+    )
 
 
 @triton.jit
@@ -75,7 +131,8 @@ def _verify_partial_kernel(
     stride_plt,
     stride_plh,
     KV_GROUP: tl.constexpr,  # query heads per KV head
-    BLOCK_G: tl.constexpr,  # KV_GROUP padded to a power of two >= MIN_DOT
+    NODES: tl.constexpr,  # tree nodes a program serves
+    BLOCK_G: tl.constexpr,  # decode's: KV_GROUP padded to a power of two >= MIN_DOT
     NUM_KV_SPLITS: tl.constexpr,  # S, decode's
     BLOCK_N: tl.constexpr,  # keys per loop step, decode's
     BLOCK_T: tl.constexpr,  # n padded to a power of two
@@ -83,61 +140,92 @@ def _verify_partial_kernel(
     BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= MIN_DOT
     DOT_PRECISION: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    groups = tl.cdiv(num_nodes, NODES)
+    b = tl.program_id(0) // groups
+    first_node = (tl.program_id(0) % groups) * NODES
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
-    b = row // num_nodes
-    node = row - b * num_nodes
 
     req = tl.load(ReqPoolIndices + b).to(tl.int64)
     # Padding rows may carry seq_len < n: their prefix is empty, not negative.
     prefix = tl.maximum(tl.load(SeqLens + b).to(tl.int32) - num_nodes, 0)
-    q_pos = tl.load(Positions + row).to(tl.int32)
-    # The keys decode would see for this token: positions [lo, q_pos], split as decode
-    # splits a sequence of q_pos + 1 tokens (key j is visible iff j > q_pos - window).
-    seq_len = q_pos + 1
-    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    chunk = tl.cdiv(seq_len - lo, NUM_KV_SPLITS)
-    start = lo + split * chunk
-    end = tl.minimum(start + chunk, seq_len)
 
-    # Position p >= prefix is the node's ancestor at depth p - prefix (or the node itself):
-    # the tree node j with tree_mask[b, node, j] whose position is p.
-    node_rows = b * num_nodes  # row of the request's root
-    offs_t = tl.arange(0, BLOCK_T)
-    mask_t = offs_t < num_nodes
-    tree_slots = tl.load(OutCacheLoc + node_rows + offs_t, mask=mask_t, other=0).to(tl.int64)
-    tree_pos = tl.load(Positions + node_rows + offs_t, mask=mask_t, other=-1).to(tl.int32)
-    in_tree = tl.load(TreeMask + b * stride_mb + node * stride_mi + offs_t, mask=mask_t, other=0)
-    tree_pos = tl.where(in_tree != 0, tree_pos, -1)  # (BLOCK_T,) -1: not on the path
+    # Row g of the program: head g % G of node first_node + g // G.
+    offs_g = tl.arange(0, BLOCK_G)
+    row_node = offs_g // KV_GROUP  # the row's node within the program
+    node = first_node + row_node
+    mask_g = (row_node < NODES) & (node < num_nodes)
+    rows = b * num_nodes + tl.minimum(node, num_nodes - 1)  # (BLOCK_G,) query rows
+    heads = kv_h * KV_GROUP + offs_g % KV_GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(K.dtype.element_ty)  # (BLOCK_G, BLOCK_D), as decode's _load_q_group
+    # Each row's keys are decode's for its token: positions [lo, q_pos]; the program walks
+    # the blocks of the union, which for one row are decode's blocks plus blocks it sees
+    # nothing of (its state is kept through them).
+    q_pos = tl.load(Positions + rows, mask=mask_g, other=0).to(tl.int32)
+    row_end = tl.where(mask_g, q_pos + 1, 0)
+    row_lo = tl.where(window > 0, tl.maximum(row_end - window, 0), 0)
+    row_lo = tl.where(mask_g, row_lo, 2147483647)
+    lo, end = tl.min(row_lo, 0), tl.max(row_end, 0)
 
-    q, heads, mask_g, offs_d, mask_d = _load_q_group(
-        Q, row, kv_h, stride_qt, stride_qh, K.dtype.element_ty, KV_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D
-    )  # (BLOCK_G, BLOCK_D)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each row's scores
     l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # Decode's loop (triton_decode._attend_cached), but a key's slot comes from the token
-    # table before the tree and from the node's path after it: the same blocks in the same
-    # order, so a node's output equals decode's for that token bit for bit.
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        cached = tl.load(
-            ReqToToken + req * stride_req + offs_n, mask=mask_n & (offs_n < prefix), other=0
-        ).to(tl.int64)
-        on_path = offs_n[:, None] == tree_pos[None, :]  # (BLOCK_N, BLOCK_T): one match at most
-        path = tl.max(tl.where(on_path, tree_slots[None, :], 0), axis=1)
-        # Trees whose positions skip (tests' gapped trees) leave positions with no ancestor:
-        # not visible. MTP trees have one at every depth, so this is decode's mask there.
-        visible = mask_n & ((offs_n < prefix) | (tl.max(on_path.to(tl.int32), axis=1) > 0))
-        slots = tl.where(offs_n < prefix, cached, path)
+    # Blocks below the tree: one K/V read serves every node (slots from the token table).
+    prefix_blocks = prefix // BLOCK_N
+    first = _first_block(lo, split, NUM_KV_SPLITS, BLOCK_N)
+    for j in range(first, tl.minimum(prefix_blocks, tl.cdiv(end, BLOCK_N)), NUM_KV_SPLITS):
+        offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        any_row = (offs_n >= lo) & (offs_n < end)
+        slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=any_row, other=0).to(tl.int64)
         k, v = _load_kv_block(
-            K, V, slots, visible, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh
+            K, V, slots, any_row, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh
         )
-        m, l_sum, acc = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
+        visible = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_end[:, None])
+        step = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
+        m, l_sum, acc = _keep_unseen(visible, step, m, l_sum, acc)
+    # Blocks reaching the tree: each node's keys past the prefix are its own path's.
+    first = _first_block(tl.maximum(lo, prefix_blocks * BLOCK_N), split, NUM_KV_SPLITS, BLOCK_N)
+    for j in range(first, tl.cdiv(end, BLOCK_N), NUM_KV_SPLITS):
+        offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_range = (offs_n >= lo) & (offs_n < end)
+        in_prefix = offs_n < prefix
+        cached = tl.load(
+            ReqToToken + req * stride_req + offs_n, mask=in_range & in_prefix, other=0
+        ).to(tl.int64)
+        scores = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+        visible = tl.zeros([BLOCK_G, BLOCK_N], tl.int1)
+        for t in tl.static_range(NODES):
+            k, _, known = _node_kv(
+                K, V, OutCacheLoc, Positions, TreeMask, b,
+                tl.minimum(first_node + t, num_nodes - 1), cached, offs_n, in_range, in_prefix,
+                num_nodes, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh,
+                stride_mb, stride_mi, BLOCK_T,
+            )  # fmt: skip
+            mine = (row_node == t)[:, None]
+            scores = tl.where(mine, tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale, scores)
+            visible = tl.where(mine, known[None, :], visible)
+        visible &= (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_end[:, None])
+        m_new, alpha, p, l_new = _online_softmax(scores, visible, m, l_sum)
+        pv = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for t in tl.static_range(NODES):  # V reloaded (L1/L2): two tiles per node stay unheld
+            _, v, _ = _node_kv(
+                K, V, OutCacheLoc, Positions, TreeMask, b,
+                tl.minimum(first_node + t, num_nodes - 1), cached, offs_n, in_range, in_prefix,
+                num_nodes, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh,
+                stride_mb, stride_mi, BLOCK_T,
+            )  # fmt: skip
+            node_pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            pv = tl.where((row_node == t)[:, None], node_pv, pv)
+        step = (m_new, l_new, acc * alpha[:, None] + pv)
+        m, l_sum, acc = _keep_unseen(visible, step, m, l_sum, acc)
     _store_partial(
-        PartialOut, PartialLse, row, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
+        PartialOut, PartialLse, rows, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
         stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
     )  # fmt: skip
 
@@ -186,8 +274,11 @@ def tree_verify_attention(
     window = 0 if sliding_window is None else int(sliding_window)
     assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
     group = num_heads // num_kv_heads
+    block_g = max(triton.next_power_of_2(group), MIN_DOT)  # decode's
+    nodes = max(1, min(block_g // group, MAX_NODES, num_nodes))
 
-    _verify_partial_kernel[(num_rows, num_kv_heads, num_splits)](
+    grid = (bs * triton.cdiv(num_nodes, nodes), num_kv_heads, num_splits)
+    _verify_partial_kernel[grid](
         q,
         k_buffer,
         v_buffer,
@@ -217,7 +308,8 @@ def tree_verify_attention(
         partial_lse.stride(0),
         partial_lse.stride(1),
         KV_GROUP=group,
-        BLOCK_G=max(triton.next_power_of_2(group), MIN_DOT),
+        NODES=nodes,
+        BLOCK_G=block_g,
         NUM_KV_SPLITS=num_splits,
         BLOCK_N=block_n,
         BLOCK_T=triton.next_power_of_2(num_nodes),

@@ -1,0 +1,63 @@
+"""Decode and tree-verify attention, one layer: GPU time of the partial and combine
+kernels replayed from a CUDA graph (triton.testing.do_bench_cudagraph, median), for
+Gemma 4 E2B's shapes (8 query heads on 1 KV head, head_dim 256 and 512), prefix 512,
+decode at batch 1 and 64 and verify of 5-node chains over the same requests.
+
+Run on the device: python bench/attention_layer.py
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from graphrt.devices.cuda.triton_decode import allocate_decode_scratch, decode_attention
+from graphrt.devices.cuda.triton_verify import tree_verify_attention
+
+PREFIX, NODES, HEADS = 512, 5, 8
+
+
+def layer_us(bs: int, head_dim: int) -> tuple[float, float]:
+    """(decode us, verify us) of one layer's attention over ``bs`` requests."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    ctx = PREFIX + NODES
+    slots = 1 + torch.randperm(bs * ctx, device=dev)  # scattered, as a pool's are
+    k = torch.randn(bs * ctx + 1, 1, head_dim, device=dev, dtype=dtype)
+    v = torch.randn_like(k)
+    table = torch.zeros(bs + 1, ctx + 8, dtype=torch.int64, device=dev)
+    table[1:, :ctx] = slots.view(bs, ctx)
+    reqs = torch.arange(1, bs + 1, device=dev)
+    scale = head_dim**-0.5
+    scratch = allocate_decode_scratch(bs * NODES, HEADS, head_dim, dev)
+    # decode: the root's step (seq_len PREFIX + 1)
+    q = torch.randn(bs, HEADS, head_dim, device=dev, dtype=dtype)
+    out = torch.empty_like(q)
+    lens = torch.full((bs,), PREFIX + 1, dtype=torch.int32, device=dev)
+    # verify: chains of NODES over the prefix, their slots the table's next ones
+    qv = torch.randn(bs * NODES, HEADS, head_dim, device=dev, dtype=dtype)
+    outv = torch.empty_like(qv)
+    vlens = torch.full((bs,), PREFIX + NODES, dtype=torch.int32, device=dev)
+    pos = (PREFIX + torch.arange(NODES, device=dev)).repeat(bs)
+    loc = table[1:, PREFIX : PREFIX + NODES].reshape(-1).contiguous()
+    depth = torch.arange(NODES, device=dev)
+    mask = (depth[None, :] <= depth[:, None]).expand(bs, NODES, NODES).contiguous()
+
+    def decode() -> None:
+        decode_attention(q, k, v, table, reqs, lens, out, *scratch, scale)
+
+    def verify() -> None:
+        tree_verify_attention(qv, k, v, table, reqs, vlens, pos, loc, mask, outv, *scratch, scale)
+
+    return tuple(triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3 for fn in (decode, verify))
+
+
+def main() -> None:
+    print(f"{'bs':>3} {'D':>4} {'decode us':>10} {'verify us':>10} {'verify / decode':>16}")
+    for head_dim in (256, 512):
+        for bs in (1, 64):
+            decode, verify = layer_us(bs, head_dim)
+            print(f"{bs:>3} {head_dim:>4} {decode:>10.1f} {verify:>10.1f} {verify / decode:>16.2f}")
+
+
+if __name__ == "__main__":
+    main()
