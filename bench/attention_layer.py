@@ -1,7 +1,9 @@
 """Decode and tree-verify attention, one layer: GPU time of the partial and combine
 kernels replayed from a CUDA graph (triton.testing.do_bench_cudagraph, median), for
 Gemma 4 E2B's shapes (8 query heads on 1 KV head, head_dim 256 and 512), prefix 512,
-decode at batch 1 and 64 and verify of 5-node chains over the same requests.
+decode at batch 1 and 64 and verify of 5-node chains over the same requests, with
+programs of 16 and of 64 query rows (``triton_verify.VERIFY_ROWS``); each verify's output
+is compared bit for bit with decode's rows for the same tokens.
 
 Run on the device: python bench/attention_layer.py
 """
@@ -11,14 +13,16 @@ from __future__ import annotations
 import torch
 import triton
 
+from graphrt.devices.cuda import triton_verify
 from graphrt.devices.cuda.triton_decode import allocate_decode_scratch, decode_attention
 from graphrt.devices.cuda.triton_verify import tree_verify_attention
 
 PREFIX, NODES, HEADS = 512, 5, 8
 
 
-def layer_us(bs: int, head_dim: int) -> tuple[float, float]:
-    """(decode us, verify us) of one layer's attention over ``bs`` requests."""
+def layer_us(bs: int, head_dim: int, verify_rows: int) -> tuple[float, float, bool]:
+    """(decode us, verify us, verify == decode bitwise) of one layer's attention over
+    ``bs`` requests."""
     dev, dtype = torch.device("cuda"), torch.bfloat16
     ctx = PREFIX + NODES
     slots = 1 + torch.randperm(bs * ctx, device=dev)  # scattered, as a pool's are
@@ -42,21 +46,37 @@ def layer_us(bs: int, head_dim: int) -> tuple[float, float]:
     depth = torch.arange(NODES, device=dev)
     mask = (depth[None, :] <= depth[:, None]).expand(bs, NODES, NODES).contiguous()
 
+    triton_verify.VERIFY_ROWS = verify_rows
+
     def decode() -> None:
         decode_attention(q, k, v, table, reqs, lens, out, *scratch, scale)
 
     def verify() -> None:
         tree_verify_attention(qv, k, v, table, reqs, vlens, pos, loc, mask, outv, *scratch, scale)
 
-    return tuple(triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3 for fn in (decode, verify))
+    times = [triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3 for fn in (decode, verify)]
+    # Decode of every node's token on its own (the chain's slots are the table's next ones).
+    verify()
+    node_lens = (PREFIX + 1 + depth).repeat(bs).to(torch.int32)
+    want = torch.empty_like(qv)
+    decode_attention(
+        qv, k, v, table, reqs.repeat_interleave(NODES), node_lens, want, *scratch, scale
+    )
+    return times[0], times[1], torch.equal(outv, want)
 
 
 def main() -> None:
-    print(f"{'bs':>3} {'D':>4} {'decode us':>10} {'verify us':>10} {'verify / decode':>16}")
+    print(
+        f"{'bs':>3} {'D':>4} {'rows':>4} {'decode us':>10} {'verify us':>10} {'ratio':>6} bitwise"
+    )
     for head_dim in (256, 512):
         for bs in (1, 64):
-            decode, verify = layer_us(bs, head_dim)
-            print(f"{bs:>3} {head_dim:>4} {decode:>10.1f} {verify:>10.1f} {verify / decode:>16.2f}")
+            for rows in (16, 64):
+                decode, verify, same = layer_us(bs, head_dim, rows)
+                print(
+                    f"{bs:>3} {head_dim:>4} {rows:>4} {decode:>10.1f} {verify:>10.1f}"
+                    f" {verify / decode:>6.2f} {same}"
+                )
 
 
 if __name__ == "__main__":

@@ -273,6 +273,7 @@ def invariance_flags(
 ) -> dict[str, bool]:
     """Width invariance: each node's row equals, bit for bit, decode attention's row for
     that token with the node's path in the token table (what a plain step would see)."""
+    from graphrt.devices.cuda import triton_verify
     from graphrt.devices.cuda.triton_decode import (
         NUM_KV_SPLITS,
         allocate_decode_scratch,
@@ -280,10 +281,17 @@ def invariance_flags(
     )
 
     flags = {}
-    for window, chain in ((None, False), (6, False), (None, True)):
-        inp = make_inputs([0, 3, 40], 4, 4, 2, head_dim, dtype, device, seed=11, window=window,
-                          chain=chain)  # fmt: skip
-        verify = run_kernel(inp, splits, block_n)
+    # (window, chain, nodes, query heads, KV heads, VERIFY_ROWS)
+    cases = [(None, False, 4, 4, 2, 16), (6, False, 4, 4, 2, 16), (None, True, 4, 4, 2, 16)]
+    cases.append((6, False, 6, 8, 1, 64))  # 6 nodes x 8 heads: 64-row programs (wgmma)
+    for window, chain, n, heads, kv_heads, verify_rows in cases:
+        inp = make_inputs([0, 3, 40], n, heads, kv_heads, head_dim, dtype, device, seed=11,
+                          window=window, chain=chain)  # fmt: skip
+        saved, triton_verify.VERIFY_ROWS = triton_verify.VERIFY_ROWS, verify_rows
+        try:
+            verify = run_kernel(inp, splits, block_n)
+        finally:
+            triton_verify.VERIFY_ROWS = saved
         rows, n = inp.q.shape[0], inp.num_nodes
         table = torch.zeros(rows + 1, inp.req_to_token.shape[1], dtype=torch.int64)
         for r in range(rows):
@@ -293,7 +301,9 @@ def invariance_flags(
             for j in range(n):
                 if inp.tree_mask[b, i, j]:
                     table[r + 1, int(inp.positions[b * n + j])] = int(inp.out_cache_loc[b * n + j])
-        scratch = allocate_decode_scratch(rows, 4, head_dim, inp.q.device, splits or NUM_KV_SPLITS)
+        scratch = allocate_decode_scratch(
+            rows, heads, head_dim, inp.q.device, splits or NUM_KV_SPLITS
+        )
         scratch[0].fill_(float("nan"))
         decode = torch.full_like(inp.q, float("nan"))
         decode_attention(
@@ -302,7 +312,8 @@ def invariance_flags(
             (inp.positions + 1).to(torch.int32), decode, *scratch, inp.sm_scale, window,
             block_n=block_n,
         )  # fmt: skip
-        flags[f"invariance/window{window}-chain{chain}"] = torch.equal(verify, decode)
+        name = f"invariance/window{window}-chain{chain}-G{heads // kv_heads}-rows{verify_rows}"
+        flags[name] = torch.equal(verify, decode)
     return flags
 
 
@@ -312,7 +323,7 @@ def test_verify_kernel_under_interpreter_matches_naive_and_sdpa():
     results = run_under_triton_interpreter(__file__)
     # Per case: 3 errors and 1 flag; then the padding request's error and flag.
     assert len(results["errors"]) == 3 * len(INTERPRETER_CASES) + 1
-    assert len(results["flags"]) == len(INTERPRETER_CASES) + 1 + 3
+    assert len(results["flags"]) == len(INTERPRETER_CASES) + 1 + 4
     too_far = {name: err for name, err in results["errors"].items() if not err <= 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]

@@ -19,10 +19,10 @@ the matmuls are width-invariant too (--batch-invariant, ops.INVARIANT_OPS).
 
 Work decomposition: one program per (group of NODES tree nodes of a request, KV head,
 split). Decode pads a KV head's G query heads to 16 rows for the tensor cores; a
-verify program fills those rows with the G heads of NODES = 16 // G nodes (2 for
-Gemma 4's 8), so a prefix block is read once for them where each node used to read
-it (at 64 requests x 5 nodes, the prefix re-reads made verify attention 8.6x decode's
-time a layer). Rows of one node are each computed as decode computes them: a key
+verify program fills VERIFY_ROWS rows with the G heads of NODES = VERIFY_ROWS // G
+nodes (2 for Gemma 4's 8 at 16 rows), so a prefix block is read once for them where
+each node used to read it (at 64 requests x 5 nodes, the prefix re-reads made verify
+attention 8.6x decode's time a layer). Rows of one node are each computed as decode computes them: a key
 visible to another row of the program but not to this one scores -inf (weight
 exactly 0), and a block none of a row's keys fall in leaves its running state
 bitwise unchanged. Blocks holding tree positions load each node's own path keys
@@ -53,8 +53,11 @@ from graphrt.devices.cuda.triton_decode import (
     default_block_n,
 )
 
-# Nodes one program serves at most: a tree block's keys are loaded once per node.
-MAX_NODES = 4
+# Query rows (nodes x G heads) one program serves, at least decode's 16: the nodes of a
+# program read each prefix block once. Wider programs use wider dots (64 rows: wgmma on
+# Hopper) whose rows must still round as decode's 16-row dots do: the CUDA lane's bitwise
+# test and bench/attention_layer.py check it at the value shipped.
+VERIFY_ROWS = 16
 
 
 @triton.jit
@@ -132,7 +135,7 @@ def _verify_partial_kernel(
     stride_plh,
     KV_GROUP: tl.constexpr,  # query heads per KV head
     NODES: tl.constexpr,  # tree nodes a program serves
-    BLOCK_G: tl.constexpr,  # decode's: KV_GROUP padded to a power of two >= MIN_DOT
+    BLOCK_G: tl.constexpr,  # NODES * KV_GROUP padded to a power of two >= MIN_DOT
     NUM_KV_SPLITS: tl.constexpr,  # S, decode's
     BLOCK_N: tl.constexpr,  # keys per loop step, decode's
     BLOCK_T: tl.constexpr,  # n padded to a power of two
@@ -274,8 +277,9 @@ def tree_verify_attention(
     window = 0 if sliding_window is None else int(sliding_window)
     assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
     group = num_heads // num_kv_heads
-    block_g = max(triton.next_power_of_2(group), MIN_DOT)  # decode's
-    nodes = max(1, min(block_g // group, MAX_NODES, num_nodes))
+    rows_cap = max(VERIFY_ROWS, triton.next_power_of_2(group), MIN_DOT)  # >= decode's
+    nodes = max(1, min(rows_cap // group, num_nodes))
+    block_g = max(triton.next_power_of_2(nodes * group), MIN_DOT)
 
     grid = (bs * triton.cdiv(num_nodes, nodes), num_kv_heads, num_splits)
     _verify_partial_kernel[grid](
@@ -318,7 +322,7 @@ def tree_verify_attention(
         # float32 caches keep float32 products (tf32 would cost ~1e-3 relative);
         # the precision only applies to float32 operands, so 16-bit caches ignore it.
         DOT_PRECISION="ieee" if k_buffer.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        num_warps=max(4, block_g * block_d // 4096),  # <= 128 accumulator registers a thread
         num_stages=2,
     )
     return combine_splits(partial_out, partial_lse, out)
