@@ -22,12 +22,11 @@ split). Decode pads a KV head's G query heads to 16 rows for the tensor cores; a
 verify program fills VERIFY_ROWS rows with the G heads of NODES = VERIFY_ROWS // G
 nodes (2 for Gemma 4's 8 at 16 rows), so a prefix block is read once for them where
 each node used to read it (at 64 requests x 5 nodes, the prefix re-reads made verify
-attention 8.6x decode's time a layer). Rows of one node are each computed as decode computes them: a key
-visible to another row of the program but not to this one scores -inf (weight
-exactly 0), and a block none of a row's keys fall in leaves its running state
-bitwise unchanged. Blocks holding tree positions load each node's own path keys
-(a tree's nodes at one depth differ) and pick each row's scores and values from its
-node's dots.
+attention 8.6x decode's time a layer). Each row is still computed as decode computes
+it: a key visible to another row of the program but not to this one scores -inf
+(weight exactly 0), and a block none of a row's keys fall in leaves its running state
+as it was. Blocks holding tree positions take one step per node, with that node's own
+path keys (a tree's nodes at one depth differ), the other rows kept.
 
 Capture-safe: the launches read only device tensors and host shapes, never
 sync, allocate nothing (the caller owns ``out`` and the scratch), and their
@@ -46,7 +45,6 @@ from graphrt.devices.cuda.triton_decode import (
     _attend_block,
     _first_block,
     _load_kv_block,
-    _online_softmax,
     _store_partial,
     check_paged_inputs,
     combine_splits,
@@ -201,32 +199,19 @@ def _verify_partial_kernel(
         cached = tl.load(
             ReqToToken + req * stride_req + offs_n, mask=in_range & in_prefix, other=0
         ).to(tl.int64)
-        scores = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
-        visible = tl.zeros([BLOCK_G, BLOCK_N], tl.int1)
-        for t in tl.static_range(NODES):
-            k, _, known = _node_kv(
+        # One online-softmax step per node: its rows against its own keys, the other rows
+        # kept (one K/V tile live at a time: the kernel's registers stay decode's).
+        row_range = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_end[:, None])
+        for t in range(NODES):  # a loop, not unrolled: one K/V tile live
+            k, v, known = _node_kv(
                 K, V, OutCacheLoc, Positions, TreeMask, b,
                 tl.minimum(first_node + t, num_nodes - 1), cached, offs_n, in_range, in_prefix,
                 num_nodes, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh,
                 stride_mb, stride_mi, BLOCK_T,
             )  # fmt: skip
-            mine = (row_node == t)[:, None]
-            scores = tl.where(mine, tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale, scores)
-            visible = tl.where(mine, known[None, :], visible)
-        visible &= (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_end[:, None])
-        m_new, alpha, p, l_new = _online_softmax(scores, visible, m, l_sum)
-        pv = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for t in tl.static_range(NODES):  # V reloaded (L1/L2): two tiles per node stay unheld
-            _, v, _ = _node_kv(
-                K, V, OutCacheLoc, Positions, TreeMask, b,
-                tl.minimum(first_node + t, num_nodes - 1), cached, offs_n, in_range, in_prefix,
-                num_nodes, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh,
-                stride_mb, stride_mi, BLOCK_T,
-            )  # fmt: skip
-            node_pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            pv = tl.where((row_node == t)[:, None], node_pv, pv)
-        step = (m_new, l_new, acc * alpha[:, None] + pv)
-        m, l_sum, acc = _keep_unseen(visible, step, m, l_sum, acc)
+            visible = (row_node == t)[:, None] & known[None, :] & row_range
+            step = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
+            m, l_sum, acc = _keep_unseen(visible, step, m, l_sum, acc)
     _store_partial(
         PartialOut, PartialLse, rows, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
         stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
