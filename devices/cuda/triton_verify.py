@@ -218,6 +218,16 @@ def _verify_partial_kernel(
     )  # fmt: skip
 
 
+def program_shape(group: int, num_nodes: int, block_d: int) -> tuple[int, int, int]:
+    """(tree nodes a program serves, its query rows BLOCK_G, num_warps) for KV groups of
+    ``group`` query heads and trees of ``num_nodes``: VERIFY_ROWS rows at most (decode's
+    16 at least), and warps enough for at most 128 accumulator registers a thread."""
+    rows_cap = max(VERIFY_ROWS, triton.next_power_of_2(group), MIN_DOT)
+    nodes = max(1, min(rows_cap // group, num_nodes))
+    block_g = max(triton.next_power_of_2(nodes * group), MIN_DOT)
+    return nodes, block_g, max(4, block_g * block_d // 4096)
+
+
 def tree_verify_attention(
     q: torch.Tensor,  # (B*n, H, D), any float dtype
     k_buffer: torch.Tensor,  # (num_slots + 1, Hkv, D)
@@ -262,9 +272,7 @@ def tree_verify_attention(
     window = 0 if sliding_window is None else int(sliding_window)
     assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
     group = num_heads // num_kv_heads
-    rows_cap = max(VERIFY_ROWS, triton.next_power_of_2(group), MIN_DOT)  # >= decode's
-    nodes = max(1, min(rows_cap // group, num_nodes))
-    block_g = max(triton.next_power_of_2(nodes * group), MIN_DOT)
+    nodes, block_g, num_warps = program_shape(group, num_nodes, block_d)
 
     grid = (bs * triton.cdiv(num_nodes, nodes), num_kv_heads, num_splits)
     _verify_partial_kernel[grid](
@@ -307,7 +315,7 @@ def tree_verify_attention(
         # float32 caches keep float32 products (tf32 would cost ~1e-3 relative);
         # the precision only applies to float32 operands, so 16-bit caches ignore it.
         DOT_PRECISION="ieee" if k_buffer.dtype == torch.float32 else "tf32",
-        num_warps=max(4, block_g * block_d // 4096),  # <= 128 accumulator registers a thread
+        num_warps=num_warps,
         num_stages=2,
     )
     return combine_splits(partial_out, partial_lse, out)

@@ -1,0 +1,69 @@
+"""Registers, local-memory stack (spills) and MMA kind of the decode and tree-verify
+attention kernels, compiled for an H200 (sm_90) on any machine: Triton's own compiler
+and ptxas, no GPU needed. A kernel change that makes the attention spill shows here
+before a GPU is at hand.
+
+Run anywhere with triton installed: python bench/kernel_resources.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from graphrt.devices.cuda import triton_verify
+from graphrt.devices.cuda.triton_decode import _decode_partial_kernel
+from graphrt.devices.cuda.triton_verify import _verify_partial_kernel, program_shape
+
+TARGET = GPUTarget("cuda", 90, 32)
+POINTERS = {
+    "Q": "*bf16", "K": "*bf16", "V": "*bf16", "ReqToToken": "*i64", "ReqPoolIndices": "*i64",
+    "SeqLens": "*i32", "PartialOut": "*fp32", "PartialLse": "*fp32", "Positions": "*i64",
+    "OutCacheLoc": "*i64", "TreeMask": "*u8",
+}  # fmt: skip
+
+
+def resources(kernel, constants: dict, num_warps: int) -> str:
+    """Compile ``kernel`` for sm_90 with ``constants``; -> its resource usage line."""
+    names = kernel.arg_names
+    signature = {
+        n: "constexpr" if n in constants else POINTERS.get(n, "fp32" if n == "sm_scale" else "i32")
+        for n in names
+    }
+    constexprs = {(i,): constants[n] for i, n in enumerate(names) if n in constants}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=TARGET, options={"num_warps": num_warps})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True)
+    found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage.stdout, re.S)
+    mma = "wgmma" if "wgmma" in compiled.asm["ptx"] else "mma"
+    return f"registers {found.group(1)}, stack {found.group(2)} bytes, {mma}"
+
+
+def main() -> None:
+    # Gemma 4 E2B: 8 query heads on one KV head; sliding layers head_dim 256, full 512.
+    for head_dim, block_n in ((256, 32), (512, 16)):
+        common = dict(KV_GROUP=8, NUM_KV_SPLITS=16, BLOCK_N=block_n, HEAD_DIM=head_dim,
+                      BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
+        print(
+            f"decode D={head_dim}: {resources(_decode_partial_kernel, common | {'BLOCK_G': 16}, 4)}"
+        )
+        for rows in (16, 64):  # 5-node chains (4 draft steps)
+            triton_verify.VERIFY_ROWS = rows
+            nodes, block_g, warps = program_shape(8, 5, head_dim)
+            constants = common | {"NODES": nodes, "BLOCK_G": block_g, "BLOCK_T": 8}
+            line = resources(_verify_partial_kernel, constants, warps)
+            print(f"verify D={head_dim}, {block_g} rows ({nodes} nodes): {line}")
+
+
+if __name__ == "__main__":
+    main()
