@@ -190,28 +190,28 @@ def _verify_partial_kernel(
         visible = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_end[:, None])
         step = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
         m, l_sum, acc = _keep_unseen(visible, step, m, l_sum, acc)
-    # Blocks reaching the tree: each node's keys past the prefix are its own path's.
+    # Blocks reaching the tree: each node's keys past the prefix are its own path's. One
+    # online-softmax step per (block, node): the node's rows against its own keys, the
+    # other rows kept; one flat loop, so one K/V tile is live (registers stay decode's).
     first = _first_block(tl.maximum(lo, prefix_blocks * BLOCK_N), split, NUM_KV_SPLITS, BLOCK_N)
-    for j in range(first, tl.cdiv(end, BLOCK_N), NUM_KV_SPLITS):
-        offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    blocks = tl.cdiv(tl.maximum(tl.cdiv(end, BLOCK_N) - first, 0), NUM_KV_SPLITS)
+    for step_index in range(0, blocks * NODES):
+        t = step_index % NODES
+        offs_n = (first + (step_index // NODES) * NUM_KV_SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
         in_range = (offs_n >= lo) & (offs_n < end)
         in_prefix = offs_n < prefix
         cached = tl.load(
             ReqToToken + req * stride_req + offs_n, mask=in_range & in_prefix, other=0
         ).to(tl.int64)
-        # One online-softmax step per node: its rows against its own keys, the other rows
-        # kept (one K/V tile live at a time: the kernel's registers stay decode's).
+        k, v, known = _node_kv(
+            K, V, OutCacheLoc, Positions, TreeMask, b, tl.minimum(first_node + t, num_nodes - 1),
+            cached, offs_n, in_range, in_prefix, num_nodes, kv_h, offs_d, mask_d, stride_kt,
+            stride_kh, stride_vt, stride_vh, stride_mb, stride_mi, BLOCK_T,
+        )  # fmt: skip
         row_range = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_end[:, None])
-        for t in range(NODES):  # a loop, not unrolled: one K/V tile live
-            k, v, known = _node_kv(
-                K, V, OutCacheLoc, Positions, TreeMask, b,
-                tl.minimum(first_node + t, num_nodes - 1), cached, offs_n, in_range, in_prefix,
-                num_nodes, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh,
-                stride_mb, stride_mi, BLOCK_T,
-            )  # fmt: skip
-            visible = (row_node == t)[:, None] & known[None, :] & row_range
-            step = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
-            m, l_sum, acc = _keep_unseen(visible, step, m, l_sum, acc)
+        visible = (row_node == t)[:, None] & known[None, :] & row_range
+        step = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
+        m, l_sum, acc = _keep_unseen(visible, step, m, l_sum, acc)
     _store_partial(
         PartialOut, PartialLse, rows, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
         stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
