@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 
 from graphrt.core.engine.request import Request
@@ -155,16 +155,17 @@ class DraftChooser:
     def plain_steps(self) -> int:
         return self.steps_by_count[0]
 
-    def choose(self, bucket: int, reqs: Sequence[Request]) -> int:
+    def choose(self, bucket: int, reqs: Sequence[Request], refused: Set[int] = frozenset()) -> int:
         """The draft steps of the next step of ``reqs`` (batch bucket ``bucket``); 0: a plain
-        decode step."""
+        decode step. ``refused``: draft lengths this batch cannot run on graphs (the graph
+        memory cap left them uncaptured), never chosen; a plain step always can be."""
         if len(self._requests) > 2 * len(reqs) + 16:  # finished requests' rates go
             running = {r.rid for r in reqs}
             self._requests = {rid: a for rid, a in self._requests.items() if rid in running}
         size = self._buckets.setdefault(bucket, _Bucket())
         if self._donor(bucket) is None:  # the first bucket: each end measured first
             for steps in (self.max_steps, 0):  # (their first step left out)
-                if not size.seconds.get(steps):
+                if not size.seconds.get(steps) and steps not in refused:
                     return steps
         # The ranking is redone every REDECIDE steps, or when the batch changes: it moves
         # slowly, and weighing it costs tens of microseconds (a plain step of a small
@@ -175,7 +176,8 @@ class DraftChooser:
             size.ranked = sorted(range(self.max_steps + 1), key=lambda k: rates[k], reverse=True)
             size.ranked_for, size.ranked_age = batch, 0
         size.ranked_age += 1
-        winner, runner_up = size.ranked[0], size.ranked[1]
+        allowed = [k for k in size.ranked if k not in refused]  # 0 is never refused
+        winner, runner_up = allowed[0], allowed[min(1, len(allowed) - 1)]
         if winner != size.last_winner:  # the winner changed: watch closely again
             size.last_winner, size.explore_every, size.since_explore = winner, FIRST_EXPLORE, 0
         size.since_explore += 1
@@ -186,8 +188,9 @@ class DraftChooser:
             # Every other look runs the longest rounds, whatever the runner-up: only they
             # measure acceptance at every position (a shorter runner-up would leave the
             # deeper positions' rates as old as the last long round).
-            if size.explored % 2 == 0 and winner != self.max_steps:
-                return self.max_steps
+            longest = max(allowed)
+            if size.explored % 2 == 0 and winner != longest:
+                return longest
             return runner_up
         return winner
 

@@ -112,6 +112,7 @@ class MTPDecoding(DecodeStrategy):
         # fixed-length rounds' plain decode graphs (used only when a whole batch opted out).
         self._later: list[GraphRunner] = []
         self._planned: tuple[list[Request], int] | None = None  # (reqs, draft steps) next
+        self._refused: list[GraphRunner] = []  # left uncaptured by the graph memory cap
 
     @property
     def longest(self) -> RoundGraphs:
@@ -240,20 +241,30 @@ class MTPDecoding(DecodeStrategy):
             return 0  # nothing to draft for
         if self.chooser is None:
             return self.cfg.num_steps
-        return self.chooser.choose(self._bucket(len(reqs)), reqs)
+        greedy = all(r.params.greedy for r in reqs)
+        refused = {k for k in self.variants if set(self._needs(k, greedy)) & set(self._refused)}
+        return self.chooser.choose(self._bucket(len(reqs)), reqs, refused)
+
+    def _needs(self, steps: int, greedy: bool) -> tuple[GraphRunner | None, ...]:
+        """The graphs a step of ``steps`` draft steps runs on (greedy or sampled)."""
+        if steps == 0:
+            return (self.plain_graph,)
+        variant = self.variants[steps]
+        return (variant.verify if greedy else variant.sampled_verify, variant.draft)
 
     def captures_before(self, reqs: list[Request]) -> Sequence[GraphRunner]:
         steps = self.plan(reqs)
         self._planned = (reqs, steps)
-        if steps == 0:
-            needs = (self.plain_graph,)
-        else:
-            variant = self.variants[steps]
-            greedy = all(r.params.greedy for r in reqs)
-            needs = (variant.verify if greedy else variant.sampled_verify, variant.draft)
+        needs = self._needs(steps, all(r.params.greedy for r in reqs))
         now = [r for r in needs if r in self._later]
         self._later = [r for r in self._later if r not in now]
         return now
+
+    def refuse_capture(self, runner: GraphRunner) -> None:
+        # With auto lengths, the lengths needing it are not chosen again (for that kind of
+        # batch); a fixed length's round, or a plain step, runs that piece eagerly.
+        self._refused.append(runner)
+        self._planned = None
 
     def decode(self, reqs: list[Request]) -> StepOutcome:
         planned, self._planned = self._planned, None

@@ -291,3 +291,23 @@ def selected_params(session, module: str, name: str) -> set:
         if item.module.__name__ == module and callspec is not None and name in callspec.params:
             values.add(callspec.params[name])
     return values
+
+
+def cycling_chooser(max_steps: int, order: tuple[int, ...]):
+    """`--spec-steps auto` with its choice scripted: the lengths of ``order`` in turn (0: a
+    plain step), skipping those the graph memory cap refused."""
+    from graphrt.spec.adaptive import DraftChooser
+
+    class CyclingChooser(DraftChooser):
+        def __init__(self):
+            super().__init__(max_steps)
+            self.step = 0
+
+        def choose(self, bucket, reqs, refused=frozenset()):
+            while True:
+                self.step += 1
+                steps = order[(self.step - 1) % len(order)]
+                if steps not in refused:
+                    return steps
+
+    return CyclingChooser()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import CPU, cpu_engine, random_prompts, standin_device
+from helpers import CPU, cpu_engine, cycling_chooser, random_prompts, standin_device
 from tokenizers import Tokenizer
 
 from graphrt.core import pretrained
@@ -112,18 +112,6 @@ def test_acceptance_is_tracked_per_request():
     assert chooser.rates(1, many)[5] * 2e-3 == pytest.approx(PER_REQUEST_MAX * engine + 1)
 
 
-class CyclingChooser(DraftChooser):
-    """Every length in turn, plain steps included, whatever pays."""
-
-    def __init__(self, max_steps, order):
-        super().__init__(max_steps)
-        self.order, self.step = order, 0
-
-    def choose(self, bucket, reqs):
-        self.step += 1
-        return self.order[(self.step - 1) % len(self.order)]
-
-
 @pytest.mark.parametrize("runner", ["eager", pytest.param("graph", marks=pytest.mark.graphs)])
 @pytest.mark.parametrize("chooser", ["measured", "cycling"])
 def test_greedy_output_is_plain_decodings_whatever_mix_of_lengths_and_plain_steps(
@@ -135,7 +123,7 @@ def test_greedy_output_is_plain_decodings_whatever_mix_of_lengths_and_plain_step
     plain = cpu_engine(target, max_context_len=64).generate(prompts, GREEDY)
     strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
     if chooser == "cycling":
-        strategy.chooser = CyclingChooser(3, order=(3, 1, 0, 2, 2, 3, 0, 1))
+        strategy.chooser = cycling_chooser(3, (3, 1, 0, 2, 2, 3, 0, 1))
     device = standin_device() if runner == "graph" else None
     engine = cpu_engine(
         target, strategy, device, runner=runner, max_context_len=64, graph_buckets=(1, 2, 4)
@@ -163,6 +151,43 @@ def test_greedy_output_is_plain_decodings_whatever_mix_of_lengths_and_plain_step
             assert sum(variant.draft.replays_per_size().values()) > 0, k
         for k in set(strategy.variants) - set(stats.rounds_by_steps):  # never chosen
             assert strategy.variants[k].draft.captured_sizes == []
+    assert engine.kv_pool.available() == engine.kv_pool.num_slots
+
+
+@pytest.mark.graphs
+def test_graph_memory_cap_leaves_lengths_uncaptured_and_never_drafts_them(
+    gemma4_tiny, gemma4_assistant, monkeypatch
+):
+    """max_graph_memory_bytes: once the graphs hold the cap, a length first needed is not
+    captured and never chosen (the chooser asks for every length in turn); steps run the
+    captured length or plain steps, all on graphs, and the output is plain decoding's."""
+    from graphrt.devices.graphs import StreamGraphBackend
+
+    # Stand-in graphs hold no device memory: count 1 MiB a captured graph.
+    monkeypatch.setattr(
+        StreamGraphBackend, "memory_bytes", lambda self: len(list(self.keys())) << 20
+    )
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    prompts = random_prompts((5, 11), seed=33, vocab=target.model.vocab_size)
+    plain = cpu_engine(target, max_context_len=64).generate(prompts, GREEDY)
+    strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
+    strategy.chooser = cycling_chooser(3, (3, 1, 0, 2, 3, 0))
+    # Start-up: the longest rounds' verify and draft graphs and the plain decode graphs,
+    # 2 buckets each: 6 MiB, the cap; any further capture would pass it.
+    engine = cpu_engine(
+        target, strategy, standin_device(), runner="graph", max_context_len=64,
+        graph_buckets=(1, 2), max_graph_memory_bytes=6 << 20,
+    )  # fmt: skip
+    assert engine.stats.graph_memory_bytes == 6 << 20
+    reqs = engine.generate(prompts, GREEDY)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+    stats = engine.stats
+    assert stats.refused_captures >= 2 and stats.graph_memory_bytes == 6 << 20
+    assert set(stats.rounds_by_steps) == {3} and stats.spec_plain_steps > 0
+    assert stats.graph_rounds == stats.spec_rounds and stats.eager_steps == 1  # the prefill
+    for k in (1, 2):
+        assert strategy.variants[k].draft.captured_sizes == []
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
 
 

@@ -298,6 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="run only exactly captured batch sizes as graphs; others run eager",
     )
     gen.add_argument(
+        "--max-graph-memory",
+        type=_positive,
+        default=None,
+        metavar="MIB",
+        help="graphs first needed after start-up (other speculative lengths, sampled verify) "
+        "are captured only while all graphs hold under this many MiB; a length left out "
+        "is not drafted (default: no cap)",
+    )
+    gen.add_argument(
         "--temperature", type=_temperature, default=0.0, help="0 = greedy (default: %(default)s)"
     )
     gen.add_argument(

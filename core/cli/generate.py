@@ -217,6 +217,9 @@ def run_generate(args: argparse.Namespace) -> int:
         graph_backend=args.graph_backend,
         graph_buckets=args.graph_bs,
         graph_padding=args.graph_padding,
+        max_graph_memory_bytes=None
+        if args.max_graph_memory is None
+        else args.max_graph_memory << 20,
         graph_max_batch=len(prompts),  # N prompts: no batch above N, no graph for one
     )
     strategy = MTPDecoding(drafter, spec_config) if drafter is not None else None

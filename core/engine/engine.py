@@ -64,10 +64,16 @@ class EngineConfig:
     # Capture default buckets up to this batch only (a generate of N prompts never runs more
     # than N: the CLI passes N); None: up to max_running_requests. --graph-bs lists win.
     graph_max_batch: int | None = None
+    # Graphs captured after start-up (a speculative length, the sampled verify, first needed
+    # by some step) are captured only while the graphs' memory stays under this; a length
+    # refused is not drafted (a plain step, or the lengths captured, serve instead).
+    # None: no cap (a capture that runs out of memory is dropped, as at start-up).
+    max_graph_memory_bytes: int | None = None
 
     def __post_init__(self):
         sizes = ("max_running_requests", "max_prefill_tokens", "kv_cache_bytes")
         optional = ("max_context_len", "kv_pool_tokens", "graph_max_batch")
+        optional += ("max_graph_memory_bytes",)
         for name in (*sizes, *optional, "seed"):
             value = getattr(self, name)
             if value is None and name in optional:
@@ -102,6 +108,7 @@ class EngineStats:
     prefill_tokens: int = 0
     graph_memory_bytes: int = 0
     captured_sizes: list[int] = field(default_factory=list)
+    refused_captures: int = 0  # graphs left uncaptured by max_graph_memory_bytes
     # Speculative rounds, one per request per verify forward.
     spec_rounds: int = 0
     graph_rounds: int = 0  # request rounds whose draft loop and verify both replayed graphs
@@ -238,6 +245,8 @@ class Engine:
         self.running: list[Request] = []
         self.stats = EngineStats()
         self._next_rid = 0
+        self._largest_capture = 0  # bytes the largest capture so far added (the cap's guess)
+        self._warned_cap = False
         # No batch can exceed the running-request cap or the KV slots, nor the workload
         # the caller announced (graph_max_batch; an explicit bucket list wins over it).
         graph_max_bs = min(cfg.max_running_requests, kv_pool.num_slots)
@@ -275,10 +284,42 @@ class Engine:
 
     def _capture(self, runner: GraphRunner) -> None:
         """Capture ``runner``'s graphs into the engine's backend (one pool for all)."""
+        before = self.stats.graph_memory_bytes
         runner.capture()
         self.stats.capture_time_s += runner.capture_time_s
         self.stats.graph_memory_bytes = self.graph_backend.memory_bytes()
         self.stats.captured_sizes = runner.captured_sizes
+        self._largest_capture = max(self._largest_capture, self.stats.graph_memory_bytes - before)
+
+    def _capture_needed(self, reqs: list[Request]) -> None:
+        """Capture the graphs the next step of ``reqs`` needs and start-up left out, while
+        the graphs' memory stays under ``max_graph_memory_bytes``. Over it, the strategy is
+        told (``refuse_capture``) and plans the step again without those graphs."""
+        needed = self.strategy.captures_before(reqs)
+        while needed and self._over_graph_cap():
+            for runner in needed:
+                self.strategy.refuse_capture(runner)
+            self.stats.refused_captures += len(needed)
+            needed = self.strategy.captures_before(reqs)  # each refusal is final: this ends
+        for runner in needed:
+            start = time.perf_counter()
+            self._capture(runner)
+            self.stats.lazy_capture_s += time.perf_counter() - start
+
+    def _over_graph_cap(self) -> bool:
+        """Would the next capture pass ``max_graph_memory_bytes``? It is taken to add what
+        the largest capture so far added. Warns once."""
+        cap = self.config.max_graph_memory_bytes
+        if cap is None or self.stats.graph_memory_bytes + self._largest_capture <= cap:
+            return False
+        if not self._warned_cap:
+            self._warned_cap = True
+            log.warning(
+                "graphs hold %.0f MiB of max_graph_memory_bytes (%.0f MiB): graphs first "
+                "needed from now on are not captured",
+                self.stats.graph_memory_bytes / 2**20, cap / 2**20,
+            )  # fmt: skip
+        return True
 
     def build_decode_batch(self, reqs: list[Request]) -> ForwardBatch:
         """The next decode batch for ``reqs`` (running requests); one new KV slot each."""
@@ -467,10 +508,7 @@ class Engine:
             reqs = list(self.running)
             if not reqs:
                 return []
-            for runner in self.strategy.captures_before(reqs):
-                start = time.perf_counter()
-                self._capture(runner)
-                self.stats.lazy_capture_s += time.perf_counter() - start
+            self._capture_needed(reqs)
             emitted = self._apply(reqs, self.strategy.decode(reqs))
         for req, tokens in zip(reqs, emitted):
             for token in tokens:

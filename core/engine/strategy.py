@@ -121,6 +121,12 @@ class DecodeStrategy(abc.ABC):
         most engines never use): the engine captures them, then calls ``decode``."""
         return ()
 
+    def refuse_capture(self, runner: GraphRunner) -> None:
+        """``runner`` (from ``captures_before``) will not be captured (the graph memory
+        cap): plan without it. Steps it would have served run eagerly unless the strategy
+        avoids them."""
+        raise NotImplementedError(f"{type(self).__name__} captures nothing after start-up")
+
     def after_prefill(self, reqs: list[Request], out: RunnerOutput) -> None:  # noqa: B027
         """See each prefilled request's last-token output (a drafter seeds from its hidden)."""
 

@@ -16,12 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import CASES, case_device
-from helpers import OracleDraftRunner, random_prompts, rel_err
+from helpers import OracleDraftRunner, cycling_chooser, random_prompts, rel_err
 
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.models import load_model
 from graphrt.spec import MTPDecoding, SpecConfig
-from graphrt.spec.adaptive import DraftChooser
 
 SPEC_CASES = [c for c in CASES if c.dtype == torch.float32]
 pytestmark = pytest.mark.graphs
@@ -209,20 +208,6 @@ def test_exact_mode_runs_rounds_on_graphs_at_captured_sizes_only(spec_case, engi
     assert replays == rounds_at and all(rounds_at.values())
 
 
-class CyclingChooser(DraftChooser):
-    """`--spec-steps auto` with its choice scripted: every length in turn, plain steps too."""
-
-    ORDER = (3, 1, 0, 2, 1, 3, 0, 2, 2)
-
-    def __init__(self):
-        super().__init__(3)
-        self.steps = 0
-
-    def choose(self, bucket, reqs):
-        self.steps += 1
-        return self.ORDER[(self.steps - 1) % len(self.ORDER)]
-
-
 def test_auto_lengths_change_between_rounds_and_graph_rounds_equal_eager_rounds(
     spec_case, gemma4_tiny, gemma4_assistant, session_cache
 ):
@@ -240,7 +225,7 @@ def test_auto_lengths_change_between_rounds_and_graph_rounds_equal_eager_rounds(
     pair = []
     for graphs in (True, False):
         strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
-        strategy.chooser = CyclingChooser()
+        strategy.chooser = cycling_chooser(3, (3, 1, 0, 2, 1, 3, 0, 2, 2))
         config = EngineConfig(
             max_running_requests=4,
             max_context_len=64,
