@@ -97,6 +97,15 @@ def llama_tied(tmp_path_factory) -> Checkpoint:
 
 
 @pytest.fixture(scope="session")
+def llama_odd_vocab(tmp_path_factory) -> Checkpoint:
+    from transformers import LlamaConfig
+
+    # A vocabulary no rank count divides: tensor parallelism pads it (tied head and embedding).
+    cfg = LlamaConfig(**{**TINY, "vocab_size": 301}, tie_word_embeddings=True)
+    return _save(tmp_path_factory, "llama_odd_vocab", cfg, seed=8)
+
+
+@pytest.fixture(scope="session")
 def llama_mqa(tmp_path_factory) -> Checkpoint:
     from transformers import LlamaConfig
 

@@ -1,6 +1,7 @@
 """Tensor-parallel layers over gloo, 2 processes on the CPU: the split layers give the
 whole layers' outputs (a column-parallel then row-parallel MLP, the vocabulary-parallel
-embedding and LM head), and the group of one is the plain layers, collective-free."""
+embedding and LM head over an odd vocabulary, padded to a row a rank more), and the
+group of one is the plain layers, collective-free."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from graphrt.core.parallel.layers import (
     take_shard,
 )
 
-HIDDEN, INTERMEDIATE, VOCAB, ROWS = 16, 24, 10, 5
+HIDDEN, INTERMEDIATE, VOCAB, ROWS = 16, 24, 11, 5  # 11: rank 1 pads a row
 
 
 def _load(module: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
@@ -46,7 +47,7 @@ def _full_weights() -> dict[str, dict[str, torch.Tensor]]:
         "embed": {"weight": rand(VOCAB, HIDDEN)},
         "head": {"weight": rand(VOCAB, HIDDEN)},
         "x": {"x": rand(ROWS, HIDDEN), "residual": rand(ROWS, HIDDEN)},
-        "ids": {"ids": torch.tensor([0, 4, 5, 9, 2])},
+        "ids": {"ids": torch.tensor([0, 4, 5, 10, 2])},  # 10: the last id, beside the padding
     }
 
 
@@ -107,6 +108,15 @@ def test_the_group_of_one_is_the_plain_layers():
     got, expected = _outputs(TPGroup.single()), _reference()
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_a_padded_vocabulary_shard_ends_in_zero_rows():
+    full = torch.arange(11 * 2, dtype=torch.float32).view(11, 2)
+    embed = VocabParallelEmbedding(11, 2, TPGroup(rank=1, size=2))
+    assert embed.weight.shape == (6, 2)
+    assert torch.equal(take_shard(full, embed.weight), torch.cat([full[6:], torch.zeros(1, 2)]))
+    with pytest.raises(ValueError, match="dimension 0 is 12, expected 11"):
+        take_shard(torch.zeros(12, 2), embed.weight)
 
 
 def test_uneven_splits_are_refused_in_one_line():

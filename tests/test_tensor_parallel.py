@@ -1,6 +1,6 @@
 """Tensor parallelism end to end on the CPU: 2 ranks over gloo, each loading its shard of
 a transformers-made Llama checkpoint (GQA with untied head, tied head, Qwen2's q/k/v
-biases, one KV head replicated on both ranks), serving the same prompts in lockstep (SPMD), give the greedy tokens of one
+biases, one KV head replicated on both ranks, a vocabulary of 301 padded to 2 x 151), serving the same prompts in lockstep (SPMD), give the greedy tokens of one
 process holding the whole model, on the eager runner and on graphs (the stand-in CUDA
 graph backend, the all-reduces recorded inside the graphs)."""
 
@@ -48,7 +48,7 @@ def _rank_main(rank: int, port: int, jobs: dict, out_dir: str) -> None:
     leave_job(0)
 
 
-MODELS = ("llama_gqa_untied", "llama_tied", "qwen2", "llama_mqa")
+MODELS = ("llama_gqa_untied", "llama_tied", "qwen2", "llama_mqa", "llama_odd_vocab")
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,7 @@ from graphrt.core.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelHead,
+    vocab_logits,
 )
 
 # Towers of the multimodal checkpoint graphrt does not run (text-only decoding).
@@ -407,7 +408,9 @@ class Gemma4ForCausalLM(nn.Module):
         into ``out`` when given (graph runners share one logits buffer across batch sizes)."""
         # (N, vocab / ranks) -> every rank's columns: (N, vocab), model dtype; softcapped
         # after the gather (elementwise, so either order gives the same numbers).
-        logits = self.tp.all_gather_last(self.ops.linear(hidden, self.lm_head_weight, None))
+        logits = vocab_logits(
+            self.tp, self.ops.linear(hidden, self.lm_head_weight, None), self.vocab_size
+        )
         return self.ops.float_logits(logits, self.config.final_logit_softcapping, out)
 
     def map_checkpoint_name(self, name: str) -> str | None:

@@ -41,7 +41,7 @@ from graphrt.core.models.gemma4_config import FULL, Gemma4Config, gemma4_config_
 from graphrt.core.models.layers import Linear
 from graphrt.core.models.ops import TORCH_OPS, ModelOps
 from graphrt.core.parallel.group import SINGLE, TPGroup
-from graphrt.core.parallel.layers import VocabParallelEmbedding, VocabParallelHead
+from graphrt.core.parallel.layers import VocabParallelEmbedding, VocabParallelHead, vocab_logits
 
 _UNUSED_KV_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
 
@@ -266,7 +266,9 @@ class Gemma4AssistantForCausalLM(nn.Module):
         if self.masked_embedding is not None:
             logits = self.masked_embedding(hidden, self.lm_head_weight)
         else:  # (N, vocab / ranks) -> every rank's columns: (N, vocab)
-            logits = self.tp.all_gather_last(self.ops.linear(hidden, self.lm_head_weight, None))
+            logits = vocab_logits(
+                self.tp, self.ops.linear(hidden, self.lm_head_weight, None), self.vocab_size
+            )
         return self.ops.float_logits(logits, None, out)  # float32
 
     def next_hidden(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from graphrt.core.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelHead,
+    vocab_logits,
 )
 
 
@@ -184,5 +185,7 @@ class LlamaForCausalLM(nn.Module):
         """float32 (N, vocab); written into ``out`` when given (graph runners share one
         logits buffer across batch sizes)."""
         # (N, vocab / ranks) -> every rank's columns: (N, vocab), model dtype
-        logits = self.tp.all_gather_last(self.ops.linear(hidden, self.lm_head_weight, None))
+        logits = vocab_logits(
+            self.tp, self.ops.linear(hidden, self.lm_head_weight, None), self.vocab_size
+        )
         return self.ops.float_logits(logits, None, out)

@@ -220,7 +220,7 @@ def _full_shape(param: nn.Parameter, module: nn.Module) -> list[int]:
     if isinstance(module, MergedLinear):  # every projection's whole rows, stacked
         shape[0] = sum(rows.full for rows in module.shard_rows.values())
     elif getattr(param, "tp_dim", None) is not None:
-        shape[param.tp_dim] *= param.tp_group.size
+        shape[param.tp_dim] = param.tp_full
     return shape
 
 

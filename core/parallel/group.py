@@ -74,6 +74,11 @@ class TPGroup:
             raise UsageError(f"{what} ({full}) does not split evenly over {self.size} ranks")
         return full // self.size
 
+    def vocab_rows(self, vocab_size: int) -> int:
+        """This rank's rows of a vocabulary, padded up to a multiple of the rank count (the
+        padding rows are zeros, their logits dropped: parallel.layers)."""
+        return -(-vocab_size // self.size)
+
     def split(self, full: int, what: str) -> RowSlice:
         """This rank's slice of ``full`` rows split evenly over the ranks."""
         size = self.shard(full, what)
