@@ -1,9 +1,10 @@
 """Decode and tree-verify attention, one layer: GPU time of the partial and combine
 kernels replayed from a CUDA graph (triton.testing.do_bench_cudagraph, median), for
 Gemma 4 E2B's shapes (8 query heads on 1 KV head, head_dim 256 and 512), prefix 512,
-decode at batch 1 and 64 and verify of 5-node chains over the same requests, with
-programs of 16 and of 64 query rows (``triton_verify.VERIFY_ROWS``); each verify's output
-is compared bit for bit with decode's rows for the same tokens.
+decode at batch 1 and 64 and verify of 5-node chains over the same requests, with one
+node a program and with nodes packed two a program (``triton_verify.PACK_MIN_PROGRAMS``
+decides between them by batch); each verify's output is compared bit for bit with
+decode's rows for the same tokens.
 
 Run on the device: python bench/attention_layer.py
 """
@@ -20,7 +21,7 @@ from graphrt.devices.cuda.triton_verify import tree_verify_attention
 PREFIX, NODES, HEADS = 512, 5, 8
 
 
-def layer_us(bs: int, head_dim: int, verify_rows: int) -> tuple[float, float, bool]:
+def layer_us(bs: int, head_dim: int, packed: bool) -> tuple[float, float, bool]:
     """(decode us, verify us, verify == decode bitwise) of one layer's attention over
     ``bs`` requests."""
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -46,7 +47,7 @@ def layer_us(bs: int, head_dim: int, verify_rows: int) -> tuple[float, float, bo
     depth = torch.arange(NODES, device=dev)
     mask = (depth[None, :] <= depth[:, None]).expand(bs, NODES, NODES).contiguous()
 
-    triton_verify.VERIFY_ROWS = verify_rows
+    triton_verify.PACK_MIN_PROGRAMS = 0 if packed else 2**62
 
     def decode() -> None:
         decode_attention(q, k, v, table, reqs, lens, out, *scratch, scale)
@@ -67,14 +68,14 @@ def layer_us(bs: int, head_dim: int, verify_rows: int) -> tuple[float, float, bo
 
 def main() -> None:
     print(
-        f"{'bs':>3} {'D':>4} {'rows':>4} {'decode us':>10} {'verify us':>10} {'ratio':>6} bitwise"
+        f"{'bs':>3} {'D':>4} {'packed':>6} {'decode us':>10} {'verify us':>10} {'ratio':>6} bitwise"
     )
     for head_dim in (256, 512):
         for bs in (1, 64):
-            for rows in (16, 64):
-                decode, verify, same = layer_us(bs, head_dim, rows)
+            for packed in (False, True):
+                decode, verify, same = layer_us(bs, head_dim, packed)
                 print(
-                    f"{bs:>3} {head_dim:>4} {rows:>4} {decode:>10.1f} {verify:>10.1f}"
+                    f"{bs:>3} {head_dim:>4} {packed!s:>6} {decode:>10.1f} {verify:>10.1f}"
                     f" {verify / decode:>6.2f} {same}"
                 )
 

@@ -17,7 +17,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from graphrt.devices.cuda import triton_verify
 from graphrt.devices.cuda.triton_decode import _decode_partial_kernel
 from graphrt.devices.cuda.triton_verify import _verify_partial_kernel, program_shape
 
@@ -57,12 +56,11 @@ def main() -> None:
         print(
             f"decode D={head_dim}: {resources(_decode_partial_kernel, common | {'BLOCK_G': 16}, 4)}"
         )
-        for rows in (16, 64):  # 5-node chains (4 draft steps)
-            triton_verify.VERIFY_ROWS = rows
-            nodes, block_g, warps = program_shape(8, 5, head_dim)
+        for programs in (80, 5120):  # 5-node chains of 1 and of 64 requests, 16 splits
+            nodes, block_g = program_shape(8, 5, programs)
             constants = common | {"NODES": nodes, "BLOCK_G": block_g, "BLOCK_T": 8}
-            line = resources(_verify_partial_kernel, constants, warps)
-            print(f"verify D={head_dim}, {block_g} rows ({nodes} nodes): {line}")
+            line = resources(_verify_partial_kernel, constants, 4)
+            print(f"verify D={head_dim}, {nodes} node(s) a program: {line}")
 
 
 if __name__ == "__main__":

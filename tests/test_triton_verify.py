@@ -235,7 +235,12 @@ INTERPRETER_CASES = [
 
 
 def interpreter_results() -> dict:
-    """Runs in a TRITON_INTERPRET=1 subprocess; returns errors and flags for the test to check."""
+    """Runs in a TRITON_INTERPRET=1 subprocess; returns errors and flags for the test to check.
+    Every case packs nodes into programs as large batches do (one node a program is
+    decode's own schedule, checked by the invariance flags)."""
+    from graphrt.devices.cuda import triton_verify
+
+    triton_verify.PACK_MIN_PROGRAMS = 0  # this subprocess only
     errors, flags = {}, {}
     for i, case in enumerate(INTERPRETER_CASES):
         head_dim, num_heads, num_kv_heads, n, window, gapped, chain, splits, block_n = case
@@ -281,17 +286,18 @@ def invariance_flags(
     )
 
     flags = {}
-    # (window, chain, nodes, query heads, KV heads, VERIFY_ROWS)
-    cases = [(None, False, 4, 4, 2, 16), (6, False, 4, 4, 2, 16), (None, True, 4, 4, 2, 16)]
-    cases.append((6, False, 6, 8, 1, 64))  # 6 nodes x 8 heads: 64-row programs (wgmma)
-    for window, chain, n, heads, kv_heads, verify_rows in cases:
+    # (window, chain, nodes, query heads, KV heads, PACK_MIN_PROGRAMS): 0 packs 16 // G
+    # nodes into a program (as large batches do), 10**9 serves one node a program.
+    cases = [(None, False, 4, 4, 2, 0), (6, False, 4, 4, 2, 0), (None, True, 4, 4, 2, 0)]
+    cases += [(6, False, 5, 8, 1, 0), (6, False, 4, 4, 2, 10**9)]
+    for window, chain, n, heads, kv_heads, pack_min in cases:
         inp = make_inputs([0, 3, 40], n, heads, kv_heads, head_dim, dtype, device, seed=11,
                           window=window, chain=chain)  # fmt: skip
-        saved, triton_verify.VERIFY_ROWS = triton_verify.VERIFY_ROWS, verify_rows
+        saved, triton_verify.PACK_MIN_PROGRAMS = triton_verify.PACK_MIN_PROGRAMS, pack_min
         try:
             verify = run_kernel(inp, splits, block_n)
         finally:
-            triton_verify.VERIFY_ROWS = saved
+            triton_verify.PACK_MIN_PROGRAMS = saved
         rows, n = inp.q.shape[0], inp.num_nodes
         table = torch.zeros(rows + 1, inp.req_to_token.shape[1], dtype=torch.int64)
         for r in range(rows):
@@ -312,7 +318,7 @@ def invariance_flags(
             (inp.positions + 1).to(torch.int32), decode, *scratch, inp.sm_scale, window,
             block_n=block_n,
         )  # fmt: skip
-        name = f"invariance/window{window}-chain{chain}-G{heads // kv_heads}-rows{verify_rows}"
+        name = f"invariance/window{window}-chain{chain}-G{heads // kv_heads}-pack{pack_min}"
         flags[name] = torch.equal(verify, decode)
     return flags
 
@@ -323,7 +329,7 @@ def test_verify_kernel_under_interpreter_matches_naive_and_sdpa():
     results = run_under_triton_interpreter(__file__)
     # Per case: 3 errors and 1 flag; then the padding request's error and flag.
     assert len(results["errors"]) == 3 * len(INTERPRETER_CASES) + 1
-    assert len(results["flags"]) == len(INTERPRETER_CASES) + 1 + 4
+    assert len(results["flags"]) == len(INTERPRETER_CASES) + 1 + 5
     too_far = {name: err for name, err in results["errors"].items() if not err <= 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]

@@ -19,14 +19,16 @@ the matmuls are width-invariant too (--batch-invariant, ops.INVARIANT_OPS).
 
 Work decomposition: one program per (group of NODES tree nodes of a request, KV head,
 split). Decode pads a KV head's G query heads to 16 rows for the tensor cores; a
-verify program fills VERIFY_ROWS rows with the G heads of NODES = VERIFY_ROWS // G
-nodes (2 for Gemma 4's 8 at 16 rows), so a prefix block is read once for them where
-each node used to read it (at 64 requests x 5 nodes, the prefix re-reads made verify
-attention 8.6x decode's time a layer). Each row is still computed as decode computes
-it: a key visible to another row of the program but not to this one scores -inf
-(weight exactly 0), and a block none of a row's keys fall in leaves its running state
-as it was. Blocks holding tree positions take one step per node, with that node's own
-path keys (a tree's nodes at one depth differ), the other rows kept.
+verify program fills those rows with the G heads of NODES = 16 // G nodes (2 for
+Gemma 4's 8; PACK_MIN_PROGRAMS may keep small batches at one node a program), so a
+prefix block is read once for them where each node read it (at 64 requests x 5
+nodes, the prefix re-reads made verify attention 8.6x decode's time a layer). Wider
+programs (64 rows, wgmma) were measured on the H200: slower, and their rows did not
+round as decode's. Each row is still computed as decode computes it: a key visible to
+another row of the program but not to this one scores -inf (weight exactly 0), and a
+block none of a row's keys fall in leaves its running state as it was. Blocks holding
+tree positions take one step per node, with that node's own path keys (a tree's
+nodes at one depth differ), the other rows kept.
 
 Capture-safe: the launches read only device tensors and host shapes, never
 sync, allocate nothing (the caller owns ``out`` and the scratch), and their
@@ -51,11 +53,13 @@ from graphrt.devices.cuda.triton_decode import (
     default_block_n,
 )
 
-# Query rows (nodes x G heads) one program serves, at least decode's 16: the nodes of a
-# program read each prefix block once. Wider programs use wider dots (64 rows: wgmma on
-# Hopper) whose rows must still round as decode's 16-row dots do: the CUDA lane's bitwise
-# test and bench/attention_layer.py check it at the value shipped.
-VERIFY_ROWS = 16
+# Programs one node a program would launch (rows x KV heads x splits) from which
+# programs serve several nodes; each row is computed as decode computes it either way, so
+# the choice may follow the batch. Measured on the H200 (5-node chains, 8 heads on one
+# KV head, a layer): packed, 111 us at 64 requests where the one-node kernel before it
+# took 147, but 14.7 us at 1 request where it took 11.4. This kernel with one node a
+# program is not measured yet (it spills more than that one did), so: always packed.
+PACK_MIN_PROGRAMS = 0
 
 
 @triton.jit
@@ -218,14 +222,14 @@ def _verify_partial_kernel(
     )  # fmt: skip
 
 
-def program_shape(group: int, num_nodes: int, block_d: int) -> tuple[int, int, int]:
-    """(tree nodes a program serves, its query rows BLOCK_G, num_warps) for KV groups of
-    ``group`` query heads and trees of ``num_nodes``: VERIFY_ROWS rows at most (decode's
-    16 at least), and warps enough for at most 128 accumulator registers a thread."""
-    rows_cap = max(VERIFY_ROWS, triton.next_power_of_2(group), MIN_DOT)
-    nodes = max(1, min(rows_cap // group, num_nodes))
-    block_g = max(triton.next_power_of_2(nodes * group), MIN_DOT)
-    return nodes, block_g, max(4, block_g * block_d // 4096)
+def program_shape(group: int, num_nodes: int, programs: int) -> tuple[int, int]:
+    """(tree nodes a program serves, BLOCK_G) for KV groups of ``group`` query heads, trees
+    of ``num_nodes`` and ``programs`` programs at one node each: decode's BLOCK_G rows,
+    filled with as many nodes' heads as fit where the batch is large enough."""
+    block_g = max(triton.next_power_of_2(group), MIN_DOT)  # decode's
+    if programs < PACK_MIN_PROGRAMS:
+        return 1, block_g
+    return max(1, min(block_g // group, num_nodes)), block_g
 
 
 def tree_verify_attention(
@@ -272,7 +276,7 @@ def tree_verify_attention(
     window = 0 if sliding_window is None else int(sliding_window)
     assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
     group = num_heads // num_kv_heads
-    nodes, block_g, num_warps = program_shape(group, num_nodes, block_d)
+    nodes, block_g = program_shape(group, num_nodes, num_rows * num_kv_heads * num_splits)
 
     grid = (bs * triton.cdiv(num_nodes, nodes), num_kv_heads, num_splits)
     _verify_partial_kernel[grid](
@@ -315,7 +319,7 @@ def tree_verify_attention(
         # float32 caches keep float32 products (tf32 would cost ~1e-3 relative);
         # the precision only applies to float32 operands, so 16-bit caches ignore it.
         DOT_PRECISION="ieee" if k_buffer.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
+        num_warps=4,
         num_stages=2,
     )
     return combine_splits(partial_out, partial_lse, out)
