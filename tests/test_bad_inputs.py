@@ -222,13 +222,27 @@ def test_fuzzed_configs_end_in_one_line_and_a_documented_status(llama_gqa_untied
 # ---- memory, checked before allocation ----------------------------------------------
 
 
-def test_a_model_larger_than_free_memory_is_refused_before_allocating(monkeypatch, capsys):
+@pytest.mark.parametrize("model", ["preset", "checkpoint"])
+def test_a_model_larger_than_free_memory_is_refused_before_allocating(
+    model, llama_gqa_untied, monkeypatch, capsys
+):
     from graphrt.devices.cpu import CpuDevice
 
     monkeypatch.setattr(CpuDevice, "free_memory_bytes", lambda self: 1 << 10)  # 1 KiB free
-    status, _, err = _run(TINY, capsys)
+    argv = TINY if model == "preset" else [*TINY[:2], str(llama_gqa_untied.path), *TINY[3:]]
+    status, _, err = _run(argv, capsys)
     line = cli_error_line(err)
     assert status == 5 and "the model needs" in line and "0.0 GiB is free" in line
+
+
+def test_a_checkpoint_that_surely_fits_skips_the_exact_sizing(llama_gqa_untied):
+    """Under half the free memory by its headers (float32 elements): no meta-device build
+    (whose first use imports torch's decompositions, seconds of every start-up)."""
+    from graphrt.core.models.loader import _surely_fits
+
+    path = llama_gqa_untied.path
+    elements = sum(t.numel() for t in load_model(str(path), CPU, torch.float32).model.parameters())
+    assert _surely_fits(path, 16 * elements) and not _surely_fits(path, 4 * elements)
 
 
 def test_a_kv_pool_larger_than_free_memory_is_refused_before_allocating(capsys):

@@ -14,6 +14,7 @@ split tensor.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from graphrt.core.errors import (
     CheckpointError,
@@ -100,10 +102,23 @@ def build_model(
     return model.to(dtype=dtype).eval().requires_grad_(False)
 
 
+class _NoInit(TorchFunctionMode):
+    """Parameter initialisation skipped: on the meta device it only costs time (the first
+    meta ``normal_`` imports torch's Python decompositions, 2 s of every start-up)."""
+
+    # Tensor methods and torch.nn.init's functions (which take the tensor as ``tensor``).
+    INIT = {"normal_", "uniform_", "fill_", "zero_", "trunc_normal_", "kaiming_uniform_"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in self.INIT:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def _check_fits(model_class, config, ops, tp, device, dtype, free_bytes: int) -> None:
     # The same modules on the meta device: sizes without memory. The build below makes
     # them in the default dtype (float32) and casts after, so the peak is that size.
-    with torch.device("meta"):
+    with torch.device("meta"), _NoInit():
         probe = model_class(config, ops) if tp.is_single else model_class(config, ops, tp=tp)
     tensors = [*probe.parameters(), *probe.buffers()]
     built = sum(t.numel() * t.element_size() for t in tensors)
@@ -142,6 +157,8 @@ def load_checkpoint(
     eos_token_ids = _generation_eos(path) or config.eos_token_ids
     _check_special_ids(path, config, eos_token_ids)
     dtype = dtype or config.dtype or torch.float32
+    if free_bytes is not None and _surely_fits(path, free_bytes):
+        free_bytes = None  # no need for the exact (meta-device) sizing: see _surely_fits
     model = build_model(arch.model_class, config, device, dtype, ops, tp, free_bytes)
     load_weights(model, iter_safetensors(path), check_finite)
     return LoadedModel(
@@ -151,6 +168,21 @@ def load_checkpoint(
         tokenizer_path=(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else None,
         eos_token_ids=eos_token_ids,
     )
+
+
+def _surely_fits(path: Path, free_bytes: int) -> bool:
+    """Whether the checkpoint's tensors, built in float32 (4 bytes an element, read from
+    the safetensors headers: nothing loaded), take under half of ``free_bytes``. Then the
+    exact check is skipped: its meta-device build imports torch's decompositions on first
+    use, 1.3 to 2 s of every start-up. A whole checkpoint bounds any rank's shard."""
+    elements = 0
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                elements += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+        except Exception:  # noqa: BLE001 (unreadable: the exact check and the load say why)
+            return False
+    return 4 * elements < free_bytes // 2
 
 
 def _check_special_ids(path: Path, config, eos_token_ids: tuple[int, ...]) -> None:
