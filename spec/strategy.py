@@ -241,8 +241,10 @@ class MTPDecoding(DecodeStrategy):
             return 0  # nothing to draft for
         if self.chooser is None:
             return self.cfg.num_steps
-        greedy = all(r.params.greedy for r in reqs)
-        refused = {k for k in self.variants if set(self._needs(k, greedy)) & set(self._refused)}
+        refused = frozenset()
+        if self._refused:  # the graph memory cap spoke: lengths whose graphs it left out
+            greedy = all(r.params.greedy for r in reqs)
+            refused = {k for k in self.variants if set(self._needs(k, greedy)) & set(self._refused)}
         return self.chooser.choose(self._bucket(len(reqs)), reqs, refused)
 
     def _needs(self, steps: int, greedy: bool) -> tuple[GraphRunner | None, ...]:
