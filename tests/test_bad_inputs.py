@@ -245,6 +245,26 @@ def test_a_checkpoint_that_surely_fits_skips_the_exact_sizing(llama_gqa_untied):
     assert _surely_fits(path, 16 * elements) and not _surely_fits(path, 4 * elements)
 
 
+def test_graphs_are_counted_in_the_memory_check(llama_gqa_untied, monkeypatch):
+    """Free memory enough for the KV pool and the token table but not for the graphs'
+    logits buffers (the largest batch's rows x vocabulary, float32): graphs are refused
+    before anything is allocated, with the way out named; eager steps fit."""
+    from helpers import standin_device
+
+    from graphrt.core.errors import OutOfMemoryError
+
+    loaded = load_model(str(llama_gqa_untied.path), CPU, torch.float32)
+    config = EngineConfig(kv_pool_tokens=64, max_context_len=32, max_running_requests=8)
+    spec = loaded.model.kv_layer_specs()
+    pool = 64 * Engine._kv_bytes_per_token(spec, torch.float32) + 8 * 32 * 8
+    logits = 8 * loaded.model.vocab_size * 4  # 8 rows of float32 logits
+    device = standin_device()
+    monkeypatch.setattr(type(device), "free_memory_bytes", lambda self: pool + logits // 2)
+    with pytest.raises(OutOfMemoryError, match=r"and graphs \(at least .*--runner eager"):
+        Engine(loaded, dataclasses.replace(config, runner="graph"), device)
+    Engine(loaded, dataclasses.replace(config, runner="eager"), device)
+
+
 def test_a_kv_pool_larger_than_free_memory_is_refused_before_allocating(capsys):
     status, _, err = _run(TINY + ["--kv-pool-tokens", str(2**31 - 1)], capsys)
     line = cli_error_line(err)

@@ -206,15 +206,31 @@ class Engine:
                 "as --model"
             )
         slots = cfg.kv_pool_tokens or self._slots_for_bytes(kv_specs, param.dtype)
+        runner = cfg.runner or self.device.default_runner()
+        # No batch can exceed the running-request cap or the KV slots, nor the workload
+        # the caller announced (graph_max_batch; an explicit bucket list wins over it).
+        graph_max_bs = min(cfg.max_running_requests, slots)
+        if cfg.graph_max_batch is not None and cfg.graph_buckets is None:
+            graph_max_bs = min(graph_max_bs, cfg.graph_max_batch)
+        # The graphs' logits buffers (the decode graphs' shared one, a round's verify rows):
+        # a floor on graph memory, most of it for large vocabularies.
+        graph_floor = 0
+        if runner == "graph":
+            rows = graph_max_bs * (1 + self.strategy.extra_kv_slots())
+            graph_floor = rows * model.vocab_size * 4
         too_big = OutOfMemoryError(
-            f"the KV pool ({slots} tokens) and request table ({cfg.max_running_requests} "
-            f"requests x {self.max_context_len} tokens) do not fit in {self.device.name} "
-            "memory: lower --kv-pool-tokens, --max-running-requests or --max-context-len"
+            f"the KV pool ({slots} tokens), request table ({cfg.max_running_requests} "
+            f"requests x {self.max_context_len} tokens)"
+            + (f" and graphs (at least {graph_floor / 2**30:.2f} GiB)" if graph_floor else "")
+            + f" do not fit in {self.device.name} memory: lower --kv-pool-tokens, "
+            "--max-running-requests or --max-context-len"
+            + (", or run eagerly (--runner eager)" if graph_floor else "")
         )
         # Checked before allocating: a host allocation too large may not fail but be
         # killed later by the kernel's OOM killer.
         need = slots * self._kv_bytes_per_token(kv_specs, param.dtype)
         need += cfg.max_running_requests * self.max_context_len * 8  # int64 token table
+        need += graph_floor
         free = self.device.free_memory_bytes()
         if free is not None and need > free:
             raise OutOfMemoryError(
@@ -232,7 +248,6 @@ class Engine:
         self.ledger = Ledger(req_pool, kv_pool)
         self.attn_backend = self.device.create_attention_backend(kv_pool, req_pool)
         self.eager_runner = EagerRunner(model, self.attn_backend)
-        runner = cfg.runner or self.device.default_runner()
         self.runner_kind = runner
         self.graph_backend = (
             self.device.create_graph_backend(cfg.graph_backend) if runner == "graph" else None
@@ -247,11 +262,6 @@ class Engine:
         self._next_rid = 0
         self._largest_capture = 0  # bytes the largest capture so far added (the cap's guess)
         self._warned_cap = False
-        # No batch can exceed the running-request cap or the KV slots, nor the workload
-        # the caller announced (graph_max_batch; an explicit bucket list wins over it).
-        graph_max_bs = min(cfg.max_running_requests, kv_pool.num_slots)
-        if cfg.graph_max_batch is not None and cfg.graph_buckets is None:
-            graph_max_bs = min(graph_max_bs, cfg.graph_max_batch)
         self.ctx = StepContext(
             loaded=loaded,
             ledger=self.ledger,
