@@ -157,6 +157,11 @@ class Device(abc.ABC):
         before anything loads. None by default."""
         return None
 
+    def startup_notice(self) -> str | None:
+        """One status line for a start that will be long for a reason the user cannot see
+        (kernels compiling on a machine's first run), or None."""
+        return None
+
     def model_ops(self, batch_invariant: bool = False) -> ModelOps:
         """The table of elementwise kernels models use here; the torch reference by default.
 

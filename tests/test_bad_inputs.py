@@ -76,6 +76,28 @@ def test_cuda_all_reduce_choice_is_checked_by_the_device(monkeypatch):
         CudaDevice().check_environment()
 
 
+def test_a_cold_triton_cache_gets_one_status_line_before_loading(tmp_path, monkeypatch, capsys):
+    """A first run compiles every kernel (half a minute on a bare H200): said before the
+    silence, once, and not when the cache holds anything."""
+    pytest.importorskip("triton")
+    from graphrt.devices.cpu import CpuDevice
+    from graphrt.devices.cuda import CudaDevice
+
+    cache = tmp_path / "triton-cache"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    assert "Triton's cache" in CudaDevice().startup_notice()  # missing
+    cache.mkdir()
+    assert str(cache) in CudaDevice().startup_notice()  # empty
+    (cache / "entry").mkdir()
+    assert CudaDevice().startup_notice() is None
+    cache.joinpath("entry").rmdir()
+    monkeypatch.setattr(CpuDevice, "startup_notice", CudaDevice.startup_notice)
+    status, _, err = _run(TINY, capsys)
+    lines = err.splitlines()
+    assert status == 0 and lines[0].startswith("graphrt: compiling GPU kernels")
+    assert lines[1].startswith("loaded random:llama-tiny")
+
+
 def _copy(checkpoint, tmp_path):
     path = tmp_path / "ckpt"
     shutil.copytree(checkpoint.path, path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 from graphrt.core.cli.version import package_version
 
@@ -145,11 +146,16 @@ def spec_steps(text: str) -> int | str:
 def check_environment(device) -> None:
     """The GRAPHRT_* variables a run reads, checked before anything loads (exit 2):
     GRAPHRT_DEVICE by devices.current, GRAPHRT_CHECK_FINITE here, the device's own
-    (GRAPHRT_ALL_REDUCE on CUDA) by the device."""
+    (GRAPHRT_ALL_REDUCE on CUDA) by the device. Then the device's start-up notice, if it
+    has one (kernels to compile on a first run), as one status line."""
     from graphrt.core.models.loader import CHECK_FINITE_ENV, env_flag
+    from graphrt.core.parallel.launch import is_output_rank
 
     env_flag(CHECK_FINITE_ENV)
     device.check_environment()
+    notice = device.startup_notice()
+    if notice is not None and is_output_rank():
+        print(f"graphrt: {notice}", file=sys.stderr, flush=True)
 
 
 def spec_config_args(args: argparse.Namespace) -> dict:

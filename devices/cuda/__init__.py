@@ -55,6 +55,31 @@ class CudaDevice(Device):
 
         collectives.choice()  # GRAPHRT_ALL_REDUCE
 
+    def startup_notice(self) -> str | None:
+        """On a machine's first run Triton's cache is empty: every kernel compiles (28 s of
+        the README's first command's set-up on a bare H200, 2 s once cached)."""
+        import os
+        from pathlib import Path
+
+        try:
+            import triton
+        except ImportError:  # no Triton: torch's kernels, nothing to compile
+            return None
+        knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older: runtime.cache's default
+        if knobs is not None:
+            default = knobs.cache.dir
+        else:
+            from triton.runtime.cache import default_cache_dir
+
+            default = default_cache_dir()
+        cache = Path(os.environ.get("TRITON_CACHE_DIR") or default)
+        if cache.is_dir() and any(cache.iterdir()):
+            return None
+        return (
+            f"compiling GPU kernels: Triton's cache ({cache}) is empty, so this first start "
+            "takes about half a minute; later starts reuse it"
+        )
+
     def model_ops(self, batch_invariant: bool = False):
         """Fused Triton kernels when triton is installed (graphrt[cuda]), else torch's;
         ``batch_invariant``: the tiles-only matmuls (ops.INVARIANT_OPS)."""
