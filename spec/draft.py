@@ -131,12 +131,17 @@ def draft_batch(
 ) -> ForwardBatch:
     """DRAFT rows: ``reps`` per request, all at the request's frozen position."""
     rows = tokens.shape[0]
+    positions = kv_lens.long()  # frozen at the token's position
+    if reps > 1:  # (one row a request, the round's first batch: no copies to launch)
+        positions = positions.repeat_interleave(reps)
+        req_pool_indices = req_pool_indices.repeat_interleave(reps)
+        kv_lens = kv_lens.repeat_interleave(reps)
     return ForwardBatch(
         mode=ForwardMode.DRAFT,
         input_ids=tokens,
-        positions=kv_lens.long().repeat_interleave(reps),  # frozen at the token's position
-        req_pool_indices=req_pool_indices.repeat_interleave(reps),
-        seq_lens=kv_lens.repeat_interleave(reps),  # attend to every KV entry the target has
+        positions=positions,
+        req_pool_indices=req_pool_indices,
+        seq_lens=kv_lens,  # attend to every KV entry the target has
         out_cache_loc=torch.zeros(rows, dtype=torch.long, device=tokens.device),  # writes none
         seq_lens_cpu=[n for n in kv_lens_cpu for _ in range(reps)],
         extend_lens_cpu=[1] * rows,
