@@ -363,6 +363,40 @@ def test_check_catches_a_wrong_result():
 
 
 @needs_triton
+def test_the_tuners_choices_survive_the_process_on_disk(tmp_path):
+    """A choice timed once is recalled by the next process's tuner (same file: same card,
+    torch and triton); a cached choice that is no longer a candidate, a damaged file and a
+    directory that cannot be written are ignored, never an error."""
+    pytest.importorskip("triton")
+    from graphrt.devices.cuda.gemv_tuner import CUBLAS, GemvTuner, cache_path
+    from graphrt.devices.cuda.triton_gemv import configs_for
+
+    candidates = (CUBLAS, *configs_for(1))
+    key = ("linear", "1", 2048, 2048, torch.bfloat16, False, True, False)
+    path = cache_path("NVIDIA H200")
+    assert "NVIDIA_H200" in path.name and "torch" in path.name and "triton" in path.name
+    path = tmp_path / "cache" / path.name
+    first = GemvTuner()
+    first.use_cache(path)
+    assert first.recall(key, candidates) == "unset"
+    first.remember(key, candidates[2])
+    first.remember(("act_mul",) + key[1:], CUBLAS)
+    second = GemvTuner()
+    second.use_cache(path)
+    assert second.recall(key, candidates) == candidates[2]
+    assert second.recall(("act_mul",) + key[1:], candidates) is CUBLAS
+    assert second.recall(key, (CUBLAS, candidates[1])) == "unset"  # no longer a candidate
+    path.write_text("{not json")
+    damaged = GemvTuner()
+    damaged.use_cache(path)
+    assert damaged.recall(key, candidates) == "unset"
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    unwritable = GemvTuner()
+    unwritable.use_cache(blocked / "cache.json")  # its parent is a file: cannot be made
+    unwritable.remember(key, candidates[1])  # no error: the choice stays in the process
+
+
 def test_non_decode_matmuls_stay_with_torch():
     """Prefill-sized or float32 matmuls never reach the GEMV or its tuner."""
     from graphrt.devices.cuda.gemv_tuner import TUNER

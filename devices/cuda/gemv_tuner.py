@@ -19,16 +19,27 @@ eagerly vs 20 in the bucket-4 graph) runs another kernel than its eager twin. Th
 batch-invariant ops (ops.INVARIANT_OPS) offer tiles only, never cuBLAS or the row path:
 every tile gives a row the same bits, so there the timing picks speed, not arithmetic.
 
+Choices are kept on disk (``cache_path``: one JSON file per card name and torch/triton
+versions, under $GRAPHRT_CACHE_DIR or ~/.cache/graphrt), so a later process takes them
+without timing (a faster start) and with them the same kernels (the same bits). A
+cached choice that is no longer a candidate (the code changed) is timed again; a cache
+that cannot be read or written is ignored.
+
 Under the Triton interpreter (CPU tensors, the CPU test lane) nothing can be
 timed: the first GEMV configuration is taken, so the tests exercise the kernel.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
+import re
 import statistics
 import time
 from collections.abc import Callable, Hashable
+from pathlib import Path
 
 import torch
 
@@ -43,6 +54,18 @@ MAX_COPIES = 32  # weight copies rotated through (for weights far smaller than L
 REPLAYS = 5  # timed replays per candidate; the median counts
 
 Run = Callable[[GemvConfig | None, torch.Tensor], object]
+CACHE_DIR_ENV = "GRAPHRT_CACHE_DIR"
+
+
+def cache_path(device_name: str) -> Path:
+    """The file of one card's choices under this torch and triton."""
+    import triton
+
+    base = os.environ.get(CACHE_DIR_ENV) or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "graphrt"
+    )
+    tag = f"gemv-{device_name}-torch{torch.__version__}-triton{triton.__version__}"
+    return Path(base, re.sub(r"[^A-Za-z0-9._+-]+", "_", tag) + ".json")
 
 
 class GemvTuner:
@@ -57,6 +80,8 @@ class GemvTuner:
         # runner's warm-up: the capture stream, whose workspace its graphs use anyway), or
         # on this one stream when the caller is on the default stream, which cannot capture.
         self._stream: torch.cuda.Stream | None = None
+        self._disk: dict[str, dict | None] | None = None  # repr(key) -> fields (None: cuBLAS)
+        self._disk_path: Path | None = None
 
     def choose(
         self,
@@ -81,9 +106,52 @@ class GemvTuner:
                 f"matmul {key} was not tuned before graph capture; run a warm-up forward first"
             )
         else:
-            choice = self._time(key, candidates, weight, run)
+            if self._disk is None:
+                self.use_cache(cache_path(torch.cuda.get_device_name(weight.device)))
+            choice = self.recall(key, candidates)
+            if choice == "unset":
+                choice = self._time(key, candidates, weight, run)
+                self.remember(key, choice)
         self._choices[key] = choice
         return choice
+
+    # ---- the disk cache ------------------------------------------------------------
+
+    def use_cache(self, path: Path) -> None:
+        """Recall choices from the cache file ``path`` and add new ones to it."""
+        self._disk_path, self._disk = path, {}
+        try:
+            loaded = json.loads(path.read_text())
+        except (OSError, ValueError):  # none yet, or unreadable: time as if new
+            return
+        if isinstance(loaded, dict):
+            self._disk = loaded
+
+    def recall(self, key: Hashable, candidates) -> GemvConfig | None | str:
+        """The cached choice for ``key`` if it is still one of ``candidates``, else "unset"."""
+        if not self._disk or repr(key) not in self._disk:
+            return "unset"
+        fields = self._disk[repr(key)]
+        try:
+            choice = None if fields is None else GemvConfig(**fields)
+        except TypeError:  # written by another version of the code
+            return "unset"
+        return choice if choice in candidates else "unset"
+
+    def remember(self, key: Hashable, choice: GemvConfig | None) -> None:
+        """Adds ``key``'s choice to the cache file (written whole, then renamed into place:
+        another process reading it sees the old file or the new one)."""
+        if self._disk is None or self._disk_path is None:
+            return
+        self._disk[repr(key)] = None if choice is None else dataclasses.asdict(choice)
+        path = self._disk_path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            scratch = path.with_suffix(f".{os.getpid()}.tmp")
+            scratch.write_text(json.dumps(self._disk, indent=0, sort_keys=True))
+            os.replace(scratch, path)
+        except OSError as e:  # a read-only home: the choices stay in this process
+            log.debug("gemv tuner cache not written (%s): %s", path, e)
 
     def _time(self, key, candidates, weight: torch.Tensor, run: Run) -> GemvConfig | None:
         start = time.perf_counter()
