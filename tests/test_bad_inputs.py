@@ -40,6 +40,7 @@ def _run(argv: list[str], capsys) -> tuple[int, str, str]:
 FLAG_CASES = [
     (TINY + ["--top-p", "1.5"], 2, "--top-p: must be in (0, 1]"),
     (TINY + ["--top-k", "-5"], 2, "--top-k: must be >= 0"),
+    (TINY + ["--top-k", str(10**20), "--temperature", "0.5"], 2, "--top-k: must be at most"),
     (TINY + ["--temperature", "-1"], 2, "--temperature: must be >= 0"),
     (TINY + ["--temperature", "nan"], 2, "--temperature: must be finite"),
     (TINY + ["--max-new-tokens", "0"], 2, "--max-new-tokens: must be >= 1"),
@@ -165,6 +166,7 @@ API_CASES = [
     ("add_request(None)", lambda e: e.add_request(None), "prompt"),
     ("abort('x')", lambda e: e.abort("x"), "req"),
     ("SamplingParams(top_p=2)", lambda e: SamplingParams(top_p=2.0), "top_p"),
+    ("SamplingParams(top_k=10**20)", lambda e: SamplingParams(top_k=10**20, temperature=0.5), "top_k"),
     ("SamplingParams(max_new_tokens='4')", lambda e: SamplingParams(max_new_tokens="4"), "max_new_tokens"),
     ("EngineConfig(max_running_requests='4')", lambda e: EngineConfig(max_running_requests="4"), "max_running_requests"),
     ("SpecConfig(num_steps='x')", lambda e: SpecConfig(num_steps="x"), "num_steps"),

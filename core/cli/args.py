@@ -75,20 +75,21 @@ def _whole(text: str) -> int:
 MAX_COUNT = 2**31 - 1
 
 
-def _positive(text: str) -> int:
+def _count(text: str, minimum: int, note: str = "") -> int:
     value = _whole(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}{note}, got {value}")
     if value > MAX_COUNT:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT}, got {value}")
     return value
 
 
+def _positive(text: str) -> int:
+    return _count(text, 1)
+
+
 def _non_negative(text: str) -> int:
-    value = _whole(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0: no cut), got {value}")
-    return value
+    return _count(text, 0, " (0: no cut)")
 
 
 def _real(text: str) -> float:

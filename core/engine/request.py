@@ -67,6 +67,9 @@ def token_ids(prompt: Iterable) -> list[int]:
     return [int(t) for t in ids]
 
 
+MAX_TOP_K = 2**31 - 1  # a device tensor holds it; any vocabulary is smaller
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 16
@@ -104,8 +107,8 @@ class SamplingParams:
             )
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:  # above the vocabulary it cuts nothing
+            raise RequestError(f"top_k must be in [0, {MAX_TOP_K}], got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
