@@ -380,6 +380,7 @@ def test_nan_verify_logits_fail_speculative_rounds_too(gemma4_tiny, gemma4_assis
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
 
 
+@pytest.mark.graphs
 def test_nan_decode_logits_on_graphs_are_marked_inside_the_graph(llama_gqa_untied, monkeypatch):
     """Decode logits turn NaN (after a clean prefill) inside a replayed decode graph: the
     graph's own greedy tokens carry the mark, for greedy and for sampled requests."""
