@@ -154,6 +154,10 @@ def test_decode_bench_reports_bytes_floor_bandwidth_and_kernels(monkeypatch, gem
         batch_sizes=(1, 2), prompt_len=8, steps=2, warmup=1, max_running_requests=2
     )
     engine = make_engine(loaded, standin_graph_device(), cfg, graphs=True)
+    # Device times as a GPU's profiler would give them: the checked greedy pick (measured
+    # first) 10 us, the bare argmax 4 us; each call must run what it times.
+    times = iter([0.010, 0.004] * len(cfg.batch_sizes))
+    monkeypatch.setattr(decode, "device_ms", lambda fn, *a: (fn(), next(times))[1])
     lines = []
     results, bandwidth, _ = run_decode_bench(engine, cfg, lambda: None, report=lines.append)
 
@@ -171,10 +175,14 @@ def test_decode_bench_reports_bytes_floor_bandwidth_and_kernels(monkeypatch, gem
         assert r.graph_gbps == pytest.approx(read.total / r.graph_ms / 1e6)
         assert r.eager_gbps == pytest.approx(read.total / r.eager_ms / 1e6)
         assert r.graph_kernels is None and r.eager_kernels is None  # the CPU has no kernels
+        assert r.nan_check_ms == pytest.approx(0.006)
+    check = next(line for line in lines if line.startswith("NaN/Inf check"))
+    share = 100 * 0.006 / results[0].graph_ms
+    assert f"bs 1 6.0 us ({share:.2f}% of the graph step)" in check
     assert results[1].kv_bytes_read == 2 * results[0].kv_bytes_read
     assert results[1].gathered_bytes_read == 2 * results[0].gathered_bytes_read
-    assert lines[-3] == decode.HEADER and "kernels g/e" in decode.HEADER
-    assert lines[-1].split()[-1] == "-/-"  # kernels: none seen on the CPU
+    assert lines[-4] == decode.HEADER and "kernels g/e" in decode.HEADER
+    assert lines[-2].split()[-1] == "-/-"  # kernels: none seen on the CPU
 
 
 def test_cli_bench_writes_the_new_fields(monkeypatch, tmp_path, capsys):
@@ -193,6 +201,7 @@ def test_cli_bench_writes_the_new_fields(monkeypatch, tmp_path, capsys):
         assert fields <= set(batch)
         assert batch["eager_gbps"] > 0 and batch["graph_gbps"] is None
         assert batch["eager_kernels"] is None
+        assert batch["nan_check_ms"] is None  # no device time on the CPU: nothing claimed
 
 
 @pytest.mark.graphs

@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from graphrt.core.bench.output import fmt
-from graphrt.core.bench.profile import collective_ms, count_kernels
+from graphrt.core.bench.profile import collective_ms, count_kernels, device_ms
 from graphrt.core.bench.timing import (
     achieved_gbps,
     copy_bandwidth_gbps,
@@ -27,6 +27,7 @@ from graphrt.core.bench.timing import (
     weight_bytes,
 )
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+from graphrt.core.engine.sampling import greedy_tokens
 from graphrt.core.parallel.group import SINGLE
 
 
@@ -64,6 +65,10 @@ class BatchResult:
     # Tensor parallelism: device time of a graph step's collectives (all-reduces, the
     # logits' gather); None without TP or where the profiler sees no kernels.
     graph_collective_ms: float | None = None
+    # The NaN/Inf check folded into the greedy pick (sampling.greedy_tokens): its device
+    # time over a plain argmax of this step's logits; None where the profiler sees no
+    # kernels (CPU). Inside the graph step it adds no launch and no sync, only this.
+    nan_check_ms: float | None = None
 
 
 @dataclass
@@ -139,6 +144,16 @@ def run_decode_bench(
     report(HEADER)
     for result in results:
         report(_row(result))
+    checked = [r for r in results if r.nan_check_ms is not None and r.graph_ms]
+    if checked:
+        report(
+            "NaN/Inf check in the greedy pick, over a plain argmax (device time): "
+            + ", ".join(
+                f"bs {r.batch_size} {r.nan_check_ms * 1e3:.1f} us "
+                f"({100 * r.nan_check_ms / r.graph_ms:.2f}% of the graph step)"
+                for r in checked
+            )
+        )
     timed = [r for r in results if r.graph_collective_ms is not None]
     if timed:
         report(
@@ -182,10 +197,22 @@ def _time_graphrt(engine, cfg, bs, params, bandwidth, sync, report) -> BatchResu
                 result.graph_collective_ms = collective_ms(
                     step, sync, device, engine.device.collective_kernels
                 )
+    result.nan_check_ms = _nan_check_ms(engine, batch, sync)
     for req in reqs:
         engine.abort(req)
     report(f"{bs:>4} eager {fmt(result.eager_ms)} ms, graph {fmt(result.graph_ms)} ms")
     return result
+
+
+def _nan_check_ms(engine, batch, sync) -> float | None:
+    """What greedy_tokens (argmax with the NaN/Inf mark) costs over a bare argmax, on the
+    logits one step of ``batch`` produces. Never below 0: the profiler's noise is not a gain."""
+    logits = engine.eager_runner.execute(batch).logits
+    checked = device_ms(lambda: greedy_tokens(logits), sync, engine.torch_device)
+    bare = device_ms(lambda: logits.argmax(-1), sync, engine.torch_device)
+    if checked is None or bare is None:
+        return None
+    return max(0.0, checked - bare)
 
 
 HEADER = (

@@ -40,6 +40,27 @@ def count_kernels(
     return count or None  # 0: the profiler saw no kernels of this device
 
 
+def _events_of_calls(fn, sync, device, calls: int):
+    """``device_events`` of ``calls`` back-to-back calls of ``fn``."""
+
+    def repeated() -> None:
+        for _ in range(calls):
+            fn()
+
+    return device_events(repeated, sync, device)
+
+
+def device_ms(
+    fn: Callable[[], object], sync: Callable[[], None], device: torch.device, calls: int = 20
+) -> float | None:
+    """Device time of every kernel of one call of ``fn`` (mean of ``calls``); None where
+    the profiler records no kernels (CPU)."""
+    events = _events_of_calls(fn, sync, device, calls)
+    if events is None:
+        return None
+    return sum(e.device_time_total for e in events) / 1000 / calls
+
+
 def collective_ms(
     fn: Callable[[], object],
     sync: Callable[[], None],
@@ -55,12 +76,7 @@ def collective_ms(
     HAZARD: on a tensor-parallel job every rank must call this alike (SPMD)."""
     if kernel_names is None:
         return None
-
-    def repeated() -> None:
-        for _ in range(calls):
-            fn()
-
-    events = device_events(repeated, sync, device)
+    events = _events_of_calls(fn, sync, device, calls)
     if events is None:
         return None
     pattern = re.compile(kernel_names, re.IGNORECASE)
