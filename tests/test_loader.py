@@ -314,3 +314,41 @@ def test_llama_8b_preset_is_the_llama_3_1_8b_shape():
     assert sum(p.numel() for p in model.parameters()) == 8_030_261_248  # Llama-3.1-8B's count
     assert not config.tie_word_embeddings
     assert config.rope_parameters["factor"] == 8.0
+
+
+def test_sizing_every_preset_runs_no_arithmetic_on_the_meta_device():
+    """The memory check builds the model on the meta device first; one arithmetic op on a
+    meta tensor (a rope table) runs a Python decomposition, whose first call imports
+    torch._dynamo: 2-3 s of every CLI start-up and every TP rank. Sized in a fresh
+    interpreter, nothing imports it."""
+    import subprocess
+    import sys
+
+    script = """
+import sys, torch
+from graphrt.core.models import loader, presets
+from graphrt.core.models.registry import resolve_architecture
+for name in presets.PRESETS:
+    hf = presets.preset_hf_config(name)
+    arch_name, arch = resolve_architecture(hf)
+    config = arch.parse_config(hf, arch_name)
+    loader._check_fits(arch.model_class, config, presets.TORCH_OPS, presets.SINGLE,
+                       torch.device("cpu"), torch.bfloat16, 1 << 50)
+print("torch._dynamo" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_rope_tables_of_the_sizing_probe_have_the_built_shapes():
+    from graphrt.core.models.layers import RotaryEmbedding, rope_inv_freq
+
+    inv_freq = rope_inv_freq(16, {"rope_type": "default", "rope_theta": 10000.0})
+    built = RotaryEmbedding(inv_freq, 32)
+    with torch.device("meta"):
+        probe = RotaryEmbedding(inv_freq, 32)
+    for name in ("cos", "sin"):
+        real, meta = getattr(built, name), getattr(probe, name)
+        assert meta.is_meta and (meta.shape, meta.dtype) == (real.shape, real.dtype)
+    assert torch.allclose(built.cos[3, :8], torch.cos(3 * inv_freq))

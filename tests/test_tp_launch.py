@@ -275,3 +275,16 @@ def test_tp_2_on_two_gpus_gives_one_gpu_tokens(request, monkeypatch, model, all_
         runs[tp] = json.loads(proc.stdout)
         assert runs[tp]["stats"]["graph_steps"] > 0
     assert _tokens(json.dumps(runs["2"])) == _tokens(json.dumps(runs["1"]))
+
+
+def test_the_launcher_starts_ranks_without_importing_torch():
+    """`graphrt generate --tp N` runs itself N times; the launcher only spawns and joins
+    them, so torch (1.5-2 s of CPU) is imported by the ranks alone."""
+    script = (
+        "import sys; from graphrt.core.cli.main import build_parser; "
+        "from graphrt.core.parallel.launch import in_job, spawn_ranks; "
+        "build_parser().parse_args(['generate', '--tp', '2']); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False"]

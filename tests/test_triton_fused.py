@@ -483,9 +483,11 @@ def engine_results(checkpoint: str) -> dict:
     results = {}
     # Tokens per request: the prefill's, then decode steps (each a second or more of
     # interpreted kernels); request 1's decode step (position 6) is past the window (6).
-    cases = [(checkpoint, torch.float32, 2), (checkpoint, torch.bfloat16, 1)]
-    # Llama in bfloat16 only (its fused-norm GEMV); float32 Llama matches torch in the
-    # parity tests, and each interpreted model costs the lane ~10 s.
+    cases = [(checkpoint, torch.float32, 2)]
+    # Llama in bfloat16 only (its fused-norm GEMV: the 16-bit paths); float32 Llama matches
+    # torch in the parity tests. Gemma 4's kernels in bfloat16 are checked one by one in
+    # test_fused_kernels_under_interpreter_match_reference, and whole models on the GPU in
+    # the CUDA lane: a whole interpreted bfloat16 Gemma 4 cost the CPU lane 28 s.
     cases += [("random:llama-tiny", torch.bfloat16, 1)]
     for model, dtype, steps in cases:
         params = SamplingParams(max_new_tokens=steps, ignore_eos=True, return_logits=True)
@@ -508,7 +510,7 @@ def engine_results(checkpoint: str) -> dict:
     return results
 
 
-@pytest.mark.slow  # ~90 s on 2 cores: two models, two dtypes, every kernel interpreted
+@pytest.mark.slow  # ~30 s on 2 cores: two models, every kernel interpreted
 @needs_triton
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_fused_decoding_under_interpreter_matches_reference(gemma4_tiny):
@@ -525,7 +527,7 @@ def test_fused_decoding_under_interpreter_matches_reference(gemma4_tiny):
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 6  # (Gemma 4 in 2 dtypes, Llama in bfloat16) x 2 requests
+    assert len(results) == 4  # (Gemma 4 in float32, Llama in bfloat16) x 2 requests
     bad = {key: m for key, m in results.items() if not m["ok"]}
     assert not bad, bad
 

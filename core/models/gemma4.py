@@ -84,11 +84,13 @@ def proportional_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
     theta = float(params["rope_theta"])
     factor = float(params.get("factor", 1.0))
     rope_angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
-    exponents = torch.arange(0, 2 * rope_angles, 2, dtype=torch.int64).float() / head_dim
+    # On CPU, as rope_inv_freq (see RotaryEmbedding).
+    exponents = torch.arange(0, 2 * rope_angles, 2, dtype=torch.int64, device="cpu").float()
+    exponents = exponents / head_dim
     inv_freq = 1.0 / (theta**exponents)
     nope = head_dim // 2 - rope_angles
     if nope > 0:
-        inv_freq = torch.cat([inv_freq, torch.zeros(nope, dtype=torch.float32)])
+        inv_freq = torch.cat([inv_freq, torch.zeros(nope, dtype=torch.float32, device="cpu")])
     return inv_freq / factor
 
 

@@ -77,7 +77,10 @@ def rope_inv_freq(
     rope_type = params.get("rope_type", "default")
     theta = float(params["rope_theta"])
     dim = rotary_dim or head_dim
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # On CPU whatever the build's default device (a handful of values, as transformers
+    # computes them): see RotaryEmbedding for why no arithmetic runs on the meta device.
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (theta**exponents)
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
@@ -116,12 +119,21 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         self.ops = ops
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # (P, D/2)
-        emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)
-        # Buffers, not parameters: rebuilt here, never loaded from a checkpoint.
-        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+        # Buffers, not parameters: rebuilt here, never loaded from a checkpoint; built on
+        # the default device (the loader's target), so big tables never cross from host.
+        shape = (max_positions, 2 * inv_freq.numel())  # (P, D)
+        if torch.get_default_device().type == "meta":
+            # The loader's sizing probe needs the shapes only, and arithmetic on a meta
+            # tensor runs a Python decomposition whose first call imports torch._dynamo:
+            # 2-3 s of every start-up.
+            cos = sin = torch.empty(shape, dtype=torch.float32)
+        else:
+            t = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.outer(t, inv_freq.to(t.device))  # (P, D/2)
+            emb = torch.cat([freqs, freqs], dim=-1)  # (P, D)
+            cos, sin = emb.cos() * attention_scaling, emb.sin() * attention_scaling
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v=None, kv_write=None

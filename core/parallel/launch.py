@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from graphrt.core.errors import (
     RankFailedError,
@@ -36,7 +36,12 @@ from graphrt.core.errors import (
     first_line,
     interrupted_status,
 )
-from graphrt.core.parallel.group import SINGLE, TPGroup, init_tp
+
+if TYPE_CHECKING:
+    from graphrt.core.parallel.group import TPGroup
+# HAZARD: no torch at module level. `graphrt generate --tp N` imports this to start its
+# ranks, and that launcher process never needs torch (1.5-2 s of CPU a launch); join
+# and leave_job, which run in the ranks, import it.
 
 GRACE_S = 3.0  # after the first failure, how long the other ranks get to exit on their own
 POLL_S = 0.05
@@ -57,6 +62,8 @@ def join(requested: int | None, device) -> TPGroup:
     """This process's tensor-parallel group: the job's ranks when it is one of them,
     else the group of one. Binds the rank's device first (the collective library opens
     its communicator on the current device)."""
+    from graphrt.core.parallel.group import SINGLE, init_tp
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if requested is not None and requested != world:
         raise UsageError(
