@@ -39,7 +39,10 @@ def copy_bandwidth_gbps(
     # copy's cost where random_() takes seconds on a CPU.
     src = torch.full((nbytes // 2,), 7, dtype=torch.int16, device=device)
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), sync, steps=20, warmup=3)
+    # A CPU copies 1 GiB in a tenth of a second or more, too long for launch noise to
+    # matter: 5 samples do there (20 took 5 s of a CPU bench, per TP rank).
+    steps, warmup = (5, 1) if device.type == "cpu" else (20, 3)
+    ms = median_ms(lambda: dst.copy_(src), sync, steps=steps, warmup=warmup)
     return 2 * nbytes / (ms / 1e3) / 1e9
 
 
