@@ -41,6 +41,7 @@ FLAG_CASES = [
     (TINY + ["--top-p", "1.5"], 2, "--top-p: must be in (0, 1]"),
     (TINY + ["--top-k", "-5"], 2, "--top-k: must be >= 0"),
     (TINY + ["--top-k", str(10**20), "--temperature", "0.5"], 2, "--top-k: must be at most"),
+    (TINY + ["--max-new-tokens", str(10**12)], 2, "--max-new-tokens: must be at most"),
     (TINY + ["--temperature", "-1"], 2, "--temperature: must be >= 0"),
     (TINY + ["--temperature", "nan"], 2, "--temperature: must be finite"),
     (TINY + ["--max-new-tokens", "0"], 2, "--max-new-tokens: must be >= 1"),
@@ -67,6 +68,32 @@ def test_bad_environment_is_refused_before_loading(monkeypatch, capsys):
     status, _, err = _run(TINY, capsys)
     assert status == 2 and "GRAPHRT_CHECK_FINITE='banana'" in cli_error_line(err)
     assert "loaded" not in err  # nothing was loaded first
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"WORLD_SIZE": "x"}, "WORLD_SIZE"),
+        ({"WORLD_SIZE": "2", "LOCAL_RANK": "-1"}, "LOCAL_RANK"),
+        ({"WORLD_SIZE": "2", "RANK": "1.5"}, "RANK"),
+    ],
+    ids=["world", "local-rank", "rank"],
+)
+def test_a_malformed_job_environment_is_one_line(monkeypatch, capsys, env, named):
+    """torchrun's variables, set by hand or by another launcher: named, exit 2."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    status, _, err = _run(TINY, capsys)
+    assert status == 2 and f"environment variable {named}={env[named]!r}" in cli_error_line(err)
+
+
+def test_more_tp_ranks_than_cores_are_refused_before_any_starts(monkeypatch, capsys):
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    status, _, err = _run(TINY + ["--tp", "100000"], capsys)
+    assert status == 2
+    assert "--tp 100000 starts 100000 processes on this host, which has 4 CPU cores" in (
+        cli_error_line(err)
+    )
 
 
 def test_cuda_all_reduce_choice_is_checked_by_the_device(monkeypatch):

@@ -58,12 +58,17 @@ def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from graphrt.core.parallel.launch import in_job, leave_job, spawn_ranks  # torch: after --help
 
-    if getattr(args, "tp", None) and args.tp > 1 and not in_job():
-        return spawn_ranks(args.tp, argv)
-    if not in_job():
+    try:  # the job's environment (torchrun's variables), the launcher's own checks
+        if getattr(args, "tp", None) and args.tp > 1 and not in_job():
+            return spawn_ranks(args.tp, argv)
+        single = not in_job()
+    except GraphrtError as e:
+        print(f"graphrt: error: {e}", file=sys.stderr)
+        return e.exit_code
+    if single:
         return _run_command(args, rank="")
     # In a job, every rank may fail: its error line says which one it is.
-    status = _run_command(args, rank=f"rank {os.environ['RANK']}: ")
+    status = _run_command(args, rank=f"rank {os.environ.get('RANK', '?')}: ")
     leave_job(status)
     return status
 

@@ -55,7 +55,18 @@ def is_output_rank() -> bool:
 
 def in_job() -> bool:
     """Whether this process is a rank of a job (started by ``spawn_ranks`` or torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return _job_env("WORLD_SIZE", 1) > 1
+
+
+def _job_env(name: str, default: int) -> int:
+    """A count torchrun's environment gives (WORLD_SIZE, RANK, LOCAL_RANK): a UsageError
+    naming the variable for anything but a whole number >= 0, not int()'s traceback."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if not value.strip().isdigit():
+        raise UsageError(f"environment variable {name}={value!r} must be a whole number >= 0")
+    return int(value)
 
 
 def join(requested: int | None, device) -> TPGroup:
@@ -64,7 +75,7 @@ def join(requested: int | None, device) -> TPGroup:
     its communicator on the current device)."""
     from graphrt.core.parallel.group import SINGLE, init_tp
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = _job_env("WORLD_SIZE", 1)
     if requested is not None and requested != world:
         raise UsageError(
             f"--tp {requested}, but this job has {world} processes (WORLD_SIZE): "
@@ -72,8 +83,8 @@ def join(requested: int | None, device) -> TPGroup:
         )
     if world == 1:
         return SINGLE
-    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-    device.bind_local_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    local_rank = _job_env("LOCAL_RANK", _job_env("RANK", 0))
+    device.bind_local_rank(local_rank, _job_env("LOCAL_WORLD_SIZE", world))
     try:
         accelerator = device.torch_device() if device.index is not None else None
         tp = init_tp(device.collective_backend, device_id=accelerator)
@@ -199,10 +210,23 @@ class _Rank:
 
 
 def spawn_ranks(size: int, argv: list[str]) -> int:
-    """Runs the command ``argv`` as ``size`` ranks on this host; -> the job's exit status."""
+    """Runs the command ``argv`` as ``size`` ranks on this host; -> the job's exit status.
+    More ranks than max(8, CPU cores) is refused before any starts: each rank is a process
+    (a device per rank is checked by the ranks, which import the device's library; a few
+    ranks over the cores is fine for small CPU jobs)."""
+    cores = os.cpu_count() or 1
+    if size > max(8, cores):
+        raise UsageError(
+            f"--tp {size} starts {size} processes on this host, which has {cores} CPU cores "
+            f"(at most {max(8, cores)} ranks): use one rank per device (under torchrun, one "
+            "per device of each host)"
+        )
     port = free_port()
-    ranks = [_Rank(r, size, port, argv) for r in range(size)]
+    ranks: list[_Rank] = []
     try:
+        # Spawned inside the try: a signal while starting them still stops those started.
+        for r in range(size):
+            ranks.append(_Rank(r, size, port, argv))
         first_failed = _wait(ranks)
     except KeyboardInterrupt as stop:  # SIGINT, or SIGTERM (errors.Terminated)
         # Forward it: each rank stops as a single process would (rank 0 prints what it
