@@ -6,6 +6,7 @@ the model runs), and exit status 3 from the CLI, with no traceback."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -386,6 +387,26 @@ def test_weight_file_symlink_outside_is_refused(llama, tmp_path):
     (llama / "model.safetensors").symlink_to(outside)
     message = _load_error(llama)
     assert "model.safetensors" in message and "outside" in message, message
+
+
+def test_weight_files_that_cannot_be_read_are_named_for_what_they_are(llama, monkeypatch):
+    """No index: not 'named in the index is missing'. A permission problem: not
+    safetensors' 'No such file or directory'."""
+    weights = llama / "model.safetensors"
+    weights.rename(llama / "moved.safetensors")
+    weights.symlink_to("gone.safetensors")  # dangling, inside the checkpoint
+    assert "is a symlink to 'gone.safetensors', which does not exist" in _load_error(llama)
+    weights.unlink()
+    weights.mkdir()
+    message = _load_error(llama)
+    assert message.endswith("model.safetensors is not a file"), message
+    weights.rmdir()
+    (llama / "moved.safetensors").rename(weights)
+    real_access = os.access
+    monkeypatch.setattr(  # unreadable (root reads anything: simulated)
+        os, "access", lambda f, mode: Path(f).name != weights.name and real_access(f, mode)
+    )
+    assert _load_error(llama).endswith("model.safetensors: permission denied")
 
 
 def test_hub_cache_snapshot_symlinks_load(llama_tied, tmp_path):

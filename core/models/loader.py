@@ -177,6 +177,8 @@ def _surely_fits(path: Path, free_bytes: int) -> bool:
     use, 1.3 to 2 s of every start-up. A whole checkpoint bounds any rank's shard."""
     elements = 0
     for file in safetensors_files(path):
+        if not os.access(file, os.R_OK):  # safetensors would call it missing
+            raise CheckpointError(f"cannot read {file}: permission denied")
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 elements += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
@@ -237,8 +239,15 @@ def safetensors_files(path: Path) -> list[Path]:
         )
         raise CheckpointError(f"no safetensors weights in {path}{hint}")
     for f in files:
-        if not f.is_file():
-            raise CheckpointError(f"weight file {f} named in the index is missing")
+        if f.is_file():
+            continue
+        if f.is_symlink() and not f.exists():
+            what = f"is a symlink to {os.readlink(f)!r}, which does not exist"
+        elif f.exists():
+            what = "is not a file"
+        else:
+            what = "named in the index is missing" if index.is_file() else "is missing"
+        raise CheckpointError(f"weight file {f} {what}")
     return files
 
 
@@ -326,6 +335,8 @@ def materialize(tensor: torch.Tensor | LazyTensor) -> torch.Tensor:
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, LazyTensor]]:
     for file in safetensors_files(path):
+        if not os.access(file, os.R_OK):  # safetensors would call it missing
+            raise CheckpointError(f"cannot read {file}: permission denied")
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
