@@ -373,12 +373,18 @@ def check_many_runners(h: Harness) -> None:
     h.release_all()
 
 
+def without_inductor(compile_):
+    """``compile_`` (torch.compile) with dynamo's "eager" backend: the CPU compile backend's
+    captures, cache and cleanup as ever, without inductor's seconds of codegen a graph.
+    For tests of graphrt's runner logic; inductor's code is checked against eager by
+    test_replay's every-bucket test."""
+    return lambda fn, **kw: compile_(fn, **kw, backend="eager")
+
+
 def check_many_runners_alone(case_id: str) -> None:
     """``check_many_runners`` in a fresh process (tests/conformance/test_capture.py)."""
     case = next(c for c in CASES if c.id == case_id)
     if case_id == "cpu-compile":
-        # What this exercises is dynamo's cache of compiled code, the same for every
-        # dynamo backend; "eager" skips inductor's seconds of codegen per runner.
-        compile_ = torch.compile
-        torch.compile = lambda fn, **kw: compile_(fn, **kw, backend="eager")
+        # What this exercises is dynamo's cache of compiled code: see without_inductor.
+        torch.compile = without_inductor(torch.compile)
     check_many_runners(Harness(case, loaded_model(case, {}), buckets=(1,)))
