@@ -18,7 +18,9 @@ from graphrt.core.runners.graph import GraphRunner
 
 pytestmark = pytest.mark.graphs
 
-BUCKETS = (1, 4)  # as test_engine_fallback's: a CPU compile comes from inductor's cache
+# Two of the harness's buckets with its pools and context: a CPU compile can come from
+# inductor's cache when test_replay compiled them first.
+BUCKETS = (1, 4)
 LENS = (5, 33, 12, 1, 21, 8)  # decode batches of 6 (above the buckets) down to 1
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
 
