@@ -149,6 +149,10 @@ def test_bad_checkpoints_get_status_3(llama_gqa_untied, tmp_path, capsys):
     status, _, err = _run(["generate", "--model", str(path), "--prompt-ids", "1"], capsys)
     assert status == 3 and "eos_token_id 1000000 is outside the vocabulary" in cli_error_line(err)
 
+    _edit_config(path, eos_token_id=2, bos_token_id=10**6)
+    status, _, err = _run(["generate", "--model", str(path), "--prompt-ids", "1"], capsys)
+    assert status == 3 and "bos_token_id 1000000 is outside the vocabulary" in cli_error_line(err)
+
 
 def test_a_broken_tokenizer_fails_text_prompts_only(llama_gqa_untied, tmp_path, capsys):
     path = _copy(llama_gqa_untied, tmp_path)

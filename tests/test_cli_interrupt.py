@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from graphrt.core.cli.main import main
 
 PROMPT = "def fibonacci(n):"
@@ -97,12 +99,17 @@ def _importing_torch(pid: int) -> bool:
         return "libtorch" in f.read()
 
 
-def test_sigint_during_start_up_is_one_line():
+@pytest.mark.parametrize(
+    "argv",
+    [["info"], ["generate", "--model", "random:llama-tiny", "--prompt-ids", "1,2"]],
+    ids=["info", "generate"],
+)
+def test_sigint_during_start_up_is_one_line(argv):
     """Ctrl-C while main() imports torch: one line. The signal is sent once torch's
     library is mapped, so it lands inside main however loaded the machine is."""
-    proc = _start("info")
+    proc = _start(*argv)
     while not _importing_torch(proc.pid):
-        assert proc.poll() is None, "info ended before it imported torch"
+        assert proc.poll() is None, f"{argv[0]} ended before it imported torch"
         time.sleep(0.002)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
