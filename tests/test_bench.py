@@ -158,6 +158,7 @@ def test_decode_bench_reports_bytes_floor_bandwidth_and_kernels(monkeypatch, gem
     # first) 10 us, the bare argmax 4 us; each call must run what it times.
     times = iter([0.010, 0.004] * len(cfg.batch_sizes))
     monkeypatch.setattr(decode, "device_ms", lambda fn, *a: (fn(), next(times))[1])
+    monkeypatch.setattr(decode, "kernel_activity", lambda device: "a profiler activity")
     lines = []
     results, bandwidth, _ = run_decode_bench(engine, cfg, lambda: None, report=lines.append)
 

@@ -352,3 +352,5 @@ def test_rope_tables_of_the_sizing_probe_have_the_built_shapes():
         real, meta = getattr(built, name), getattr(probe, name)
         assert meta.is_meta and (meta.shape, meta.dtype) == (real.shape, real.dtype)
     assert torch.allclose(built.cos[3, :8], torch.cos(3 * inv_freq))
+    # What the memory check sums: every buffer, each counted once (buffers() dedups).
+    assert sum(b.numel() for b in probe.buffers()) == sum(b.numel() for b in built.buffers())

@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from graphrt.core.bench.output import fmt
-from graphrt.core.bench.profile import collective_ms, count_kernels, device_ms
+from graphrt.core.bench.profile import collective_ms, count_kernels, device_ms, kernel_activity
 from graphrt.core.bench.timing import (
     achieved_gbps,
     copy_bandwidth_gbps,
@@ -206,7 +206,10 @@ def _time_graphrt(engine, cfg, bs, params, bandwidth, sync, report) -> BatchResu
 
 def _nan_check_ms(engine, batch, sync) -> float | None:
     """What greedy_tokens (argmax with the NaN/Inf mark) costs over a bare argmax, on the
-    logits one step of ``batch`` produces. Never below 0: the profiler's noise is not a gain."""
+    logits one step of ``batch`` produces. Never below 0: the profiler's noise is not a gain.
+    None where the profiler records no kernels (CPU), without running the step."""
+    if kernel_activity(engine.torch_device) is None:
+        return None
     logits = engine.eager_runner.execute(batch).logits
     checked = device_ms(lambda: greedy_tokens(logits), sync, engine.torch_device)
     bare = device_ms(lambda: logits.argmax(-1), sync, engine.torch_device)

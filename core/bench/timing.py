@@ -39,10 +39,13 @@ def copy_bandwidth_gbps(
     # copy's cost where random_() takes seconds on a CPU.
     src = torch.full((nbytes // 2,), 7, dtype=torch.int16, device=device)
     dst = torch.empty_like(src)
-    # A CPU copies 1 GiB in a tenth of a second or more, too long for launch noise to
-    # matter: 5 samples do there (20 took 5 s of a CPU bench, per TP rank).
-    steps, warmup = (5, 1) if device.type == "cpu" else (20, 3)
-    ms = median_ms(lambda: dst.copy_(src), sync, steps=steps, warmup=warmup)
+    copy = lambda: dst.copy_(src)  # noqa: E731
+    # Samples by the copy's own length, not the device: a 10 ms copy or longer (a CPU's
+    # GiB: 0.1 s or more) needs few, launch noise is nothing to it (20 took 5 s of a CPU
+    # bench, per TP rank); a GPU's 0.5 ms copy takes 20.
+    first = median_ms(copy, sync, steps=1, warmup=1)
+    steps, warmup = (20, 2) if first < 10 else (4, 0)
+    ms = median_ms(copy, sync, steps=steps, warmup=warmup)
     return 2 * nbytes / (ms / 1e3) / 1e9
 
 

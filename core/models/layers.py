@@ -126,7 +126,8 @@ class RotaryEmbedding(nn.Module):
             # The loader's sizing probe needs the shapes only, and arithmetic on a meta
             # tensor runs a Python decomposition whose first call imports torch._dynamo:
             # 2-3 s of every start-up.
-            cos = sin = torch.empty(shape, dtype=torch.float32)
+            # Two tensors, as built: one shared would be counted once (buffers() dedups).
+            cos, sin = (torch.empty(shape, dtype=torch.float32) for _ in range(2))
         else:
             t = torch.arange(max_positions, dtype=torch.float32)
             freqs = torch.outer(t, inv_freq.to(t.device))  # (P, D/2)

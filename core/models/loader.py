@@ -177,8 +177,6 @@ def _surely_fits(path: Path, free_bytes: int) -> bool:
     use, 1.3 to 2 s of every start-up. A whole checkpoint bounds any rank's shard."""
     elements = 0
     for file in safetensors_files(path):
-        if not os.access(file, os.R_OK):  # safetensors would call it missing
-            raise CheckpointError(f"cannot read {file}: permission denied")
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 elements += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
@@ -240,6 +238,8 @@ def safetensors_files(path: Path) -> list[Path]:
         raise CheckpointError(f"no safetensors weights in {path}{hint}")
     for f in files:
         if f.is_file():
+            if not os.access(f, os.R_OK):  # safetensors would call it missing
+                raise CheckpointError(f"cannot read {f}: permission denied")
             continue
         if f.is_symlink() and not f.exists():
             what = f"is a symlink to {os.readlink(f)!r}, which does not exist"
@@ -335,8 +335,6 @@ def materialize(tensor: torch.Tensor | LazyTensor) -> torch.Tensor:
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, LazyTensor]]:
     for file in safetensors_files(path):
-        if not os.access(file, os.R_OK):  # safetensors would call it missing
-            raise CheckpointError(f"cannot read {file}: permission denied")
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
