@@ -68,9 +68,10 @@ def test_padded_batch_equals_eager_on_the_unpadded_batch(graph_case: Harness, si
 
 def test_shrinking_batch_replays_correctly(graph_case: Harness):
     h = graph_case
-    reqs = h.new_requests(_prompt_lens(32, seed=3), seed=3)
-    # 32 -> 12 -> 3 (exact, then padded, then padded again), as requests finish.
-    for n in (32, 12, 3):
+    largest = max(h.case.buckets)
+    reqs = h.new_requests(_prompt_lens(largest, seed=3), seed=3)
+    # largest -> 12 -> 3 (exact, then 12 exact or padded, then padded), as requests finish.
+    for n in (largest, 12, 3):
         reqs = reqs[:n]
         eager = assert_graph_matches_eager(h, h.decode_batch(reqs))
         h.advance(reqs, eager)
