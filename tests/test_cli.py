@@ -78,17 +78,31 @@ def test_generate_json_matches_transformers(capsys, ckpt_with_tokenizer):
 
 
 @pytest.mark.graphs
-def test_graph_runner_matches_transformers(capsys, ckpt_with_tokenizer):
-    # What `graphrt generate --runner graph` prints must agree with transformers too.
+def test_graph_runner_matches_eager_the_cpu_default_and_transformers(capsys, ckpt_with_tokenizer):
+    """On CPU no --runner means eager (compiling costs more than a short job saves);
+    --runner graph runs every fitting decode step on its compiled bucket, and what it
+    prints agrees with eager, the default and transformers. One compile: each costs
+    tens of seconds of the CPU lane."""
     path, hf = ckpt_with_tokenizer
     prompts = [[5, 17, 42, 99, 7], [250, 3, 8], [11, 12, 13, 14, 15, 16, 17]]
     argv = ["--model", str(path), "--max-new-tokens", "10", "--ignore-eos", "--graph-bs", "4"]
     for p in prompts:
         argv += ["--prompt-ids", ",".join(map(str, p))]
-    out = run_json(capsys, *argv, "--runner", "graph")
-    assert out["stats"]["graph_steps"] == 9 and out["stats"]["captured_sizes"] == [4]
-    for prompt, req in zip(prompts, out["requests"]):
-        assert req["output_ids"] == hf_greedy(hf, prompt, 10)[0]
+    graph = run_json(capsys, *argv, "--runner", "graph")
+    assert main(["generate", *argv, "--json"]) == 0  # no --runner: the device default
+    default = json.loads(capsys.readouterr().out)
+    eager = run_json(capsys, *argv, "--runner", "eager")
+    assert default["stats"]["runner"] == "eager" and graph["stats"]["runner"] == "graph"
+    assert default["stats"]["compile_time_s"] == 0.0
+    assert graph["stats"]["compile_time_s"] > 0  # the bucket compiled at its first step
+    assert graph["stats"]["captured_sizes"] == [4]
+    assert graph["stats"]["graph_steps"] == 9 and graph["stats"]["eager_steps"] == 1  # prefill
+    outputs = {
+        name: [r["output_ids"] for r in run["requests"]]
+        for name, run in (("graph", graph), ("default", default), ("eager", eager))
+    }
+    outputs["transformers"] = [hf_greedy(hf, prompt, 10)[0] for prompt in prompts]
+    assert all(ids == outputs["transformers"] for ids in outputs.values()), outputs
 
 
 def test_prompt_text_is_tokenized_and_output_decoded(capsys, ckpt_with_tokenizer):
@@ -103,31 +117,6 @@ def test_prompt_text_is_tokenized_and_output_decoded(capsys, ckpt_with_tokenizer
     assert second["prompt_ids"] == [4, 5]  # requests keep the order the flags were given in
     assert first["output_ids"] == hf_greedy(hf, first["prompt_ids"], 6)[0]
     assert first["text"] == tok.decode(first["output_ids"], skip_special_tokens=True)
-
-
-@pytest.mark.graphs
-def test_eager_is_the_cpu_default_and_graph_matches_it(capsys):
-    """On CPU no --runner means eager (compiling costs more than a short job saves);
-    --runner graph still runs every fitting decode step on its compiled bucket."""
-    argv = ["--model", "random:llama-tiny", "--prompt-ids", "1,2,3", "--prompt-ids", "9,8,7,6,5"]
-    argv += ["--max-new-tokens", "6", "--ignore-eos", "--graph-bs", "2"]
-    graph = run_json(capsys, *argv, "--runner", "graph")
-    assert main(["generate", *argv, "--json"]) == 0  # no --runner: the device default
-    default = json.loads(capsys.readouterr().out)
-    eager = run_json(capsys, *argv, "--runner", "eager")
-    assert default["stats"]["runner"] == "eager" and graph["stats"]["runner"] == "graph"
-    assert default["stats"]["compile_time_s"] == 0.0
-    assert graph["stats"]["compile_time_s"] > 0  # the bucket compiled at its first step
-    assert graph["stats"]["captured_sizes"] == [2]
-    assert (
-        graph["stats"]["graph_steps"] == 5 and graph["stats"]["eager_steps"] == 1
-    )  # prefill is eager
-    assert [r["output_ids"] for r in graph["requests"]] == [
-        r["output_ids"] for r in eager["requests"]
-    ]
-    assert [r["output_ids"] for r in default["requests"]] == [
-        r["output_ids"] for r in eager["requests"]
-    ]
 
 
 def test_random_preset_runs_and_has_no_text(capsys):
