@@ -188,6 +188,10 @@ def test_mixed_accept_lengths_from_an_oracle_drafter(spec_case, engines):
 
 
 def test_exact_mode_runs_rounds_on_graphs_at_captured_sizes_only(spec_case, engines):
+    if spec_case.id == "cpu-compile":
+        # Exact mode's planning is the strategy's, the same on every backend (the stand-ins
+        # run it); here it would compile the one bucket's graphs again (12 s on 2 cores).
+        pytest.skip("cpu-compile's one bucket: exact mode would only compile it again")
     graph, eager = engines(padding=False)
     vocab = graph.loaded.model.vocab_size
     sizes = []
