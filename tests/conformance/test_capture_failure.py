@@ -16,10 +16,9 @@ from graphrt.core.batch import ForwardMode
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.runners.graph import GraphRunner
 
-pytestmark = pytest.mark.graphs
+pytestmark = [pytest.mark.graphs, pytest.mark.usefixtures("cpu_compile_without_inductor")]
 
-# Two of the harness's buckets with its pools and context: a CPU compile can come from
-# inductor's cache when test_replay compiled them first.
+# Two of the harness's buckets with its pools and context.
 BUCKETS = (1, 4)
 LENS = (5, 33, 12, 1, 21, 8)  # decode batches of 6 (above the buckets) down to 1
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)

@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 import torch
-from harness import CONTEXT, KV_SLOTS, MAX_REQUESTS, GraphCase, case_device, without_inductor
+from harness import CONTEXT, KV_SLOTS, MAX_REQUESTS, GraphCase, case_device
 from helpers import random_prompts
 
 from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 
-pytestmark = pytest.mark.graphs
+pytestmark = [pytest.mark.graphs, pytest.mark.usefixtures("cpu_compile_without_inductor")]
 
 # (1, 4) leaves 5 and 6 above the largest bucket.
 ENGINE_BUCKETS = (1, 4)
@@ -22,16 +22,6 @@ LENS = (5, 33, 12, 1, 21, 8)  # mixed prompt lengths
 # Request i stops after LIMITS[i] tokens: decode batches shrink 6, 5, 4, 3, 2, 1.
 LIMITS = (2, 3, 4, 5, 6, 7)
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True)
-def _cpu_compile_without_inductor(case, monkeypatch):
-    """This module's subject is the Engine's dispatch (graphs, eager, padding), the same
-    over any dynamo backend; inductor's code is checked at every bucket by test_replay.
-    Its cache served these buckets only when test_replay had compiled them first: 10 s or
-    26 s of the lane, by file order."""
-    if case.id == "cpu-compile":
-        monkeypatch.setattr(torch, "compile", without_inductor(torch.compile))
 
 
 def _config(**overrides) -> EngineConfig:
