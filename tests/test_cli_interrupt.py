@@ -115,3 +115,30 @@ def test_sigint_during_start_up_is_one_line(argv):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert err.decode().strip() == "graphrt: interrupted"
+
+
+# A child that sends itself SIGINT while main's module imports its argument parser: after
+# the console script or `python -m` started, before main() runs.
+_SIGINT_WHILE_IMPORTING = """
+import builtins, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's Ctrl-C finds it
+real_import = builtins.__import__
+def interrupting_import(name, *args, **kwargs):
+    if name == "graphrt.core.cli.args":
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = interrupting_import
+sys.argv = ["graphrt", "info"]
+"""
+_CONSOLE_SCRIPT = "from graphrt.core.cli.start_up import run\nsys.exit(run())"
+_PYTHON_M = "import runpy\nrunpy.run_module('graphrt.core.cli.main', run_name='__main__')"
+
+
+@pytest.mark.parametrize("start", [_CONSOLE_SCRIPT, _PYTHON_M], ids=["console-script", "python-m"])
+def test_sigint_before_main_runs_is_one_line(start):
+    """The window the test above cannot hit by timing: main's module still importing."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGINT_WHILE_IMPORTING + start],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stderr, proc.stdout) == (130, "graphrt: interrupted\n", "")

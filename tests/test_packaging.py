@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP_DIRS = ("core", "devices", "spec")
-ENTRY_POINT = "graphrt = graphrt.core.cli.main:main"
+ENTRY_POINT = "graphrt = graphrt.core.cli.start_up:run"
 
 
 def _load_pyproject() -> dict:

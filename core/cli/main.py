@@ -19,11 +19,17 @@ import signal
 import sys
 import threading
 
-from graphrt import devices
+if __name__ == "__main__":  # python -m: a Ctrl-C while importing is one line too
+    from graphrt.core.cli import start_up
+
+    start_up.guard()
+
+from graphrt import devices  # noqa: E402
 
 # HAZARD: must run before anything imports torch (see devices.disable_torch_backend_autoload).
 devices.disable_torch_backend_autoload()
 
+from graphrt.core.cli import start_up  # noqa: E402
 from graphrt.core.cli.args import build_parser  # noqa: E402
 from graphrt.core.errors import (  # noqa: E402
     GraphrtError,
@@ -45,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM stops work as Ctrl-C does: what was produced is printed, then one line.
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    if in_main_thread:
+        start_up.release()  # a Ctrl-C now raises KeyboardInterrupt, handled below
     try:
         return _main(sys.argv[1:] if argv is None else argv)
     except KeyboardInterrupt as stop:  # during start-up (imports, parsing): one line
