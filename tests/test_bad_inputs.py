@@ -49,6 +49,11 @@ FLAG_CASES = [
     (TINY + ["--seed", "x"], 2, "--seed: wants a whole number"),
     (TINY + ["--spec-steps", "100"], 2, "--spec-steps: must be at most 16"),
     (["generate", "--model", "random:llama-tiny", "--prompt", NOT_UTF8], 2, "not valid UTF-8"),
+    (
+        ["generate", "--model", "random:llama-tiny", "--prompt", NOT_UTF8, "--tp", "2"],
+        2,
+        "not valid UTF-8",
+    ),  # refused by the launcher, before any rank starts
     (TINY + ["--device", "nosuchdevice"], 4, "nosuchdevice"),
 ]
 
@@ -61,6 +66,7 @@ def test_bad_flags_get_one_line_and_their_status(argv, status, says, capsys):
     assert got == status, err
     line = cli_error_line(err)
     assert says in line and "_positive" not in line and "Traceback" not in err
+    assert "rank" not in line  # refused by this process: a --tp job starts no rank for it
 
 
 def test_bad_environment_is_refused_before_loading(monkeypatch, capsys):

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import CPU
+from helpers import CPU, cli_error_line
 
 from graphrt.core.bench import decode
 from graphrt.core.bench.decode import DecodeBenchConfig, make_engine, run_decode_bench
@@ -315,6 +315,26 @@ def test_results_that_cannot_be_written_go_to_stdout(capsys):
     with pytest.raises(GraphrtError, match=r"--out: cannot write '/proc/graphrt-bench.json'"):
         write_result(result, args, plot=lambda *a: pytest.fail("no plot without JSON"), log=print)
     assert json.loads(capsys.readouterr().out) == result
+
+
+def test_a_bench_whose_out_cannot_be_written_prints_its_results_through_the_cli(capsys):
+    """The same through `graphrt bench`: the benchmark runs, its results reach stdout."""
+    from graphrt.core.cli.main import main
+
+    argv = ["bench", "--device", "cpu", "--model", "random:llama-tiny", "--runners", "eager",
+            "--batch-sizes", "1", "--prompt-len", "8", "--steps", "2", "--warmup", "1",
+            "--out", "/proc/graphrt-bench.json"]  # fmt: skip
+    status = main(argv)
+    out, err = capsys.readouterr()
+    assert status == 1
+    result = json.loads(out[out.index("{") :])  # after the human-readable report
+    assert [b["batch_size"] for b in result["batches"]] == [1] and result["batches"][0][
+        "eager_ms"
+    ] > 0
+    assert cli_error_line(err).startswith(
+        "graphrt: error: --out: cannot write '/proc/graphrt-bench.json'"
+    )
+    assert "Traceback" not in err
 
 
 def test_a_missing_plotting_library_is_said_not_silent(tmp_path, capsys):

@@ -34,6 +34,20 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+def _utf8_text(text: str) -> str:
+    """Arguments that are not valid UTF-8 arrive with lone surrogates (surrogateescape):
+    refused by name while parsing, before anything loads and before --tp starts a rank."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(text[e.start]) & 0xFF
+        raise argparse.ArgumentTypeError(
+            f"not valid UTF-8 text (byte 0x{byte:02x} at offset {e.start}); pass text, "
+            "or token ids with --prompt-ids"
+        ) from None
+    return text
+
+
 def _runner_list(text: str) -> tuple[str, ...]:
     runners = tuple(text.split(","))
     unknown = [r for r in runners if r not in ("eager", "graph", "hf")]
@@ -263,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt",
         dest="prompts",
         action=_AppendPrompt,
+        type=_utf8_text,
         help="prompt text (repeatable; needs tokenizer.json); "
         "give at least one --prompt or --prompt-ids",
     )

@@ -62,22 +62,6 @@ def _warn(message: str) -> None:
         print(f"graphrt: warning: {message}", file=sys.stderr, flush=True)
 
 
-def _check_text_prompts(prompts) -> None:
-    """Arguments that are not valid UTF-8 arrive with lone surrogates (surrogateescape):
-    refuse them by name before anything loads."""
-    for i, (kind, value) in enumerate(prompts):
-        if kind != "text":
-            continue
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            byte = ord(value[e.start]) & 0xFF
-            raise UsageError(
-                f"--prompt {i + 1} is not valid UTF-8 text (byte 0x{byte:02x} at offset "
-                f"{e.start}); pass text, or token ids with --prompt-ids"
-            ) from None
-
-
 def _encode_prompts(prompts, tokenizer) -> list[list[int]]:
     if not prompts:
         raise RequestError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
@@ -171,7 +155,6 @@ def _model_and_draft(args: argparse.Namespace) -> tuple[str, str | None]:
 
 def run_generate(args: argparse.Namespace) -> int:
     args.model, args.draft = _model_and_draft(args)
-    _check_text_prompts(args.prompts or [])
     device = devices.current(args.device)
     check_environment(device)
     tp = join(args.tp, device)  # the group of one unless this is a rank of a --tp job
