@@ -63,9 +63,59 @@ def test_concurrent_generate_calls_each_get_their_own_results(loaded):
         thread.join(timeout=300)
     assert not errors, errors
     assert got == expected
-    # The stats count every call's tokens once (that batches were shared is not asserted:
-    # how callers interleave is the scheduler's).
+    # The stats count every call's tokens once (that callers share batches: the next test).
     assert engine.stats.generated_tokens == sum(len(o) for row in expected for o in row)
+    assert_engine_idle(engine)
+
+
+def test_two_callers_requests_share_decode_steps(loaded):
+    """Caller B queues its request while caller A's is decoding (A's on_step, run outside
+    the engine's lock, waits for it): some step then serves both, and each output is the
+    one its prompt gives alone."""
+    engine = cpu_engine(loaded)
+    prompt_a, prompt_b = random_prompts([6, 9], seed=9)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    alone = [cpu_engine(loaded).generate([p], params)[0].output_ids for p in (prompt_a, prompt_b)]
+    served: list[set] = []
+    step = engine._step_locked
+
+    def recording_step():
+        stepped = step()
+        served.append(set(stepped))
+        return stepped
+
+    engine._step_locked = recording_step
+    a_decoding, b_queued = threading.Event(), threading.Event()
+    results, errors = {}, []
+
+    def caller_a() -> None:
+        def wait_for_b(stepped) -> None:
+            a_decoding.set()
+            assert b_queued.wait(timeout=60)
+
+        try:
+            results["a"] = engine.generate([prompt_a], params, on_step=wait_for_b)[0]
+        except BaseException as e:  # noqa: BLE001 (reported by the main thread)
+            errors.append(e)
+
+    def caller_b() -> None:
+        try:
+            assert a_decoding.wait(timeout=60)
+            reqs = engine.add_requests([prompt_b], params)
+            b_queued.set()
+            results["b"] = engine.run_until_finished(reqs)[0]
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=f) for f in (caller_a, caller_b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert [results["a"].output_ids, results["b"].output_ids] == alone
+    both = {results["a"], results["b"]}
+    assert any(both <= reqs for reqs in served), "no step served both callers' requests"
     assert_engine_idle(engine)
 
 
