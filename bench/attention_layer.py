@@ -6,16 +6,22 @@ node a program and with nodes packed two a program (``triton_verify.PACK_MIN_PRO
 decides between them by batch); each verify's output is compared bit for bit with
 decode's rows for the same tokens.
 
-Run on the device: python bench/attention_layer.py
+Run on the device: python bench/attention_layer.py [--batch-sizes 1,2,4,...]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import triton
 
 from graphrt.devices.cuda import triton_verify
-from graphrt.devices.cuda.triton_decode import allocate_decode_scratch, decode_attention
+from graphrt.devices.cuda.triton_decode import (
+    NUM_KV_SPLITS,
+    allocate_decode_scratch,
+    decode_attention,
+)
 from graphrt.devices.cuda.triton_verify import tree_verify_attention
 
 PREFIX, NODES, HEADS = 512, 5, 8
@@ -67,16 +73,23 @@ def layer_us(bs: int, head_dim: int, packed: bool) -> tuple[float, float, bool]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", default="1,64", help="comma list (default: 1,64)")
+    sizes = [int(s) for s in parser.parse_args().batch_sizes.split(",")]
     print(
-        f"{'bs':>3} {'D':>4} {'packed':>6} {'decode us':>10} {'verify us':>10} {'ratio':>6} bitwise"
+        f"{'bs':>3} {'D':>4} {'packed':>6} {'programs':>8} {'decode us':>10} {'verify us':>10}"
+        f" {'ratio':>6} bitwise"
     )
     for head_dim in (256, 512):
-        for bs in (1, 64):
+        for bs in sizes:
             for packed in (False, True):
                 decode, verify, same = layer_us(bs, head_dim, packed)
+                # What PACK_MIN_PROGRAMS is compared with: one-node programs (rows x KV
+                # heads x decode's splits).
+                programs = bs * NODES * NUM_KV_SPLITS
                 print(
-                    f"{bs:>3} {head_dim:>4} {packed!s:>6} {decode:>10.1f} {verify:>10.1f}"
-                    f" {verify / decode:>6.2f} {same}"
+                    f"{bs:>3} {head_dim:>4} {packed!s:>6} {programs:>8} {decode:>10.1f}"
+                    f" {verify:>10.1f} {verify / decode:>6.2f} {same}"
                 )
 
 
