@@ -11,6 +11,7 @@ import importlib.util
 import math
 import os
 import re
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -311,3 +312,10 @@ def cycling_chooser(max_steps: int, order: tuple[int, ...]):
                     return steps
 
     return CyclingChooser()
+
+
+def sigint_default() -> None:
+    """``preexec_fn`` for a child that must stop on SIGINT: a lane started in the
+    background (`cmd &` in a script) inherits SIGINT ignored, and Python then keeps
+    ignoring it, as nohup intends; a terminal's Ctrl-C reaches it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

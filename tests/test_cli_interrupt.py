@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from helpers import sigint_default
 
 from graphrt.core.cli.main import main
 
@@ -28,14 +29,8 @@ def _start(*args: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
-        # A lane started in the background (`cmd &` in a script) inherits SIGINT ignored,
-        # and Python then keeps ignoring it, as nohup intends: Ctrl-C as a terminal sends it.
-        preexec_fn=_sigint_default,
+        preexec_fn=sigint_default,
     )
-
-
-def _sigint_default() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _read_until_streaming(proc: subprocess.Popen, prompt: str) -> bytes:

@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from helpers import sigint_default
 
 from graphrt import devices
 from graphrt.core.errors import UsageError
@@ -138,7 +139,7 @@ def test_a_signal_to_the_launcher_stops_and_reaps_its_ranks(llama_gqa_untied, si
     ]  # fmt: skip
     job = subprocess.Popen(
         CLI + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=_sigint_default,
+        preexec_fn=sigint_default,
     )  # fmt: skip
     while "set up the engine" not in job.stderr.readline():  # rank 0 is about to decode
         assert job.poll() is None, job.stderr.read()
@@ -152,10 +153,8 @@ def test_a_signal_to_the_launcher_stops_and_reaps_its_ranks(llama_gqa_untied, si
     assert err.strip().splitlines()[-1] == line
     # One line for the job (rank 0's warnings, such as --max-new-tokens past the context,
     # are forwarded as they are: they are not about the stop).
-    said = [line for line in err.splitlines() if line.startswith("graphrt:")]
-    assert [said_line for said_line in said if not said_line.startswith("graphrt: warning:")] == [
-        line
-    ]
+    said = [s for s in err.splitlines() if s.startswith("graphrt:")]
+    assert [s for s in said if not s.startswith("graphrt: warning:")] == [line]
     assert "Traceback" not in err
     for pid in ranks:  # reaped: gone, not left running or a zombie
         assert not os.path.exists(f"/proc/{pid}"), f"rank process {pid} outlived the job"
@@ -165,11 +164,6 @@ def test_a_signal_to_the_launcher_stops_and_reaps_its_ranks(llama_gqa_untied, si
     assert (
         len(reasons) == 3 and "interrupted" in reasons and set(reasons) <= {"interrupted", "length"}
     )
-
-
-def _sigint_default() -> None:
-    # A lane started in the background inherits SIGINT ignored (see test_cli_interrupt).
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_a_rank_that_fails_ends_the_job_with_its_one_line(llama_gqa_untied):

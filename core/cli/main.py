@@ -19,9 +19,9 @@ import signal
 import sys
 import threading
 
-if __name__ == "__main__":  # python -m: a Ctrl-C while importing is one line too
-    from graphrt.core.cli import start_up
+from graphrt.core.cli import start_up
 
+if __name__ == "__main__":  # python -m: a Ctrl-C while importing is one line too
     start_up.guard()
 
 from graphrt import devices  # noqa: E402
@@ -29,7 +29,6 @@ from graphrt import devices  # noqa: E402
 # HAZARD: must run before anything imports torch (see devices.disable_torch_backend_autoload).
 devices.disable_torch_backend_autoload()
 
-from graphrt.core.cli import start_up  # noqa: E402
 from graphrt.core.cli.args import build_parser  # noqa: E402
 from graphrt.core.errors import (  # noqa: E402
     GraphrtError,
