@@ -2,9 +2,14 @@
 
 A failed capture degrades to eager steps and a warning (GraphRunner.capture), which
 keeps serving but would turn a broken capture into a passing eager run. So every test
-marked ``graphs`` asserts that graphs replayed, and this test holds them to it: it runs
-them with every capture forced to fail, in pytest and in every process the tests start
-(tests/fail_captures/sitecustomize.py), and expects each one to fail.
+marked ``graphs`` is held to graphs two ways:
+
+- conftest fails one that passes with no graph captured or replayed in its process while
+  it ran (its ``_GraphWitness``); tested here on a probe file;
+- a test whose graphs that witness cannot see (built by a fixture other tests share, or
+  in processes it starts) is marked ``graphs_shared`` too, and must fail when it runs
+  with every capture forced to fail, in pytest and in every process the tests start
+  (tests/fail_captures/sitecustomize.py).
 """
 
 from __future__ import annotations
@@ -18,23 +23,35 @@ from pathlib import Path
 import pytest
 from helpers import FAIL_CAPTURES
 
+pytest_plugins = ["pytester"]
+
 ROOT = Path(__file__).resolve().parents[1]
-# The lane has 141 graph tests (2026-12-02); far fewer means the marker was lost somewhere.
+LANE = "not cuda and not npu and not xpu"
+# The lane's counts (2026-12-03): 151 graph tests, 33 of them graphs_shared; far fewer
+# means a marker was lost somewhere.
 MIN_GRAPH_TESTS = 130
+MIN_SHARED_TESTS = 20
+
+
+def _pytest(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, "tests"],
+        cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
 
 
 @pytest.mark.slow
-def test_every_graph_test_fails_when_every_capture_fails(tmp_path):
+def test_every_shared_graph_test_fails_when_every_capture_fails(tmp_path):
     if os.environ.get(FAIL_CAPTURES) == "1":
         pytest.skip("already running with every capture failing")
+    collected = _pytest("--collect-only", "-m", f"graphs and {LANE}")
+    graph_tests = [line for line in collected.stdout.splitlines() if "::" in line]
+    assert len(graph_tests) >= MIN_GRAPH_TESTS, collected.stdout[-2000:]
+
     report = tmp_path / "report.xml"
-    selection = "graphs and not cuda and not npu and not xpu"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", selection, "-q", "-p", "no:cacheprovider",
-         f"--junitxml={report}", "tests"],
-        cwd=ROOT, env={**os.environ, FAIL_CAPTURES: "1"}, capture_output=True, text=True,
-        timeout=1800,
-    )  # fmt: skip
+    proc = _pytest(
+        "-m", f"graphs_shared and {LANE}", f"--junitxml={report}", **{FAIL_CAPTURES: "1"}
+    )
     assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     passed, ran = [], 0
     for case in ET.parse(report).iter("testcase"):
@@ -42,5 +59,48 @@ def test_every_graph_test_fails_when_every_capture_fails(tmp_path):
         ran += "skipped" not in outcome
         if not outcome:
             passed.append(f"{case.get('classname')}::{case.get('name')}")
-    assert ran >= MIN_GRAPH_TESTS, f"only {ran} graph tests ran:\n{proc.stdout[-2000:]}"
+    assert ran >= MIN_SHARED_TESTS, f"only {ran} shared graph tests ran:\n{proc.stdout[-2000:]}"
     assert not passed, "these graph tests pass with no graph:\n" + "\n".join(passed)
+
+
+PROBE = """
+import pytest
+import torch
+from helpers import cpu_engine, standin_device
+
+from graphrt.core.engine import SamplingParams
+from graphrt.core.models import load_model
+from graphrt.devices.cpu import CpuDevice
+
+
+def _generate(**config):
+    loaded = load_model("random:llama-tiny", CpuDevice(), torch.float32)
+    engine = cpu_engine(loaded, max_context_len=32, graph_buckets=(2,), **config)
+    engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    return engine
+
+
+@pytest.mark.graphs
+def test_eager_only():
+    _generate()
+
+
+@pytest.mark.graphs
+def test_on_graphs():
+    assert _generate(runner="graph", device=standin_device()).stats.graph_steps > 0
+
+
+@pytest.mark.graphs
+@pytest.mark.graphs_shared
+def test_eager_but_shared():
+    _generate()
+"""
+
+
+def test_conftest_fails_a_graphs_test_that_ran_no_graph(pytester):
+    pytester.makepyfile(test_probe=PROBE)
+    result = pytester.runpytest_inprocess("-p", "conftest", "-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(
+        ["*test_eager_only*", "marked graphs, but no graph was captured or replayed*"]
+    )

@@ -67,7 +67,11 @@ def two_ranks(request, tmp_path_factory) -> tuple[dict, list[dict]]:
     return expected, [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 
-@pytest.mark.parametrize("runner", ["eager", pytest.param("graph", marks=pytest.mark.graphs)])
+# The ranks replay the graphs, in the processes the module's fixture starts.
+GRAPHS_IN_RANKS = (pytest.mark.graphs, pytest.mark.graphs_shared)
+
+
+@pytest.mark.parametrize("runner", ["eager", pytest.param("graph", marks=GRAPHS_IN_RANKS)])
 @pytest.mark.parametrize("model", MODELS)
 def test_two_ranks_give_the_tokens_of_one(two_ranks, model, runner):
     expected, ranks = two_ranks

@@ -47,7 +47,8 @@ GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 LENS = (5, 11, 3)  # 11 is longer than the sliding window (6)
 SPEC = SpecConfig(num_steps=3, topk=2)
 RUNNERS = ("eager", "graph")
-GRAPH_MARKS = {"eager": (), "graph": pytest.mark.graphs}
+# The ranks replay the graphs, in the processes the module's fixture starts.
+GRAPH_MARKS = {"eager": (), "graph": (pytest.mark.graphs, pytest.mark.graphs_shared)}
 # case -> (target fixture, assistant fixture or None)
 CASES = {
     "target": ("gemma4_tiny", None),

@@ -25,6 +25,7 @@ def test_captures_configured_buckets_largest_first_in_one_session(graph_case: Ha
     assert h.capture_log == ["session-enter", *expected, "session-exit"]
 
 
+@pytest.mark.graphs_shared  # the session's harness captured its graphs
 def test_stream_graphs_share_one_pool(graph_case: Harness):
     module = getattr(graph_case.backend, "module", None)
     if not graph_case.case.is_standin or module is None:
@@ -33,6 +34,7 @@ def test_stream_graphs_share_one_pool(graph_case: Harness):
     assert {g.pool for g in module.graphs} == set(module.pools)
 
 
+@pytest.mark.graphs_shared  # the session's harness captured its graphs
 def test_breakable_capture_segments(graph_case: Harness):
     h = graph_case
     if not h.case.breakable:
@@ -48,6 +50,7 @@ def test_breakable_capture_segments(graph_case: Harness):
         assert len(h.backend.module.graphs) == len(h.case.buckets) * (layers + 1)
 
 
+@pytest.mark.graphs_shared  # the session's harness captured its graphs
 def test_npu_graphs_are_captured_with_auto_dispatch(graph_case: Harness):
     h = graph_case
     if h.case.id != "npu-standin":
@@ -79,6 +82,7 @@ def test_cleanup_then_capture_again(graph_case: Harness, monkeypatch):
         assert not runner.can_run_graph(batch)
 
 
+@pytest.mark.graphs_shared  # cpu-compile's runners live in a child process
 def test_many_runners_in_one_process_each_replay_their_own_graphs(graph_case: Harness):
     """Several GraphRunners live in one process (an Engine per configuration, target and
     draft runners, cleanup and recapture): each keeps replaying its own graphs."""

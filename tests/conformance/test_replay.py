@@ -109,6 +109,7 @@ def test_outputs_stay_valid_after_the_next_replay(graph_case: Harness):
     assert torch.equal(first.logits, kept[0]) and torch.equal(first.hidden, kept[1])
 
 
+@pytest.mark.graphs_shared  # the session's harness captured its graphs
 def test_can_run_graph_only_for_decode_within_the_buckets(graph_case: Harness):
     h = graph_case
     largest = h.runner.buckets[-1]
