@@ -5,7 +5,7 @@ keeps serving but would turn a broken capture into a passing eager run. So every
 marked ``graphs`` is held to graphs two ways:
 
 - conftest fails one that passes with no graph captured or replayed in its process while
-  it ran (its ``_GraphWitness``); tested here on a probe file;
+  it ran (its ``_GraphWitness``); its hooks are tested here;
 - a test whose graphs that witness cannot see (built by a fixture other tests share, or
   in processes it starts) is marked ``graphs_shared`` too, and must fail when it runs
   with every capture forced to fail, in pytest and in every process the tests start
@@ -14,6 +14,7 @@ marked ``graphs`` is held to graphs two ways:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -21,9 +22,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import FAIL_CAPTURES
-
-pytest_plugins = ["pytester"]
+from pluggy import Result
 
 ROOT = Path(__file__).resolve().parents[1]
 LANE = "not cuda and not npu and not xpu"
@@ -63,44 +64,56 @@ def test_every_shared_graph_test_fails_when_every_capture_fails(tmp_path):
     assert not passed, "these graph tests pass with no graph:\n" + "\n".join(passed)
 
 
-PROBE = """
-import pytest
-import torch
-from helpers import cpu_engine, standin_device
-
-from graphrt.core.engine import SamplingParams
-from graphrt.core.models import load_model
-from graphrt.devices.cpu import CpuDevice
-
-
 def _generate(**config):
+    from helpers import cpu_engine
+
+    from graphrt.core.engine import SamplingParams
+    from graphrt.core.models import load_model
+    from graphrt.devices.cpu import CpuDevice
+
     loaded = load_model("random:llama-tiny", CpuDevice(), torch.float32)
     engine = cpu_engine(loaded, max_context_len=32, graph_buckets=(2,), **config)
     engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=3, ignore_eos=True))
     return engine
 
 
-@pytest.mark.graphs
-def test_eager_only():
-    _generate()
+class _Probe:
+    """A test item as conftest's hooks see it: its id and its markers."""
+
+    def __init__(self, nodeid: str, *markers: str):
+        self.nodeid, self.markers = nodeid, markers
+
+    def get_closest_marker(self, name: str):
+        return name if name in self.markers else None
 
 
-@pytest.mark.graphs
-def test_on_graphs():
-    assert _generate(runner="graph", device=standin_device()).stats.graph_steps > 0
+def _outcome_of(item: _Probe, body) -> BaseException | None:
+    """What conftest's setup and call hooks make of a passing test running ``body``."""
+    import conftest
+
+    setup = conftest.pytest_runtest_setup(item)
+    next(setup)
+    with contextlib.suppress(StopIteration):
+        setup.send(Result(None, None))
+    call = conftest.pytest_runtest_call(item)
+    next(call)
+    body()
+    outcome = Result(None, None)
+    with contextlib.suppress(StopIteration):
+        call.send(outcome)
+    return outcome.exception
 
 
-@pytest.mark.graphs
-@pytest.mark.graphs_shared
-def test_eager_but_shared():
-    _generate()
-"""
+def test_conftest_fails_a_graphs_test_that_ran_no_graph():
+    from helpers import standin_device
 
+    eager = _outcome_of(_Probe("eager", "graphs"), _generate)
+    assert isinstance(eager, pytest.fail.Exception)
+    assert "marked graphs, but no graph was captured or replayed" in str(eager)
+    assert _outcome_of(_Probe("shared", "graphs", "graphs_shared"), _generate) is None
+    assert _outcome_of(_Probe("unmarked"), _generate) is None
 
-def test_conftest_fails_a_graphs_test_that_ran_no_graph(pytester):
-    pytester.makepyfile(test_probe=PROBE)
-    result = pytester.runpytest_inprocess("-p", "conftest", "-q", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=2, failed=1)
-    result.stdout.fnmatch_lines(
-        ["*test_eager_only*", "marked graphs, but no graph was captured or replayed*"]
-    )
+    def on_graphs():
+        assert _generate(runner="graph", device=standin_device()).stats.graph_steps > 0
+
+    assert _outcome_of(_Probe("graphs", "graphs"), on_graphs) is None
