@@ -87,10 +87,8 @@ class _Probe:
         return name if name in self.markers else None
 
 
-def _outcome_of(item: _Probe, body) -> BaseException | None:
+def _outcome_of(conftest, item: _Probe, body) -> BaseException | None:
     """What conftest's setup and call hooks make of a passing test running ``body``."""
-    import conftest
-
     setup = conftest.pytest_runtest_setup(item)
     next(setup)
     with contextlib.suppress(StopIteration):
@@ -104,16 +102,21 @@ def _outcome_of(item: _Probe, body) -> BaseException | None:
     return outcome.exception
 
 
-def test_conftest_fails_a_graphs_test_that_ran_no_graph():
+def test_conftest_fails_a_graphs_test_that_ran_no_graph(request):
     from helpers import standin_device
 
-    eager = _outcome_of(_Probe("eager", "graphs"), _generate)
+    # This folder's conftest as pytest loaded it (`import conftest` may find another).
+    path = Path(__file__).with_name("conftest.py")
+    plugins = request.config.pluginmanager.get_plugins()
+    (conftest,) = [p for p in plugins if getattr(p, "__file__", None) == str(path)]
+
+    eager = _outcome_of(conftest, _Probe("eager", "graphs"), _generate)
     assert isinstance(eager, pytest.fail.Exception)
     assert "marked graphs, but no graph was captured or replayed" in str(eager)
-    assert _outcome_of(_Probe("shared", "graphs", "graphs_shared"), _generate) is None
-    assert _outcome_of(_Probe("unmarked"), _generate) is None
+    assert _outcome_of(conftest, _Probe("shared", "graphs", "graphs_shared"), _generate) is None
+    assert _outcome_of(conftest, _Probe("unmarked"), _generate) is None
 
     def on_graphs():
         assert _generate(runner="graph", device=standin_device()).stats.graph_steps > 0
 
-    assert _outcome_of(_Probe("graphs", "graphs"), on_graphs) is None
+    assert _outcome_of(conftest, _Probe("graphs", "graphs"), on_graphs) is None
