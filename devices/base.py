@@ -48,6 +48,10 @@ class Device(abc.ABC):
     graphs_capture_collectives: ClassVar[bool] = True
     """Whether this device's graphs record the collective library's calls reliably (tensor
     parallelism on graphs); where not, ``--tp`` runs eagerly only."""
+    kv_memory_fraction: ClassVar[float | None] = None
+    """The share of free memory (weights loaded) the KV pool takes by default, the context
+    then defaulting to the model's (core/engine/kv_plan.py); None: a fixed 1 GiB pool and
+    a context of at most 4096 tokens."""
     index: int | None = None
     """Which of the host's devices this process drives (``bind_local_rank``); None: the
     current one."""

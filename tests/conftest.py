@@ -73,6 +73,18 @@ class _GraphWitness:
 
 
 _GraphWitness.install()
+
+
+def _share_the_gpu() -> None:
+    """The CUDA lane's workers (bench/h200.sh runs several) share one GPU: an engine left
+    to its default KV pool, a share of free memory (CudaDevice.kv_memory_fraction), would
+    leave the next worker none. A tenth of what is free each."""
+    from graphrt.devices.cuda import CudaDevice
+
+    CudaDevice.kv_memory_fraction = 0.1
+
+
+_share_the_gpu()
 _GRAPHS_AT_SETUP: dict[str, int] = {}
 
 

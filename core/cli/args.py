@@ -136,6 +136,13 @@ def _top_p(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = _real(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
 # --spec-steps auto: each step a plain step or a round of 1 to this many draft steps,
 # whichever pays. The embedded pair, held-out code, greedy: accept length 2.48 at 3 steps,
 # 2.88 at 5 (topk 1); topk 3 accepts more (3.45 at 5) but verifies 12 tokens a round.
@@ -357,10 +364,26 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     gen.add_argument(
-        "--max-context-len", type=_positive, default=None, help="default: the model's, at most 4096"
+        "--max-context-len",
+        type=_positive,
+        default=None,
+        help="the longest request, prompt and output (default: the model's, bounded by the "
+        "KV pool; at most 4096 on the CPU)",
     )
     gen.add_argument(
-        "--kv-pool-tokens", type=_positive, default=None, help="KV slots (default: 1 GiB worth)"
+        "--kv-pool-tokens",
+        type=_positive,
+        default=None,
+        help="KV slots (default: what --kv-memory-fraction of free memory holds; 1 GiB worth "
+        "on the CPU)",
+    )
+    gen.add_argument(
+        "--kv-memory-fraction",
+        type=_fraction,
+        default=None,
+        help="the share of device memory free after loading the weights that the KV pool "
+        "takes, the graphs' logits buffers included (default: 0.85 on CUDA; the CPU "
+        "keeps 1 GiB)",
     )
     _add_spec_flags(gen)
     gen.add_argument(

@@ -195,6 +195,7 @@ def run_generate(args: argparse.Namespace) -> int:
         max_running_requests=args.max_running_requests,
         max_context_len=args.max_context_len,
         kv_pool_tokens=args.kv_pool_tokens,
+        kv_memory_fraction=args.kv_memory_fraction,
         seed=args.seed,
         runner=runner,
         graph_backend=args.graph_backend,
@@ -210,7 +211,8 @@ def run_generate(args: argparse.Namespace) -> int:
     # summary line reports that time apart).
     with _phase("set up the engine" + (" and its graphs" if runner == "graph" else "")) as said:
         engine = Engine(loaded, config, device, strategy)
-        said.append(f"KV pool {engine.kv_pool.num_slots} tokens, context {engine.max_context_len}")
+        plan = engine.kv_plan
+        said.append(f"KV pool {plan.slots} tokens, {plan.sized_by}; context {plan.context}")
     # Validate every prompt before generating anything, so a bad one costs no work.
     for prompt in prompts:
         engine.validate_request(prompt, params)

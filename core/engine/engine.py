@@ -22,6 +22,7 @@ import torch
 
 from graphrt import devices
 from graphrt.core.batch import ForwardBatch, ForwardMode
+from graphrt.core.engine.kv_plan import plan_kv
 from graphrt.core.engine.ledger import Ledger
 from graphrt.core.engine.request import (
     FinishReason,
@@ -52,9 +53,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class EngineConfig:
     max_running_requests: int = 32
-    max_context_len: int | None = None  # None: the model's, capped at 4096
-    kv_pool_tokens: int | None = None  # None: as many as kv_cache_bytes holds
-    kv_cache_bytes: int = 1 << 30
+    # Pool and context sizes: see core/engine/kv_plan.py. None: the device's defaults (on
+    # an accelerator, a share of free memory and the model's context; on the CPU, 1 GiB
+    # and at most 4096 tokens).
+    max_context_len: int | None = None
+    kv_pool_tokens: int | None = None
+    kv_cache_bytes: int | None = None
+    kv_memory_fraction: float | None = None  # of free memory after the weights, (0, 1]
     max_prefill_tokens: int = 8192  # prompt tokens per prefill step
     seed: int = 0
     runner: str | None = None  # "graph" | "eager"; None: graph where the device has a backend
@@ -71,8 +76,8 @@ class EngineConfig:
     max_graph_memory_bytes: int | None = None
 
     def __post_init__(self):
-        sizes = ("max_running_requests", "max_prefill_tokens", "kv_cache_bytes")
-        optional = ("max_context_len", "kv_pool_tokens", "graph_max_batch")
+        sizes = ("max_running_requests", "max_prefill_tokens")
+        optional = ("max_context_len", "kv_pool_tokens", "kv_cache_bytes", "graph_max_batch")
         optional += ("max_graph_memory_bytes",)
         for name in (*sizes, *optional, "seed"):
             value = getattr(self, name)
@@ -82,6 +87,12 @@ class EngineConfig:
                 raise UsageError(f"{name} must be an integer, got {value!r}")
             if value < 1 and name != "seed":
                 raise UsageError(f"{name} must be >= 1, got {value}")
+        fraction = self.kv_memory_fraction
+        if fraction is not None and not (
+            isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
+            and 0 < fraction <= 1
+        ):  # fmt: skip
+            raise UsageError(f"kv_memory_fraction must be in (0, 1], got {fraction!r}")
         buckets = self.graph_buckets
         if buckets is not None and not (
             isinstance(buckets, (tuple, list)) and all(map(is_int, buckets))
@@ -197,7 +208,6 @@ class Engine:
                 f"{self.device.name}: load it with load_model(..., device)"
             )
         self.strategy = strategy or PlainDecode()
-        self.max_context_len = min(model.max_context_len, cfg.max_context_len or 4096)
         kv_specs = model.kv_layer_specs()
         if not any(s.cache_index is not None for s in kv_specs):
             raise UsageError(
@@ -205,11 +215,10 @@ class Engine:
                 "MTP assistant) and runs beside its target; pass it as --draft, the target "
                 "as --model"
             )
-        slots = cfg.kv_pool_tokens or self._slots_for_bytes(kv_specs, param.dtype)
         runner = cfg.runner or self.device.default_runner()
         # No batch can exceed the running-request cap or the KV slots, nor the workload
         # the caller announced (graph_max_batch; an explicit bucket list wins over it).
-        graph_max_bs = min(cfg.max_running_requests, slots)
+        graph_max_bs = cfg.max_running_requests
         if cfg.graph_max_batch is not None and cfg.graph_buckets is None:
             graph_max_bs = min(graph_max_bs, cfg.graph_max_batch)
         # The graphs' logits buffers (the decode graphs' shared one, a round's verify rows):
@@ -218,6 +227,22 @@ class Engine:
         if runner == "graph":
             rows = graph_max_bs * (1 + self.strategy.extra_kv_slots())
             graph_floor = rows * model.vocab_size * 4
+        free = self.device.free_memory_bytes()
+        plan = plan_kv(
+            model_context=model.max_context_len,
+            bytes_per_token=self._kv_bytes_per_token(kv_specs, param.dtype),
+            max_running_requests=cfg.max_running_requests,
+            max_context_len=cfg.max_context_len,
+            kv_pool_tokens=cfg.kv_pool_tokens,
+            kv_cache_bytes=cfg.kv_cache_bytes,
+            memory_fraction=cfg.kv_memory_fraction,
+            device_fraction=self.device.kv_memory_fraction,
+            free_bytes=free,
+            reserved_bytes=graph_floor,
+        )
+        self.kv_plan = plan
+        self.max_context_len, slots = plan.context, plan.slots
+        graph_max_bs = min(graph_max_bs, slots)
         too_big = OutOfMemoryError(
             f"the KV pool ({slots} tokens), request table ({cfg.max_running_requests} "
             f"requests x {self.max_context_len} tokens)"
@@ -231,7 +256,6 @@ class Engine:
         need = slots * self._kv_bytes_per_token(kv_specs, param.dtype)
         need += cfg.max_running_requests * self.max_context_len * 8  # int64 token table
         need += graph_floor
-        free = self.device.free_memory_bytes()
         if free is not None and need > free:
             raise OutOfMemoryError(
                 f"{too_big} (needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free)"
@@ -341,11 +365,6 @@ class Engine:
             2 * s.num_kv_heads * s.head_dim for s in kv_specs if s.cache_index is not None
         )
         return per_token * dtype.itemsize
-
-    def _slots_for_bytes(self, kv_specs, dtype) -> int:
-        per_token = self._kv_bytes_per_token(kv_specs, dtype)
-        by_bytes = self.config.kv_cache_bytes // max(per_token, 1)
-        return max(1, min(by_bytes, self.config.max_running_requests * self.max_context_len))
 
     # ---- requests -------------------------------------------------------------
 

@@ -15,6 +15,9 @@ class CudaDevice(Device):
     collective_backend = "nccl"
     # ncclDevKernel_AllReduce_Sum_bf16_RING_LL; torch's symmetric-memory one-shot kernels.
     collective_kernels = r"nccl|one_shot_all_reduce|two_shot_all_reduce"
+    # Of the memory free once the weights are loaded: the rest (15%) holds activations,
+    # the graphs' intermediates, cuBLAS and Triton workspaces and the allocator's slack.
+    kv_memory_fraction = 0.85
 
     def is_available(self) -> bool:
         try:
