@@ -82,11 +82,14 @@ def test_prefill_with_cached_prefix_matches(gemma4_tiny):
     assert rel_err(logits, expected) < RTOL
 
 
-def test_batched_greedy_decode_matches_transformers(ckpt):
+# 4: every prompt prefills in chunks, each attending to the KV of those before (sliding
+# windows reaching back into them, KV-sharing layers reading their producer's).
+@pytest.mark.parametrize("prefill_step", [8192, 4])
+def test_batched_greedy_decode_matches_transformers(ckpt, prefill_step):
     name, ckpt = ckpt
     loaded = load_model(str(ckpt.path), CPU, torch.float32)
     prompts = random_prompts(PROMPT_LENS, seed=32)
-    engine = cpu_engine(loaded, max_context_len=64)
+    engine = cpu_engine(loaded, max_context_len=64, max_prefill_tokens=prefill_step)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, return_logits=True)
     reqs = engine.generate(prompts, params)
     for prompt, req in zip(prompts, reqs):

@@ -157,3 +157,33 @@ def test_tied_embeddings_load_without_lm_head(llama_tied):
     (prompt,) = random_prompts([11], seed=14)
     logits = ExtendHarness(loaded).extend([(1, prompt, 0)])
     assert rel_err(logits, _hf_logits(llama_tied.hf, prompt)) < RTOL
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_untied", "mistral_swa"])
+def test_prompts_longer_than_a_prefill_step_prefill_in_chunks(name, request):
+    """max_prefill_tokens 4: the 25-token prompt prefills over 7 steps (each chunk attends
+    to the KV of those before: lower-right causal, and Mistral's window reaching back into
+    them), the next prompt's first chunk fills a step's spare tokens; greedy tokens and
+    logits are still transformers'."""
+    ckpt = request.getfixturevalue(name)
+    loaded = load_model(str(ckpt.path), CPU, torch.float32)
+    prompts = random_prompts(_lens(name), seed=12)
+    engine = cpu_engine(loaded, max_context_len=128, max_prefill_tokens=4)
+    chunks = []  # (request id, tokens) of every prefill step
+    real_batch = engine._prefill_batch
+    engine._prefill_batch = lambda step: (
+        chunks.append([(r.rid, n) for r, n in step]) or (real_batch(step))
+    )
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, return_logits=True)
+    reqs = engine.generate(prompts, params)
+    assert all(sum(n for _, n in step) <= 4 for step in chunks)
+    assert any(len(step) > 1 for step in chunks)  # a prompt's first chunk fills a step's rest
+    for prompt, req in zip(prompts, reqs):
+        assert sum(n for step in chunks for rid, n in step if rid == req.rid) == len(prompt)
+        hf_tokens, hf_logits = hf_greedy(ckpt.hf, prompt, 8)
+        assert req.output_ids == hf_tokens, f"{name}: prompt len {len(prompt)}"
+        for step, (ours, theirs) in enumerate(zip(req.output_logits, hf_logits)):
+            assert rel_err(ours, theirs) < RTOL, f"{name}: prompt len {len(prompt)}, step {step}"
+    longest = max(reqs, key=lambda r: len(r.prompt_ids))
+    assert sum(any(rid == longest.rid for rid, _ in step) for step in chunks) >= 6
+    assert engine.kv_pool.available() == engine.kv_pool.num_slots

@@ -127,6 +127,23 @@ def test_greedy_with_drafter_equals_transformers(
             assert len(rnd["draft_tokens"]) == engine.strategy.cfg.num_draft_tokens - 1
 
 
+def test_greedy_with_drafter_after_prefills_in_chunks_equals_transformers(
+    gemma4_tiny, gemma4_assistant, hf_reference
+):
+    """Prompts prefilled 5 tokens a step: each request's first seed is the hidden of its
+    last chunk's last token, whichever step that chunk ran in."""
+    prompts, expected = hf_reference
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    chunked = spec_engine(gemma4_tiny, gemma4_assistant, 3, 1, max_prefill_tokens=5)
+    reqs = chunked.generate(prompts, params)
+    assert [r.output_ids for r in reqs] == expected
+    assert chunked.kv_pool.available() == chunked.kv_pool.num_slots
+    # Every round drafts what it drafts after a one-step prefill: the seeds are the same.
+    whole = spec_engine(gemma4_tiny, gemma4_assistant, 3, 1).generate(prompts, params)
+    assert chunked.stats.spec_rounds > 0
+    assert [r.spec_rounds for r in reqs] == [r.spec_rounds for r in whole]
+
+
 @pytest.mark.parametrize(("steps", "topk"), [(3, 1), (4, 1), (3, 3)])
 def test_acceptance_with_varying_accept_lengths_is_lossless(
     steps, topk, gemma4_tiny, gemma4_assistant, hf_reference

@@ -128,38 +128,61 @@ class TorchAttentionBackend(AttentionBackend):
         return out.transpose(1, 2).reshape(bs * n, spec.num_heads, spec.head_dim).to(q.dtype)
 
     def _extend(self, q: torch.Tensor, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
-        # One SDPA per request (prefill runs eager). Keys: its cached prefix
-        # (req_to_token), then its new tokens (out_cache_loc), seen causally.
-        # Host lengths only: no syncs.
+        # One SDPA per request (prefill runs eager). Keys: the request's cached tokens
+        # this chunk can see (req_to_token), then its new tokens (out_cache_loc). No mask
+        # is built where causality implies it (see _causal): a prompt's chunks need no
+        # n x L mask, so a long prompt runs through SDPA's flash-class kernels. A sliding
+        # window reads only the keys inside it. Host lengths only: no syncs.
         k_buf = self.kv_pool.k_buffers[spec.cache_index]
         v_buf = self.kv_pool.v_buffers[spec.cache_index]
         req_to_token = self.req_to_token_pool.req_to_token
+        window = spec.sliding_window
+        gqa = spec.num_heads != spec.num_kv_heads
         out = torch.empty_like(q)
         start = 0
         for i, (prefix, n_new) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)):
             new = slice(start, start + n_new)
+            # The chunk's first query (position ``prefix``) sees keys past prefix - window.
+            first = 0 if window is None else max(0, prefix - window + 1)
             slots = torch.cat(
-                [req_to_token[batch.req_pool_indices[i], :prefix], batch.out_cache_loc[new]]
-            )
+                [req_to_token[batch.req_pool_indices[i], first:prefix], batch.out_cache_loc[new]]
+            )  # (L,): positions first .. prefix + n_new - 1
             key = k_buf[slots].transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
             value = v_buf[slots].transpose(0, 1).unsqueeze(0)
-            q_pos = batch.positions[new].unsqueeze(1)  # (n, 1)
-            k_pos = torch.cat([torch.arange(prefix, device=q.device), batch.positions[new]])  # (L,)
-            among_new = torch.ones(n_new, n_new, dtype=torch.bool, device=q.device).tril()
-            visible = torch.cat(
-                [torch.ones(n_new, prefix, dtype=torch.bool, device=q.device), among_new], dim=1
-            )  # (n, L)
-            if spec.sliding_window is not None:
-                visible &= k_pos > q_pos - spec.sliding_window
-            q_i = q[new].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
-            o = F.scaled_dot_product_attention(
-                q_i.to(key.dtype),
-                key,
-                value,
-                attn_mask=visible,
-                scale=spec.scaling,
-                enable_gqa=spec.num_heads != spec.num_kv_heads,
-            )
+            q_i = q[new].transpose(0, 1).unsqueeze(0).to(key.dtype)  # (1, H, n, D)
+            if window is None:
+                o = _causal(q_i, key, value, spec.scaling, gqa)
+            else:
+                q_pos = batch.positions[new].unsqueeze(1)  # (n, 1)
+                k_pos = torch.cat([torch.arange(first, prefix, device=q.device), q_pos[:, 0]])
+                visible = (k_pos <= q_pos) & (k_pos > q_pos - window)  # (n, L)
+                o = F.scaled_dot_product_attention(
+                    q_i, key, value, attn_mask=visible, scale=spec.scaling, enable_gqa=gqa
+                )
             out[new] = o[0].transpose(0, 1).to(q.dtype)
             start += n_new
         return out
+
+
+def _causal(
+    q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, gqa: bool
+) -> torch.Tensor:
+    """Causal attention of q, the last n of key's L positions: (1, H, n, D) -> same.
+    A whole prompt (n == L) is SDPA's is_causal; a chunk after cached tokens is causal
+    aligned to the lower right (torch's CausalBias), which SDPA serves with its flash or
+    memory-efficient kernels where the device has them, never an n x L mask on the GPU."""
+    n, length = q.shape[2], key.shape[2]
+    if n == length:
+        return F.scaled_dot_product_attention(
+            q, key, value, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+    # Imported here: the module imports dynamo (1.7 s, and triton), a cost only a prompt
+    # longer than one prefill step should pay.
+    from torch.nn.attention.bias import causal_lower_right
+
+    if gqa:  # CausalBias's kernels take as many KV heads as query heads
+        group = q.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    return F.scaled_dot_product_attention(
+        q, key, value, attn_mask=causal_lower_right(n, length), scale=scale
+    )

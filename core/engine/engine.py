@@ -282,6 +282,9 @@ class Engine:
         self._lock = threading.RLock()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Admitted requests whose prompt is not all in the KV cache yet (a prompt longer
+        # than max_prefill_tokens prefills in chunks, one a step); also in ``running``.
+        self.prefilling: list[Request] = []
         self.stats = EngineStats()
         self._next_rid = 0
         self._largest_capture = 0  # bytes the largest capture so far added (the cap's guess)
@@ -499,18 +502,21 @@ class Engine:
             return self._step_locked()
 
     def _step_locked(self) -> list[Request]:
-        admitted = self._admit()
-        stepping = admitted or list(self.running)
+        self._admit()
+        chunks = self._prefill_chunks()
+        stepping = [req for req, _ in chunks] or list(self.running)
         start = time.perf_counter()
         try:
-            return self._step(admitted)
+            return self._step(chunks)
         except Exception as e:  # noqa: BLE001 (any failure: the requests must not leak)
             self._fail(stepping, e)
             return stepping
         finally:
-            if admitted:
+            if chunks:
                 self.stats.prefill_s += time.perf_counter() - start
-                self.stats.prefill_tokens += sum(len(r.output_ids) > 0 for r in admitted)
+                self.stats.prefill_tokens += sum(
+                    len(r.output_ids) == 1 for r in stepping if r not in self.prefilling
+                )
 
     def _fail(self, reqs: list[Request], error: Exception) -> None:
         """Finish ``reqs`` with an error and rebuild the pools' free lists from the requests
@@ -523,16 +529,25 @@ class Engine:
             req.finish_reason, req.error = FinishReason.ERROR, message
             if req in self.running:
                 self.running.remove(req)
+            if req in self.prefilling:
+                self.prefilling.remove(req)
             req.req_slot = None
         self.ledger.recover(self.running)
 
-    def _step(self, admitted: list[Request]) -> list[Request]:
-        if admitted:
-            out, _ = self.ctx.forward(self._prefill_batch(admitted), None)
+    def _step(self, chunks: list[tuple[Request, int]]) -> list[Request]:
+        if chunks:
+            batch = self._prefill_batch(chunks)
+            out, _ = self.ctx.forward(batch, None)
             self.stats.eager_steps += 1
-            tokens = sample_requests(admitted, out.logits)
-            self.strategy.after_prefill(admitted, out)
-            emitted, reqs = [[t] for t in tokens], admitted
+            # Requests whose whole prompt is in now emit their first token; the others'
+            # next chunk comes in the next step.
+            reqs = [req for req in self.prefilling if req.kv_len == len(req.prompt_ids)]
+            self.prefilling = [req for req in self.prefilling if req not in reqs]
+            if not reqs:
+                return []
+            tokens = sample_requests(reqs, out.logits)
+            self.strategy.after_prefill(reqs, out)
+            emitted = [[t] for t in tokens]
         else:
             reqs = list(self.running)
             if not reqs:
@@ -566,35 +581,57 @@ class Engine:
         self.stats.record_step(outcome)
         return outcome.tokens
 
-    def _admit(self) -> list[Request]:
-        admitted, tokens = [], 0
+    def _admit(self) -> None:
+        """Admit waiting requests (FIFO) while their KV fits and this step's prefill has
+        tokens to spare (a prompt that does not fit whole starts with a chunk)."""
+        pending = sum(len(r.prompt_ids) - r.kv_len for r in self.prefilling)
         while self.waiting and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
             if not self.ledger.fits(req.kv_budget):
                 break  # FIFO: later requests wait behind this one
-            if admitted and tokens + len(req.prompt_ids) > self.config.max_prefill_tokens:
+            if pending >= self.config.max_prefill_tokens:
                 break
             self.waiting.popleft()
             self.ledger.admit(req)
-            tokens += len(req.prompt_ids)
+            pending += len(req.prompt_ids)
             self.running.append(req)
-            admitted.append(req)
-        return admitted
+            self.prefilling.append(req)
 
-    def _prefill_batch(self, reqs: list[Request]) -> ForwardBatch:
-        lens = [len(r.prompt_ids) for r in reqs]
-        locs = self.ledger.place_prompts(reqs, self.torch_device)
+    def _prefill_chunks(self) -> list[tuple[Request, int]]:
+        """This step's prefill: (request, tokens) in admission order, at most
+        max_prefill_tokens in all; a prompt longer than that prefills over several steps
+        (its chunks attend to the KV of those before, through the token table)."""
+        chunks, budget = [], self.config.max_prefill_tokens
+        for req in self.prefilling:
+            n = min(len(req.prompt_ids) - req.kv_len, budget)
+            if n == 0:
+                break
+            chunks.append((req, n))
+            budget -= n
+        return chunks
+
+    def _prefill_batch(self, chunks: list[tuple[Request, int]]) -> ForwardBatch:
+        reqs = [req for req, _ in chunks]
+        starts = [req.kv_len for req in reqs]  # tokens already in the cache
+        lens = [n for _, n in chunks]
+        locs = self.ledger.place_prompts(reqs, lens, self.torch_device)
+        ends = [req.kv_len for req in reqs]  # (place_prompts moved kv_len on)
+        # Logits only where a prompt ends: rows of the requests this chunk completes.
+        last_rows = torch.tensor(lens).cumsum(0) - 1
+        done = [end == len(req.prompt_ids) for req, end in zip(reqs, ends)]
         dev = self.torch_device
         return ForwardBatch(
             mode=ForwardMode.EXTEND,
-            input_ids=to_device([t for r in reqs for t in r.prompt_ids], dev),
-            positions=to_device(torch.cat([torch.arange(n) for n in lens]), dev),
+            input_ids=to_device(
+                [t for req, a, b in zip(reqs, starts, ends) for t in req.prompt_ids[a:b]], dev
+            ),
+            positions=to_device(torch.cat([torch.arange(a, b) for a, b in zip(starts, ends)]), dev),
             req_pool_indices=to_device([r.req_slot for r in reqs], dev),
-            seq_lens=to_device(lens, dev, torch.int32),
+            seq_lens=to_device(ends, dev, torch.int32),
             out_cache_loc=locs,
-            seq_lens_cpu=lens,
+            seq_lens_cpu=ends,
             extend_lens_cpu=lens,
-            logits_indices=to_device(torch.tensor(lens).cumsum(0) - 1, dev),  # last token of each
+            logits_indices=to_device(last_rows[torch.tensor(done)], dev),
         )
 
     def _append_token(self, req: Request, token: int) -> None:
@@ -631,6 +668,8 @@ class Engine:
     def _release(self, req: Request) -> None:
         self.ledger.release(req)
         self.running.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
 
     def cleanup(self) -> None:
         """Drop every captured graph (the engine can no longer run graphs)."""

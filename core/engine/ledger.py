@@ -70,17 +70,20 @@ class Ledger:
 
     # ---- slots for a step ------------------------------------------------------------
 
-    def place_prompts(self, reqs: Sequence[Request], device: torch.device) -> torch.Tensor:
-        """Slots for every prompt token, written into both tables; -> (sum of lens,) device
-        slots in request order. Each request's ``kv_len`` becomes its prompt length."""
-        lens = [len(r.prompt_ids) for r in reqs]
+    def place_prompts(
+        self, reqs: Sequence[Request], lens: Sequence[int], device: torch.device
+    ) -> torch.Tensor:
+        """Slots for each request's next ``lens`` prompt tokens (a chunk, positions from
+        its ``kv_len`` on), written into both tables; -> (sum of lens,) device slots in
+        request order. Each request's ``kv_len`` grows by its chunk."""
         locs_host = self.kv_pool.alloc_host(sum(lens))
         locs = to_device(locs_host, device)
         start = 0
         for req, n in zip(reqs, lens):
-            self.req_pool.req_to_token[req.req_slot, :n] = locs[start : start + n]
-            self.req_pool.host[req.req_slot, :n] = locs_host[start : start + n]
-            req.kv_len = n
+            at = slice(req.kv_len, req.kv_len + n)
+            self.req_pool.req_to_token[req.req_slot, at] = locs[start : start + n]
+            self.req_pool.host[req.req_slot, at] = locs_host[start : start + n]
+            req.kv_len += n
             start += n
         return locs
 
