@@ -55,11 +55,13 @@ from graphrt.devices.cuda.triton_decode import (
 
 # Programs one node a program would launch (rows x KV heads x splits) from which
 # programs serve several nodes; each row is computed as decode computes it either way, so
-# the choice may follow the batch. Measured on the H200 (5-node chains, 8 heads on one
-# KV head, a layer): packed, 111 us at 64 requests where the one-node kernel before it
-# took 147, but 14.7 us at 1 request where it took 11.4. This kernel with one node a
-# program is not measured yet (it spills more than that one did), so: always packed.
-PACK_MIN_PROGRAMS = 0
+# the choice may follow the batch. Measured on the H200 (bench/attention_layer.py, 5-node
+# chains, Gemma 4's 8 heads on one KV head, prefix 512, one layer, us, one node a program
+# / packed; 2026-12-03): head_dim 256: 11.1 / 14.9 at 1 request (80 programs), 15.5 / 16.8
+# at 4 (320), 23.7 / 17.9 at 8 (640), 157.9 / 111.9 at 64; head_dim 512: 18.2 / 26.9,
+# 25.9 / 27.8, 41.1 / 31.7, 296.5 / 218.6. Few programs leave SMs idle, and packing halves
+# them again: one node a program below 640.
+PACK_MIN_PROGRAMS = 640
 
 
 @triton.jit
