@@ -1,0 +1,92 @@
+"""Prefill throughput: graphrt against transformers on the same weights (issue 21).
+
+For each prompt length, one request of random tokens: graphrt's engine prefills it and
+emits its first token (``Engine.generate`` of one token; prefill steps of
+``max_prefill_tokens`` each, so a 32k prompt runs in chunks), and transformers runs one
+forward of the same weights with its sdpa attention and ``logits_to_keep=1``. Medians of
+``--repeats`` timed runs after a warm-up, each ended by a device synchronise; prompt
+tokens a second and the ratio graphrt / transformers. Prints a table and writes JSON.
+
+Run on the device: python bench/prefill.py [--model random:llama-1b] [--lens 512,8192,32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from graphrt import devices
+from graphrt.core.bench.peer_hf import build_hf_model, hf_config
+from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+from graphrt.core.models import load_model
+
+
+def timed(fn, device, repeats: int) -> float:
+    """Median seconds of ``fn`` after one warm-up run."""
+    fn()
+    device.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        device.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="random:llama-1b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--lens", default="512,8192,32768")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = devices.current()
+    dtype = getattr(torch, args.dtype)
+    lens = [int(n) for n in args.lens.split(",")]
+    loaded = load_model(args.model, device, dtype)
+    context = max(lens) + 1
+    engine = Engine(
+        loaded,
+        EngineConfig(max_running_requests=1, max_context_len=context, kv_pool_tokens=context),
+        device,
+    )
+    hf, _ = build_hf_model(hf_config(args.model), loaded.model, device.torch_device(), dtype)
+    vocab = loaded.model.vocab_size
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    rows = []
+    for n in lens:
+        prompt = torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n))
+        ids = prompt.to(device.torch_device()).unsqueeze(0)
+        tokens = prompt.tolist()
+        ours = timed(lambda t=tokens: engine.generate([t], one), device, args.repeats)
+
+        def theirs(ids=ids):
+            with torch.no_grad():
+                hf(ids, logits_to_keep=1, use_cache=False)
+
+        peer = timed(theirs, device, args.repeats)
+        rows.append(
+            dict(prompt=n, graphrt_ms=ours * 1e3, transformers_ms=peer * 1e3,
+                 graphrt_tok_s=n / ours, transformers_tok_s=n / peer, ratio=peer / ours)
+        )  # fmt: skip
+        print(
+            f"{n:>6} graphrt {ours * 1e3:8.1f} ms {n / ours:10.0f} tok/s | transformers "
+            f"{peer * 1e3:8.1f} ms {n / peer:10.0f} tok/s | {peer / ours:.2f}x",
+            flush=True,
+        )
+    if args.out:
+        meta = dict(model=args.model, dtype=args.dtype, device=device.describe(),
+                    torch=torch.__version__,
+                    max_prefill_tokens=engine.config.max_prefill_tokens)  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
