@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import sys
@@ -23,6 +22,7 @@ from helpers import (  # noqa: E402
     MISTRAL_WINDOW,
     TINY,
     Checkpoint,
+    GraphWitness,
     make_checkpoint,
 )
 
@@ -45,34 +45,7 @@ def pytest_configure(config):
     spec.loader.exec_module(module)  # patches this process (idempotent)
 
 
-class _GraphWitness:
-    """Counts the graphs this process captured or replayed, through the two methods every
-    device backend's graphs pass (``GraphRunner.capture_one_shape`` and
-    ``ExecutionBackend.replay``): a test marked ``graphs`` that passes with neither is
-    failed (``pytest_runtest_call``), so a capture that degraded to eager steps cannot pass
-    as a graph run. Graphs built by a fixture other tests share, or in processes the test
-    starts, are out of its sight: those tests are marked ``graphs_shared`` as well, and
-    tests/test_graphs_required.py runs them with every capture failing."""
-
-    count = 0
-
-    @classmethod
-    def install(cls) -> None:
-        from graphrt.core.runners.backend import ExecutionBackend
-        from graphrt.core.runners.graph import GraphRunner
-
-        for owner, name in ((GraphRunner, "capture_one_shape"), (ExecutionBackend, "replay")):
-            real = getattr(owner, name)
-
-            def counted(*args, _real=real, **kwargs):
-                out = _real(*args, **kwargs)
-                cls.count += 1  # after the call: a capture that raised is not counted
-                return out
-
-            setattr(owner, name, functools.wraps(real)(counted))
-
-
-_GraphWitness.install()
+GraphWitness.install()
 
 
 def _share_the_gpu() -> None:
@@ -90,7 +63,7 @@ _GRAPHS_AT_SETUP: dict[str, int] = {}
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
-    _GRAPHS_AT_SETUP[item.nodeid] = _GraphWitness.count  # function fixtures capture here
+    _GRAPHS_AT_SETUP[item.nodeid] = GraphWitness.count  # function fixtures capture here
     yield
 
 
@@ -101,13 +74,13 @@ def pytest_runtest_call(item):
         outcome.excinfo is None
         and item.get_closest_marker("graphs")
         and not item.get_closest_marker("graphs_shared")
-        and _GraphWitness.count == _GRAPHS_AT_SETUP.pop(item.nodeid, _GraphWitness.count)
+        and GraphWitness.count == _GRAPHS_AT_SETUP.pop(item.nodeid, GraphWitness.count)
     ):
         try:  # pytest.fail's exception without a traceback: the test's frames are gone
             pytest.fail(
                 "marked graphs, but no graph was captured or replayed in this test's process "
-                "while it ran (if a shared fixture or a child process runs its graphs, mark "
-                "it graphs_shared as well)",
+                "while it ran (graphs a child process ran: report them with "
+                "helpers.GraphWitness.saw; a shared fixture's: mark the test graphs_shared)",
                 pytrace=False,
             )
         except pytest.fail.Exception as failure:

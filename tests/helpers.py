@@ -6,6 +6,7 @@ on ``sys.path`` so that works under every pytest import mode and from nox.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import math
@@ -114,6 +115,39 @@ def assert_engine_idle(engine) -> None:
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
     assert engine.req_pool.available() == engine.config.max_running_requests
     assert engine.ledger.reserved_tokens == 0
+
+
+class GraphWitness:
+    """Counts the graphs this process captured or replayed, through the two methods every
+    device backend's graphs pass (``GraphRunner.capture_one_shape`` and
+    ``ExecutionBackend.replay``; conftest installs the count at start-up): a test marked
+    ``graphs`` that passes with neither is failed (conftest's ``pytest_runtest_call``), so
+    a capture that degraded to eager steps cannot pass as a graph run. A test whose graphs
+    run in processes it starts reports their counts with ``saw``; one whose graphs a
+    fixture other tests share built is marked ``graphs_shared`` as well, and
+    tests/test_graphs_required.py runs those with every capture failing."""
+
+    count = 0
+
+    @classmethod
+    def saw(cls, graphs: int) -> None:
+        """Graphs a child process reports it captured or replayed (a TP rank's steps)."""
+        cls.count += graphs
+
+    @classmethod
+    def install(cls) -> None:
+        from graphrt.core.runners.backend import ExecutionBackend
+        from graphrt.core.runners.graph import GraphRunner
+
+        for owner, name in ((GraphRunner, "capture_one_shape"), (ExecutionBackend, "replay")):
+            real = getattr(owner, name)
+
+            def counted(*args, _real=real, **kwargs):
+                out = _real(*args, **kwargs)
+                cls.count += 1  # after the call: a capture that raised is not counted
+                return out
+
+            setattr(owner, name, functools.wraps(real)(counted))
 
 
 def cpu_engine(loaded, strategy=None, device=None, **config):

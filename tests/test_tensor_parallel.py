@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import CPU, cpu_engine, join_gloo, random_prompts, selected_params
+from helpers import CPU, GraphWitness, cpu_engine, join_gloo, random_prompts, selected_params
 
 from graphrt.core.engine import SamplingParams
 from graphrt.core.errors import UsageError
@@ -67,11 +67,7 @@ def two_ranks(request, tmp_path_factory) -> tuple[dict, list[dict]]:
     return expected, [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 
-# The ranks replay the graphs, in the processes the module's fixture starts.
-GRAPHS_IN_RANKS = (pytest.mark.graphs, pytest.mark.graphs_shared)
-
-
-@pytest.mark.parametrize("runner", ["eager", pytest.param("graph", marks=GRAPHS_IN_RANKS)])
+@pytest.mark.parametrize("runner", ["eager", pytest.param("graph", marks=pytest.mark.graphs)])
 @pytest.mark.parametrize("model", MODELS)
 def test_two_ranks_give_the_tokens_of_one(two_ranks, model, runner):
     expected, ranks = two_ranks
@@ -79,6 +75,7 @@ def test_two_ranks_give_the_tokens_of_one(two_ranks, model, runner):
         tokens, graph_steps = results[(model, runner)]
         assert tokens == expected[model], f"rank {rank}"
         assert (graph_steps > 0) == (runner == "graph")  # decode replayed the graphs
+        GraphWitness.saw(graph_steps)  # the ranks' graphs, for conftest's check
 
 
 def test_a_model_without_tensor_parallelism_is_refused_in_one_line():

@@ -352,8 +352,9 @@ def loaded_model(case: GraphCase, cache: dict):
 MANY_RUNNER_SIZES = (3, 5, 6, 7, 9, 10, 11, 13, 14)
 
 
-def check_many_runners(h: Harness) -> None:
-    """Capture a runner per size, then replay each one and compare it with eager."""
+def check_many_runners(h: Harness) -> int:
+    """Capture a runner per size, then replay each one and compare it with eager; -> the
+    graphs the runners replayed."""
     from helpers import rel_err
 
     reqs = h.new_requests([4 + i for i in range(max(MANY_RUNNER_SIZES))], seed=14)
@@ -368,9 +369,11 @@ def check_many_runners(h: Harness) -> None:
         assert rel_err(graph.logits, eager.logits) <= h.case.rtol, f"runner of size {size}"
         assert torch.equal(graph.logits.argmax(-1), eager.logits.argmax(-1))
         h.advance(reqs[:size], eager.logits)
+    replays = sum(sum(runner.replays_per_size().values()) for runner in runners)
     for runner in runners:
         runner.cleanup()
     h.release_all()
+    return replays
 
 
 def without_inductor(compile_, backend: str = "eager"):
@@ -385,9 +388,10 @@ def without_inductor(compile_, backend: str = "eager"):
 
 
 def check_many_runners_alone(case_id: str) -> None:
-    """``check_many_runners`` in a fresh process (tests/conformance/test_capture.py)."""
+    """``check_many_runners`` in a fresh process (tests/conformance/test_capture.py); its
+    last line on stdout: the graphs replayed."""
     case = next(c for c in CASES if c.id == case_id)
     if case_id == "cpu-compile":
         # What this exercises is dynamo's cache of compiled code: see without_inductor.
         torch.compile = without_inductor(torch.compile)
-    check_many_runners(Harness(case, loaded_model(case, {}), buckets=(1,)))
+    print(check_many_runners(Harness(case, loaded_model(case, {}), buckets=(1,))))

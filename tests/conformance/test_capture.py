@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import Harness, check_many_runners, without_inductor
-from helpers import rel_err
+from helpers import GraphWitness, rel_err
 
 from graphrt.core.runners import ShapeKey
 
@@ -82,7 +82,6 @@ def test_cleanup_then_capture_again(graph_case: Harness, monkeypatch):
         assert not runner.can_run_graph(batch)
 
 
-@pytest.mark.graphs_shared  # cpu-compile's runners live in a child process
 def test_many_runners_in_one_process_each_replay_their_own_graphs(graph_case: Harness):
     """Several GraphRunners live in one process (an Engine per configuration, target and
     draft runners, cleanup and recapture): each keeps replaying its own graphs."""
@@ -103,6 +102,7 @@ def test_many_runners_in_one_process_each_replay_their_own_graphs(graph_case: Ha
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    GraphWitness.saw(int(proc.stdout.split()[-1]))  # the child's replays, for conftest
 
 
 def test_device_graphs_share_one_logits_buffer(graph_case: Harness):
