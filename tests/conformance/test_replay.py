@@ -60,7 +60,7 @@ def test_graph_equals_eager_at_every_bucket(graph_case: Harness):
 def test_padded_batch_equals_eager_on_the_unpadded_batch(graph_case: Harness, size):
     h = graph_case
     bucket = h.runner._pad_to_bucket(size)
-    assert bucket is not None and bucket > size  # 3 -> 4, 9 -> 12 or 16
+    assert bucket is not None and bucket > size  # 3 -> 4, 9 -> 12 (16 and 16 on the CPU)
     reqs = h.new_requests(_prompt_lens(size, seed=size), seed=size)
     assert_graph_matches_eager(h, h.decode_batch(reqs))
     assert h.runner._loaded[1].batch_size == bucket
@@ -85,7 +85,8 @@ def test_padding_rows_never_write_live_kv(graph_case: Harness):
     h.runner.execute(h.decode_batch(others))
     reqs = h.new_requests(_prompt_lens(3, seed=5), seed=5)
     batch = h.decode_batch(reqs)
-    assert h.runner._pad_to_bucket(3) == 4
+    # The others' bucket (4, or 16 on the CPU): their 4th row is padding in this batch.
+    assert h.runner._pad_to_bucket(3) == h.runner._pad_to_bucket(len(others)) > 3
     k_before = [k.clone() for k in h.kv_pool.k_buffers]
     v_before = [v.clone() for v in h.kv_pool.v_buffers]
     table_before = h.req_pool.req_to_token.clone()
