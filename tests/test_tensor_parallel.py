@@ -19,7 +19,7 @@ from graphrt.core.models import load_model
 from graphrt.core.parallel import TPGroup
 from graphrt.core.parallel.launch import free_port, leave_job
 
-GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)  # each token: a collective a layer
 LENS = (5, 11, 3)
 
 
@@ -31,9 +31,12 @@ def _generate(path: str, tp: TPGroup, runner: str) -> tuple[list[list[int]], int
         from helpers import standin_device
 
         device = standin_device()
+    # Prefill steps of 4 tokens: the 5- and 11-token prompts prefill in chunks, and steps
+    # that complete no prompt compute no logits (the ranks gather zero vocabulary rows).
     engine = cpu_engine(
-        loaded, device=device, runner=runner, max_context_len=64, graph_buckets=(1, 2, 4)
-    )
+        loaded, device=device, runner=runner, max_context_len=64, graph_buckets=(1, 2, 4),
+        max_prefill_tokens=4,
+    )  # fmt: skip
     prompts = random_prompts(LENS, seed=5, vocab=loaded.model.vocab_size)
     outputs = [r.output_ids for r in engine.generate(prompts, GREEDY)]
     return outputs, engine.stats.graph_steps

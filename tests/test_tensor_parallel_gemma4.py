@@ -44,7 +44,7 @@ from graphrt.core.parallel.launch import free_port, leave_job
 from graphrt.spec import MTPDecoding, SpecConfig
 
 pytestmark = pytest.mark.slow
-GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)  # each token: a collective a layer
 LENS = (5, 11, 3)  # 11 is longer than the sliding window (6)
 SPEC = SpecConfig(num_steps=3, topk=2)
 RUNNERS = ("eager", "graph")

@@ -493,7 +493,8 @@ class Engine:
     # ---- one step -------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """One step: a prefill of newly admitted requests, else a decode step (or
+        """One step: a prefill (of admitted prompts, a chunk of max_prefill_tokens at most;
+        a prompt emits its first token when its last chunk is in), else a decode step (or
         speculative round) of all running ones. Returns the requests that received tokens,
         or that failed: if the step raises, its requests finish with ``FinishReason.ERROR``
         (the error in ``Request.error``, logged), their slots come back, and the engine
