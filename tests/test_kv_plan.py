@@ -55,6 +55,7 @@ def test_the_context_is_bounded_by_the_pool_unless_asked():
 def test_the_pool_never_holds_more_than_every_request_at_full_context():
     p = plan(max_running_requests=2, max_context_len=1000)
     assert (p.slots, p.context) == (2000, 1000)
+    assert p.sized_by == "2 requests x 1000 tokens, within 85% of the 100.0 GiB free"
 
 
 def test_explicit_sizes_win_in_order():
@@ -103,7 +104,7 @@ def test_the_engine_sizes_its_pool_and_context_from_its_plan():
     # The CPU itself: the fixed pool, the capped context.
     cpu = cpu_engine(loaded)
     assert cpu.max_context_len == min(model_context, FIXED_CONTEXT_CAP)
-    assert cpu.kv_plan.sized_by == "this device's 1 GiB default"
+    assert cpu.kv_plan.sized_by == "32 requests x 1024 tokens, within this device's 1 GiB default"
 
 
 @pytest.mark.parametrize("fraction", [0, 1.5, -0.1, True, "half"])

@@ -71,6 +71,8 @@ def plan_kv(
             "--kv-pool-tokens and --max-running-requests lower"
         )
     slots = max(1, min(budget // max(bytes_per_token, 1), most))
+    if slots == most:  # the budget holds more than can ever be live
+        sized_by = f"{max_running_requests} requests x {context} tokens, within {sized_by}"
     if not explicit_context:
         context = min(context, slots)  # one request may fill the pool, no more
     return KVPlan(slots, context, sized_by)
