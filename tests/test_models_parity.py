@@ -171,9 +171,12 @@ def test_prompts_longer_than_a_prefill_step_prefill_in_chunks(name, request):
     engine = cpu_engine(loaded, max_context_len=128, max_prefill_tokens=4)
     chunks = []  # (request id, tokens) of every prefill step
     real_batch = engine._prefill_batch
-    engine._prefill_batch = lambda step: (
-        chunks.append([(r.rid, n) for r, n in step]) or (real_batch(step))
-    )
+
+    def recorded_batch(step):
+        chunks.append([(r.rid, n) for r, n in step])
+        return real_batch(step)
+
+    engine._prefill_batch = recorded_batch
     params = SamplingParams(max_new_tokens=8, ignore_eos=True, return_logits=True)
     reqs = engine.generate(prompts, params)
     assert all(sum(n for _, n in step) <= 4 for step in chunks)

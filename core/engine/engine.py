@@ -228,9 +228,10 @@ class Engine:
             rows = graph_max_bs * (1 + self.strategy.extra_kv_slots())
             graph_floor = rows * model.vocab_size * 4
         free = self.device.free_memory_bytes()
+        kv_per_token = self._kv_bytes_per_token(kv_specs, param.dtype)
         plan = plan_kv(
             model_context=model.max_context_len,
-            bytes_per_token=self._kv_bytes_per_token(kv_specs, param.dtype),
+            bytes_per_token=kv_per_token,
             max_running_requests=cfg.max_running_requests,
             max_context_len=cfg.max_context_len,
             kv_pool_tokens=cfg.kv_pool_tokens,
@@ -253,7 +254,7 @@ class Engine:
         )
         # Checked before allocating: a host allocation too large may not fail but be
         # killed later by the kernel's OOM killer.
-        need = slots * self._kv_bytes_per_token(kv_specs, param.dtype)
+        need = slots * kv_per_token
         need += cfg.max_running_requests * self.max_context_len * 8  # int64 token table
         need += graph_floor
         if free is not None and need > free:
@@ -515,9 +516,6 @@ class Engine:
         finally:
             if chunks:
                 self.stats.prefill_s += time.perf_counter() - start
-                self.stats.prefill_tokens += sum(
-                    len(r.output_ids) == 1 for r in stepping if r not in self.prefilling
-                )
 
     def _fail(self, reqs: list[Request], error: Exception) -> None:
         """Finish ``reqs`` with an error and rebuild the pools' free lists from the requests
@@ -566,6 +564,8 @@ class Engine:
             # A request whose KV filled the context can take no further token.
             if not req.finished and req.kv_len >= self.max_context_len:
                 self._finish(req, FinishReason.LENGTH)
+        if chunks:  # the prompts' first tokens: decoding tok/s leaves them out
+            self.stats.prefill_tokens += sum(len(req.output_ids) > 0 for req in reqs)
         return reqs
 
     def _apply(self, reqs: list[Request], outcome: StepOutcome) -> list[list[int]]:

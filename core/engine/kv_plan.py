@@ -61,15 +61,16 @@ def plan_kv(
     elif by_fraction:
         budget = int(memory_fraction * free_bytes) - reserved_bytes
         sized_by = f"{memory_fraction:.0%} of the {free_bytes / 2**30:.1f} GiB free"
+        if budget < bytes_per_token:
+            raise OutOfMemoryError(
+                f"no room for a KV pool: {memory_fraction:.0%} of the "
+                f"{free_bytes / 2**30:.2f} GiB free after the weights, less "
+                f"{reserved_bytes / 2**30:.2f} GiB for the graphs' logits, is under one "
+                "token's KV: raise --kv-memory-fraction, or set --kv-pool-tokens and "
+                "--max-running-requests lower"
+            )
     else:
         budget, sized_by = FIXED_KV_BYTES, "this device's 1 GiB default"
-    if by_fraction and kv_cache_bytes is None and budget < bytes_per_token:
-        raise OutOfMemoryError(
-            f"no room for a KV pool: {memory_fraction:.0%} of the {free_bytes / 2**30:.2f} GiB "
-            f"free after the weights, less {reserved_bytes / 2**30:.2f} GiB for the graphs' "
-            "logits, is under one token's KV: raise --kv-memory-fraction, or set "
-            "--kv-pool-tokens and --max-running-requests lower"
-        )
     slots = max(1, min(budget // max(bytes_per_token, 1), most))
     if slots == most:  # the budget holds more than can ever be live
         sized_by = f"{max_running_requests} requests x {context} tokens, within {sized_by}"
