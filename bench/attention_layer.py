@@ -61,6 +61,7 @@ def layer_us(bs: int, head_dim: int, packed: bool) -> tuple[float, float, bool]:
     def verify() -> None:
         tree_verify_attention(qv, k, v, table, reqs, vlens, pos, loc, mask, outv, *scratch, scale)
 
+    torch.cuda.synchronize()  # do_bench_cudagraph's side stream does not wait for this one
     times = [triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3 for fn in (decode, verify)]
     # Decode of every node's token on its own (the chain's slots are the table's next ones).
     verify()

@@ -17,14 +17,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from graphrt.devices.cuda.triton_decode import _decode_partial_kernel
+from graphrt.devices.cuda.triton_decode import (
+    _decode_combine_kernel,
+    _decode_partial_kernel,
+    split_constants,
+)
 from graphrt.devices.cuda.triton_verify import _verify_partial_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {
     "Q": "*bf16", "K": "*bf16", "V": "*bf16", "ReqToToken": "*i64", "ReqPoolIndices": "*i64",
     "SeqLens": "*i32", "PartialOut": "*fp32", "PartialLse": "*fp32", "Positions": "*i64",
-    "OutCacheLoc": "*i64", "TreeMask": "*u8",
+    "OutCacheLoc": "*i64", "TreeMask": "*u8", "PartialSplits": "*i32", "Out": "*bf16",
 }  # fmt: skip
 
 
@@ -51,11 +55,14 @@ def resources(kernel, constants: dict, num_warps: int) -> str:
 def main() -> None:
     # Gemma 4 E2B: 8 query heads on one KV head; sliding layers head_dim 256, full 512.
     for head_dim, block_n in ((256, 32), (512, 16)):
-        common = dict(KV_GROUP=8, NUM_KV_SPLITS=16, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        common = dict(KV_GROUP=8, **split_constants(128), BLOCK_N=block_n, HEAD_DIM=head_dim,
                       BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
         print(
             f"decode D={head_dim}: {resources(_decode_partial_kernel, common | {'BLOCK_G': 16}, 4)}"
         )
+        combine = dict(MIN_SPLITS=16, BLOCK_S=16, BLOCK_REST=8192 // head_dim, HEAD_DIM=head_dim,
+                       BLOCK_D=head_dim, LAUNCH_DEPENDENTS=True)  # fmt: skip
+        print(f"combine D={head_dim}, 128 splits: {resources(_decode_combine_kernel, combine, 2)}")
         for nodes in (1, 2):  # one node a program, packed (5-node chains)
             constants = common | {"NODES": nodes, "BLOCK_G": 16, "BLOCK_T": 8}
             line = resources(_verify_partial_kernel, constants, 4)

@@ -3,6 +3,7 @@ the speculative round bench (`--draft`: every piece of a round, its peer, its pl
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from types import SimpleNamespace
@@ -154,6 +155,8 @@ def test_decode_bench_reports_bytes_floor_bandwidth_and_kernels(monkeypatch, gem
         batch_sizes=(1, 2), prompt_len=8, steps=2, warmup=1, max_running_requests=2
     )
     engine = make_engine(loaded, standin_graph_device(), cfg, graphs=True)
+    # Prompts longer than a prefill step: the bench prefills them chunk by chunk first.
+    engine.config = dataclasses.replace(engine.config, max_prefill_tokens=5)
     # Device times as a GPU's profiler would give them: the checked greedy pick (measured
     # first) 10 us, the bare argmax 4 us; each call must run what it times.
     times = iter([0.010, 0.004] * len(cfg.batch_sizes))

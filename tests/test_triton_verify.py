@@ -198,6 +198,7 @@ def run_kernel(
     num_kv_splits: int | None = None,
     block_n: int | None = None,
     q: torch.Tensor | None = None,
+    short_splits: int | None = None,
 ) -> torch.Tensor:
     """The kernel into a NaN-filled ``out`` with scratch sized past B*n rows."""
     from graphrt.devices.cuda.triton_decode import NUM_KV_SPLITS, allocate_decode_scratch
@@ -209,8 +210,9 @@ def run_kernel(
     scratch = allocate_decode_scratch(rows + 3, num_heads, head_dim, q.device, splits)
     scratch[0].fill_(float("nan"))  # empty splits store no output: the combine must not read it
     out = torch.full_like(inp.q, float("nan"))
+    short = {} if short_splits is None else {"short_splits": short_splits}
     result = tree_verify_attention(
-        q, *inp.tensors()[1:], out, *scratch, inp.sm_scale, inp.window, block_n=block_n
+        q, *inp.tensors()[1:], out, *scratch, inp.sm_scale, inp.window, block_n=block_n, **short
     )
     assert result is out
     return out
@@ -270,11 +272,76 @@ def interpreter_results() -> dict:
     errors["padding/vs_naive"] = rel_err(out, naive_verify(inp))
     flags["padding/zeros"] = torch.equal(out[3:], torch.zeros_like(out[3:]))
     flags.update(invariance_flags("cpu", torch.float32, 3, 16, head_dim=16))
+    doubling_results(errors, flags)
     return {"errors": errors, "flags": flags}
 
 
+# invariance_flags' cases for doubling splits: a packed chain whose program straddles a
+# doubling (two schedules), and one node a program.
+DOUBLING_CASES = ((6, True, 5, 4, 2, 0), (6, False, 4, 4, 2, 10**9))
+
+
+def doubling_results(errors: dict, flags: dict) -> None:
+    """Rows long enough for more splits, at toy lengths: SPLIT_KEYS 4 and short rows of 2
+    splits, so rows double to 4 splits at 16 keys, 8 at 32 and 16 at 64. A 5-node chain
+    over a 13-token prefix straddles 16 (one program, two schedules); 70 tokens get 16
+    splits (4 under a sliding window of 20). Each node still equals decode's row bit for
+    bit, decode and verify match naive attention, each row's split count is
+    ``row_splits``' and the number of programs along the splits changes no bit."""
+    from graphrt.devices.cuda import triton_decode
+    from graphrt.devices.cuda.triton_decode import allocate_decode_scratch, decode_attention
+
+    # Few programs along the splits (interpreted programs cost seconds); P = 16 once below.
+    saved = triton_decode.SPLIT_KEYS, triton_decode.TARGET_PROGRAMS
+    triton_decode.SPLIT_KEYS, triton_decode.TARGET_PROGRAMS = 4, 8
+    try:
+        verify_flags = invariance_flags(
+            "cpu", torch.float32, 16, 16, head_dim=16, short_splits=2, prefix_lens=(13, 70),
+            window=None, cases=DOUBLING_CASES,
+        )  # fmt: skip
+        flags.update({f"doubling/{k}": v for k, v in verify_flags.items()})
+        inp = make_inputs([13, 70], 5, 4, 2, 16, torch.float32, "cpu", seed=12, chain=True)
+        verify = run_kernel(inp, 16, 16, short_splits=2)
+        errors["doubling/verify_vs_naive"] = rel_err(verify, naive_verify(inp))
+        for window in (None, 20):
+            # Decode of the roots (their prefix's keys and their own), P = 1 and 16.
+            name = f"doubling/decode-window{window}"
+            inp = make_inputs([13, 70], 5, 4, 2, 16, torch.float32, "cpu", seed=12,
+                              window=window, chain=True)  # fmt: skip
+            n = inp.num_nodes
+            roots, lens = inp.q[::n], (inp.positions[::n] + 1).to(torch.int32)
+            table = inp.req_to_token.clone()
+            table[inp.req_pool_indices, inp.positions[::n]] = inp.out_cache_loc[::n]
+            outs, splits = [], []
+            for programs in (1, 16):
+                scratch = allocate_decode_scratch(len(roots), 4, 16, roots.device, 16)
+                out = torch.full_like(roots, float("nan"))
+                decode_attention(
+                    roots, inp.k_buffer, inp.v_buffer, table, inp.req_pool_indices, lens, out,
+                    *scratch, inp.sm_scale, window, block_n=16, programs=programs,
+                    short_splits=2,
+                )  # fmt: skip
+                outs.append(out)
+                splits.append(scratch[2].tolist())
+            flags[f"{name}/programs_change_no_bit"] = torch.equal(*outs)
+            want = [triton_decode.row_splits(min(k, window or k), 16, 2) for k in lens.tolist()]
+            flags[f"{name}/row_splits"] = splits[0] == splits[1] == want
+            flags[f"{name}/doubled"] = max(want) == (4 if window else 16)
+            errors[f"{name}/vs_naive"] = rel_err(outs[1], naive_verify(inp)[::n])
+    finally:
+        triton_decode.SPLIT_KEYS, triton_decode.TARGET_PROGRAMS = saved
+
+
 def invariance_flags(
-    device, dtype, splits: int | None, block_n: int | None, head_dim: int = 64
+    device,
+    dtype,
+    splits: int | None,
+    block_n: int | None,
+    head_dim: int = 64,
+    short_splits: int | None = None,
+    prefix_lens: tuple[int, ...] = (0, 3, 40),
+    window: int | None = 6,
+    cases: tuple[tuple, ...] | None = None,
 ) -> dict[str, bool]:
     """Width invariance: each node's row equals, bit for bit, decode attention's row for
     that token with the node's path in the token table (what a plain step would see)."""
@@ -288,14 +355,17 @@ def invariance_flags(
     flags = {}
     # (window, chain, nodes, query heads, KV heads, PACK_MIN_PROGRAMS): 0 packs 16 // G
     # nodes into a program (as large batches do), 10**9 serves one node a program.
-    cases = [(None, False, 4, 4, 2, 0), (6, False, 4, 4, 2, 0), (None, True, 4, 4, 2, 0)]
-    cases += [(6, False, 5, 8, 1, 0), (6, False, 4, 4, 2, 10**9)]
+    if cases is None:
+        cases = [(None, False, 4, 4, 2, 0), (6, False, 4, 4, 2, 0), (None, True, 4, 4, 2, 0)]
+        cases += [(6, False, 5, 8, 1, 0), (6, False, 4, 4, 2, 10**9)]
+    cases = [(window if w else None, *rest) for w, *rest in cases]
+    short = {} if short_splits is None else {"short_splits": short_splits}
     for window, chain, n, heads, kv_heads, pack_min in cases:
-        inp = make_inputs([0, 3, 40], n, heads, kv_heads, head_dim, dtype, device, seed=11,
-                          window=window, chain=chain)  # fmt: skip
+        inp = make_inputs(list(prefix_lens), n, heads, kv_heads, head_dim, dtype, device,
+                          seed=11, window=window, chain=chain)  # fmt: skip
         saved, triton_verify.PACK_MIN_PROGRAMS = triton_verify.PACK_MIN_PROGRAMS, pack_min
         try:
-            verify = run_kernel(inp, splits, block_n)
+            verify = run_kernel(inp, splits, block_n, short_splits=short_splits)
         finally:
             triton_verify.PACK_MIN_PROGRAMS = saved
         rows, n = inp.q.shape[0], inp.num_nodes
@@ -316,7 +386,7 @@ def invariance_flags(
             inp.q, inp.k_buffer, inp.v_buffer, table.to(inp.q.device),
             torch.arange(1, rows + 1, device=inp.q.device),
             (inp.positions + 1).to(torch.int32), decode, *scratch, inp.sm_scale, window,
-            block_n=block_n,
+            block_n=block_n, **short,
         )  # fmt: skip
         name = f"invariance/window{window}-chain{chain}-G{heads // kv_heads}-pack{pack_min}"
         flags[name] = torch.equal(verify, decode)
@@ -328,8 +398,9 @@ def invariance_flags(
 def test_verify_kernel_under_interpreter_matches_naive_and_sdpa():
     results = run_under_triton_interpreter(__file__)
     # Per case: 3 errors and 1 flag; then the padding request's error and flag.
-    assert len(results["errors"]) == 3 * len(INTERPRETER_CASES) + 1
-    assert len(results["flags"]) == len(INTERPRETER_CASES) + 1 + 5
+    # Then 3 errors, 3 flags for each of the 2 doubling cases and 2 invariance flags.
+    assert len(results["errors"]) == 3 * len(INTERPRETER_CASES) + 1 + 3
+    assert len(results["flags"]) == len(INTERPRETER_CASES) + 1 + 5 + 2 * 3 + 2
     too_far = {name: err for name, err in results["errors"].items() if not err <= 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]
@@ -380,6 +451,28 @@ def test_cuda_verify_rows_equal_decode_rows_bitwise(dtype):
     """Width invariance on the GPU, in 16-bit: decode's splits and blocks."""
     flags = invariance_flags("cuda", dtype, None, None)
     assert all(flags.values()), flags
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
+def test_cuda_long_rows_take_more_splits_and_verify_still_equals_decode():
+    """Real lengths in bfloat16, Gemma 4's 8 heads on one KV head: a chain over an
+    8,190-token prefix straddles 8,192 keys, where 16 splits become 32 (one program, two
+    schedules); a 20,000-token prefix gets 64. Rows equal decode's bit for bit and match
+    naive attention; packed and one-node programs both."""
+    from graphrt.devices.cuda.triton_decode import max_kv_splits
+
+    max_splits = max_kv_splits(32768)
+    assert max_splits == 128
+    flags = invariance_flags(
+        "cuda", torch.bfloat16, max_splits, None, head_dim=256, prefix_lens=(8190, 20000),
+        window=None, cases=((None, True, 5, 8, 1, 0), (None, True, 5, 8, 1, 10**9)),
+    )  # fmt: skip
+    assert all(flags.values()), flags
+    inp = make_inputs([8190, 20000], 5, 8, 1, 256, torch.bfloat16, "cuda", seed=5, chain=True)
+    out = run_kernel(inp, max_splits)
+    assert rel_err(out.cpu(), naive_verify(inp)) < CUDA_TOLERANCES[torch.bfloat16]
 
 
 @pytest.mark.cuda

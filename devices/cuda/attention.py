@@ -10,7 +10,10 @@ node over its request's prefix plus its ancestors). EXTEND (prefill, eager)
 is the torch reference's, inherited unchanged.
 
 Scratch (the kernels' per-split partials) is shared by every layer of one
-(num_heads, head_dim, splits) and allocated on first use outside capture:
+(num_heads, head_dim, splits) and allocated on first use outside capture. Its
+split dimension is what the layer's longest row gets (``max_kv_splits`` of the
+context, or of the sliding window): a row's own length sets its splits, so one
+request's bits never depend on the batch around it.
 the graph runner's warm-up runs, largest bucket first, allocate it for the
 largest graph batch before any capture begins.
 """
@@ -29,6 +32,7 @@ from graphrt.devices.cuda.triton_decode import (
     NUM_KV_SPLITS,
     allocate_decode_scratch,
     decode_attention,
+    max_kv_splits,
     store_kv,
 )
 from graphrt.devices.cuda.triton_verify import tree_verify_attention
@@ -47,13 +51,13 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     def __init__(self, kv_pool, req_to_token_pool, num_kv_splits: int = NUM_KV_SPLITS):
         super().__init__(kv_pool, req_to_token_pool)
-        self.num_kv_splits = num_kv_splits
+        self.num_kv_splits = num_kv_splits  # a short row's; longer rows get more
         self._graph_bs = 0  # rows every scratch buffer holds once graphs are in use
         # (num_heads, head_dim, splits) -> (partial_out, partial_lse), shared across layers.
-        self._scratch: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._scratch: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
         # NOTE: captured graphs keep raw pointers into scratch; a buffer replaced by
         # a larger one stays referenced here so it is never freed under a graph.
-        self._retired: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._retired: list[tuple[torch.Tensor, ...]] = []
 
     # ---- metadata hooks ----------------------------------------------------------
 
@@ -65,7 +69,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
         super().init_graph_state(max_bs, max_tokens)
         # Rows, not requests: a verify graph's rows are its tokens.
         self._graph_bs = max(self._graph_bs, max_tokens)
-        for key, (partial_out, _) in list(self._scratch.items()):
+        for key, (partial_out, *_) in list(self._scratch.items()):
             if partial_out.shape[0] < self._graph_bs:
                 self._grow(key, self._graph_bs, partial_out.device)
 
@@ -118,7 +122,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
         meta = batch.attn_metadata
         if batch.mode is ForwardMode.TARGET_VERIFY:
             # Decode's splits and blocks: a node's output equals decode's for that token.
-            scratch = self._scratch_for(spec.num_heads, spec.head_dim, self.num_kv_splits, q)
+            scratch = self._scratch_for(spec.num_heads, spec.head_dim, self._splits(spec), q)
             tree_verify_attention(
                 q,
                 k_buffer,
@@ -133,9 +137,10 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 *scratch,
                 spec.scaling,
                 spec.sliding_window,
+                short_splits=self.num_kv_splits,
             )
         else:  # DECODE, and DRAFT rows (which wrote nothing above)
-            scratch = self._scratch_for(spec.num_heads, spec.head_dim, self.num_kv_splits, q)
+            scratch = self._scratch_for(spec.num_heads, spec.head_dim, self._splits(spec), q)
             decode_attention(
                 q,
                 k_buffer,
@@ -147,14 +152,23 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 *scratch,
                 spec.scaling,
                 spec.sliding_window,
+                short_splits=self.num_kv_splits,
             )
         return out.view(-1, spec.num_heads * spec.head_dim)
 
     # ---- scratch -----------------------------------------------------------------
 
+    def _splits(self, spec: AttentionSpec) -> int:
+        """The scratch's split dimension for ``spec``'s layers: the splits of its longest
+        visible range (the context, or the sliding window)."""
+        keys = self.req_to_token_pool.req_to_token.shape[1]
+        if spec.sliding_window:
+            keys = min(keys, spec.sliding_window)
+        return max_kv_splits(keys, self.num_kv_splits)
+
     def _scratch_for(
         self, num_heads: int, head_dim: int, splits: int, q: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows, key = q.shape[0], (num_heads, head_dim, splits)
         scratch = self._scratch.get(key)
         if scratch is None or scratch[0].shape[0] < rows:
@@ -169,7 +183,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
 
     def _grow(
         self, key: tuple[int, int, int], rows: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         old = self._scratch.get(key)
         if old is not None and self._graph_bs:  # graphs may have captured it
             self._retired.append(old)

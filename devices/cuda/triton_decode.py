@@ -11,23 +11,33 @@ query heads instead re-reads every K/V tile G times and runs a short
 latency-bound loop per head; decode is bandwidth-bound, so reading each tile
 once is the win, and the padded rows cost idle tensor-core lanes only
 (float32 caches take exact FMA dots instead of tf32 ones). The S
-splits of a row's visible range exist so that batch 1 still fills the GPU
-(8 KV heads x 16 splits = 128 programs on an H200's 132 SMs). Splits are
-block-cyclic: keys are walked in BLOCK_N blocks aligned to absolute positions
+splits of a row's visible range exist so that batch 1 still fills the GPU.
+S is a function of the row's own visible length (``row_splits``): 16 up to
+8,191 keys, then doubling with every doubling of the length, up to the
+scratch's split dimension (``max_kv_splits`` of the engine's context). At
+32k keys one request with 8 KV heads was read at 0.73 TB/s with 16 splits and
+2.7 TB/s with 128 on an H200 (bench/decode_splits.py); a split count chosen
+from the batch instead would make a request's bits depend on its neighbours.
+Splits are block-cyclic: keys are walked in BLOCK_N blocks aligned to absolute positions
 (block j holds positions [j * BLOCK_N, (j + 1) * BLOCK_N)), and split s walks
 the blocks j = s (mod S) of the row's visible range, in order. So the partition
 of a token's keys depends on its own range alone, and tokens of one request
 share their blocks: tree-verify attention (triton_verify.py) reads each shared
 block once for several tree nodes and still computes each node as decode
-would. Stage 2 combines the S partials of each (request, query head) by their
-log-sum-exps (grid B x H). A third, tiny kernel stores the step's new K/V rows
-into the pool before stage 1 runs, so every split sees them.
+would. Stage 1's grid is B x Hkv x P: program p computes splits p, p + P, ... of its
+row, each into its own partial, so P (``split_programs``: more at small
+batches) moves work between programs without changing any row's arithmetic.
+Stage 2 combines the S partials of each (request, query head) by their
+log-sum-exps (grid B x H): the 16 every row has at once, a long row's others in
+chunks, in split order. A third, tiny kernel stores the step's new K/V rows into
+the pool before stage 1 runs, so every split sees them.
 
 Capture-safe: the launches read only device tensors and host shapes, never
 sync, allocate nothing (the caller owns ``out`` and the scratch), and their
-grids depend on the batch size and head counts alone. The split count is a
-fixed constant, never derived from sequence lengths, so an eager run and a
-graph replay of the same padded batch are bitwise identical.
+grids depend on the batch size, head counts and scratch shape alone. Each
+row's split count is derived on the device from its own length, so an eager
+run and a graph replay of the same padded batch are bitwise identical, and a
+row's output does not depend on the batch around it.
 """
 
 from __future__ import annotations
@@ -38,11 +48,19 @@ import triton.language as tl
 
 from graphrt.devices.cuda import pdl
 
-# Fixed, not tuned per batch: changing it changes the float summation order.
-# 16 fills an H200 at batch 1 with 8 KV heads; at large batches the extra
-# partials cost B * H * 16 * D * 8 bytes of scratch traffic, small next to the KV.
-# A split walks every 16th block, so sequences under 16 blocks leave splits empty.
+# Splits of a row shorter than 2 * NUM_KV_SPLITS * SPLIT_KEYS keys. Never tuned per
+# batch: the split count sets the float summation order. 16 fills an H200 at batch 1
+# with 8 KV heads at short contexts; at large batches the partials cost
+# B * H * S * D * 8 bytes of scratch traffic, small next to the KV. A split walks every
+# S-th block, so rows under S blocks leave splits empty.
 NUM_KV_SPLITS = 16
+# Longer rows double their splits with every doubling of their length: at least
+# SPLIT_KEYS keys a split (H200, bench/decode_splits.py, llama-1b's 8 KV heads, one
+# request, us a layer at 16 / 32 / 64 / 128 splits: 8k keys 15.2 / 10.9 / 8.9 / 9.1,
+# 32k keys 91.9 / 50.8 / 31.7 / 25.0; at 8 requests 16 splits stay within 6% of best).
+SPLIT_KEYS = 256
+# Stage-1 programs a launch aims for (split_programs): 128 a KV head at batch 1.
+TARGET_PROGRAMS = 1024
 # tl.dot on NVIDIA GPUs needs an inner dimension >= 16, and before triton 3.7 M, N >= 16.
 MIN_DOT = 16
 # One K tile plus one V tile per loop step stays within this many bytes, so two
@@ -154,23 +172,35 @@ def _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION: tl.c
 
 
 @triton.jit
-def _first_block(lo, split, NUM_KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _first_block(lo, split, num_splits, BLOCK_N: tl.constexpr):
     """The first block of ``split`` at or after position ``lo``'s block: blocks are
-    dealt to splits cyclically, block j to split j % NUM_KV_SPLITS."""
+    dealt to splits cyclically, block j to split j % num_splits."""
     first = lo // BLOCK_N
-    return first + (split - first % NUM_KV_SPLITS + NUM_KV_SPLITS) % NUM_KV_SPLITS
+    return first + (split - first % num_splits + num_splits) % num_splits
+
+
+@triton.jit
+def _row_splits(
+    visible_len, MIN_SPLITS: tl.constexpr, DOUBLINGS: tl.constexpr, SPLIT_KEYS: tl.constexpr
+):
+    """Splits of rows with ``visible_len`` keys (scalar or vector): ``row_splits`` on
+    the device."""
+    splits = visible_len * 0 + MIN_SPLITS
+    for _ in tl.static_range(DOUBLINGS):
+        splits = tl.where(visible_len >= 2 * splits * SPLIT_KEYS, 2 * splits, splits)
+    return splits
 
 
 @triton.jit
 def _attend_cached(
-    q, m, l_sum, acc, K, V, ReqToToken, req, lo, end, split, kv_h, offs_d, mask_d, sm_scale,
-    stride_req, stride_kt, stride_kh, stride_vt, stride_vh,
-    NUM_KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q, m, l_sum, acc, K, V, ReqToToken, req, lo, end, split, num_splits, kv_h, offs_d, mask_d,
+    sm_scale, stride_req, stride_kt, stride_kh, stride_vt, stride_vh,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over split ``split``'s blocks of the cached positions [lo, end) of
-    request row ``req``."""
-    first = _first_block(lo, split, NUM_KV_SPLITS, BLOCK_N)
-    for j in range(first, tl.cdiv(end, BLOCK_N), NUM_KV_SPLITS):
+    """Online softmax over split ``split``'s blocks (of ``num_splits``) of the cached
+    positions [lo, end) of request row ``req``."""
+    first = _first_block(lo, split, num_splits, BLOCK_N)
+    for j in range(first, tl.cdiv(end, BLOCK_N), num_splits):
         offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= lo) & (offs_n < end)
         slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -211,6 +241,7 @@ def _decode_partial_kernel(
     SeqLens,  # (B,)
     PartialOut,  # (>= B, H, S, D) float32
     PartialLse,  # (>= B, H, S) float32
+    PartialSplits,  # (>= B,) int32: each row's split count, for the combine
     sm_scale,
     window,  # 0 = no sliding window
     stride_qb,
@@ -227,7 +258,9 @@ def _decode_partial_kernel(
     stride_plh,
     KV_GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # KV_GROUP padded to a power of two >= MIN_DOT
-    NUM_KV_SPLITS: tl.constexpr,
+    MIN_SPLITS: tl.constexpr,  # a short row's splits; longer rows double them (_row_splits)
+    DOUBLINGS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     # A constant head_dim lets the compiler prove the D mask uniform over 16-byte
     # chunks, so K/V rows load as vectors through cp.async; a runtime one leaves
@@ -238,34 +271,39 @@ def _decode_partial_kernel(
 ):
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
-    split = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     req = tl.load(ReqPoolIndices + b).to(tl.int64)
     # Key j is visible to the query at p = seq_len - 1 iff j > p - window.
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    num_splits = _row_splits(seq_len - lo, MIN_SPLITS, DOUBLINGS, SPLIT_KEYS)
+    if (kv_h == 0) & (tl.program_id(2) == 0):
+        tl.store(PartialSplits + b, num_splits)
 
     q, heads, mask_g, offs_d, mask_d = _load_q_group(
         Q, b, kv_h, stride_qb, stride_qh, K.dtype.element_ty, KV_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D
     )  # (BLOCK_G, BLOCK_D)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
-    l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    m, l_sum, acc = _attend_cached(
-        q, m, l_sum, acc, K, V, ReqToToken, req, lo, seq_len, split, kv_h, offs_d, mask_d,
-        sm_scale, stride_req, stride_kt, stride_kh, stride_vt, stride_vh,
-        NUM_KV_SPLITS, BLOCK_N, DOT_PRECISION,
-    )  # fmt: skip
-    _store_partial(
-        PartialOut, PartialLse, heads * 0 + b, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
-        stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-    )  # fmt: skip
+    # Splits p, p + P, ... of the row: each its own partial, whatever P is.
+    for split in range(tl.program_id(2), num_splits, tl.num_programs(2)):
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
+        l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        m, l_sum, acc = _attend_cached(
+            q, m, l_sum, acc, K, V, ReqToToken, req, lo, seq_len, split, num_splits, kv_h,
+            offs_d, mask_d, sm_scale, stride_req, stride_kt, stride_kh, stride_vt, stride_vh,
+            BLOCK_N, DOT_PRECISION,
+        )  # fmt: skip
+        _store_partial(
+            PartialOut, PartialLse, heads * 0 + b, split, heads, mask_g, offs_d, mask_d, m,
+            l_sum, acc, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+        )  # fmt: skip
 
 
 @triton.jit
 def _decode_combine_kernel(
     PartialOut,
     PartialLse,
+    PartialSplits,  # (>= B,) int32: each row's split count
     Out,  # (B, H, D), q's dtype
     stride_pob,
     stride_poh,
@@ -274,8 +312,9 @@ def _decode_combine_kernel(
     stride_plh,
     stride_ob,
     stride_oh,
-    NUM_KV_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    MIN_SPLITS: tl.constexpr,  # a short row's splits
+    BLOCK_S: tl.constexpr,  # MIN_SPLITS padded to a power of two
+    BLOCK_REST: tl.constexpr,  # a long row's further splits combined a step
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,  # the o projection's GEMV may start reading its weight
@@ -284,31 +323,87 @@ def _decode_combine_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < NUM_KV_SPLITS
+    num_splits = tl.load(PartialSplits + b)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+    lse_row = PartialLse + b * stride_plb + h * stride_plh
+    out_row = PartialOut + b * stride_pob + h * stride_poh + offs_d[None, :]
 
-    lse = tl.load(
-        PartialLse + b * stride_plb + h * stride_plh + offs_s, mask=mask_s, other=float("-inf")
-    )  # (BLOCK_S,)
+    # A short row's MIN_SPLITS, which every row has: max, weights, weighted sum. Their
+    # loads do not wait for the row's split count.
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < MIN_SPLITS
+    lse = tl.load(lse_row + offs_s, mask=mask_s, other=float("-inf"))  # (BLOCK_S,)
     lse_max = tl.max(lse, 0)
     # Every split empty (seq_len 0) would make lse_max -inf; keep it NaN-free.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weight = tl.exp(lse - lse_max)  # 0 for empty splits
     partial = tl.load(
-        PartialOut
-        + b * stride_pob
-        + h * stride_poh
-        + offs_s[:, None] * stride_pos
-        + offs_d[None, :],
-        mask=mask_s[:, None] & mask_d[None, :],
-        other=0.0,
+        out_row + offs_s[:, None] * stride_pos, mask=mask_s[:, None] & mask_d[None, :], other=0.0
     )  # (BLOCK_S, BLOCK_D)
     total = tl.sum(weight, 0)
-    out = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
+    acc = tl.sum(weight[:, None] * partial, 0)
+    # A long row's further splits, BLOCK_REST at a time, rescaled as an online softmax.
+    offs_r = tl.arange(0, BLOCK_REST)
+    for first in range(MIN_SPLITS, num_splits, BLOCK_REST):
+        mask_r = first + offs_r < num_splits
+        lse_r = tl.load(lse_row + first + offs_r, mask=mask_r, other=float("-inf"))
+        new_max = tl.maximum(lse_max, tl.max(lse_r, 0))
+        alpha = tl.exp(lse_max - new_max)
+        weight_r = tl.exp(lse_r - new_max)
+        partial_r = tl.load(
+            out_row + (first + offs_r[:, None]) * stride_pos,
+            mask=mask_r[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        total = total * alpha + tl.sum(weight_r, 0)
+        acc = acc * alpha + tl.sum(weight_r[:, None] * partial_r, 0)
+        lse_max = new_max
+    out = acc / tl.where(total > 0, total, 1.0)
     tl.store(
         Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d
+    )
+
+
+def row_splits(visible_len: int, max_splits: int, short: int = NUM_KV_SPLITS) -> int:
+    """Splits of a row with ``visible_len`` keys when the scratch holds ``max_splits``:
+    a short row's (``min_splits``), doubled while the row has at least SPLIT_KEYS keys
+    for each of twice as many splits and the scratch holds them (``_row_splits``)."""
+    splits = min_splits(max_splits, short)
+    while 2 * splits <= max_splits and visible_len >= 2 * splits * SPLIT_KEYS:
+        splits *= 2
+    return splits
+
+
+def min_splits(max_splits: int, short: int = NUM_KV_SPLITS) -> int:
+    """A short row's splits: ``short``, or all the scratch holds if fewer."""
+    return min(short, max_splits)
+
+
+def max_kv_splits(context_len: int, num_kv_splits: int = NUM_KV_SPLITS) -> int:
+    """The scratch's split dimension for rows of up to ``context_len`` keys, when short
+    rows get ``num_kv_splits``: what the longest row gets."""
+    splits = num_kv_splits
+    while context_len >= 2 * splits * SPLIT_KEYS:
+        splits *= 2
+    return splits
+
+
+def split_programs(programs_per_split: int, max_splits: int, short: int = NUM_KV_SPLITS) -> int:
+    """Stage 1's programs along the splits (P): enough for TARGET_PROGRAMS in all, at
+    least a short row's splits, at most the scratch's. Any P gives the same bits."""
+    wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, max(programs_per_split, 1)))
+    return max(min_splits(max_splits, short), min(wanted, max_splits))
+
+
+def split_constants(max_splits: int, short: int = NUM_KV_SPLITS) -> dict[str, int]:
+    """The stage-1 kernels' constants of ``_row_splits`` for a scratch of ``max_splits``
+    and short rows of ``short`` splits."""
+    splits, doublings = min_splits(max_splits, short), 0
+    while 2 * splits <= max_splits:
+        splits, doublings = 2 * splits, doublings + 1
+    return dict(
+        MIN_SPLITS=min_splits(max_splits, short), DOUBLINGS=doublings, SPLIT_KEYS=SPLIT_KEYS
     )
 
 
@@ -318,10 +413,12 @@ def allocate_decode_scratch(
     head_dim: int,
     device: torch.device,
     num_kv_splits: int = NUM_KV_SPLITS,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial outputs (max_bs, H, S, D) and log-sum-exps (max_bs, H, S), float32.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Partial outputs (max_bs, H, S, D) and log-sum-exps (max_bs, H, S), float32, and
+    each row's split count (max_bs,) int32. S = ``num_kv_splits`` is the most splits a
+    row gets (``max_kv_splits``).
 
-    One pair serves every layer of that (H, D): layers run one after another.
+    One set serves every layer of that (H, D): layers run one after another.
     """
     partial_out = torch.empty(
         (max_bs, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=device
@@ -329,7 +426,8 @@ def allocate_decode_scratch(
     partial_lse = torch.empty(
         (max_bs, num_heads, num_kv_splits), dtype=torch.float32, device=device
     )
-    return partial_out, partial_lse
+    partial_splits = torch.empty(max_bs, dtype=torch.int32, device=device)
+    return partial_out, partial_lse, partial_splits
 
 
 def store_kv(
@@ -392,19 +490,24 @@ def decode_attention(
     out: torch.Tensor,  # (B, H, D), written
     partial_out: torch.Tensor,  # (>= B, H, S, D) float32 scratch
     partial_lse: torch.Tensor,  # (>= B, H, S) float32 scratch
+    partial_splits: torch.Tensor,  # (>= B,) int32 scratch
     sm_scale: float,
     sliding_window: int | None = None,
     block_n: int | None = None,  # keys per loop step (>= 16); None: default_block_n
+    programs: int | None = None,  # stage 1's programs along the splits; None: split_programs
+    short_splits: int = NUM_KV_SPLITS,  # a short row's splits (at most the scratch's)
 ) -> torch.Tensor:
     """Attention of each row's one query over its visible cached keys; returns ``out``.
 
-    The split count S is the scratch's third dimension. Shapes are checked on
-    the host only (no device sync), so this may be called inside a graph capture.
+    The scratch's third dimension S is the most splits a row gets (``row_splits``).
+    Shapes are checked on the host only (no device sync), so this may be called inside
+    a graph capture.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
-    num_splits = partial_out.shape[2]
-    check_paged_inputs(q, k_buffer, v_buffer, req_to_token, out, partial_out, partial_lse)
+    max_splits = partial_out.shape[2]
+    check_paged_inputs(q, k_buffer, v_buffer, req_to_token, out, partial_out, partial_lse,
+                       partial_splits)  # fmt: skip
     assert req_pool_indices.stride(0) == 1 and seq_lens.stride(0) == 1
     if bs == 0:
         return out
@@ -416,8 +519,9 @@ def decode_attention(
     window = 0 if sliding_window is None else int(sliding_window)
     assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
     group = num_heads // num_kv_heads
+    programs = programs or split_programs(bs * num_kv_heads, max_splits, short_splits)
 
-    _decode_partial_kernel[(bs, num_kv_heads, num_splits)](
+    _decode_partial_kernel[(bs, num_kv_heads, programs)](
         q,
         k_buffer,
         v_buffer,
@@ -426,6 +530,7 @@ def decode_attention(
         seq_lens,
         partial_out,
         partial_lse,
+        partial_splits,
         float(sm_scale),
         window,
         q.stride(0),
@@ -442,7 +547,7 @@ def decode_attention(
         partial_lse.stride(1),
         KV_GROUP=group,
         BLOCK_G=max(triton.next_power_of_2(group), MIN_DOT),
-        NUM_KV_SPLITS=num_splits,
+        **split_constants(max_splits, short_splits),
         BLOCK_N=block_n,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
@@ -452,10 +557,12 @@ def decode_attention(
         num_warps=4,
         num_stages=2,
     )
-    return combine_splits(partial_out, partial_lse, out)
+    return combine_splits(partial_out, partial_lse, partial_splits, out, short_splits)
 
 
-def check_paged_inputs(q, k_buffer, v_buffer, req_to_token, out, partial_out, partial_lse) -> None:
+def check_paged_inputs(
+    q, k_buffer, v_buffer, req_to_token, out, partial_out, partial_lse, partial_splits
+) -> None:
     """Host-side shape checks shared by the decode and tree-verify launchers (no sync):
     q and out (rows, H, D), the paged K/V buffers, the per-split float32 scratch."""
     rows, num_heads, head_dim = q.shape
@@ -468,23 +575,33 @@ def check_paged_inputs(q, k_buffer, v_buffer, req_to_token, out, partial_out, pa
     assert partial_out.shape[1:] == (num_heads, num_splits, head_dim)
     assert partial_lse.shape[0] >= rows and partial_lse.shape[1:] == (num_heads, num_splits)
     assert partial_out.dtype == partial_lse.dtype == torch.float32
+    assert partial_splits.shape[0] >= rows and partial_splits.dtype == torch.int32
     assert out.shape == q.shape
     # The kernels index the last dimension (and the 1-D inputs) with unit stride.
     for name, t in (("q", q), ("k", k_buffer), ("v", v_buffer), ("out", out)):
         assert t.stride(-1) == 1, f"{name} must be contiguous in head_dim"
     assert partial_out.stride(-1) == 1 and partial_lse.stride(-1) == 1
+    assert partial_splits.stride(0) == 1
     assert req_to_token.stride(1) == 1
 
 
 def combine_splits(
-    partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    partial_splits: torch.Tensor,
+    out: torch.Tensor,
+    short_splits: int = NUM_KV_SPLITS,
 ) -> torch.Tensor:
-    """``out`` (rows, H, D) from every split's partial output and log-sum-exp: one launch."""
+    """``out`` (rows, H, D) from each row's splits' partial outputs and log-sum-exps: one
+    launch."""
     rows, num_heads, head_dim = out.shape
-    num_splits = partial_out.shape[2]
+    max_splits = partial_out.shape[2]
+    short = min_splits(max_splits, short_splits)
+    block_d = triton.next_power_of_2(head_dim)
     _decode_combine_kernel[(rows, num_heads)](
         partial_out,
         partial_lse,
+        partial_splits,
         out,
         partial_out.stride(0),
         partial_out.stride(1),
@@ -493,10 +610,14 @@ def combine_splits(
         partial_lse.stride(1),
         out.stride(0),
         out.stride(1),
-        NUM_KV_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits),
+        MIN_SPLITS=short,
+        BLOCK_S=triton.next_power_of_2(short),
+        # Chunks of at most 8,192 partial elements (a short row's at head_dim 512).
+        BLOCK_REST=max(
+            triton.next_power_of_2(short), min(triton.next_power_of_2(max_splits), 8192 // block_d)
+        ),  # fmt: skip
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=block_d,
         LAUNCH_DEPENDENTS=pdl.ENABLED,
         num_warps=2,
     )

@@ -11,7 +11,8 @@ Width invariance: node i's token is computed exactly as decode would compute it 
 its path were accepted. Stage 1 runs decode's split schedule: BLOCK_N blocks aligned
 to absolute positions, dealt to the S splits cyclically (triton_decode.py), walked
 with decode's building blocks (K/V blocks, the online-softmax step, the partial
-store). Only where a key's slot comes from differs: the token table below the tree,
+store) and decode's split count for the node's token (a program whose nodes straddle a
+length where splits double walks each schedule for its own rows). Only where a key's slot comes from differs: the token table below the tree,
 the node's path (its ancestor at that depth, found through the tree-mask row) from
 the tree on. Stage 2 is decode's log-sum-exp combine. So a verify row's output equals
 decode's bit for bit, and greedy speculative output equals plain decoding's wherever
@@ -32,8 +33,8 @@ nodes at one depth differ), the other rows kept.
 
 Capture-safe: the launches read only device tensors and host shapes, never
 sync, allocate nothing (the caller owns ``out`` and the scratch), and their
-grids depend on B, n, the head counts and the scratch's fixed split count
-alone, so an eager run and a graph replay of the same inputs are bitwise equal.
+grids depend on B, n, the head counts and the scratch's shape alone, so an eager
+run and a graph replay of the same inputs are bitwise equal.
 """
 
 from __future__ import annotations
@@ -44,13 +45,18 @@ import triton.language as tl
 
 from graphrt.devices.cuda.triton_decode import (
     MIN_DOT,
+    NUM_KV_SPLITS,
     _attend_block,
     _first_block,
     _load_kv_block,
+    _row_splits,
     _store_partial,
     check_paged_inputs,
     combine_splits,
     default_block_n,
+    min_splits,
+    split_constants,
+    split_programs,
 )
 
 # Programs one node a program would launch (rows x KV heads x splits) from which
@@ -120,6 +126,7 @@ def _verify_partial_kernel(
     TreeMask,  # (B, n, n) uint8 view of the bool mask
     PartialOut,  # (>= B*n, H, S, D) float32
     PartialLse,  # (>= B*n, H, S) float32
+    PartialSplits,  # (>= B*n,) int32: each row's split count, for the combine
     sm_scale,
     window,  # 0 = no sliding window
     num_nodes,  # n
@@ -140,7 +147,9 @@ def _verify_partial_kernel(
     KV_GROUP: tl.constexpr,  # query heads per KV head
     NODES: tl.constexpr,  # tree nodes a program serves
     BLOCK_G: tl.constexpr,  # NODES * KV_GROUP padded to a power of two >= MIN_DOT
-    NUM_KV_SPLITS: tl.constexpr,  # S, decode's
+    MIN_SPLITS: tl.constexpr,  # decode's row splits (_row_splits)
+    DOUBLINGS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
     BLOCK_N: tl.constexpr,  # keys per loop step, decode's
     BLOCK_T: tl.constexpr,  # n padded to a power of two
     HEAD_DIM: tl.constexpr,  # constant, so K/V rows load as 16-byte vectors
@@ -151,7 +160,6 @@ def _verify_partial_kernel(
     b = tl.program_id(0) // groups
     first_node = (tl.program_id(0) % groups) * NODES
     kv_h = tl.program_id(1)
-    split = tl.program_id(2)
 
     req = tl.load(ReqPoolIndices + b).to(tl.int64)
     # Padding rows may carry seq_len < n: their prefix is empty, not negative.
@@ -177,16 +185,53 @@ def _verify_partial_kernel(
     q_pos = tl.load(Positions + rows, mask=mask_g, other=0).to(tl.int32)
     row_end = tl.where(mask_g, q_pos + 1, 0)
     row_lo = tl.where(window > 0, tl.maximum(row_end - window, 0), 0)
+    # Decode's split count for each row's token; a program's rows differ only where
+    # their tree crosses a length at which splits double: they then take two passes.
+    row_splits = _row_splits(row_end - row_lo, MIN_SPLITS, DOUBLINGS, SPLIT_KEYS)
+    if (kv_h == 0) & (tl.program_id(2) == 0):
+        tl.store(PartialSplits + rows, row_splits, mask=mask_g)
+    few_splits = tl.min(tl.where(mask_g, row_splits, 2147483647), 0)
+    most_splits = tl.max(tl.where(mask_g, row_splits, 0), 0)
     row_lo = tl.where(mask_g, row_lo, 2147483647)
     lo, end = tl.min(row_lo, 0), tl.max(row_end, 0)
-
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each row's scores
-    l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # Blocks below the tree: one K/V read serves every node (slots from the token table).
     prefix_blocks = prefix // BLOCK_N
-    first = _first_block(lo, split, NUM_KV_SPLITS, BLOCK_N)
-    for j in range(first, tl.minimum(prefix_blocks, tl.cdiv(end, BLOCK_N)), NUM_KV_SPLITS):
+
+    # Splits p, p + P, ... of the program's rows: each its own partial, whatever P is.
+    for split in range(tl.program_id(2), most_splits, tl.num_programs(2)):
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each row's scores
+        l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for schedule in range(0, 1 + (most_splits != few_splits).to(tl.int32)):
+            num_splits = tl.where(schedule == 0, few_splits, most_splits)
+            if split < num_splits:
+                walking = row_splits == num_splits  # (BLOCK_G,) rows of this schedule
+                m, l_sum, acc = _attend_split(
+                    q, m, l_sum, acc, K, V, ReqToToken, OutCacheLoc, Positions, TreeMask,
+                    req, b, first_node, row_node, walking, row_lo, row_end, lo, end, prefix,
+                    prefix_blocks, split, num_splits, num_nodes, kv_h, offs_d, mask_d, sm_scale,
+                    stride_kt, stride_kh, stride_vt, stride_vh, stride_req, stride_mb, stride_mi,
+                    NODES, BLOCK_N, BLOCK_T, DOT_PRECISION,
+                )  # fmt: skip
+        _store_partial(
+            PartialOut, PartialLse, rows, split, heads, mask_g & (split < row_splits), offs_d,
+            mask_d, m, l_sum, acc, stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
+        )  # fmt: skip
+
+
+@triton.jit
+def _attend_split(
+    q, m, l_sum, acc, K, V, ReqToToken, OutCacheLoc, Positions, TreeMask, req, b, first_node,
+    row_node, walking, row_lo, row_end, lo, end, prefix, prefix_blocks, split, num_splits,
+    num_nodes, kv_h, offs_d, mask_d, sm_scale, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_req, stride_mb, stride_mi,
+    NODES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Split ``split`` of ``num_splits`` for the program's ``walking`` rows: online softmax
+    over its blocks, the other rows kept. -> (m, l_sum, acc)."""
+    # Blocks below the tree: one K/V read serves every node (slots from the token table).
+    first = _first_block(lo, split, num_splits, BLOCK_N)
+    for j in range(first, tl.minimum(prefix_blocks, tl.cdiv(end, BLOCK_N)), num_splits):
         offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
         any_row = (offs_n >= lo) & (offs_n < end)
         slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=any_row, other=0).to(tl.int64)
@@ -194,16 +239,17 @@ def _verify_partial_kernel(
             K, V, slots, any_row, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh
         )
         visible = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_end[:, None])
+        visible &= walking[:, None]
         step = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
         m, l_sum, acc = _keep_unseen(visible, step, m, l_sum, acc)
     # Blocks reaching the tree: each node's keys past the prefix are its own path's. One
     # online-softmax step per (block, node): the node's rows against its own keys, the
     # other rows kept; one flat loop, so one K/V tile is live (registers stay decode's).
-    first = _first_block(tl.maximum(lo, prefix_blocks * BLOCK_N), split, NUM_KV_SPLITS, BLOCK_N)
-    blocks = tl.cdiv(tl.maximum(tl.cdiv(end, BLOCK_N) - first, 0), NUM_KV_SPLITS)
+    first = _first_block(tl.maximum(lo, prefix_blocks * BLOCK_N), split, num_splits, BLOCK_N)
+    blocks = tl.cdiv(tl.maximum(tl.cdiv(end, BLOCK_N) - first, 0), num_splits)
     for step_index in range(0, blocks * NODES):
         t = step_index % NODES
-        offs_n = (first + (step_index // NODES) * NUM_KV_SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = (first + (step_index // NODES) * num_splits) * BLOCK_N + tl.arange(0, BLOCK_N)
         in_range = (offs_n >= lo) & (offs_n < end)
         in_prefix = offs_n < prefix
         cached = tl.load(
@@ -215,13 +261,10 @@ def _verify_partial_kernel(
             stride_kh, stride_vt, stride_vh, stride_mb, stride_mi, BLOCK_T,
         )  # fmt: skip
         row_range = (offs_n[None, :] >= row_lo[:, None]) & (offs_n[None, :] < row_end[:, None])
-        visible = (row_node == t)[:, None] & known[None, :] & row_range
+        visible = ((row_node == t) & walking)[:, None] & known[None, :] & row_range
         step = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
         m, l_sum, acc = _keep_unseen(visible, step, m, l_sum, acc)
-    _store_partial(
-        PartialOut, PartialLse, rows, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
-        stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
-    )  # fmt: skip
+    return m, l_sum, acc
 
 
 def program_shape(group: int, num_nodes: int, programs: int) -> tuple[int, int]:
@@ -247,24 +290,29 @@ def tree_verify_attention(
     out: torch.Tensor,  # (B*n, H, D), written, q's dtype
     partial_out: torch.Tensor,  # (>= B*n, H, S, D) float32 scratch
     partial_lse: torch.Tensor,  # (>= B*n, H, S) float32 scratch
+    partial_splits: torch.Tensor,  # (>= B*n,) int32 scratch
     sm_scale: float,
     sliding_window: int | None = None,
     block_n: int | None = None,  # keys per loop step (>= 16); None: decode's default_block_n
+    programs: int | None = None,  # stage 1's programs along the splits; None: split_programs
+    short_splits: int = NUM_KV_SPLITS,  # a short row's splits, decode's
 ) -> torch.Tensor:
     """Each tree node's attention over its prefix and its tree ancestors; returns ``out``.
 
-    The split count S is the scratch's third dimension, decode's. Shapes are checked on
-    the host only (no device sync), so this may be captured.
+    Each node gets the splits decode would give its token (the scratch's third dimension
+    bounds them, as decode's). Shapes are checked on the host only (no device sync), so
+    this may be captured.
     """
     bs, num_nodes = tree_mask.shape[:2]
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
-    num_splits = partial_out.shape[2]
+    max_splits = partial_out.shape[2]
     assert tree_mask.shape == (bs, num_nodes, num_nodes) and tree_mask.dtype == torch.bool
     assert num_rows == bs * num_nodes, f"{num_rows} query rows for {bs} trees of {num_nodes}"
     assert req_pool_indices.shape == seq_lens.shape == (bs,)
     assert positions.shape == out_cache_loc.shape == (num_rows,)
-    check_paged_inputs(q, k_buffer, v_buffer, req_to_token, out, partial_out, partial_lse)
+    check_paged_inputs(q, k_buffer, v_buffer, req_to_token, out, partial_out, partial_lse,
+                       partial_splits)  # fmt: skip
     assert tree_mask.stride(2) == 1
     for t in (req_pool_indices, seq_lens, positions, out_cache_loc):
         assert t.stride(0) == 1
@@ -278,9 +326,14 @@ def tree_verify_attention(
     window = 0 if sliding_window is None else int(sliding_window)
     assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
     group = num_heads // num_kv_heads
-    nodes, block_g = program_shape(group, num_nodes, num_rows * num_kv_heads * num_splits)
+    # Packing is decided at a short row's split count, as measured (PACK_MIN_PROGRAMS).
+    nodes, block_g = program_shape(
+        group, num_nodes, num_rows * num_kv_heads * min_splits(max_splits)
+    )
+    node_programs = bs * triton.cdiv(num_nodes, nodes)
+    programs = programs or split_programs(node_programs * num_kv_heads, max_splits, short_splits)
 
-    grid = (bs * triton.cdiv(num_nodes, nodes), num_kv_heads, num_splits)
+    grid = (node_programs, num_kv_heads, programs)
     _verify_partial_kernel[grid](
         q,
         k_buffer,
@@ -293,6 +346,7 @@ def tree_verify_attention(
         tree_mask.view(torch.uint8),  # same bytes; sidesteps Triton's 1-bit pointers
         partial_out,
         partial_lse,
+        partial_splits,
         float(sm_scale),
         window,
         num_nodes,
@@ -313,7 +367,7 @@ def tree_verify_attention(
         KV_GROUP=group,
         NODES=nodes,
         BLOCK_G=block_g,
-        NUM_KV_SPLITS=num_splits,
+        **split_constants(max_splits, short_splits),
         BLOCK_N=block_n,
         BLOCK_T=triton.next_power_of_2(num_nodes),
         HEAD_DIM=head_dim,
@@ -324,4 +378,4 @@ def tree_verify_attention(
         num_warps=4,
         num_stages=2,
     )
-    return combine_splits(partial_out, partial_lse, out)
+    return combine_splits(partial_out, partial_lse, partial_splits, out, short_splits)

@@ -1,0 +1,82 @@
+"""Decode attention, one layer, by KV split count: GPU time of the partial and combine
+kernels replayed from a CUDA graph (triton.testing.do_bench_cudagraph, median) and the
+KV bandwidth that makes, for a model's attention shape over contexts and batch sizes:
+every row at a fixed split count, then the engine's choice ("auto": splits from each
+row's length, scratch for a 131,072-token context). Issue 21 chose the rule from this
+table.
+
+Run on the device: python bench/decode_splits.py [--shape llama-1b|gemma4-sliding|gemma4-global]
+[--contexts 512,2048,8192,32768] [--batch-sizes 1,8,64] [--splits 8,16,32,64,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+from graphrt.devices.cuda.triton_decode import (
+    allocate_decode_scratch,
+    decode_attention,
+    max_kv_splits,
+)
+
+# name -> (query heads, KV heads, head_dim)
+SHAPES = {"llama-1b": (32, 8, 64), "gemma4-sliding": (8, 1, 256), "gemma4-global": (8, 1, 512)}
+
+
+def layer_us(shape: str, bs: int, ctx: int, splits: int | None) -> float:
+    """One layer's decode attention over ``bs`` rows of ``ctx`` keys: ``splits`` for
+    every row, or (None) the engine's rule."""
+    heads, kv_heads, head_dim = SHAPES[shape]
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    slots = 1 + torch.randperm(bs * ctx, device=dev)  # scattered, as a pool's are
+    k = torch.randn(bs * ctx + 1, kv_heads, head_dim, device=dev, dtype=dtype)
+    v = torch.randn_like(k)
+    table = torch.zeros(bs + 1, ctx, dtype=torch.int64, device=dev)
+    table[1:] = slots.view(bs, ctx)
+    reqs = torch.arange(1, bs + 1, device=dev)
+    lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(bs, heads, head_dim, device=dev, dtype=dtype)
+    out = torch.empty_like(q)
+    max_splits = max_kv_splits(131072) if splits is None else splits
+    short = {} if splits is None else {"short_splits": splits}  # fixed: short = most
+    scratch = allocate_decode_scratch(bs, heads, head_dim, dev, max_splits)
+
+    def run():
+        decode_attention(q, k, v, table, reqs, lens, out, *scratch, head_dim**-0.5, **short)
+
+    # do_bench_cudagraph runs on a side stream that does not wait for this one.
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(run, rep=50) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
+    parser.add_argument("--contexts", default="512,2048,8192,32768")
+    parser.add_argument("--batch-sizes", default="1,8,64")
+    parser.add_argument("--splits", default="8,16,32,64,128")
+    args = parser.parse_args()
+    heads, kv_heads, head_dim = SHAPES[args.shape]
+    splits = [int(s) for s in args.splits.split(",")] + [None]
+    print(
+        f"{args.shape}: {heads} heads on {kv_heads} KV heads, head_dim {head_dim}, bf16; "
+        "us a layer (GB/s of KV read) by split count"
+    )
+    print(f"{'batch':>5} {'context':>7} " + " ".join(f"{s or 'auto':>15}" for s in splits))
+    for bs in (int(b) for b in args.batch_sizes.split(",")):
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            kv_bytes = 2 * bs * ctx * kv_heads * head_dim * 2
+            if kv_bytes > 16 << 30:
+                continue
+            cells = []
+            for s in splits:
+                us = layer_us(args.shape, bs, ctx, s)
+                cells.append(f"{us:7.1f} ({kv_bytes / us / 1e3:5.0f})")
+            print(f"{bs:>5} {ctx:>7} " + " ".join(f"{c:>15}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
