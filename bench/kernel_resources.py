@@ -14,9 +14,8 @@ import subprocess
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
+from graphrt.devices.cuda.offline_compile import compile_for_h200
 from graphrt.devices.cuda.triton_decode import (
     _decode_combine_kernel,
     _decode_partial_kernel,
@@ -24,24 +23,10 @@ from graphrt.devices.cuda.triton_decode import (
 )
 from graphrt.devices.cuda.triton_verify import _verify_partial_kernel
 
-TARGET = GPUTarget("cuda", 90, 32)
-POINTERS = {
-    "Q": "*bf16", "K": "*bf16", "V": "*bf16", "ReqToToken": "*i64", "ReqPoolIndices": "*i64",
-    "SeqLens": "*i32", "PartialOut": "*fp32", "PartialLse": "*fp32", "Positions": "*i64",
-    "OutCacheLoc": "*i64", "TreeMask": "*u8", "PartialSplits": "*i32", "Out": "*bf16",
-}  # fmt: skip
-
 
 def resources(kernel, constants: dict, num_warps: int) -> str:
     """Compile ``kernel`` for sm_90 with ``constants``; -> its resource usage line."""
-    names = kernel.arg_names
-    signature = {
-        n: "constexpr" if n in constants else POINTERS.get(n, "fp32" if n == "sm_scale" else "i32")
-        for n in names
-    }
-    constexprs = {(i,): constants[n] for i, n in enumerate(names) if n in constants}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=TARGET, options={"num_warps": num_warps})
+    compiled = compile_for_h200(kernel, constants, num_warps)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])

@@ -491,28 +491,13 @@ if __name__ == "__main__":
 # ---- CPU lane: the kernels compile for an H200 as a long-context engine launches them ----
 
 
-def _compile_for_sm90(kernel, constants: dict, pointers: dict, num_warps: int) -> None:
-    """Compile ``kernel`` for sm_90 (no GPU needed: Triton's own compiler and ptxas)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = kernel.arg_names
-    signature = {
-        n: "constexpr" if n in constants else pointers.get(n, "fp32" if n == "sm_scale" else "i32")
-        for n in names
-    }
-    constexprs = {(i,): constants[n] for i, n in enumerate(names) if n in constants}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-
-
 @needs_triton
 def test_kernels_compile_for_sm90_with_rows_that_double_their_splits():
     """The interpreter runs the kernels without Triton's type checks; on a GPU a combine
     whose long-row loop re-bound a variable to another shape failed to compile only
     where the scratch held more splits than a short row's (contexts of 8,192 and up).
     Here they compile as such an engine launches them: 128 splits, rows that double."""
+    from graphrt.devices.cuda.offline_compile import compile_for_h200
     from graphrt.devices.cuda.triton_decode import (
         _decode_combine_kernel,
         _decode_partial_kernel,
@@ -520,17 +505,12 @@ def test_kernels_compile_for_sm90_with_rows_that_double_their_splits():
     )
     from graphrt.devices.cuda.triton_verify import _verify_partial_kernel
 
-    pointers = {
-        "Q": "*bf16", "K": "*bf16", "V": "*bf16", "ReqToToken": "*i64", "ReqPoolIndices": "*i64",
-        "SeqLens": "*i32", "PartialOut": "*fp32", "PartialLse": "*fp32", "Positions": "*i64",
-        "OutCacheLoc": "*i64", "TreeMask": "*u8", "PartialSplits": "*i32", "Out": "*bf16",
-    }  # fmt: skip
     head_dim = 64  # llama-1b's: the combine's widest chunks (8192 // 64 = 128 splits)
     combine = dict(MIN_SPLITS=16, BLOCK_S=16, BLOCK_REST=8192 // head_dim, HEAD_DIM=head_dim,
                    BLOCK_D=head_dim, LAUNCH_DEPENDENTS=True)  # fmt: skip
-    _compile_for_sm90(_decode_combine_kernel, combine, pointers, 2)
+    compile_for_h200(_decode_combine_kernel, combine, 2)
     stage1 = dict(KV_GROUP=4, BLOCK_G=16, **split_constants(128), BLOCK_N=64, HEAD_DIM=head_dim,
                   BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
     assert stage1["DOUBLINGS"] == 3
-    _compile_for_sm90(_decode_partial_kernel, stage1, pointers, 4)
-    _compile_for_sm90(_verify_partial_kernel, stage1 | {"NODES": 4, "BLOCK_T": 8}, pointers, 4)
+    compile_for_h200(_decode_partial_kernel, stage1, 4)
+    compile_for_h200(_verify_partial_kernel, stage1 | {"NODES": 4, "BLOCK_T": 8}, 4)

@@ -1,0 +1,33 @@
+"""Compile a Triton kernel for an H200 (sm_90) on any machine: Triton's own compiler and
+ptxas, no GPU. The CPU lane compiles the attention kernels this way (Triton's
+interpreter runs them without the compiler's type checks), and bench/kernel_resources.py
+reads their registers and spills from the result.
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+H200 = GPUTarget("cuda", 90, 32)
+# Pointer arguments of the attention kernels, by name, as a bfloat16 model launches them.
+ATTENTION_POINTERS = {
+    "Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "ReqToToken": "*i64",
+    "ReqPoolIndices": "*i64", "SeqLens": "*i32", "Positions": "*i64", "OutCacheLoc": "*i64",
+    "TreeMask": "*u8", "PartialOut": "*fp32", "PartialLse": "*fp32", "PartialSplits": "*i32",
+}  # fmt: skip
+
+
+def compile_for_h200(kernel, constants: dict, num_warps: int, pointers: dict | None = None):
+    """``kernel`` compiled for sm_90 with ``constants`` (its constexpr arguments); other
+    arguments are the named pointers, ``sm_scale`` float32, the rest int32. Raises
+    Triton's CompilationError where the kernel does not compile."""
+    pointers = ATTENTION_POINTERS if pointers is None else pointers
+    signature = {
+        n: "constexpr" if n in constants else pointers.get(n, "fp32" if n == "sm_scale" else "i32")
+        for n in kernel.arg_names
+    }
+    constexprs = {(i,): constants[n] for i, n in enumerate(kernel.arg_names) if n in constants}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=H200, options={"num_warps": num_warps})
