@@ -208,6 +208,33 @@ def test_cli_bench_writes_the_new_fields(monkeypatch, tmp_path, capsys):
         assert batch["nan_check_ms"] is None  # no device time on the CPU: nothing claimed
 
 
+def test_cli_bench_sweeps_prompt_lengths_into_one_json_and_plot(monkeypatch, tmp_path, capsys):
+    """``--prompt-len 8,24``: each length on its own engine, one JSON with a result per
+    length (its KV read grows with it), one plot of the step against the context."""
+    pytest.importorskip("matplotlib")
+    from graphrt.core.cli.main import main
+
+    monkeypatch.setattr(decode, "copy_bandwidth_gbps", lambda *a: 10.0)
+    out = tmp_path / "sweep.json"
+    argv = ["bench", "--model", "random:llama-tiny", "--device", "cpu", "--runners", "eager"]
+    argv += ["--batch-sizes", "1,2", "--prompt-len", "8,24", "--steps", "2", "--warmup", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["prompt_len"] == [8, 24]
+    assert [r["prompt_len"] for r in result["sweep"]] == [8, 24]
+    short, long = ([b["kv_bytes_read"] for b in r["batches"]] for r in result["sweep"])
+    assert all(k2 == k1 * 25 // 9 for k1, k2 in zip(short, long))  # 9 and 25 cached tokens
+    assert out.with_suffix(".png").stat().st_size > 0
+    # The round bench times one length: said in one line, before any model loads.
+    argv = ["bench", "--model", "random:llama-tiny", "--draft", "random:gemma4-e2b-assistant",
+            "--device", "cpu", "--prompt-len", "8,24", "--out", str(out)]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert cli_error_line(capsys.readouterr().err) == (
+        "graphrt: error: --draft times one prompt length: give --prompt-len one number"
+    )
+
+
 @pytest.mark.graphs
 def test_round_bench_times_every_piece_of_a_round(gemma4_tiny, gemma4_assistant, tmp_path):
     """`graphrt bench --draft`'s measurements on stand-in graphs, and the transformers

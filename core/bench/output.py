@@ -48,14 +48,15 @@ def write_result(result: dict, args: argparse.Namespace, plot, log) -> int:
     return 0
 
 
-def header(args: argparse.Namespace, device, dtype) -> dict:
-    """What every bench's JSON starts with: the model, the device, the dtype, the versions."""
+def header(args: argparse.Namespace, device, dtype, prompt_len: int | list[int]) -> dict:
+    """What every bench's JSON starts with: the model, the device, the dtype, the prompt
+    length, the versions."""
     return dict(
         model=args.model,
         device=device.name,
         device_name=device.describe(),
         dtype=str(dtype).removeprefix("torch."),
-        prompt_len=args.prompt_len,
+        prompt_len=prompt_len,
         versions=versions(device),
     )
 

@@ -64,6 +64,38 @@ def plot_latency(result: dict, path: Path) -> bool:
     return True
 
 
+def plot_context_sweep(result: dict, path: Path) -> bool:
+    """A context sweep (``graphrt bench --prompt-len a,b,...``): step latency against the
+    prompt length, one line per batch size (graph, else eager), its bandwidth floor
+    dashed in the same colour. False when matplotlib is not installed."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    lens = result["prompt_len"]
+    sizes = [b["batch_size"] for b in result["sweep"][0]["batches"]]
+    for i, size in enumerate(sizes):
+        runs = [next(b for b in r["batches"] if b["batch_size"] == size) for r in result["sweep"]]
+        key = "graph_ms" if any(b.get("graph_ms") for b in runs) else "eager_ms"
+        color = f"C{i % 10}"
+        points = [(n, b[key]) for n, b in zip(lens, runs) if b.get(key)]
+        if points:
+            ax.plot(*zip(*points), "-o", color=color, label=f"batch {size} ({key[:-3]})")
+        ax.plot(lens, [b["floor_ms"] for b in runs], "--", color=color, alpha=0.6)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lens, [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lens])
+    ax.set_xlabel("prompt length (tokens); dashed: bandwidth floor")
+    ax.set_ylabel("decode step latency (ms, median)")
+    ax.set_title(f"{result['model']} {result['dtype']}, {result['device_name']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def plot_spec_throughput(result: dict, path: Path) -> bool:
     """Tokens/s against request batch size: plain decode, speculative as measured, and
     what the measured round time gives at every accept length. False without matplotlib."""

@@ -66,16 +66,24 @@ class _AppendPrompt(argparse.Action):
         setattr(namespace, self.dest, prompts)
 
 
-def _size_list(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"wants comma-separated batch sizes, got {text!r}"
-        ) from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
-    return sizes
+def _positive_list(what: str):
+    """An argparse type: a comma list of integers >= 1, named ``what`` in its errors."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(t) for t in text.split(",") if t.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"wants comma-separated {what}, got {text!r}"
+            ) from None
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{what} must be >= 1, got {text!r}")
+        return values
+
+    return parse
+
+
+_size_list = _positive_list("batch sizes")
 
 
 def _whole(text: str) -> int:
@@ -418,9 +426,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tp_flag(bench)
     bench.add_argument(
         "--prompt-len",
-        type=_positive,
-        default=512,
-        help="random prompt tokens prefilled per request before timing (default: %(default)s)",
+        type=_positive_list("prompt lengths"),
+        default=(512,),
+        help="random prompt tokens prefilled per request before timing; a comma list times "
+        "every batch size at each length and plots the step against the context, e.g. "
+        "512,2048,8192,32768 (default: 512)",
     )
     bench.add_argument(
         "--batch-sizes",

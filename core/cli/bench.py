@@ -24,7 +24,7 @@ from graphrt.core.bench.peer_hf import (
     hf_config,
     hf_peer_problem,
 )
-from graphrt.core.bench.plot import plot_latency, plot_spec_throughput
+from graphrt.core.bench.plot import plot_context_sweep, plot_latency, plot_spec_throughput
 from graphrt.core.bench.rounds import (
     RoundBenchConfig,
     result_json,
@@ -65,26 +65,41 @@ def run_bench(args: argparse.Namespace) -> int:
             "the transformers peer runs on one device: drop hf from --runners with --tp"
         )
     if args.draft is not None:
+        if len(args.prompt_len) > 1:
+            raise UsageError("--draft times one prompt length: give --prompt-len one number")
         return _run_round_bench(args, device, dtype, tp)
-    return _run_decode_bench(args, device, dtype, tp)
+    log = report_for(args)
+    loaded = load_model(
+        args.model, device, dtype, check_finite=args.check_weights, tp=tp,
+        batch_invariant=args.batch_invariant,
+    )  # fmt: skip
+    if len(args.prompt_len) == 1:
+        result = _decode_bench(args, device, dtype, tp, loaded, args.prompt_len[0], log)
+        return write_result(result, args, plot_latency, log)
+    # A context sweep: each length on an engine of its own (its pool and graphs sized
+    # for that context), released before the next.
+    sweep = []
+    for prompt_len in args.prompt_len:
+        log(f"== prompt {prompt_len}")
+        sweep.append(_decode_bench(args, device, dtype, tp, loaded, prompt_len, log))
+    result = {**header(args, device, dtype, list(args.prompt_len)), "sweep": sweep}
+    return write_result(result, args, plot_context_sweep, log)
 
 
-def _run_decode_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> int:
+def _decode_bench(
+    args: argparse.Namespace, device, dtype, tp: TPGroup, loaded, prompt_len: int, log
+) -> dict:
+    """The decode bench's JSON at one prompt length."""
     runners = tuple(args.runners)
     cfg = DecodeBenchConfig(
         batch_sizes=tuple(args.batch_sizes),
-        prompt_len=args.prompt_len,
+        prompt_len=prompt_len,
         runners=runners,
         steps=args.steps,
         warmup=args.warmup,
         max_running_requests=args.max_running_requests,
         seed=args.seed,
     )
-    log = report_for(args)
-    loaded = load_model(
-        args.model, device, dtype, check_finite=args.check_weights, tp=tp,
-        batch_invariant=args.batch_invariant,
-    )  # fmt: skip
     graphs = "graph" in runners
     log(
         f"graphrt bench: {args.model} {str(dtype).removeprefix('torch.')} on {device.describe()}"
@@ -107,7 +122,7 @@ def _run_decode_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> i
         engine, cfg, device.synchronize, hf_peer, report=log
     )
     result = DecodeBenchResult(
-        **header(args, device, dtype),
+        **header(args, device, dtype, prompt_len),
         tp=tp.size,
         copy_bandwidth_gbps=round(bandwidth, 1),
         weight_bytes=weights,
@@ -125,7 +140,8 @@ def _run_decode_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> i
             f"{result['captured_sizes'][-1]}) in {result['capture_time_s']:.2f} s, "
             f"graph memory {result['graph_memory_bytes'] / 2**20:.1f} MiB; copy bandwidth {bandwidth:.0f} GB/s"
         )
-    return write_result(result, args, plot_latency, log)
+    engine.cleanup()  # its graphs; the pool goes with the engine
+    return result
 
 
 def _run_round_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> int:
@@ -136,7 +152,7 @@ def _run_round_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> in
     spec = SpecConfig(**{**spec_config_args(args), "adaptive": False})
     cfg = RoundBenchConfig(
         batch_sizes=tuple(args.batch_sizes),
-        prompt_len=args.prompt_len,
+        prompt_len=args.prompt_len[0],
         steps=args.steps,
         warmup=args.warmup,
         seed=args.seed,
@@ -170,7 +186,7 @@ def _run_round_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> in
     results = run_round_bench(spec_engine, plain_engine, cfg, device.synchronize, hf_peer, log)
     result = result_json(
         results,
-        **header(args, device, dtype),
+        **header(args, device, dtype, cfg.prompt_len),
         draft=args.draft,
         spec_steps=spec.num_steps,
         spec_topk=spec.topk,
