@@ -26,9 +26,10 @@ from graphrt.devices.cuda.triton_decode import (
 SHAPES = {"llama-1b": (32, 8, 64), "gemma4-sliding": (8, 1, 256), "gemma4-global": (8, 1, 512)}
 
 
-def layer_us(shape: str, bs: int, ctx: int, splits: int | None) -> float:
+def layer_us(shape: str, bs: int, ctx: int, splits: int | None, rest_chunk: int | None) -> float:
     """One layer's decode attention over ``bs`` rows of ``ctx`` keys: ``splits`` for
-    every row, or (None) the engine's rule."""
+    every row, or (None) the engine's rule, its combine taking ``rest_chunk`` splits a
+    step past the first 16 (None: the default)."""
     heads, kv_heads, head_dim = SHAPES[shape]
     dev, dtype = torch.device("cuda"), torch.bfloat16
     slots = 1 + torch.randperm(bs * ctx, device=dev)  # scattered, as a pool's are
@@ -45,11 +46,18 @@ def layer_us(shape: str, bs: int, ctx: int, splits: int | None) -> float:
     scratch = allocate_decode_scratch(bs, heads, head_dim, dev, max_splits)
 
     def run():
-        decode_attention(q, k, v, table, reqs, lens, out, *scratch, head_dim**-0.5, **short)
+        decode_attention(
+            q, k, v, table, reqs, lens, out, *scratch, head_dim**-0.5, rest_chunk=rest_chunk,
+            **short,
+        )  # fmt: skip
 
     # do_bench_cudagraph runs on a side stream that does not wait for this one.
     torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(run, rep=50) * 1e3
+
+
+def _label(splits: int | None, rest_chunk: int | None) -> str:
+    return str(splits) if splits else f"auto/{rest_chunk}" if rest_chunk else "auto"
 
 
 def main() -> None:
@@ -58,22 +66,28 @@ def main() -> None:
     parser.add_argument("--contexts", default="512,2048,8192,32768")
     parser.add_argument("--batch-sizes", default="1,8,64")
     parser.add_argument("--splits", default="8,16,32,64,128")
+    parser.add_argument(
+        "--rest-chunk", type=int, default=None,
+        help="also time the length rule with the combine taking this many splits a step",
+    )  # fmt: skip
     args = parser.parse_args()
     heads, kv_heads, head_dim = SHAPES[args.shape]
-    splits = [int(s) for s in args.splits.split(",")] + [None]
+    # (splits, rest chunk): fixed counts, the length rule, and with --rest-chunk its variant
+    columns = [(int(s), None) for s in args.splits.split(",")] + [(None, None)]
+    columns += [(None, args.rest_chunk)] if args.rest_chunk else []
     print(
         f"{args.shape}: {heads} heads on {kv_heads} KV heads, head_dim {head_dim}, bf16; "
         "us a layer (GB/s of KV read) by split count"
     )
-    print(f"{'batch':>5} {'context':>7} " + " ".join(f"{s or 'auto':>15}" for s in splits))
+    print(f"{'batch':>5} {'context':>7} " + " ".join(f"{_label(*c):>15}" for c in columns))
     for bs in (int(b) for b in args.batch_sizes.split(",")):
         for ctx in (int(c) for c in args.contexts.split(",")):
             kv_bytes = 2 * bs * ctx * kv_heads * head_dim * 2
             if kv_bytes > 16 << 30:
                 continue
             cells = []
-            for s in splits:
-                us = layer_us(args.shape, bs, ctx, s)
+            for s, rest in columns:
+                us = layer_us(args.shape, bs, ctx, s, rest)
                 cells.append(f"{us:7.1f} ({kv_bytes / us / 1e3:5.0f})")
             print(f"{bs:>5} {ctx:>7} " + " ".join(f"{c:>15}" for c in cells), flush=True)
 

@@ -313,21 +313,24 @@ def doubling_results(errors: dict, flags: dict) -> None:
             table = inp.req_to_token.clone()
             table[inp.req_pool_indices, inp.positions[::n]] = inp.out_cache_loc[::n]
             outs, splits = [], []
-            for programs in (1, 16):
+            # P = 1 and 16, then the combine rescaling over chunks of 2 splits past the first.
+            for programs, rest_chunk in ((1, None), (16, None), (None, 2)):
                 scratch = allocate_decode_scratch(len(roots), 4, 16, roots.device, 16)
                 out = torch.full_like(roots, float("nan"))
                 decode_attention(
                     roots, inp.k_buffer, inp.v_buffer, table, inp.req_pool_indices, lens, out,
                     *scratch, inp.sm_scale, window, block_n=16, programs=programs,
-                    short_splits=2,
+                    short_splits=2, rest_chunk=rest_chunk,
                 )  # fmt: skip
                 outs.append(out)
                 splits.append(scratch[2].tolist())
-            flags[f"{name}/programs_change_no_bit"] = torch.equal(*outs)
+            flags[f"{name}/programs_change_no_bit"] = torch.equal(outs[0], outs[1])
             want = [triton_decode.row_splits(min(k, window or k), 16, 2) for k in lens.tolist()]
-            flags[f"{name}/row_splits"] = splits[0] == splits[1] == want
+            flags[f"{name}/row_splits"] = splits[0] == splits[1] == splits[2] == want
             flags[f"{name}/doubled"] = max(want) == (4 if window else 8)
-            errors[f"{name}/vs_naive"] = rel_err(outs[1], naive_verify(inp)[::n])
+            naive = naive_verify(inp)[::n]
+            errors[f"{name}/vs_naive"] = rel_err(outs[1], naive)
+            errors[f"{name}/chunked_combine_vs_naive"] = rel_err(outs[2], naive)
     finally:
         triton_decode.SPLIT_KEYS, triton_decode.TARGET_PROGRAMS = saved
 
@@ -398,8 +401,8 @@ def invariance_flags(
 def test_verify_kernel_under_interpreter_matches_naive_and_sdpa():
     results = run_under_triton_interpreter(__file__)
     # Per case: 3 errors and 1 flag; then the padding request's error and flag.
-    # Then 3 errors, 3 flags for each of the 2 doubling cases and 2 invariance flags.
-    assert len(results["errors"]) == 3 * len(INTERPRETER_CASES) + 1 + 3
+    # Then 5 errors, 3 flags for each of the 2 doubling cases and 2 invariance flags.
+    assert len(results["errors"]) == 3 * len(INTERPRETER_CASES) + 1 + 5
     assert len(results["flags"]) == len(INTERPRETER_CASES) + 1 + 5 + 2 * 3 + 2
     too_far = {name: err for name, err in results["errors"].items() if not err <= 1e-5}
     assert not too_far, too_far

@@ -496,6 +496,7 @@ def decode_attention(
     block_n: int | None = None,  # keys per loop step (>= 16); None: default_block_n
     programs: int | None = None,  # stage 1's programs along the splits; None: split_programs
     short_splits: int = NUM_KV_SPLITS,  # a short row's splits (at most the scratch's)
+    rest_chunk: int | None = None,  # the combine's step over a long row's splits
 ) -> torch.Tensor:
     """Attention of each row's one query over its visible cached keys; returns ``out``.
 
@@ -557,7 +558,7 @@ def decode_attention(
         num_warps=4,
         num_stages=2,
     )
-    return combine_splits(partial_out, partial_lse, partial_splits, out, short_splits)
+    return combine_splits(partial_out, partial_lse, partial_splits, out, short_splits, rest_chunk)
 
 
 def check_paged_inputs(
@@ -585,12 +586,25 @@ def check_paged_inputs(
     assert req_to_token.stride(1) == 1
 
 
+def rest_splits(short: int, max_splits: int, block_d: int) -> int:
+    """A long row's further splits the combine takes a step: up to 8,192 partial elements
+    (a short row's 16 at head_dim 512). HAZARD: the kernel's registers are its widest
+    tile's, for short rows too: at head_dim 64, 128 splits a step take 163 registers a
+    thread against 56 at 16 (sm_90, bench/kernel_resources.py), so an SM holds a third
+    as many combine programs. Whether that costs large batches of short rows is next to
+    measure (bench/decode_splits.py --rest-chunk 16)."""
+    return max(
+        triton.next_power_of_2(short), min(triton.next_power_of_2(max_splits), 8192 // block_d)
+    )
+
+
 def combine_splits(
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
     partial_splits: torch.Tensor,
     out: torch.Tensor,
     short_splits: int = NUM_KV_SPLITS,
+    rest_chunk: int | None = None,  # a long row's splits combined a step; None: rest_splits
 ) -> torch.Tensor:
     """``out`` (rows, H, D) from each row's splits' partial outputs and log-sum-exps: one
     launch."""
@@ -613,9 +627,7 @@ def combine_splits(
         MIN_SPLITS=short,
         BLOCK_S=triton.next_power_of_2(short),
         # Chunks of at most 8,192 partial elements (a short row's at head_dim 512).
-        BLOCK_REST=max(
-            triton.next_power_of_2(short), min(triton.next_power_of_2(max_splits), 8192 // block_d)
-        ),  # fmt: skip
+        BLOCK_REST=rest_chunk or rest_splits(short, max_splits, block_d),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         LAUNCH_DEPENDENTS=pdl.ENABLED,
