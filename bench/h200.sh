@@ -6,6 +6,9 @@
 #   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
 #   bash bench/h200.sh round [topk] [kernels listed]: bench/profile_round.py
 #   bash bench/h200.sh cold: the README's first command on a bare machine, then warm
+#   bash bench/h200.sh splits: decode attention by KV split count and context (issue 21;
+#     bench/decode_splits.py, the combine's narrower step beside), then the decode step
+#     against the context (graphrt bench --prompt-len 512,2048,8192,32768)
 #   bash bench/h200.sh auto [tokens]: the README's command with and without drafting, and
 #     bench/profile_auto.py (auto vs --no-draft vs rounds of 5, side by side in one process)
 #   bash bench/h200.sh matrix ["spec_matrix.py flags"]: the speculative speed matrix (issue 20)
@@ -116,6 +119,16 @@ if [[ $what == round ]]; then
     # Where a round's time goes, kernel by kernel ($2: topk, $3: kernels listed per graph).
     python bench/profile_round.py "${2:-1}" "${3:-16}" 2>&1 | grep -v Warning \
         | tee "$OUT/profile-round.log" | grep -E "kernels,|==" 
+fi
+
+if [[ $what == splits ]]; then
+    for shape in llama-1b gemma4-global; do
+        python bench/decode_splits.py --shape $shape --splits 16,64,128 --rest-chunk 16 2>&1 \
+            | grep -v Warning | tee "$OUT/decode-splits-$shape.log"
+    done
+    graphrt bench --model random:llama-1b --batch-sizes 1,8,64 --runners graph --steps 30 \
+        --prompt-len 512,2048,8192,32768 --out "$OUT/bench-llama-1b-context.json" 2>&1 \
+        | grep -v Warning | grep -E "^ +[0-9]|== prompt|wrote"
 fi
 
 if [[ $what == cold ]]; then
