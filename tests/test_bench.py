@@ -15,7 +15,7 @@ from helpers import CPU, cli_error_line
 from graphrt.core.bench import decode
 from graphrt.core.bench.decode import DecodeBenchConfig, make_engine, run_decode_bench
 from graphrt.core.bench.peer_hf import hf_assisted_tokens_per_s, hf_peer_problem
-from graphrt.core.bench.plot import plot_spec_throughput
+from graphrt.core.bench.plot import plot_context_sweep, plot_spec_throughput
 from graphrt.core.bench.rounds import (
     RoundBenchConfig,
     gap_ms,
@@ -208,23 +208,21 @@ def test_cli_bench_writes_the_new_fields(monkeypatch, tmp_path, capsys):
         assert batch["nan_check_ms"] is None  # no device time on the CPU: nothing claimed
 
 
-def test_cli_bench_sweeps_prompt_lengths_into_one_json_and_plot(monkeypatch, tmp_path, capsys):
+def test_cli_bench_sweeps_prompt_lengths_into_one_json(monkeypatch, tmp_path, capsys):
     """``--prompt-len 8,24``: each length on its own engine, one JSON with a result per
-    length (its KV read grows with it), one plot of the step against the context."""
-    pytest.importorskip("matplotlib")
+    length (its KV read grows with it)."""
     from graphrt.core.cli.main import main
 
     monkeypatch.setattr(decode, "copy_bandwidth_gbps", lambda *a: 10.0)
     out = tmp_path / "sweep.json"
     argv = ["bench", "--model", "random:llama-tiny", "--device", "cpu", "--runners", "eager"]
     argv += ["--batch-sizes", "1,2", "--prompt-len", "8,24", "--steps", "2", "--warmup", "1"]
-    assert main([*argv, "--out", str(out)]) == 0
+    assert main([*argv, "--out", str(out), "--no-plot"]) == 0
     result = json.loads(out.read_text())
     assert result["prompt_len"] == [8, 24]
     assert [r["prompt_len"] for r in result["sweep"]] == [8, 24]
     short, long = ([b["kv_bytes_read"] for b in r["batches"]] for r in result["sweep"])
     assert all(k2 == k1 * 25 // 9 for k1, k2 in zip(short, long))  # 9 and 25 cached tokens
-    assert out.with_suffix(".png").stat().st_size > 0
     # The round bench times one length: said in one line, before any model loads.
     argv = ["bench", "--model", "random:llama-tiny", "--draft", "random:gemma4-e2b-assistant",
             "--device", "cpu", "--prompt-len", "8,24", "--out", str(out)]  # fmt: skip
@@ -233,6 +231,16 @@ def test_cli_bench_sweeps_prompt_lengths_into_one_json_and_plot(monkeypatch, tmp
     assert cli_error_line(capsys.readouterr().err) == (
         "graphrt: error: --draft times one prompt length: give --prompt-len one number"
     )
+
+
+def test_a_context_sweep_plots_each_batch_against_the_prompt_length(tmp_path):
+    pytest.importorskip("matplotlib")  # the bench extra's; not in the CPU lane
+    batch = {"batch_size": 1, "graph_ms": 1.0, "eager_ms": 2.0, "floor_ms": 0.5}
+    sweep = [{"batches": [{**batch, "graph_ms": 1.0 + n / 1024}]} for n in (512, 8192)]
+    result = {"model": "m", "dtype": "bfloat16", "device_name": "d", "prompt_len": [512, 8192]}
+    png = tmp_path / "sweep.png"
+    assert plot_context_sweep({**result, "sweep": sweep}, png)
+    assert png.stat().st_size > 0
 
 
 @pytest.mark.graphs

@@ -10,12 +10,12 @@ node over its request's prefix plus its ancestors). EXTEND (prefill, eager)
 is the torch reference's, inherited unchanged.
 
 Scratch (the kernels' per-split partials) is shared by every layer of one
-(num_heads, head_dim, splits) and allocated on first use outside capture. Its
-split dimension is what the layer's longest row gets (``max_kv_splits`` of the
-context, or of the sliding window): a row's own length sets its splits, so one
-request's bits never depend on the batch around it.
+(num_heads, head_dim, splits) and allocated on first use outside capture:
 the graph runner's warm-up runs, largest bucket first, allocate it for the
-largest graph batch before any capture begins.
+largest graph batch before any capture begins. Its split dimension is what the
+layer's longest row gets (``max_kv_splits`` of the context, or of the sliding
+window): a row's own length sets its splits, so one request's bits never depend
+on the batch around it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
         super().__init__(kv_pool, req_to_token_pool)
         self.num_kv_splits = num_kv_splits  # a short row's; longer rows get more
         self._graph_bs = 0  # rows every scratch buffer holds once graphs are in use
-        # (num_heads, head_dim, splits) -> (partial_out, partial_lse), shared across layers.
+        # (num_heads, head_dim, splits) -> (partial_out, partial_lse, partial_splits), shared
+        # across layers.
         self._scratch: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
         # NOTE: captured graphs keep raw pointers into scratch; a buffer replaced by
         # a larger one stays referenced here so it is never freed under a graph.

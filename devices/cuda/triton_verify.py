@@ -9,18 +9,20 @@ the sliding window ``k_pos > q_pos - window``, in one softmax.
 
 Width invariance: node i's token is computed exactly as decode would compute it once
 its path were accepted. Stage 1 runs decode's split schedule: BLOCK_N blocks aligned
-to absolute positions, dealt to the S splits cyclically (triton_decode.py), walked
-with decode's building blocks (K/V blocks, the online-softmax step, the partial
-store) and decode's split count for the node's token (a program whose nodes straddle a
-length where splits double walks each schedule for its own rows). Only where a key's slot comes from differs: the token table below the tree,
-the node's path (its ancestor at that depth, found through the tree-mask row) from
-the tree on. Stage 2 is decode's log-sum-exp combine. So a verify row's output equals
-decode's bit for bit, and greedy speculative output equals plain decoding's wherever
-the matmuls are width-invariant too (--batch-invariant, ops.INVARIANT_OPS).
+to absolute positions, dealt to the S splits cyclically (triton_decode.py), S being
+decode's count for the node's token (a program whose nodes straddle a length where
+splits double walks each schedule for its own rows), walked with decode's building
+blocks (K/V blocks, the online-softmax step, the partial store). Only where a key's
+slot comes from differs: the token table below the tree, the node's path (its
+ancestor at that depth, found through the tree-mask row) from the tree on. Stage 2 is
+decode's log-sum-exp combine. So a verify row's output equals decode's bit for bit,
+and greedy speculative output equals plain decoding's wherever the matmuls are
+width-invariant too (--batch-invariant, ops.INVARIANT_OPS).
 
 Work decomposition: one program per (group of NODES tree nodes of a request, KV head,
-split). Decode pads a KV head's G query heads to 16 rows for the tensor cores; a
-verify program fills those rows with the G heads of NODES = 16 // G nodes (2 for
+p < P), serving splits p, p + P, ... as decode's programs do. Decode pads a KV head's
+G query heads to 16 rows for the tensor cores; a verify program fills those rows
+with the G heads of NODES = 16 // G nodes (2 for
 Gemma 4's 8; PACK_MIN_PROGRAMS may keep small batches at one node a program), so a
 prefix block is read once for them where each node read it (at 64 requests x 5
 nodes, the prefix re-reads made verify attention 8.6x decode's time a layer). Wider
