@@ -77,7 +77,6 @@ def test_generate_json_matches_transformers(capsys, ckpt_with_tokenizer):
         assert isinstance(req["text"], str)
 
 
-@pytest.mark.slow  # 12-15 s on 2 cores; started first under xdist
 @pytest.mark.graphs
 def test_graph_runner_matches_eager_the_cpu_default_and_transformers(capsys, ckpt_with_tokenizer):
     """On CPU no --runner means eager (compiling costs more than a short job saves);

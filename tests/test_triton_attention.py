@@ -233,7 +233,6 @@ def interpreter_results() -> dict:
     return {"errors": errors, "flags": flags}
 
 
-@pytest.mark.slow  # interpreted kernels: 10-50 s on 2 cores; started first under xdist
 @needs_triton
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_decode_kernel_under_interpreter_matches_reference_and_naive():

@@ -337,7 +337,6 @@ def interpreter_results() -> dict:
     return results
 
 
-@pytest.mark.slow  # interpreted kernels: 10-50 s on 2 cores; started first under xdist
 @needs_triton
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_fused_kernels_under_interpreter_match_reference():

@@ -124,7 +124,6 @@ def interpreter_results() -> dict:
     return errors
 
 
-@pytest.mark.slow  # interpreted kernels: 10-50 s on 2 cores; started first under xdist
 @needs_triton
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_triton_backend_matches_reference_in_speculative_modes_under_interpreter():

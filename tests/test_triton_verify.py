@@ -396,7 +396,6 @@ def invariance_flags(
     return flags
 
 
-@pytest.mark.slow  # interpreted kernels: 10-50 s on 2 cores; started first under xdist
 @needs_triton
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_verify_kernel_under_interpreter_matches_naive_and_sdpa():
