@@ -514,3 +514,26 @@ def test_kernels_compile_for_sm90_with_rows_that_double_their_splits():
     assert stage1["DOUBLINGS"] == 3
     compile_for_h200(_decode_partial_kernel, stage1, 4)
     compile_for_h200(_verify_partial_kernel, stage1 | {"NODES": 4, "BLOCK_T": 8}, 4)
+
+
+@needs_triton
+def test_split_counts_follow_a_rows_length_never_the_batch():
+    """The host's mirror of the kernels' split rule (the kernels' own counts are checked
+    against it under the interpreter, tests/test_triton_verify.py): 16 splits up to 8,191
+    keys, doubling to 128 from 32,768; the scratch holds what the context allows; the
+    programs along the splits grow as the batch shrinks (they change no bit)."""
+    from graphrt.devices.cuda.triton_decode import (
+        max_kv_splits,
+        row_splits,
+        split_programs,
+    )
+
+    assert [max_kv_splits(n) for n in (600, 8191, 8192, 32768, 131072)] == [16, 16, 32, 128, 128]
+    assert max_kv_splits(80, 4) == 4  # the interpreter tests' short contexts
+    keys = (1, 8191, 8192, 16384, 32767, 32768, 10**6)
+    assert [row_splits(n, 128) for n in keys] == [16, 16, 32, 64, 64, 128, 128]
+    assert [row_splits(n, 32) for n in keys] == [16, 16, 32, 32, 32, 32, 32]  # scratch-bound
+    assert row_splits(10**6, 3) == 3  # a scratch below 16 splits: every row gets its all
+    # One request with 8 KV heads: 128 programs a head; 8 requests: 16; never below 16.
+    assert [split_programs(n, 128) for n in (8, 64, 512, 4096)] == [128, 16, 16, 16]
+    assert split_programs(8, 16) == 16 and split_programs(1, 3) == 3

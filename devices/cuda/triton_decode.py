@@ -59,6 +59,10 @@ NUM_KV_SPLITS = 16
 # request, us a layer at 16 / 32 / 64 / 128 splits: 8k keys 15.2 / 10.9 / 8.9 / 9.1,
 # 32k keys 91.9 / 50.8 / 31.7 / 25.0; at 8 requests 16 splits stay within 6% of best).
 SPLIT_KEYS = 256
+# The most splits a row gets (from 32,768 keys): the scratch is rows * H * S * D float32
+# (256 MiB for llama-1b's 32 heads x 64 at 256 rows; 768 MiB for Gemma 4's full layers,
+# 8 heads x 512, at 384 verify rows), and longer rows read more blocks a split instead.
+MAX_KV_SPLITS = 128
 # Stage-1 programs a launch aims for (split_programs): 128 a KV head at batch 1.
 TARGET_PROGRAMS = 1024
 # tl.dot on NVIDIA GPUs needs an inner dimension >= 16, and before triton 3.7 M, N >= 16.
@@ -382,9 +386,9 @@ def min_splits(max_splits: int, short: int = NUM_KV_SPLITS) -> int:
 
 def max_kv_splits(context_len: int, num_kv_splits: int = NUM_KV_SPLITS) -> int:
     """The scratch's split dimension for rows of up to ``context_len`` keys, when short
-    rows get ``num_kv_splits``: what the longest row gets."""
+    rows get ``num_kv_splits``: what the longest row gets, at most MAX_KV_SPLITS."""
     splits = num_kv_splits
-    while context_len >= 2 * splits * SPLIT_KEYS:
+    while 2 * splits <= MAX_KV_SPLITS and context_len >= 2 * splits * SPLIT_KEYS:
         splits *= 2
     return splits
 
