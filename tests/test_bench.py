@@ -189,15 +189,19 @@ def test_decode_bench_reports_bytes_floor_bandwidth_and_kernels(monkeypatch, gem
     assert lines[-2].split()[-1] == "-/-"  # kernels: none seen on the CPU
 
 
-def test_cli_bench_writes_the_new_fields(monkeypatch, tmp_path, capsys):
+def _cli_bench(monkeypatch, out, prompt_len: str) -> dict:
+    """`graphrt bench` of random:llama-tiny, eager, on the CPU, batches 1 and 2 -> its JSON."""
     from graphrt.core.cli.main import main
 
-    monkeypatch.setattr(decode, "copy_bandwidth_gbps", lambda *a: 10.0)
-    out = tmp_path / "bench.json"
+    monkeypatch.setattr(decode, "copy_bandwidth_gbps", lambda *a: 10.0)  # skips a 1 GiB copy
     argv = ["bench", "--model", "random:llama-tiny", "--device", "cpu", "--runners", "eager"]
-    argv += ["--batch-sizes", "1,2", "--prompt-len", "8", "--steps", "2", "--warmup", "1"]
+    argv += ["--batch-sizes", "1,2", "--prompt-len", prompt_len, "--steps", "2", "--warmup", "1"]
     assert main([*argv, "--out", str(out), "--no-plot"]) == 0
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_cli_bench_writes_the_new_fields(monkeypatch, tmp_path):
+    result = _cli_bench(monkeypatch, tmp_path / "bench.json", "8")
     fields = {"bytes_read", "weight_bytes_read", "gathered_bytes_read", "kv_bytes_read",
               "floor_ms", "graph_over_floor", "graph_gbps", "eager_gbps", "graph_kernels",
               "eager_kernels"}  # fmt: skip
@@ -213,12 +217,8 @@ def test_cli_bench_sweeps_prompt_lengths_into_one_json(monkeypatch, tmp_path, ca
     length (its KV read grows with it)."""
     from graphrt.core.cli.main import main
 
-    monkeypatch.setattr(decode, "copy_bandwidth_gbps", lambda *a: 10.0)
     out = tmp_path / "sweep.json"
-    argv = ["bench", "--model", "random:llama-tiny", "--device", "cpu", "--runners", "eager"]
-    argv += ["--batch-sizes", "1,2", "--prompt-len", "8,24", "--steps", "2", "--warmup", "1"]
-    assert main([*argv, "--out", str(out), "--no-plot"]) == 0
-    result = json.loads(out.read_text())
+    result = _cli_bench(monkeypatch, out, "8,24")
     assert result["prompt_len"] == [8, 24]
     assert [r["prompt_len"] for r in result["sweep"]] == [8, 24]
     short, long = ([b["kv_bytes_read"] for b in r["batches"]] for r in result["sweep"])

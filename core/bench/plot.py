@@ -27,6 +27,16 @@ def _figure(result: dict, size: tuple[float, float]):
     return plt, batches, [b["batch_size"] for b in batches], *plt.subplots(figsize=size)
 
 
+def _save(plt, fig, ax, path: Path, legend_size: float | None = None) -> bool:
+    """Every plot's finish: a grid, the legend, the PNG at ``path``; -> True."""
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def plot_latency(result: dict, path: Path) -> bool:
     """Write the PNG; False when matplotlib is not installed."""
     figure = _figure(result, (6, 4))
@@ -56,12 +66,7 @@ def plot_latency(result: dict, path: Path) -> bool:
     ax.set_title(
         f"{result['model']} {result['dtype']}, prompt {result['prompt_len']}, {result['device_name']}"
     )
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, ax, path)
 
 
 def plot_context_sweep(result: dict, path: Path) -> bool:
@@ -88,12 +93,7 @@ def plot_context_sweep(result: dict, path: Path) -> bool:
     ax.set_xlabel("prompt length (tokens); dashed: bandwidth floor")
     ax.set_ylabel("decode step latency (ms, median)")
     ax.set_title(f"{result['model']} {result['dtype']}, {result['device_name']}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, ax, path)
 
 
 def plot_spec_throughput(result: dict, path: Path) -> bool:
@@ -118,9 +118,4 @@ def plot_spec_throughput(result: dict, path: Path) -> bool:
         f"topk {result['spec_topk']}\n{result['device_name']}",
         fontsize=9,
     )
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, ax, path, legend_size=7)
