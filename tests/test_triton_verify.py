@@ -278,7 +278,7 @@ def interpreter_results() -> dict:
 
 # invariance_flags' cases for doubling splits: a packed chain whose program straddles a
 # doubling (two schedules), and one node a program.
-DOUBLING_CASES = ((6, True, 5, 4, 2, 0), (6, False, 4, 4, 2, 10**9))
+DOUBLING_CASES = ((False, True, 5, 4, 2, 0), (False, False, 4, 4, 2, 10**9))
 
 
 def doubling_results(errors: dict, flags: dict) -> None:
@@ -297,7 +297,7 @@ def doubling_results(errors: dict, flags: dict) -> None:
     try:
         verify_flags = invariance_flags(
             "cpu", torch.float32, 16, 16, head_dim=16, short_splits=2, prefix_lens=(13, 35),
-            window=None, cases=DOUBLING_CASES,
+            cases=DOUBLING_CASES,
         )  # fmt: skip
         flags.update({f"doubling/{k}": v for k, v in verify_flags.items()})
         inp = make_inputs([13, 35], 5, 4, 2, 16, torch.float32, "cpu", seed=12, chain=True)
@@ -335,6 +335,18 @@ def doubling_results(errors: dict, flags: dict) -> None:
         triton_decode.SPLIT_KEYS, triton_decode.TARGET_PROGRAMS = saved
 
 
+# invariance_flags' cases: (windowed by its sliding_window, chain, nodes, query heads, KV
+# heads, PACK_MIN_PROGRAMS): 0 packs 16 // G nodes into a program (as large batches do),
+# 10**9 serves one node a program.
+INVARIANCE_CASES = (
+    (False, False, 4, 4, 2, 0),
+    (True, False, 4, 4, 2, 0),
+    (False, True, 4, 4, 2, 0),
+    (True, False, 5, 8, 1, 0),
+    (True, False, 4, 4, 2, 10**9),
+)
+
+
 def invariance_flags(
     device,
     dtype,
@@ -343,8 +355,8 @@ def invariance_flags(
     head_dim: int = 64,
     short_splits: int | None = None,
     prefix_lens: tuple[int, ...] = (0, 3, 40),
-    window: int | None = 6,
-    cases: tuple[tuple, ...] | None = None,
+    sliding_window: int = 6,
+    cases: tuple[tuple, ...] = INVARIANCE_CASES,
 ) -> dict[str, bool]:
     """Width invariance: each node's row equals, bit for bit, decode attention's row for
     that token with the node's path in the token table (what a plain step would see)."""
@@ -356,14 +368,9 @@ def invariance_flags(
     )
 
     flags = {}
-    # (window, chain, nodes, query heads, KV heads, PACK_MIN_PROGRAMS): 0 packs 16 // G
-    # nodes into a program (as large batches do), 10**9 serves one node a program.
-    if cases is None:
-        cases = [(None, False, 4, 4, 2, 0), (6, False, 4, 4, 2, 0), (None, True, 4, 4, 2, 0)]
-        cases += [(6, False, 5, 8, 1, 0), (6, False, 4, 4, 2, 10**9)]
-    cases = [(window if w else None, *rest) for w, *rest in cases]
     short = {} if short_splits is None else {"short_splits": short_splits}
-    for window, chain, n, heads, kv_heads, pack_min in cases:
+    for windowed, chain, n, heads, kv_heads, pack_min in cases:
+        window = sliding_window if windowed else None
         inp = make_inputs(list(prefix_lens), n, heads, kv_heads, head_dim, dtype, device,
                           seed=11, window=window, chain=chain)  # fmt: skip
         saved, triton_verify.PACK_MIN_PROGRAMS = triton_verify.PACK_MIN_PROGRAMS, pack_min
@@ -470,7 +477,7 @@ def test_cuda_long_rows_take_more_splits_and_verify_still_equals_decode():
     assert max_splits == 128
     flags = invariance_flags(
         "cuda", torch.bfloat16, max_splits, None, head_dim=256, prefix_lens=(8190, 20000),
-        window=None, cases=((None, True, 5, 8, 1, 0), (None, True, 5, 8, 1, 10**9)),
+        cases=((False, True, 5, 8, 1, 0), (False, True, 5, 8, 1, 10**9)),
     )  # fmt: skip
     assert all(flags.values()), flags
     inp = make_inputs([8190, 20000], 5, 8, 1, 256, torch.bfloat16, "cuda", seed=5, chain=True)
