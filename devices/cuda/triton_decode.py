@@ -1,4 +1,4 @@
-"""Paged decode attention in Triton: GQA-grouped flash-decoding with fixed KV splits.
+"""Paged decode attention in Triton: GQA-grouped flash-decoding, KV splits by row length.
 
 One query token per request attends over that request's cached tokens, which
 live at scattered slots of the token KV pool (``req_to_token`` maps position
@@ -384,10 +384,10 @@ def min_splits(max_splits: int, short: int = NUM_KV_SPLITS) -> int:
     return min(short, max_splits)
 
 
-def max_kv_splits(context_len: int, num_kv_splits: int = NUM_KV_SPLITS) -> int:
+def max_kv_splits(context_len: int, short: int = NUM_KV_SPLITS) -> int:
     """The scratch's split dimension for rows of up to ``context_len`` keys, when short
-    rows get ``num_kv_splits``: what the longest row gets, at most MAX_KV_SPLITS."""
-    splits = num_kv_splits
+    rows get ``short``: what the longest row gets, at most MAX_KV_SPLITS."""
+    splits = short
     while 2 * splits <= MAX_KV_SPLITS and context_len >= 2 * splits * SPLIT_KEYS:
         splits *= 2
     return splits
