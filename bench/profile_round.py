@@ -32,7 +32,7 @@ def main() -> None:
     for engine in (spec, plain):
         for _ in range(bs):
             engine.add_request(torch.randint(0, target.model.vocab_size, (512,)).tolist())
-        while engine.waiting or engine.prefilling:
+        while engine.prefill_pending:
             engine.step()  # prefill
     batch = plain.build_decode_batch(plain.running)
     print(f"== batch {bs}, topk {topk}")

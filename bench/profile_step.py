@@ -100,7 +100,7 @@ def profile_batch(engine, bs: int, sync, model) -> tuple[float, int]:
         engine.add_request(torch.randint(0, model.vocab_size, (512,)).tolist(), params)
         for _ in range(bs)
     ]
-    while engine.waiting or engine.prefilling:
+    while engine.prefill_pending:
         engine.step()
     batch = engine.build_decode_batch(reqs)
     runner = engine.graph_runner

@@ -169,7 +169,7 @@ def _time_graphrt(engine, cfg, bs, params, bandwidth, sync, report) -> BatchResu
         engine.add_request(torch.randint(0, vocab, (cfg.prompt_len,)).tolist(), params)
         for _ in range(bs)
     ]
-    while engine.waiting or engine.prefilling:  # prefill every request, chunk by chunk
+    while engine.prefill_pending:  # prefill every request, chunk by chunk
         engine.step()
     batch = engine.build_decode_batch(reqs)
     read = step_bytes_read(engine.loaded.model, batch.seq_lens_cpu, engine.kv_pool.dtype)

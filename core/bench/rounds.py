@@ -127,7 +127,7 @@ def run_round_bench(
 def _requests(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in prompts]
-    while engine.waiting or engine.prefilling:  # prefill every request, chunk by chunk
+    while engine.prefill_pending:  # prefill every request, chunk by chunk
         engine.step()
     return reqs
 

@@ -493,6 +493,12 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------
 
+    @property
+    def prefill_pending(self) -> bool:
+        """Requests wait for admission or still prefill their prompt (in chunks): steps
+        prefill before any decodes them all."""
+        return bool(self.waiting or self.prefilling)
+
     def step(self) -> list[Request]:
         """One step: a prefill (of admitted prompts, a chunk of max_prefill_tokens at most;
         a prompt emits its first token when its last chunk is in), else a decode step (or
