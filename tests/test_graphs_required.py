@@ -41,19 +41,36 @@ def _pytest(*args: str, **env: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+# Loaded into the forced-failure run (-p): counts the lane's graph tests before -m
+# deselects all but the shared ones, so that one pytest run (one collection of every
+# test module, importing torch and transformers) serves both checks.
+_COUNT_GRAPH_TESTS = """
+import os
+import pytest
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    lane = [item for item in items if item.get_closest_marker("graphs")
+            and not any(item.get_closest_marker(m) for m in ("cuda", "npu", "xpu"))]
+    with open(os.environ["GRAPHRT_TEST_GRAPH_COUNT"], "w") as f:
+        f.write(str(len(lane)))
+"""
+
+
 @pytest.mark.slow
 def test_every_shared_graph_test_fails_when_every_capture_fails(tmp_path):
     if os.environ.get(FAIL_CAPTURES) == "1":
         pytest.skip("already running with every capture failing")
-    collected = _pytest("--collect-only", "-m", f"graphs and {LANE}")
-    graph_tests = [line for line in collected.stdout.splitlines() if "::" in line]
-    assert len(graph_tests) >= MIN_GRAPH_TESTS, collected.stdout[-2000:]
-
-    report = tmp_path / "report.xml"
+    (tmp_path / "count_graph_tests.py").write_text(_COUNT_GRAPH_TESTS)
+    path = os.environ.get("PYTHONPATH")
+    count, report = tmp_path / "graph_tests", tmp_path / "report.xml"
     proc = _pytest(
-        "-m", f"graphs_shared and {LANE}", f"--junitxml={report}", **{FAIL_CAPTURES: "1"}
-    )
+        "-p", "count_graph_tests", "-m", f"graphs_shared and {LANE}", f"--junitxml={report}",
+        **{FAIL_CAPTURES: "1", "GRAPHRT_TEST_GRAPH_COUNT": str(count)},
+        PYTHONPATH=str(tmp_path) + (os.pathsep + path if path else ""),
+    )  # fmt: skip
     assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert int(count.read_text()) >= MIN_GRAPH_TESTS, proc.stdout[-2000:]
     passed, ran = [], 0
     for case in ET.parse(report).iter("testcase"):
         outcome = {child.tag for child in case} & {"failure", "error", "skipped"}

@@ -6,6 +6,8 @@ rendezvous); a rank that dies or fails ends the job with one error line in bound
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -19,6 +21,7 @@ import torch
 from helpers import sigint_default
 
 from graphrt import devices
+from graphrt.core.cli.main import main
 from graphrt.core.errors import UsageError
 from graphrt.core.parallel.launch import GRACE_S, free_port, join
 
@@ -42,9 +45,12 @@ def _run(cmd: list[str], timeout: float = 180, env=None) -> subprocess.Completed
 
 @pytest.fixture(scope="module")
 def one_process(llama_gqa_untied) -> list[list[int]]:
-    proc = _run(CLI + _generate_args(llama_gqa_untied.path))
-    assert proc.returncode == 0, proc.stderr
-    return _tokens(proc.stdout)
+    # The CLI's main in this process (as tests/test_cli.py runs it): a single process
+    # needs no launcher, and a child would import torch again for the same tokens.
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(_generate_args(llama_gqa_untied.path)) == 0
+    return _tokens(out.getvalue())
 
 
 def test_tp_2_starts_two_ranks_and_gives_one_process_tokens(llama_gqa_untied, one_process):
