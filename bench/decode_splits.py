@@ -1,6 +1,6 @@
 """Decode attention, one layer, by KV split count: GPU time of the partial and combine
-kernels replayed from a CUDA graph (triton.testing.do_bench_cudagraph, median) and the
-KV bandwidth that makes, for a model's attention shape over contexts and batch sizes:
+kernels replayed from a CUDA graph (triton.testing.do_bench_cudagraph, median), and of
+that the combine kernel alone, for a model's attention shape over contexts and batch sizes:
 every row at a fixed split count, then the engine's choice ("auto": splits from each
 row's length, scratch for a 131,072-token context). Issue 21 chose the rule from this
 table.
@@ -18,6 +18,7 @@ import triton
 
 from graphrt.devices.cuda.triton_decode import (
     allocate_decode_scratch,
+    combine_splits,
     decode_attention,
     max_kv_splits,
 )
@@ -26,10 +27,12 @@ from graphrt.devices.cuda.triton_decode import (
 SHAPES = {"llama-1b": (32, 8, 64), "gemma4-sliding": (8, 1, 256), "gemma4-global": (8, 1, 512)}
 
 
-def layer_us(shape: str, bs: int, ctx: int, splits: int | None, rest_chunk: int | None) -> float:
-    """One layer's decode attention over ``bs`` rows of ``ctx`` keys: ``splits`` for
-    every row, or (None) the engine's rule, its combine taking ``rest_chunk`` splits a
-    step past the first 16 (None: the default)."""
+def layer_us(
+    shape: str, bs: int, ctx: int, splits: int | None, rest_chunk: int | None
+) -> tuple[float, float]:
+    """One layer's decode attention over ``bs`` rows of ``ctx`` keys, us, and of that the
+    combine alone: ``splits`` for every row, or (None) the engine's rule, its combine
+    taking ``rest_chunk`` splits a step past the first 16 (None: the default)."""
     heads, kv_heads, head_dim = SHAPES[shape]
     dev, dtype = torch.device("cuda"), torch.bfloat16
     slots = 1 + torch.randperm(bs * ctx, device=dev)  # scattered, as a pool's are
@@ -51,9 +54,14 @@ def layer_us(shape: str, bs: int, ctx: int, splits: int | None, rest_chunk: int 
             **short,
         )  # fmt: skip
 
+    def combine():
+        combine_splits(*scratch, out, **short, rest_chunk=rest_chunk)
+
+    run()  # the scratch the combine reads
     # do_bench_cudagraph runs on a side stream that does not wait for this one.
     torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(run, rep=50) * 1e3
+    total = triton.testing.do_bench_cudagraph(run, rep=50) * 1e3
+    return total, triton.testing.do_bench_cudagraph(combine, rep=50) * 1e3
 
 
 def _label(splits: int | None, rest_chunk: int | None) -> str:
@@ -77,7 +85,7 @@ def main() -> None:
     columns += [(None, args.rest_chunk)] if args.rest_chunk else []
     print(
         f"{args.shape}: {heads} heads on {kv_heads} KV heads, head_dim {head_dim}, bf16; "
-        "us a layer (GB/s of KV read) by split count"
+        "us a layer / of that the combine, by split count"
     )
     print(f"{'batch':>5} {'context':>7} " + " ".join(f"{_label(*c):>15}" for c in columns))
     for bs in (int(b) for b in args.batch_sizes.split(",")):
@@ -87,8 +95,8 @@ def main() -> None:
                 continue
             cells = []
             for s, rest in columns:
-                us = layer_us(args.shape, bs, ctx, s, rest)
-                cells.append(f"{us:7.1f} ({kv_bytes / us / 1e3:5.0f})")
+                us, combine_us = layer_us(args.shape, bs, ctx, s, rest)
+                cells.append(f"{us:7.1f} / {combine_us:5.1f}")
             print(f"{bs:>5} {ctx:>7} " + " ".join(f"{c:>15}" for c in cells), flush=True)
 
 
