@@ -58,28 +58,36 @@ def _share_the_gpu() -> None:
 
 
 _share_the_gpu()
-_GRAPHS_AT_SETUP: dict[str, int] = {}
+_GRAPHS_AT_SETUP: dict[str, tuple[int, int]] = {}
+
+
+def _graph_counts() -> tuple[int, int]:
+    return GraphWitness.replays, GraphWitness.captures
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
-    _GRAPHS_AT_SETUP[item.nodeid] = GraphWitness.count  # function fixtures capture here
+    _GRAPHS_AT_SETUP[item.nodeid] = _graph_counts()  # function fixtures capture here
     yield
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     outcome = yield
+    at_setup = _GRAPHS_AT_SETUP.pop(item.nodeid, _graph_counts())
     if (
-        outcome.excinfo is None
-        and item.get_closest_marker("graphs")
-        and not item.get_closest_marker("graphs_shared")
-        and GraphWitness.count == _GRAPHS_AT_SETUP.pop(item.nodeid, GraphWitness.count)
+        outcome.excinfo is not None
+        or not item.get_closest_marker("graphs")
+        or item.get_closest_marker("graphs_shared")
     ):
+        return
+    about_capture = item.get_closest_marker("graphs_capture") is not None
+    kind = "captured" if about_capture else "replayed"
+    if _graph_counts()[about_capture] == at_setup[about_capture]:
         try:  # pytest.fail's exception without a traceback: the test's frames are gone
             pytest.fail(
-                "marked graphs, but no graph was captured or replayed in this test's process "
-                "while it ran (graphs a child process ran: report them with "
+                f"marked graphs, but no graph was {kind} in this test's process while it "
+                "ran (graphs a child process replayed: report them with "
                 "helpers.GraphWitness.saw; a shared fixture's: mark the test graphs_shared)",
                 pytrace=False,
             )

@@ -118,33 +118,40 @@ def assert_engine_idle(engine) -> None:
 
 
 class GraphWitness:
-    """Counts the graphs this process captured or replayed, through the two methods every
-    device backend's graphs pass (``GraphRunner.capture_one_shape`` and
-    ``ExecutionBackend.replay``; conftest installs the count at start-up): a test marked
-    ``graphs`` that passes with neither is failed (conftest's ``pytest_runtest_call``), so
-    a capture that degraded to eager steps cannot pass as a graph run. A test whose graphs
-    run in processes it starts reports their counts with ``saw``; one whose graphs a
-    fixture other tests share built is marked ``graphs_shared`` as well, and
-    tests/test_graphs_required.py runs those with every capture failing."""
+    """Counts the graphs this process replayed and captured, through the two methods every
+    device backend's graphs pass (``ExecutionBackend.replay`` and
+    ``GraphRunner.capture_one_shape``; conftest installs the counts at start-up): a test
+    marked ``graphs`` that passes with no replay is failed (conftest's
+    ``pytest_runtest_call``), so a capture that degraded to eager steps, or graphs captured
+    and never replayed, cannot pass as a graph run; a test about capture itself (marked
+    ``graphs_capture`` too) must capture. A test whose graphs run in processes it starts
+    reports their replays with ``saw``; one whose graphs a fixture other tests share built
+    is marked ``graphs_shared`` as well, and tests/test_graphs_required.py runs those with
+    every capture failing."""
 
-    count = 0
+    replays = 0
+    captures = 0
 
     @classmethod
-    def saw(cls, graphs: int) -> None:
-        """Graphs a child process reports it captured or replayed (a TP rank's steps)."""
-        cls.count += graphs
+    def saw(cls, replays: int) -> None:
+        """Graph replays a child process reports (a TP rank's steps)."""
+        cls.replays += replays
 
     @classmethod
     def install(cls) -> None:
         from graphrt.core.runners.backend import ExecutionBackend
         from graphrt.core.runners.graph import GraphRunner
 
-        for owner, name in ((GraphRunner, "capture_one_shape"), (ExecutionBackend, "replay")):
+        for owner, name, counter in (
+            (ExecutionBackend, "replay", "replays"),
+            (GraphRunner, "capture_one_shape", "captures"),
+        ):
             real = getattr(owner, name)
 
-            def counted(*args, _real=real, **kwargs):
+            def counted(*args, _real=real, _counter=counter, **kwargs):
                 out = _real(*args, **kwargs)
-                cls.count += 1  # after the call: a capture that raised is not counted
+                # after the call: a capture or replay that raised is not counted
+                setattr(cls, _counter, getattr(cls, _counter) + 1)
                 return out
 
             setattr(owner, name, functools.wraps(real)(counted))

@@ -4,9 +4,10 @@ A failed capture degrades to eager steps and a warning (GraphRunner.capture), wh
 keeps serving but would turn a broken capture into a passing eager run. So every test
 marked ``graphs`` is held to graphs two ways:
 
-- conftest fails one that passes with no graph captured or replayed in its process while
-  it ran (helpers.GraphWitness; graphs a child process ran, the test reports); its
-  hooks are tested here;
+- conftest fails one that passes with no graph replayed in its process while it ran
+  (helpers.GraphWitness; graphs a child process replayed, the test reports), or, for a
+  test about capture itself (``graphs_capture``), none captured; its hooks are tested
+  here;
 - a test whose graphs that witness cannot see (built by a fixture other tests share) is
   marked ``graphs_shared`` too, and must fail when it runs with every capture forced to
   fail, in pytest and in every process the tests start (tests/fail_captures/).
@@ -81,7 +82,9 @@ def test_every_shared_graph_test_fails_when_every_capture_fails(tmp_path):
     assert not passed, "these graph tests pass with no graph:\n" + "\n".join(passed)
 
 
-def _generate(**config):
+def _generate(prompts=((5, 6, 7), (8, 9)), **config):
+    """A graph-capable engine over random:llama-tiny that generates 3 tokens for each of
+    ``prompts`` (none: it only captures, when ``config`` asks for graphs)."""
     from helpers import cpu_engine
 
     from graphrt.core.engine import SamplingParams
@@ -90,7 +93,10 @@ def _generate(**config):
 
     loaded = load_model("random:llama-tiny", CpuDevice(), torch.float32)
     engine = cpu_engine(loaded, max_context_len=32, graph_buckets=(2,), **config)
-    engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    if prompts:
+        engine.generate(
+            [list(p) for p in prompts], SamplingParams(max_new_tokens=3, ignore_eos=True)
+        )
     return engine
 
 
@@ -129,7 +135,7 @@ def test_conftest_fails_a_graphs_test_that_ran_no_graph(request):
 
     eager = _outcome_of(conftest, _Probe("eager", "graphs"), _generate)
     assert isinstance(eager, pytest.fail.Exception)
-    assert "marked graphs, but no graph was captured or replayed" in str(eager)
+    assert "marked graphs, but no graph was replayed" in str(eager)
     assert _outcome_of(conftest, _Probe("shared", "graphs", "graphs_shared"), _generate) is None
     assert _outcome_of(conftest, _Probe("unmarked"), _generate) is None
 
@@ -137,3 +143,14 @@ def test_conftest_fails_a_graphs_test_that_ran_no_graph(request):
         assert _generate(runner="graph", device=standin_device()).stats.graph_steps > 0
 
     assert _outcome_of(conftest, _Probe("graphs", "graphs"), on_graphs) is None
+
+    def capture_only():  # the engine captures its buckets; nothing generates
+        _generate(runner="graph", device=standin_device(), prompts=[])
+
+    never_replayed = _outcome_of(conftest, _Probe("captured", "graphs"), capture_only)
+    assert isinstance(never_replayed, pytest.fail.Exception)
+    assert "marked graphs, but no graph was replayed" in str(never_replayed)
+    about_capture = _Probe("capture", "graphs", "graphs_capture")
+    assert _outcome_of(conftest, about_capture, capture_only) is None
+    captured_nothing = _outcome_of(conftest, about_capture, _generate)
+    assert "marked graphs, but no graph was captured" in str(captured_nothing)

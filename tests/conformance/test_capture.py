@@ -17,6 +17,7 @@ from graphrt.core.runners import ShapeKey
 pytestmark = pytest.mark.graphs
 
 
+@pytest.mark.graphs_capture  # what capture built; nothing replays
 def test_captures_configured_buckets_largest_first_in_one_session(graph_case: Harness):
     h = graph_case
     assert h.runner.buckets == h.case.buckets
@@ -105,6 +106,7 @@ def test_many_runners_in_one_process_each_replay_their_own_graphs(graph_case: Ha
     GraphWitness.saw(int(proc.stdout.split()[-1]))  # the child's replays, for conftest
 
 
+@pytest.mark.graphs_capture  # what capture built; nothing replays
 def test_device_graphs_share_one_logits_buffer(graph_case: Harness):
     """Every bucket's logits are rows of one buffer sized for the largest bucket (device
     graph backends; compiled code returns fresh outputs); the draft loop's runner, which
