@@ -259,6 +259,8 @@ def test_bench_tp_2_writes_rank_0s_results(llama_gqa_untied, tmp_path):
     refused = _run(CLI + ["bench", "--device", "cpu", "--model", str(llama_gqa_untied.path),
                           "--tp", "2", "--runners", "eager,hf", "--out", str(out)])  # fmt: skip
     assert refused.returncode == 2 and "drop hf from --runners" in refused.stderr
+    # Refused by the launcher, before any rank started (a rank's error names its rank).
+    assert refused.stderr.startswith("graphrt: error:") and "rank" not in refused.stderr
 
 
 def test_graphs_under_tp_only_where_they_record_collectives():

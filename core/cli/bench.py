@@ -41,11 +41,10 @@ from graphrt.core.parallel.launch import check_runner, join
 from graphrt.spec import MTPDecoding, SpecConfig
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    device = devices.current(args.device)
-    check_environment(device)
-    runners = tuple(args.runners)
-    unknown = set(runners) - {"eager", "graph", "hf"}
+def check_bench_args(args: argparse.Namespace, tp_size: int) -> None:
+    """The checks that need no device and no model. ``--tp N`` runs them in the launcher
+    too (cli.main), so a bad flag is refused before N ranks start."""
+    unknown = set(args.runners) - {"eager", "graph", "hf"}
     if unknown:
         raise UsageError(
             f"unknown runner(s) {', '.join(sorted(unknown))}; choose from eager, graph, hf"
@@ -56,17 +55,24 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"--out: directory {str(out.parent)!r} does not exist")
     if not os.access(out.parent, os.W_OK) or out.is_dir():
         raise UsageError(f"--out: cannot write {str(out)!r}")
-    dtype = device.default_dtype() if args.dtype == "auto" else parse_dtype(args.dtype)
-    tp = join(args.tp, device)  # the group of one unless this is a rank of a --tp job
-    if "graph" in runners:
-        check_runner(device, "graph", tp)
-    if not tp.is_single and "hf" in runners:
+    if tp_size > 1 and "hf" in args.runners:
         raise UsageError(
             "the transformers peer runs on one device: drop hf from --runners with --tp"
         )
+    if args.draft is not None and len(args.prompt_len) > 1:
+        raise UsageError("--draft times one prompt length: give --prompt-len one number")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    device = devices.current(args.device)
+    check_environment(device)
+    runners = tuple(args.runners)
+    dtype = device.default_dtype() if args.dtype == "auto" else parse_dtype(args.dtype)
+    tp = join(args.tp, device)  # the group of one unless this is a rank of a --tp job
+    check_bench_args(args, tp.size)
+    if "graph" in runners:
+        check_runner(device, "graph", tp)
     if args.draft is not None:
-        if len(args.prompt_len) > 1:
-            raise UsageError("--draft times one prompt length: give --prompt-len one number")
         return _run_round_bench(args, device, dtype, tp)
     log = report_for(args)
     loaded = load_model(

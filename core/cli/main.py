@@ -67,6 +67,7 @@ def _main(argv: list[str]) -> int:
 
     try:  # the job's environment (torchrun's variables), the launcher's own checks
         if getattr(args, "tp", None) and args.tp > 1 and not in_job():
+            _check_before_launch(args)
             return spawn_ranks(args.tp, argv)
         single = not in_job()
     except GraphrtError as e:
@@ -78,6 +79,14 @@ def _main(argv: list[str]) -> int:
     status = _run_command(args, rank=f"rank {os.environ.get('RANK', '?')}: ")
     leave_job(status)
     return status
+
+
+def _check_before_launch(args) -> None:
+    """A ``--tp`` job's flag checks that need no device: a bad flag costs no rank start-up."""
+    if args.command == "bench":
+        from graphrt.core.cli.bench import check_bench_args
+
+        check_bench_args(args, args.tp)
 
 
 def _interrupted(stop: KeyboardInterrupt, rank: str) -> int:
