@@ -81,9 +81,9 @@ def pytest_runtest_call(item):
         or item.get_closest_marker("graphs_shared")
     ):
         return
-    about_capture = item.get_closest_marker("graphs_capture") is not None
-    kind = "captured" if about_capture else "replayed"
-    if _graph_counts()[about_capture] == at_setup[about_capture]:
+    # A test about capture itself must capture; every other graphs test must replay.
+    kind, index = ("captured", 1) if item.get_closest_marker("graphs_capture") else ("replayed", 0)
+    if _graph_counts()[index] == at_setup[index]:
         try:  # pytest.fail's exception without a traceback: the test's frames are gone
             pytest.fail(
                 f"marked graphs, but no graph was {kind} in this test's process while it "
