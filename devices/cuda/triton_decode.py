@@ -386,11 +386,9 @@ def min_splits(max_splits: int, short: int = NUM_KV_SPLITS) -> int:
 
 def max_kv_splits(context_len: int, short: int = NUM_KV_SPLITS) -> int:
     """The scratch's split dimension for rows of up to ``context_len`` keys, when short
-    rows get ``short``: what the longest row gets, at most MAX_KV_SPLITS."""
-    splits = short
-    while 2 * splits <= MAX_KV_SPLITS and context_len >= 2 * splits * SPLIT_KEYS:
-        splits *= 2
-    return splits
+    rows get ``short``: what the longest row gets, at most MAX_KV_SPLITS (or ``short``
+    if more)."""
+    return row_splits(context_len, max(MAX_KV_SPLITS, short), short)
 
 
 def split_programs(programs_per_split: int, max_splits: int, short: int = NUM_KV_SPLITS) -> int:

@@ -330,7 +330,7 @@ def tree_verify_attention(
     group = num_heads // num_kv_heads
     # Packing is decided at a short row's split count, as measured (PACK_MIN_PROGRAMS).
     nodes, block_g = program_shape(
-        group, num_nodes, num_rows * num_kv_heads * min_splits(max_splits)
+        group, num_nodes, num_rows * num_kv_heads * min_splits(max_splits, short_splits)
     )
     node_programs = bs * triton.cdiv(num_nodes, nodes)
     programs = programs or split_programs(node_programs * num_kv_heads, max_splits, short_splits)
