@@ -447,6 +447,41 @@ def test_cuda_greedy_with_drafter_on_graphs_equals_transformers(
 @pytest.mark.graphs
 @pytest.mark.cuda
 @needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("topk,batch", [(1, 2), (3, 1)])
+def test_cuda_16_bit_greedy_with_drafter_equals_without(
+    dtype, topk, batch, gemma4_tiny, gemma4_assistant
+):
+    """In 16-bit a verify row rounds as a decode row wherever the verify graph's rows
+    (bucket x tree nodes: 2 x 5, 1 x 10 here) stay within ops.ROW_PATH_ROWS: every matmul
+    runs decode's row-path configuration, attention walks decode's splits. So drafting
+    changes no greedy token of a random model, whose top logits are near ties that any
+    other rounding flips."""
+    from graphrt.devices.cuda import CudaDevice
+    from graphrt.devices.cuda.ops import ROW_PATH_ROWS
+
+    device = CudaDevice()
+    target, draft = (
+        load_model(str(c.path), device, dtype) for c in (gemma4_tiny, gemma4_assistant)
+    )
+    config = EngineConfig(max_context_len=128, graph_buckets=(1, 2))
+    spec_config = SpecConfig(4, topk)
+    assert batch * spec_config.num_draft_tokens <= ROW_PATH_ROWS
+    spec = Engine(target, config, device, MTPDecoding(draft, spec_config))
+    plain = Engine(load_model(str(gemma4_tiny.path), device, dtype), config, device)
+    prompts = random_prompts([9, 16, 12, 20, 7, 14], seed=11)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    for i in range(0, len(prompts), batch):
+        group = prompts[i : i + batch]
+        got = [r.output_ids for r in spec.generate(group, params)]
+        assert got == [r.output_ids for r in plain.generate(group, params)], f"prompts {i}.."
+    assert spec.stats.graph_rounds == spec.stats.spec_rounds > 0
+    assert spec.kv_pool.available() == spec.kv_pool.num_slots
+
+
+@pytest.mark.graphs
+@pytest.mark.cuda
+@needs_gpu
 @pytest.mark.parametrize("topk", [1, 3])
 def test_cuda_round_waits_on_the_device_once(topk, gemma4_tiny, gemma4_assistant, monkeypatch):
     """Every step of a round is device work: with torch's sync debug mode set to "error",
