@@ -5,8 +5,6 @@
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
 #   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
 #   bash bench/h200.sh round [topk] [kernels listed]: bench/profile_round.py
-#   bash bench/h200.sh rowpath [model]: verify widths on decode's row path (tests, cost by
-#     width: bench/row_path_widths.py, rounds at batch 1 and 2 with and without it)
 #   bash bench/h200.sh cold: the README's first command on a bare machine, then warm
 #   bash bench/h200.sh splits: decode attention by KV split count and context (issue 21;
 #     bench/decode_splits.py, the combine's narrower step beside), then the decode step
@@ -114,25 +112,6 @@ if [[ $what == invariant ]]; then
                 --steps 50 $flag --out "$OUT/bench-${model#random:}${flag:+-invariant}.json" \
                 2>&1 | grep -v Warning | tail -n 5
         done
-    done
-fi
-
-if [[ $what == rowpath ]]; then
-    # Issue 20: verify widths on decode's row path (ops.ROW_PATH_ROWS). The GEMV and 16-bit
-    # spec == plain CUDA tests, each projection's cost by width ($2: model), then the round
-    # at batch 1 and 2 with the row path up to 16 rows (the default) and up to 1 row (2..16
-    # rows on cuBLAS or tiles, as before), two processes side by side.
-    python -m pytest tests/test_triton_fused.py tests/test_spec.py -m cuda -q -p no:cacheprovider \
-        -n 4 --dist loadfile -ra 2>&1 | tee "$OUT/tests-rowpath.log" | tail -n 8
-    python bench/row_path_widths.py --model "${2:-gemma4-e2b}" --out "$OUT/row-path-widths.json" \
-        2>&1 | grep -v Warning | tee "$OUT/row-path-widths.log"
-    for rows in 16 1; do
-        python -c "import sys; import graphrt.devices.cuda.ops as o; o.ROW_PATH_ROWS = int(sys.argv[1]);
-from graphrt.core.cli.main import main; sys.exit(main(sys.argv[2:]))" $rows bench \
-            --model random:gemma4-e2b --draft random:gemma4-e2b-assistant --dtype bfloat16 \
-            --prompt-len 512 --batch-sizes "${SPEC_BATCHES:-1,2}" --spec-steps 4 --spec-topk 1 \
-            --steps 30 --runners graph --out "$OUT/bench-spec-rowpath$rows.json" 2>&1 \
-            | grep -v Warning | tail -n 6
     done
 fi
 

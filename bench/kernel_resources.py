@@ -1,6 +1,5 @@
 """Registers, local-memory stack (spills) and MMA kind of the decode and tree-verify
-attention kernels and of the GEMV's row path (one row, and a verify's 5 rows a pass),
-compiled for an H200 (sm_90) on any machine: Triton's own compiler
+attention kernels, compiled for an H200 (sm_90) on any machine: Triton's own compiler
 and ptxas, no GPU needed. A kernel change that makes the attention spill shows here
 before a GPU is at hand.
 
@@ -22,15 +21,12 @@ from graphrt.devices.cuda.triton_decode import (
     _decode_partial_kernel,
     split_constants,
 )
-from graphrt.devices.cuda.triton_gemv import ROW_CONFIGS, _gemv_kernel, row_group
 from graphrt.devices.cuda.triton_verify import _verify_partial_kernel
 
-GEMV_POINTERS = dict.fromkeys(("X", "W", "Bias", "Up", "Residual", "NormWeight", "Out"), "*bf16")
 
-
-def resources(kernel, constants: dict, num_warps: int, pointers: dict | None = None) -> str:
+def resources(kernel, constants: dict, num_warps: int) -> str:
     """Compile ``kernel`` for sm_90 with ``constants``; -> its resource usage line."""
-    compiled = compile_for_h200(kernel, constants, num_warps, pointers)
+    compiled = compile_for_h200(kernel, constants, num_warps)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -56,21 +52,6 @@ def main() -> None:
             constants = common | {"NODES": nodes, "BLOCK_G": 16, "BLOCK_T": 8}
             line = resources(_verify_partial_kernel, constants, 4)
             print(f"verify D={head_dim}, {nodes} node(s) a program: {line}")
-    # The row path at K 1536 (Gemma 4 E2B's hidden size: one chunk for the 2048-wide
-    # configurations) with a fused norm, plain and gated; one row, and 5 rows' group.
-    for config in ROW_CONFIGS:
-        for gated in (False, True):
-            for rows in (1, 5):
-                constants = dict(
-                    BLOCK_M=1, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                    ONE_CHUNK=1536 <= config.block_k, ROW_GROUP=row_group(config, rows, 1536, gated),
-                    GATED=gated, HAS_UP=False, HAS_BIAS=False, HAS_RESIDUAL=not gated,
-                    NORM=True, ACT=1 if gated else 0, PRECISE=True, USE_PDL=True,
-                )  # fmt: skip
-                line = resources(_gemv_kernel, constants, config.num_warps, GEMV_POINTERS)
-                name = f"{config.block_n}x{config.block_k}w{config.num_warps}"
-                group = constants["ROW_GROUP"]
-                print(f"gemv row path {name} gated={gated} rows {group} a pass: {line}")
 
 
 if __name__ == "__main__":

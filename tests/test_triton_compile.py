@@ -61,7 +61,7 @@ def _cases():
 
     norm = {"D": 2048, "BLOCK": 2048, "TORCH_CUDA_MATH": True}
     rope = {"NUM_Q_HEADS": 8, "NUM_KV_HEADS": 1, "HEAD_DIM": 256, "ROT_DIM": 256, "BLOCK_D": 256}
-    gemv = {"BLOCK_N": 16, "BLOCK_K": 256, "HAS_BIAS": False, "PRECISE": True, "ROW_GROUP": 1}
+    gemv = {"BLOCK_N": 16, "BLOCK_K": 256, "HAS_BIAS": False, "PRECISE": True}
     yield "rms_norm", triton_ops._rms_norm_kernel, norm, None
     yield (
         "gemma_norm",

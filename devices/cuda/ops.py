@@ -21,7 +21,7 @@ from graphrt.devices.cuda.triton_gemma import (
     gemma_per_layer_inputs,
     gemma_residual_norm,
 )
-from graphrt.devices.cuda.triton_gemv import MAX_ROWS, ROW_CONFIGS, gemv, invariant_configs
+from graphrt.devices.cuda.triton_gemv import MAX_ROWS, gemv, invariant_configs
 from graphrt.devices.cuda.triton_ops import (
     ACTIVATION_CODES,
     triton_act_mul,
@@ -48,25 +48,10 @@ def _skinny(
     )
 
 
-# Up to this many rows every skinny matmul runs decode's own row-path configuration (the one
-# timed on one row): each row then gets the bits it gets alone, so a verify forward's rows
-# equal decode steps' and speculative greedy output equals plain greedy output in 16-bit
-# wherever batch x verified nodes stays within it. Above, up to MAX_ROWS, the tuner picks
-# cuBLAS or a tensor-core tile per shape (faster there, other bits).
-ROW_PATH_ROWS = MAX_ROWS
-
-
-def _tuned(op: tuple, x: torch.Tensor, weight: torch.Tensor, run) -> torch.Tensor:
-    """``run(config, w, x)`` with the configuration the tuner keeps for ``op`` (the op's
-    name and its weight, dtype and epilogue fields) at ``x``'s width."""
-    rows = x.shape[0]
-    if rows <= ROW_PATH_ROWS:  # one row's choice: timed on one row, row path only
-        key = (op[0], "row", *op[1:])
-        config = TUNER.choose(key, 1, weight, lambda c, w: run(c, w, x[:1]), ROW_CONFIGS)
-    else:  # one timing serves the class: the cost is the weight's read, whatever the rows
-        key = (op[0], f"{ROW_PATH_ROWS + 1}-{MAX_ROWS}", *op[1:])
-        config = TUNER.choose(key, rows, weight, lambda c, w: run(c, w, x))
-    return run(config, weight, x)
+def _row_class(x: torch.Tensor) -> str:
+    # One row runs the CUDA-core path, 2..16 rows one tensor-core tile: within a class
+    # the cost is the weight's read, whatever the rows, so one timing serves the class.
+    return "1" if x.shape[0] == 1 else f"2-{MAX_ROWS}"
 
 
 def cublas_linear(
@@ -106,16 +91,16 @@ def triton_linear(
     norm: PreNorm | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    def run(config, w, rows):
-        res = None if residual is None else residual[: rows.shape[0]]
+    def run(config, w=weight):
         if config is None:
-            return cublas_linear(rows, w, bias, norm=norm, residual=res)
-        return gemv(rows, w, bias, config, norm=norm, residual=res)
+            return cublas_linear(x, w, bias, norm=norm, residual=residual)
+        return gemv(x, w, bias, config, norm=norm, residual=residual)
 
     if not _skinny(x, weight, norm):
-        return run(None, weight, x)
-    op = ("linear", *weight.shape, x.dtype, bias is not None, norm is not None)
-    return _tuned((*op, residual is not None), x, weight, run)
+        return run(None)
+    key = ("linear", _row_class(x), *weight.shape, x.dtype, bias is not None)
+    key += (norm is not None, residual is not None)
+    return run(TUNER.choose(key, x.shape[0], weight, run))
 
 
 def act_mul(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
@@ -134,17 +119,25 @@ def triton_linear_act_mul(
     *,
     norm: PreNorm | None = None,
 ) -> torch.Tensor:
-    def run(config, w, rows):
-        u = None if up is None else up[: rows.shape[0]]
+    def run(config=None, w=weight):
         if config is None:  # norm kernel, cuBLAS, then the activation kernel
-            return cublas_linear_act_mul(rows, w, bias, act, u, norm=norm)
-        return gemv(rows, w, bias, config, act=act, gated=up is None, up=u, norm=norm)
+            return cublas_linear_act_mul(x, w, bias, act, up, norm=norm)
+        return gemv(x, w, bias, config, act=act, gated=up is None, up=up, norm=norm)
 
     # An activation without a fused epilogue (erf GELU) keeps torch's matmul and activation.
     if act not in ACTIVATION_CODES or not _skinny(x, weight, norm):
-        return run(None, weight, x)
-    op = ("act_mul", *weight.shape, x.dtype, bias is not None, act, up is None)
-    return _tuned((*op, norm is not None), x, weight, run)
+        return run()
+    key = (
+        "act_mul",
+        _row_class(x),
+        *weight.shape,
+        x.dtype,
+        bias is not None,
+        act,
+        up is None,
+    )
+    key += (norm is not None,)
+    return run(TUNER.choose(key, x.shape[0], weight, run))
 
 
 # ---- batch-invariant ops ----------------------------------------------------------------

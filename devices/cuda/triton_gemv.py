@@ -106,27 +106,6 @@ TILE_CONFIGS = (
 )
 
 
-# The row path's product tiles a thread may hold at once, in float32 registers: rows per pass
-# over the weight (row_group) grow until this is spent. Their sums do not depend on it.
-ROW_GROUP_REGISTERS = 128
-
-
-def row_group(config: GemvConfig, rows: int, k: int, gated: bool) -> int:
-    """How many rows the row path takes per pass over the weight: 1, 2, 4 or 8, enough for
-    ``rows`` where the registers allow (each row holds BLOCK_N x BLOCK_K float32 products
-    spread over the program's threads, twice with the up half)."""
-    if config.block_m != 1:
-        return 1
-    per_row = config.block_n * config.block_k // (32 * config.num_warps) * (2 if gated else 1)
-    # One chunk: no tile is carried across a loop, the products are formed as the sum takes
-    # them (sm_90 ptxas: 8 rows of 2 x 2048 in 236 registers, no spill; gated, 16: spills).
-    budget = ROW_GROUP_REGISTERS * (2 if k <= config.block_k else 1)
-    group = 1
-    while group < min(rows, 8) and 2 * group * per_row <= budget:
-        group *= 2
-    return group
-
-
 def configs_for(rows: int) -> tuple[GemvConfig, ...]:
     return ROW_CONFIGS if rows == 1 else DOT_CONFIGS
 
@@ -207,103 +186,6 @@ def _load_x(
 
 
 @triton.jit
-def _row_begin(
-    X, row, M, stride_xm, K, eps, ON: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, NORM: tl.constexpr, PRECISE: tl.constexpr,
-):  # fmt: skip
-    """The row path's row ``row``: its (1, 1) inv_rms (0 without NORM or past M) and zeroed
-    (BLOCK_N, BLOCK_K) float32 product tiles (the up half's beside). ``ON`` false: unused."""
-    row_m = row + tl.arange(0, 1)
-    row_inv_rms = tl.zeros((1, 1), dtype=tl.float32)
-    if ON and NORM:
-        row_inv_rms = _inv_rms_rows(
-            X + row_m[:, None] * stride_xm, row_m < M, K, eps, 1, BLOCK_K, PRECISE
-        )
-    part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    return row_inv_rms, part, part
-
-
-@triton.jit
-def _row_fma(
-    part, part_up, X, row, M, stride_xm, row_inv_rms, NormWeight, k0, K, w, w_up,
-    ON: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, dtype,
-):  # fmt: skip
-    """Adds row ``row``'s products with the float32 weight chunk at k0 to its tiles. No branch
-    on M: a row past it loads nothing (masked) and adds zeros, and the group's loads issue
-    together (a branch per row serialised them: 5 rows took 5 rows' latency)."""
-    if ON:
-        row_m = row + tl.arange(0, 1)
-        x_row = X + row_m[:, None] * stride_xm  # (1, 1)
-        x = _load_x(x_row, row_m < M, NormWeight, row_inv_rms, k0, K, BLOCK_K, NORM, dtype)
-        part = tl.fma(x, w, part)  # one instruction a product (the kernel fuses nothing itself)
-        if GATED:
-            part_up = tl.fma(x, w_up, part_up)
-    return part, part_up
-
-
-@triton.jit
-def _add2(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
-
-
-@triton.jit
-def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
-
-
-@triton.jit
-def _add8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, a6 + b6, a7 + b7
-
-
-@triton.jit
-def _row_sums(t0, t1, t2, t3, t4, t5, t6, t7, ROW_GROUP: tl.constexpr, MERGED: tl.constexpr):
-    """The group's (BLOCK_N, BLOCK_K) tiles each summed across K, (1, BLOCK_N) each (past
-    ROW_GROUP: the first's, unused). MERGED: one reduction of several operands, one round
-    of shuffles and barriers for the group, each tile summed in tl.sum's order (one layout,
-    one tree); else a tl.sum a tile (the interpreter sums tl.sum with numpy, and any other
-    reduction element by element in Python: other bits, and slow)."""
-    if MERGED and ROW_GROUP == 8:
-        s0, s1, s2, s3, s4, s5, s6, s7 = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 1, _add8)
-    elif MERGED and ROW_GROUP == 4:
-        s0, s1, s2, s3 = tl.reduce((t0, t1, t2, t3), 1, _add4)
-        s4, s5, s6, s7 = s0, s0, s0, s0
-    elif MERGED and ROW_GROUP == 2:
-        s0, s1 = tl.reduce((t0, t1), 1, _add2)
-        s2, s3, s4, s5, s6, s7 = s0, s0, s0, s0, s0, s0
-    else:
-        s0 = tl.sum(t0, axis=1)
-        s1, s2, s3, s4, s5, s6, s7 = s0, s0, s0, s0, s0, s0, s0
-        if ROW_GROUP > 1:
-            s1 = tl.sum(t1, axis=1)
-        if ROW_GROUP > 2:
-            s2, s3 = tl.sum(t2, axis=1), tl.sum(t3, axis=1)
-        if ROW_GROUP > 4:
-            s4, s5 = tl.sum(t4, axis=1), tl.sum(t5, axis=1)
-            s6, s7 = tl.sum(t6, axis=1), tl.sum(t7, axis=1)
-    return (
-        s0[None, :], s1[None, :], s2[None, :], s3[None, :],
-        s4[None, :], s5[None, :], s6[None, :], s7[None, :],
-    )  # fmt: skip
-
-
-@triton.jit
-def _row_end(
-    acc, acc_up, row, M, offs_n, n_mask, Bias, Up, Residual, Out, N, stride_um, stride_rm,
-    ON: tl.constexpr, dtype: tl.constexpr, GATED: tl.constexpr, HAS_UP: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACT: tl.constexpr, PRECISE: tl.constexpr,
-):  # fmt: skip
-    """Row ``row``'s epilogue and store from its (1, BLOCK_N) sums (a row past M: nothing)."""
-    if ON:
-        if row < M:
-            row_m = row + tl.arange(0, 1)
-            _epilogue(
-                acc, acc_up, row_m, row_m < M, offs_n, n_mask, Bias, Up, Residual, Out, N,
-                stride_um, stride_rm, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT, PRECISE,
-            )  # fmt: skip
-
-
-@triton.jit
 def _gemv_kernel(
     X,  # (M, K), unit stride in K
     W,  # (N_w, K) row-major: N output rows, or 2N (gate rows, then up rows) when GATED
@@ -324,7 +206,6 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # K <= BLOCK_K: the weight tile is loaded before the PDL wait
-    ROW_GROUP: tl.constexpr,  # the row path's rows a pass over the weight: 1, 2, 4 or 8
     GATED: tl.constexpr,
     HAS_UP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -357,60 +238,39 @@ def _gemv_kernel(
         tl.extra.cuda.gdc_wait()  # the previous kernel's outputs (x, up, residual) are ready
     if BLOCK_M == 1:
         # Width invariance: each row runs exactly the arithmetic of a one-row call, whatever
-        # M (a verify forward's rows equal decode's bit for bit). Products are accumulated
-        # in the row's own (BLOCK_N, BLOCK_K) float32 tile, summed across K once at the end
-        # (a sum per chunk costs shuffles every iteration). ROW_GROUP rows share each weight
-        # chunk's load, their x loads issue together (no branch on M between them) and their
-        # sums share one reduction: a pass over the weight per group, where a row at a time
-        # re-read it (6 rows of Gemma 4's 262144 x 1536 head: 537 us against 180 for one,
-        # H200). Eight rows, one name each (Triton has no arrays of tiles); a row past
-        # ROW_GROUP is compiled out, one past M adds zeros and stores nothing.
-        if ONE_CHUNK:  # converted once for every row
-            w_first, w_up_first = w_first.to(tl.float32), w_up_first.to(tl.float32)
-        for row0 in range(0, M, ROW_GROUP):
-            # fmt: off
-            i0, p0, u0 = _row_begin(X, row0 + 0, M, stride_xm, K, eps, True, BLOCK_N, BLOCK_K, NORM, PRECISE)
-            i1, p1, u1 = _row_begin(X, row0 + 1, M, stride_xm, K, eps, ROW_GROUP > 1, BLOCK_N, BLOCK_K, NORM, PRECISE)
-            i2, p2, u2 = _row_begin(X, row0 + 2, M, stride_xm, K, eps, ROW_GROUP > 2, BLOCK_N, BLOCK_K, NORM, PRECISE)
-            i3, p3, u3 = _row_begin(X, row0 + 3, M, stride_xm, K, eps, ROW_GROUP > 3, BLOCK_N, BLOCK_K, NORM, PRECISE)
-            i4, p4, u4 = _row_begin(X, row0 + 4, M, stride_xm, K, eps, ROW_GROUP > 4, BLOCK_N, BLOCK_K, NORM, PRECISE)
-            i5, p5, u5 = _row_begin(X, row0 + 5, M, stride_xm, K, eps, ROW_GROUP > 5, BLOCK_N, BLOCK_K, NORM, PRECISE)
-            i6, p6, u6 = _row_begin(X, row0 + 6, M, stride_xm, K, eps, ROW_GROUP > 6, BLOCK_N, BLOCK_K, NORM, PRECISE)
-            i7, p7, u7 = _row_begin(X, row0 + 7, M, stride_xm, K, eps, ROW_GROUP > 7, BLOCK_N, BLOCK_K, NORM, PRECISE)
+        # M (a verify forward's rows equal decode's bit for bit). Elementwise products are
+        # summed in a (BLOCK_N, BLOCK_K) float32 tile, reduced across K once at the end (a
+        # reduction per chunk costs shuffles every iteration). With one chunk the weight tile
+        # stays in registers for every row; else each row re-reads it (from L1/L2).
+        for row in range(0, M):
+            row_m = row + offs_m  # (1,)
+            m_mask = row_m < M
+            x_rows = X + row_m[:, None] * stride_xm  # (1, 1)
+            row_inv_rms = tl.zeros((1, 1), dtype=tl.float32)
+            if NORM:
+                row_inv_rms = _inv_rms_rows(x_rows, m_mask, K, eps, 1, BLOCK_K, PRECISE)
+            part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            part_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             if ONE_CHUNK:
-                p0, u0 = _row_fma(p0, u0, X, row0 + 0, M, stride_xm, i0, NormWeight, 0, K, w_first, w_up_first, True, BLOCK_K, NORM, GATED, dtype)
-                p1, u1 = _row_fma(p1, u1, X, row0 + 1, M, stride_xm, i1, NormWeight, 0, K, w_first, w_up_first, ROW_GROUP > 1, BLOCK_K, NORM, GATED, dtype)
-                p2, u2 = _row_fma(p2, u2, X, row0 + 2, M, stride_xm, i2, NormWeight, 0, K, w_first, w_up_first, ROW_GROUP > 2, BLOCK_K, NORM, GATED, dtype)
-                p3, u3 = _row_fma(p3, u3, X, row0 + 3, M, stride_xm, i3, NormWeight, 0, K, w_first, w_up_first, ROW_GROUP > 3, BLOCK_K, NORM, GATED, dtype)
-                p4, u4 = _row_fma(p4, u4, X, row0 + 4, M, stride_xm, i4, NormWeight, 0, K, w_first, w_up_first, ROW_GROUP > 4, BLOCK_K, NORM, GATED, dtype)
-                p5, u5 = _row_fma(p5, u5, X, row0 + 5, M, stride_xm, i5, NormWeight, 0, K, w_first, w_up_first, ROW_GROUP > 5, BLOCK_K, NORM, GATED, dtype)
-                p6, u6 = _row_fma(p6, u6, X, row0 + 6, M, stride_xm, i6, NormWeight, 0, K, w_first, w_up_first, ROW_GROUP > 6, BLOCK_K, NORM, GATED, dtype)
-                p7, u7 = _row_fma(p7, u7, X, row0 + 7, M, stride_xm, i7, NormWeight, 0, K, w_first, w_up_first, ROW_GROUP > 7, BLOCK_K, NORM, GATED, dtype)
+                x = _load_x(x_rows, m_mask, NormWeight, row_inv_rms, 0, K, BLOCK_K, NORM, dtype)
+                part += x * w_first.to(tl.float32)
+                if GATED:
+                    part_up += x * w_up_first.to(tl.float32)
             else:
                 for k0 in range(0, K, BLOCK_K):
+                    x = _load_x(
+                        x_rows, m_mask, NormWeight, row_inv_rms, k0, K, BLOCK_K, NORM, dtype
+                    )
                     w, w_up = _load_w(w_rows, up_offset, k0, K, n_mask, BLOCK_K, GATED)
-                    w, w_up = w.to(tl.float32), w_up.to(tl.float32)
-                    p0, u0 = _row_fma(p0, u0, X, row0 + 0, M, stride_xm, i0, NormWeight, k0, K, w, w_up, True, BLOCK_K, NORM, GATED, dtype)
-                    p1, u1 = _row_fma(p1, u1, X, row0 + 1, M, stride_xm, i1, NormWeight, k0, K, w, w_up, ROW_GROUP > 1, BLOCK_K, NORM, GATED, dtype)
-                    p2, u2 = _row_fma(p2, u2, X, row0 + 2, M, stride_xm, i2, NormWeight, k0, K, w, w_up, ROW_GROUP > 2, BLOCK_K, NORM, GATED, dtype)
-                    p3, u3 = _row_fma(p3, u3, X, row0 + 3, M, stride_xm, i3, NormWeight, k0, K, w, w_up, ROW_GROUP > 3, BLOCK_K, NORM, GATED, dtype)
-                    p4, u4 = _row_fma(p4, u4, X, row0 + 4, M, stride_xm, i4, NormWeight, k0, K, w, w_up, ROW_GROUP > 4, BLOCK_K, NORM, GATED, dtype)
-                    p5, u5 = _row_fma(p5, u5, X, row0 + 5, M, stride_xm, i5, NormWeight, k0, K, w, w_up, ROW_GROUP > 5, BLOCK_K, NORM, GATED, dtype)
-                    p6, u6 = _row_fma(p6, u6, X, row0 + 6, M, stride_xm, i6, NormWeight, k0, K, w, w_up, ROW_GROUP > 6, BLOCK_K, NORM, GATED, dtype)
-                    p7, u7 = _row_fma(p7, u7, X, row0 + 7, M, stride_xm, i7, NormWeight, k0, K, w, w_up, ROW_GROUP > 7, BLOCK_K, NORM, GATED, dtype)
-            s0, s1, s2, s3, s4, s5, s6, s7 = _row_sums(p0, p1, p2, p3, p4, p5, p6, p7, ROW_GROUP, PRECISE)
-            t0, t1, t2, t3, t4, t5, t6, t7 = s0, s1, s2, s3, s4, s5, s6, s7  # the up halves' sums
-            if GATED:
-                t0, t1, t2, t3, t4, t5, t6, t7 = _row_sums(u0, u1, u2, u3, u4, u5, u6, u7, ROW_GROUP, PRECISE)
-            _row_end(s0, t0, row0 + 0, M, offs_n, n_mask, Bias, Up, Residual, Out, N, stride_um, stride_rm, True, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT, PRECISE)
-            _row_end(s1, t1, row0 + 1, M, offs_n, n_mask, Bias, Up, Residual, Out, N, stride_um, stride_rm, ROW_GROUP > 1, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT, PRECISE)
-            _row_end(s2, t2, row0 + 2, M, offs_n, n_mask, Bias, Up, Residual, Out, N, stride_um, stride_rm, ROW_GROUP > 2, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT, PRECISE)
-            _row_end(s3, t3, row0 + 3, M, offs_n, n_mask, Bias, Up, Residual, Out, N, stride_um, stride_rm, ROW_GROUP > 3, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT, PRECISE)
-            _row_end(s4, t4, row0 + 4, M, offs_n, n_mask, Bias, Up, Residual, Out, N, stride_um, stride_rm, ROW_GROUP > 4, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT, PRECISE)
-            _row_end(s5, t5, row0 + 5, M, offs_n, n_mask, Bias, Up, Residual, Out, N, stride_um, stride_rm, ROW_GROUP > 5, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT, PRECISE)
-            _row_end(s6, t6, row0 + 6, M, offs_n, n_mask, Bias, Up, Residual, Out, N, stride_um, stride_rm, ROW_GROUP > 6, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT, PRECISE)
-            _row_end(s7, t7, row0 + 7, M, offs_n, n_mask, Bias, Up, Residual, Out, N, stride_um, stride_rm, ROW_GROUP > 7, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT, PRECISE)
-            # fmt: on
+                    part += x * w.to(tl.float32)
+                    if GATED:
+                        part_up += x * w_up.to(tl.float32)
+            acc = tl.sum(part, axis=1)[None, :]  # (1, BLOCK_N)
+            acc_up = tl.sum(part_up, axis=1)[None, :]
+            _epilogue(
+                acc, acc_up, row_m, m_mask, offs_n, n_mask, Bias, Up, Residual, Out, N,
+                stride_um, stride_rm, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT, PRECISE,
+            )  # fmt: skip
     else:
         m_mask = offs_m < M
         x_rows = X + offs_m[:, None] * stride_xm  # (BLOCK_M, 1)
@@ -519,7 +379,6 @@ def gemv(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         ONE_CHUNK=k <= config.block_k,
-        ROW_GROUP=row_group(config, rows, k, gated),
         GATED=gated,
         HAS_UP=up is not None,
         HAS_BIAS=bias is not None,
