@@ -5,6 +5,8 @@
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
 #   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
 #   bash bench/h200.sh round [topk] [kernels listed]: bench/profile_round.py
+#   bash bench/h200.sh widths [model]: GEMV CUDA tests, then bench/gemv_widths.py (cuBLAS,
+#     tiles and split-K tiles at verify widths)
 #   bash bench/h200.sh cold: the README's first command on a bare machine, then warm
 #   bash bench/h200.sh splits: decode attention by KV split count and context (issue 21;
 #     bench/decode_splits.py, the combine's narrower step beside), then the decode step
@@ -113,6 +115,15 @@ if [[ $what == invariant ]]; then
                 2>&1 | grep -v Warning | tail -n 5
         done
     done
+fi
+
+if [[ $what == widths ]]; then
+    # Issue 20: skinny matmuls at verify widths, cuBLAS / tiles / split-K tiles ($2: model),
+    # after the GEMV's CUDA tests (split-K's among them).
+    python -m pytest tests/test_triton_fused.py -m cuda -q -p no:cacheprovider -n 4 --dist load \
+        -ra 2>&1 | tee "$OUT/tests-gemv.log" | tail -n 4
+    python bench/gemv_widths.py --model "${2:-gemma4-e2b}" --out "$OUT/gemv-widths.json" 2>&1 \
+        | grep -v Warning | tee "$OUT/gemv-widths.log"
 fi
 
 if [[ $what == round ]]; then

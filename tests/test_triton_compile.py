@@ -24,6 +24,8 @@ POINTERS = {
     "InputIds": "i64",
     "Cos": "fp32",
     "Sin": "fp32",
+    "Partial": "fp32",
+    "Arrived": "i32",
 }
 FLOATS = {"eps", "cap", "proj_scale"}
 
@@ -114,13 +116,18 @@ def _cases():
         (False, False, 0, True, True, True),
         (False, False, 0, False, True, False),
     )
-    for rows in (1, 16):
+    # Split-K (tiles only: the last split of a tile sums them all) on the multi-chunk ones.
+    for rows, split in ((1, 1), (16, 1), (16, 4)):
         for gated, up, act, norm, residual, pdl in variants:
+            if split > 1 and pdl:
+                continue
             yield (
-                f"gemv-M{rows}-gated{gated}-up{up}-act{act}-norm{norm}-res{residual}-pdl{pdl}",
+                f"gemv-M{rows}-split{split}-gated{gated}-up{up}-act{act}-norm{norm}"
+                f"-res{residual}-pdl{pdl}",
                 triton_gemv._gemv_kernel,
                 {
                     **gemv,
+                    "SPLIT_K": split,
                     "BLOCK_M": rows,
                     "GATED": gated,
                     "HAS_UP": up,

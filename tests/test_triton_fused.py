@@ -203,7 +203,7 @@ def gemv_cases(dtype, shapes, configs_for_rows, device, seed=0) -> dict:
                 "gated_silu": gemv(x, weight, bias, config, act="silu", gated=True),
                 "up_gelu": gemv(x, weight[:n], half_bias, config, act="gelu_pytorch_tanh", up=up),
             }
-            tag = f"{config.block_n}x{config.block_k}w{config.num_warps}"
+            tag = f"{config.block_n}x{config.block_k}w{config.num_warps}s{config.split_k}"
             for op, got in runs.items():
                 results[f"{name}/M{m}-N{n}-K{k}-b{int(has_bias)}/{tag}/{op}"] = check(
                     got, refs[op], "matmul"
@@ -221,8 +221,11 @@ CPU_GEMV_SHAPES = [(1, 20, 200, False), (3, 20, 200, True), (16, 36, 72, False)]
 def _cpu_configs(rows):
     from graphrt.devices.cuda.triton_gemv import GemvConfig, configs_for
 
-    small = GemvConfig(8, 64, block_m=1) if rows == 1 else GemvConfig(16, 64)
-    return (small, configs_for(rows)[0])  # the tuner's interpreter pick, too
+    if rows == 1:
+        return (GemvConfig(8, 64, block_m=1), configs_for(rows)[0])
+    # one K range a program (2 splits of K 200: 2 chunks each; of K 72: one each), then the
+    # tuner's interpreter pick
+    return (GemvConfig(16, 64), GemvConfig(16, 64, split_k=2), configs_for(rows)[0])
 
 
 def gemv_invariance(dtype, configs, device, row_counts, k=200, seed=0, across=False, n=20) -> dict:
@@ -343,10 +346,10 @@ def interpreter_results() -> dict:
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_fused_kernels_under_interpreter_match_reference():
     results = run_under_triton_interpreter(__file__)
-    # 2 dtypes x (2 gemma shapes x 23 outputs + (2 + 2 + 2) gemv configs x 5 ops + 4 ops),
+    # 2 dtypes x (2 gemma shapes x 23 outputs + (2 + 3 + 3) gemv configs x 5 ops + 4 ops),
     # and in bfloat16 2 configs x 3 ops x 2 row counts of width invariance, then the
     # batch-invariant ops: 2 ops x 2 row counts and the tiles-only check
-    assert len(results) == 2 * (2 * 23 + 6 * 5 + 4) + 12 + 5
+    assert len(results) == 2 * (2 * 23 + 8 * 5 + 4) + 12 + 5
     bad = {key: m for key, m in results.items() if not m["ok"]}
     assert not bad, bad
 
@@ -562,7 +565,10 @@ CUDA_GEMV_SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_cuda_fused_kernels_match_reference(dtype):
     from graphrt.devices.cuda.ops import TRITON_OPS
-    from graphrt.devices.cuda.triton_gemv import configs_for
+    from graphrt.devices.cuda.triton_gemv import SPLIT_CONFIGS, configs_for
+
+    def every_config(rows):
+        return configs_for(rows) + (SPLIT_CONFIGS if rows > 1 else ())
 
     results = gemma_cases(TRITON_OPS, dtype, CUDA_GEMMA_SHAPES, "cuda", seed=1)
     # Every configuration in bfloat16; the first of each path in the other dtypes (each
@@ -572,7 +578,7 @@ def test_cuda_fused_kernels_match_reference(dtype):
         gemv_cases(
             dtype,
             CUDA_GEMV_SHAPES,
-            lambda rows: configs_for(rows) if every else configs_for(rows)[:1],
+            lambda rows: every_config(rows) if every else configs_for(rows)[:1],
             "cuda",
             seed=2,
         )
@@ -598,6 +604,39 @@ def test_cuda_gemv_rows_are_batch_invariant(dtype):
         results.update(gemv_invariance(dtype, ROW_CONFIGS, "cuda", (2, 6), k=k, seed=k))
     bad = [key for key, m in results.items() if not m["ok"]]
     assert not bad, bad
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
+def test_cuda_split_k_gemv_is_deterministic_and_leaves_the_counts_at_zero():
+    """Split-K tiles: whichever split of a tile finishes last adds the splits' sums in split
+    order, so 30 launches on one input give one result bit for bit, eager and replayed from
+    a graph, and every tile's arrival count is back at zero afterwards."""
+    from graphrt.devices.cuda import triton_gemv
+    from graphrt.devices.cuda.triton_gemv import SPLIT_CONFIGS, gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(5, 6144, generator=gen, device="cuda").bfloat16()
+    w = (torch.randn(2 * 1536, 6144, generator=gen, device="cuda") / 80).bfloat16()
+    for config in SPLIT_CONFIGS:
+        for gated in (False, True):
+
+            def run(config=config, gated=gated):
+                weight = w if gated else w[:1536]
+                return gemv(x, weight, None, config, act="silu" if gated else None, gated=gated)
+
+            first = run()
+            assert all(torch.equal(run(), first) for _ in range(30)), (config, gated)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = run()
+            for _ in range(5):
+                graph.replay()
+                assert torch.equal(replayed, first), (config, gated)
+            graph.reset()
+    (arrived,) = triton_gemv._ARRIVED.values()
+    assert not arrived.any()
 
 
 @pytest.mark.cuda

@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphrt.core.errors import GraphrtError
 from graphrt.core.models.ops import PreNorm
 from graphrt.devices.cuda import pdl
 from graphrt.devices.cuda.triton_ops import (
@@ -69,6 +70,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     block_m: int = 16  # x rows per program: 1 is the CUDA-core row path, else tensor-core tiles
+    split_k: int = 1  # tiles: programs along K per output tile, their sums added in split order
 
 
 # What the tuner tries (and the interpreter's default is the first): small blocks keep
@@ -103,6 +105,20 @@ TILE_CONFIGS = (
     GemvConfig(128, 64, block_m=64),
     GemvConfig(128, 64, num_warps=8, block_m=128),
     GemvConfig(64, 128, num_warps=8, block_m=128),
+)
+
+
+# 2 <= M <= 16 on few output tiles (N = 1536 is 96 tiles of 16): K is split over programs,
+# one launch (cuBLAS's split-K reduces in a second kernel, outside the PDL chain). A row's
+# bits depend on the split: never offered where width invariance is asked for. Not yet
+# among the tuner's candidates (configs_for): first measured on the H200 by
+# bench/gemv_widths.py (tested under the interpreter; its CUDA tests are written, not run).
+SPLIT_CONFIGS = (
+    GemvConfig(16, 256, split_k=4),
+    GemvConfig(16, 128, num_stages=4, split_k=4),
+    GemvConfig(16, 256, split_k=8),
+    GemvConfig(16, 128, num_stages=4, split_k=8),
+    GemvConfig(32, 128, split_k=4),
 )
 
 
@@ -194,9 +210,12 @@ def _gemv_kernel(
     Residual,  # (M, N), read when HAS_RESIDUAL
     NormWeight,  # (K,), read when NORM
     Out,  # (M, N) contiguous
+    Partial,  # float32 (tiles, SPLIT_K, [2,] BLOCK_M, BLOCK_N): the splits' sums, when SPLIT_K > 1
+    Arrived,  # int32 (tiles,), zero between launches: the splits of each tile that are done
     M,
     N,
     K,
+    k_per_split,  # a multiple of BLOCK_K: the K range of one split
     stride_xm,
     stride_wn,
     stride_um,
@@ -206,6 +225,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # K <= BLOCK_K: the weight tile is loaded before the PDL wait
+    SPLIT_K: tl.constexpr,  # tiles only: programs along K per output tile (1: none)
     GATED: tl.constexpr,
     HAS_UP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -216,6 +236,11 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr,
 ):
     dtype = Out.dtype.element_ty
+    # Splits vary slowest in launch order: the first programs read the first K range of
+    # every output tile, the last ones (the likely finishers) the last range.
+    tiles = tl.num_programs(0) // SPLIT_K
+    tile = tl.program_id(0) % tiles
+    split = tl.program_id(0) // tiles
     if BLOCK_M == 1:  # the row path: one program serves every row of its BLOCK_N outputs
         m_tiles = 1
         offs_m = tl.arange(0, 1)
@@ -224,8 +249,8 @@ def _gemv_kernel(
         # together and read it once from memory, the others from L2. (One grid axis: the
         # second is limited to 65535 programs, fewer than an LM head needs.)
         m_tiles = tl.cdiv(M, BLOCK_M)
-        offs_m = (tl.program_id(0) % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (tl.program_id(0) // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1) row pointers
     up_offset = N * stride_wn
@@ -285,16 +310,60 @@ def _gemv_kernel(
             if GATED:
                 acc_up = _dot(acc_up, x.to(dtype), w_up_first, PRECISE)
         else:
-            for k0 in range(0, K, BLOCK_K):
+            k_lo, k_hi = 0, K
+            if SPLIT_K > 1:  # this program's K range
+                k_lo = split * k_per_split
+                k_hi = tl.minimum(K, k_lo + k_per_split)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
                 x = _load_x(x_rows, m_mask, NormWeight, row_inv_rms, k0, K, BLOCK_K, NORM, dtype)
                 w, w_up = _load_w(w_rows, up_offset, k0, K, n_mask, BLOCK_K, GATED)
                 acc = _dot(acc, x.to(dtype), w, PRECISE)  # (BLOCK_M, BLOCK_K) x (BLOCK_N, BLOCK_K)
                 if GATED:
                     acc_up = _dot(acc_up, x.to(dtype), w_up, PRECISE)
-        _epilogue(
-            acc, acc_up, offs_m, m_mask, offs_n, n_mask, Bias, Up, Residual, Out, N,
-            stride_um, stride_rm, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT, PRECISE,
-        )  # fmt: skip
+        finish = True
+        if SPLIT_K > 1:  # the tile's last split to arrive adds up all of them and finishes
+            acc, acc_up, finish = _split_sums(
+                acc, acc_up, Partial, Arrived, tile, split, BLOCK_M, BLOCK_N, SPLIT_K, GATED
+            )
+        if finish:
+            _epilogue(
+                acc, acc_up, offs_m, m_mask, offs_n, n_mask, Bias, Up, Residual, Out, N,
+                stride_um, stride_rm, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT, PRECISE,
+            )  # fmt: skip
+
+
+@triton.jit
+def _split_sums(
+    acc, acc_up, Partial, Arrived, tile, split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr, GATED: tl.constexpr,
+):  # fmt: skip
+    """Split-K without atomics on the sums: each split stores its (BLOCK_M, BLOCK_N) float32
+    sums (and the up half's), then counts itself in ``Arrived[tile]``. The one that counts
+    last adds every split's sums in split order, so the bits do not depend on which split
+    finished last, resets the count for the next launch and returns True (the others:
+    False, their sums unused)."""
+    halves: tl.constexpr = 2 if GATED else 1
+    size: tl.constexpr = BLOCK_M * BLOCK_N
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tile_sums = Partial + tile.to(tl.int64) * (SPLIT_K * halves * size)
+    tl.store(tile_sums + split * (halves * size) + offs, acc)
+    if GATED:
+        tl.store(tile_sums + split * (halves * size) + size + offs, acc_up)
+    # acq_rel at GPU scope: the stores above are visible to the program that reads a later
+    # count, and that program's loads below see every earlier split's stores.
+    arrived = tl.atomic_add(Arrived + tile, 1, sem="acq_rel")
+    last = arrived == SPLIT_K - 1
+    if last:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):  # L2 only (.cg): other SMs wrote them
+            acc += tl.load(tile_sums + s * (halves * size) + offs, cache_modifier=".cg")
+            if GATED:
+                acc_up += tl.load(
+                    tile_sums + s * (halves * size) + size + offs, cache_modifier=".cg"
+                )
+        tl.store(Arrived + tile, 0)
+    return acc, acc_up, last
 
 
 @triton.jit
@@ -322,6 +391,38 @@ def _epilogue(
         res = tl.load(Residual + offs_m[:, None] * stride_rm + offs_n[None, :], mask=out_mask)
         y = _round(y + res.to(tl.float32), dtype)
     tl.store(Out + offs_m[:, None] * N + offs_n[None, :], y.to(dtype), mask=out_mask)
+
+
+# Split-K's arrival counts, one per output tile, zero between launches (the last split of a
+# tile resets its own): one buffer per device, for every launch. HAZARD: two split launches
+# must not run at once on one device (one stream; PDL is safe: a kernel touches the counts
+# only after its griddepcontrol.wait, when the one before has finished).
+MAX_SPLIT_TILES = 1 << 16
+_ARRIVED: dict[torch.device, torch.Tensor] = {}
+
+
+def _splits(config: GemvConfig, k: int, tiles: int, gated: bool, device: torch.device):
+    """(K per split, splits, the splits' float32 sums, the arrival counts) for a launch;
+    one split (and the output standing in for both buffers) where there is nothing to
+    split: the row path, one K chunk, or more tiles than the counts cover."""
+    chunks = triton.cdiv(k, config.block_k)
+    if config.block_m == 1 or config.split_k == 1 or chunks == 1 or tiles > MAX_SPLIT_TILES:
+        return k, 1, None, None
+    k_per_split = triton.cdiv(chunks, config.split_k) * config.block_k
+    splits = triton.cdiv(k, k_per_split)
+    arrived = _ARRIVED.get(device)
+    if arrived is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # its zeros would be the graph's memory, freed with the graph
+            raise GraphrtError("a split-K GEMV first ran under graph capture: warm up first")
+        arrived = _ARRIVED[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    halves = 2 if gated else 1
+    partial = torch.empty(
+        tiles * splits * halves * config.block_m * config.block_n,
+        dtype=torch.float32,
+        device=device,
+    )
+    return k_per_split, splits, partial, arrived
 
 
 def gemv(
@@ -359,7 +460,9 @@ def gemv(
     if rows == 0 or n == 0:
         return out
     m_tiles = 1 if config.block_m == 1 else triton.cdiv(rows, config.block_m)
-    _gemv_kernel[(m_tiles * triton.cdiv(n, config.block_n),)](
+    tiles = m_tiles * triton.cdiv(n, config.block_n)
+    k_per_split, splits, partial, arrived = _splits(config, k, tiles, gated, x.device)
+    _gemv_kernel[(tiles * splits,)](
         x,
         weight,
         weight if bias is None else bias,
@@ -367,9 +470,12 @@ def gemv(
         out if residual is None else residual,
         weight if norm is None else norm.weight,
         out,
+        out if partial is None else partial,
+        out if arrived is None else arrived,
         rows,
         n,
         k,
+        k_per_split,
         x.stride(0),
         weight.stride(0),
         0 if up is None else up.stride(0),
@@ -379,6 +485,7 @@ def gemv(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         ONE_CHUNK=k <= config.block_k,
+        SPLIT_K=splits,
         GATED=gated,
         HAS_UP=up is not None,
         HAS_BIAS=bias is not None,

@@ -1,0 +1,133 @@
+"""Skinny matmuls at verify and small-batch widths (issue 20: verify on decode's budget).
+
+A verify forward at batch 1 multiplies 2 to 16 rows; the tuner serves them with cuBLAS
+(split-K: a second kernel, outside the PDL chain) or a 16-row tensor-core tile, which on
+projections of few output tiles (N = 1536: 96 tiles of 16) leaves SMs idle. For each
+projection of a decode step this times, the tuner's way (inside a CUDA graph, weights read
+cold), at M = 2 .. 16 rows:
+
+- cuBLAS, the best 16-row tile (``DOT_CONFIGS``) and the best split-K tile
+  (``SPLIT_CONFIGS``: K over several programs, summed in split order in the same launch);
+- one row on decode's row path, the floor a verify row would like to cost;
+
+and checks that split-K gives the same bits launch after launch.
+
+    python bench/gemv_widths.py [--model gemma4-e2b] [--rows 2,5,8,16] [--out f.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from graphrt.core.models.ops import PreNorm
+from graphrt.devices.cuda.gemv_tuner import GemvTuner
+from graphrt.devices.cuda.ops import cublas_linear, cublas_linear_act_mul
+from graphrt.devices.cuda.triton_gemv import DOT_CONFIGS, ROW_CONFIGS, SPLIT_CONFIGS, gemv
+
+# (name, N, K, epilogue, calls a step): the projections of a decode step as the models call
+# them (Gemma 4 norms in its own kernels; Llama fuses norm and residual into the GEMV).
+SHAPES = {
+    "gemma4-e2b": [  # 35 layers, every 5th full; the last 20 share KV (q only) and MLP x2
+        ("qkv sliding", 2560, 1536, "plain", 12),
+        ("qkv full", 5120, 1536, "plain", 3),
+        ("q sliding", 2048, 1536, "plain", 16),
+        ("q full", 4096, 1536, "plain", 4),
+        ("o sliding", 1536, 2048, "plain", 28),
+        ("o full", 1536, 4096, "plain", 7),
+        ("gate_up", 12288, 1536, "gated", 15),
+        ("gate_up wide", 24576, 1536, "gated", 20),
+        ("down", 1536, 6144, "plain", 15),
+        ("down wide", 1536, 12288, "plain", 20),
+        ("lm head", 262144, 1536, "plain", 1),
+    ],
+    "llama-1b": [
+        ("qkv", 3072, 2048, "norm", 16),
+        ("o", 2048, 2048, "residual", 16),
+        ("gate_up", 16384, 2048, "gated-norm", 16),
+        ("down", 2048, 8192, "residual", 16),
+        ("lm head", 128256, 2048, "plain", 1),
+    ],
+}
+
+
+def _case(n: int, k: int, epilogue: str, max_rows: int):
+    """The weight and ``run(config, rows, w)`` (config None: cuBLAS) for one projection."""
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    gated = epilogue.startswith("gated")
+    weight = torch.randn((2 if gated else 1) * n, k, device=dev, dtype=dtype) / k**0.5
+    with_norm = epilogue in ("norm", "gated-norm")
+    norm = PreNorm(torch.rand(k, device=dev, dtype=dtype) + 0.5, 1e-6) if with_norm else None
+    x_all = torch.randn(max_rows, k, device=dev, dtype=dtype)
+    res_all = torch.randn(max_rows, n, device=dev, dtype=dtype)
+    act = "gelu_pytorch_tanh" if epilogue == "gated" else "silu"
+
+    def run(config, rows, w=weight):
+        x = x_all[:rows]
+        res = res_all[:rows] if epilogue == "residual" else None
+        if gated:
+            if config is None:
+                return cublas_linear_act_mul(x, w, None, act, norm=norm)
+            return gemv(x, w, None, config, act=act, gated=True, norm=norm)
+        if config is None:
+            return cublas_linear(
+                x, w, None, norm=norm, residual=None if res is None else res.clone()
+            )
+        return gemv(x, w, None, config, norm=norm, residual=res)
+
+    return weight, run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="gemma4-e2b", choices=sorted(SHAPES))
+    parser.add_argument("--rows", default="2,5,8,16")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    torch.manual_seed(0)
+    tuner = GemvTuner()
+    report = []
+    print(f"{'projection':>14} {'M':>3} {'cuBLAS us':>9} {'tile us':>8} {'split us':>8} "
+          f"{'split config':>16} {'1 row us':>8} {'same bits':>9}")  # fmt: skip
+    step = {m: {"cublas": 0.0, "tile": 0.0, "best": 0.0, "one row": 0.0} for m in rows_list}
+    for name, n, k, epilogue, calls in SHAPES[args.model]:
+        weight, run = _case(n, k, epilogue, max(rows_list))
+        tuner._time((name, 1), ROW_CONFIGS, weight, lambda c, w, run=run: run(c, 1, w))
+        one_us = tuner.timings[(name, 1)][1] * 1e3
+        for m in rows_list:
+
+            def go(c, w, m=m, run=run):
+                return run(c, m, w)
+
+            # The first candidate stands where the tuner puts cuBLAS: the best one wins.
+            tuner._time((name, m, "tile"), (None, *DOT_CONFIGS), weight, go)
+            cublas_us, tile_us = (t * 1e3 for t in tuner.timings[(name, m, "tile")])
+            split = tuner._time((name, m, "split"), (SPLIT_CONFIGS[0], *SPLIT_CONFIGS), weight, go)
+            split_us = tuner.timings[(name, m, "split")][1] * 1e3
+            first = run(split, m)
+            same = all(torch.equal(run(split, m), first) for _ in range(10))
+            tag = f"{split.block_n}x{split.block_k} s{split.split_k}"
+            print(f"{name:>14} {m:>3} {cublas_us:>9.1f} {tile_us:>8.1f} {split_us:>8.1f} "
+                  f"{tag:>16} {one_us:>8.1f} {str(same):>9}", flush=True)  # fmt: skip
+            for key, us in (("cublas", cublas_us), ("tile", min(cublas_us, tile_us)),
+                            ("best", min(cublas_us, tile_us, split_us)), ("one row", one_us)):  # fmt: skip
+                step[m][key] += calls * us
+            report.append(
+                dict(projection=name, n=n, k=k, epilogue=epilogue, calls=calls, rows=m,
+                     cublas_us=round(cublas_us, 2), tile_us=round(tile_us, 2),
+                     split_us=round(split_us, 2), split_config=vars(split),
+                     one_row_us=round(one_us, 2), split_same_bits=same)
+            )  # fmt: skip
+    for m, t in step.items():
+        print(f"a step's projections at M={m} (calls x us): cuBLAS {t['cublas']:.0f} us, tuner "
+              f"today {t['tile']:.0f}, with split-K {t['best']:.0f}; one row {t['one row']:.0f}")  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"model": args.model, "projections": report, "step_us": step}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
