@@ -47,6 +47,12 @@ def train_tokenizer(corpus: Corpus, vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }}"
+    "{% if not loop.last or add_generation_prompt %}{{ '\\n' }}{% endif %}{% endfor %}"
+)
+
+
 def save(tokenizer: Tokenizer, out_dir: Path, corpus: Corpus) -> None:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -61,6 +67,9 @@ def save(tokenizer: Tokenizer, out_dir: Path, corpus: Corpus) -> None:
         # transformers would otherwise rewrite " ." to "." etc. on decode, breaking
         # the exact round trip of source code.
         "clean_up_tokenization_spaces": False,
+        # A code model's chat: the messages' text, a line each; the answer goes on from
+        # the next line (graphrt.LLM.chat and graphrt serve's /v1/chat/completions).
+        "chat_template": CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
     corpus.write_manifest(out_dir / "corpus_manifest.json")

@@ -1,8 +1,8 @@
 """Layering (DESIGN.md, STYLE.md habit 6): device code stays under devices/<vendor>/, and
 core/ knows speculative decoding only through its protocols.
 
-- core/ outside the CLI (the composition root, which builds strategies from flags) imports
-  nothing from spec/;
+- core/ outside the composition roots (the CLI and serve/, which build strategies from
+  flags and names) imports nothing from spec/;
 - core/ imports no vendor device package (devices/cuda, npu, xpu, cpu); the device-neutral
   devices/base.py, devices/graphs.py and the registry are its interface;
 - spec/ imports nothing from devices/;
@@ -63,12 +63,20 @@ def _within(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
+# Where engines are built from names, drafters included: the CLI and the serving layer.
+COMPOSITION_ROOTS = {"cli", "serve"}
+
 # (files, forbidden module prefixes, why)
 RULES = [
     (
-        [p for p in (ROOT / "core").rglob("*.py") if "cli" not in p.relative_to(ROOT).parts],
+        [
+            p
+            for p in (ROOT / "core").rglob("*.py")
+            if not COMPOSITION_ROOTS & set(p.relative_to(ROOT).parts)
+        ],
         ("graphrt.spec",),
-        "core/ knows spec/ only through the DecodeStrategy protocol (the CLI composes them)",
+        "core/ knows spec/ only through the DecodeStrategy protocol (the CLI and serve/ "
+        "compose them)",
     ),
     (list((ROOT / "core").rglob("*.py")), VENDORS, "device code lives under devices/<vendor>/"),
     (list((ROOT / "spec").rglob("*.py")), ("graphrt.devices",), "spec/ is device-neutral"),

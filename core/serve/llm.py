@@ -1,0 +1,315 @@
+"""``LLM``: text in, text out, over one engine (DESIGN.md, layer 10).
+
+Prompts are tokenised with the checkpoint's ``tokenizer.json``; chat messages are first
+rendered with its chat template (jinja2, sandboxed, as transformers renders them). The
+engine's tokens come back as text while steps finish (``IncrementalDetokenizer``: never
+half a character). A stop string or stop token id ends its request where it appears: the
+text ends before the stop string, as in OpenAI's API, and the request's KV is freed at
+once (``Engine.abort``), in the middle of a speculative round's tokens too.
+
+    llm = LLM()  # the embedded pair, drafting where it pays
+    llm.generate(["def fibonacci(n):"], TextParams(max_tokens=32))[0].text
+    for delta in llm.stream("def fibonacci(n):"):
+        print(delta, end="")
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from graphrt import devices
+from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+from graphrt.core.engine.request import FinishReason, Request
+from graphrt.core.errors import CheckpointError, RequestError, UsageError
+from graphrt.core.text import IncrementalDetokenizer
+
+AUTO_SPEC_STEPS = 5  # the longest round ``--spec-steps auto`` may choose (as the CLI's)
+
+
+@dataclass(frozen=True)
+class TextParams:
+    """How one completion is sampled and where it stops (OpenAI's names)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # the text ends before the first of these it would contain
+    stop_token_ids: tuple[int, ...] = ()  # end after one of these tokens (it is kept)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):  # one stop string, as OpenAI's API allows
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise RequestError(f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise RequestError(f"stop_token_ids must be token ids (ints >= 0), got {t!r}")
+        self.sampling()  # the engine's checks of the rest, now rather than at the first step
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+@dataclass
+class Completion:
+    """One prompt's result: its text and tokens, and why it ended ("stop", "length",
+    "error" with ``error`` set, or "interrupted")."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class _Stream:
+    """A request on its way to text: its detokeniser and the stop checks."""
+
+    req: Request
+    params: TextParams
+    detok: IncrementalDetokenizer
+    text: str = ""  # everything handed out so far
+    held: str = ""  # text that may be the start of a stop string: not handed out yet
+    seen: int = 0  # output tokens turned into text
+    stopped: bool = False
+    deltas: list[str] = field(default_factory=list)
+
+    def advance(self, engine: Engine) -> None:
+        """Turn the request's new tokens into text; at a stop, end it (KV freed now)."""
+        new = self.req.output_ids[self.seen :]
+        for i, token in enumerate(new):
+            self._add(self.detok.push([token]))
+            hit_token = token in self.params.stop_token_ids
+            if self.stopped or hit_token:
+                # Tokens after a stop are dropped: a round may emit several at once.
+                del self.req.output_ids[self.seen + i + 1 :]
+                self.stopped = True
+                break
+        self.seen = len(self.req.output_ids)
+        if self.stopped:
+            if not self.req.finished:
+                engine.abort(self.req, FinishReason.STOP)
+            self.req.finish_reason = FinishReason.STOP
+        if self.req.finished and not self.stopped:
+            self._add(self.detok.flush())
+            self._release_held()
+
+    def _add(self, piece: str) -> None:
+        if self.stopped or not piece:
+            return
+        pending = self.held + piece
+        cut = min((i for i in (pending.find(s) for s in self.params.stop) if i >= 0), default=-1)
+        if cut >= 0:  # a stop string: the text ends before it
+            self._emit(pending[:cut])
+            self.held, self.stopped = "", True
+            return
+        # Hold back the longest tail that could still grow into a stop string.
+        keep = max((_overlap(pending, s) for s in self.params.stop), default=0)
+        self._emit(pending[: len(pending) - keep])
+        self.held = pending[len(pending) - keep :]
+
+    def _release_held(self) -> None:
+        self._emit(self.held)
+        self.held = ""
+
+    def _emit(self, text: str) -> None:
+        if text:
+            self.text += text
+            self.deltas.append(text)
+
+    def completion(self) -> Completion:
+        reason = self.req.finish_reason
+        return Completion(
+            text=self.text,
+            token_ids=list(self.req.output_ids),
+            finish_reason=reason.value if reason is not None else "length",
+            prompt_tokens=len(self.req.prompt_ids),
+            error=self.req.error,
+        )
+
+
+def _overlap(text: str, stop: str) -> int:
+    """The length of the longest end of ``text`` that begins ``stop`` (shorter than it)."""
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
+
+
+class LLM:
+    """An engine with its tokenizer: ``generate`` prompts, ``stream`` one, ``chat``.
+
+    ``model``: a checkpoint directory (with ``tokenizer.json``) or None for the embedded
+    pair; ``draft``: an assistant checkpoint to draft with (the embedded pair drafts with
+    its own unless ``draft=False``); ``spec``: its ``SpecConfig`` (default: auto draft
+    lengths); ``device``: a device name (default: the best one here); ``config``: the
+    ``EngineConfig``. Safe to use from several threads: their requests share steps."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        draft: str | Path | bool | None = None,
+        *,
+        device: str | None = None,
+        dtype=None,
+        spec=None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        from graphrt.core import pretrained
+        from graphrt.core.models import load_model
+        from graphrt.spec import MTPDecoding, SpecConfig
+
+        if model is None:
+            model = pretrained.TARGET_DIR
+            draft = pretrained.ASSISTANT_DIR if draft is None or draft is True else draft
+        if draft is True:
+            raise UsageError("LLM: draft=True needs the default model; name the assistant")
+        self.device = devices.current(device)
+        self.loaded = load_model(str(model), self.device, dtype)
+        strategy = None
+        if draft:
+            drafter = load_model(str(draft), self.device, dtype or self.loaded.dtype)
+            spec = spec or SpecConfig(num_steps=AUTO_SPEC_STEPS, adaptive=True)
+            strategy = MTPDecoding(drafter, spec)
+        self.tokenizer = _load_tokenizer(self.loaded.tokenizer_path, model)
+        self.chat_template = _chat_template(self.loaded.tokenizer_path)
+        self.engine = Engine(self.loaded, config or EngineConfig(), self.device, strategy)
+        self._lock = threading.Lock()  # one thread steps at a time; requests share steps
+
+    # ---- text ------------------------------------------------------------------------
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a text prompt (token ids pass through)."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt).ids
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise RequestError(f"a prompt is text or a list of token ids, got {prompt!r:.60}")
+        return list(prompt)
+
+    def render_chat(self, messages: Sequence[dict]) -> str:
+        """``messages`` ([{"role": ..., "content": ...}]) through the chat template,
+        ending where the assistant's answer starts."""
+        if self.chat_template is None:
+            raise UsageError("this checkpoint has no chat template (tokenizer_config.json)")
+        for m in messages:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):  # fmt: skip
+                raise RequestError(
+                    f"a chat message is {{'role': str, 'content': str}}, got {m!r:.80}"
+                )
+        return self.chat_template.render(messages=list(messages), add_generation_prompt=True)
+
+    # ---- generation ------------------------------------------------------------------
+
+    def generate(
+        self, prompts: str | Iterable[str | Sequence[int]], params: TextParams | None = None
+    ) -> list[Completion]:
+        """Every prompt to completion, batched; -> completions in prompt order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        streams = self._start(list(prompts), params or TextParams())
+        self._run(streams)
+        return [s.completion() for s in streams]
+
+    def stream(
+        self, prompt: str | Sequence[int], params: TextParams | None = None
+    ) -> Iterator[str]:
+        """The text of one completion, delta by delta as steps finish. Closing the
+        iterator early (``break``) aborts the request and frees its KV."""
+        (s,) = self._start([prompt], params or TextParams())
+        try:
+            while True:
+                self._run([s], steps=1)
+                yield from s.deltas
+                s.deltas.clear()
+                if s.req.finished:
+                    return
+        finally:
+            if not s.req.finished:
+                self.engine.abort(s.req, FinishReason.INTERRUPTED)
+
+    def chat(self, messages: Sequence[dict], params: TextParams | None = None) -> Completion:
+        """One assistant answer to ``messages``."""
+        return self.generate([self.render_chat(messages)], params)[0]
+
+    def _start(self, prompts: list, params: TextParams) -> list[_Stream]:
+        if not isinstance(params, TextParams):
+            raise UsageError(f"params must be a TextParams, got {type(params).__name__}")
+        ids = [self.encode(p) for p in prompts]
+        reqs = self.engine.add_requests(ids, params.sampling())  # all checked, then queued
+        return [_Stream(r, params, IncrementalDetokenizer(self.tokenizer)) for r in reqs]
+
+    def _run(self, streams: list[_Stream], steps: int | None = None) -> None:
+        """Step the engine until ``streams`` finish (or ``steps`` steps), their text and
+        stop checks after each step; an interruption aborts the unfinished ones (KV
+        freed). Requests touched only under the lock: another thread may be stepping."""
+        try:
+            done = 0
+            while True:
+                with self._lock:
+                    for s in streams:
+                        s.advance(self.engine)
+                    if all(s.req.finished for s in streams) or done == steps:
+                        return
+                    self.engine.step()
+                done += 1
+        except BaseException:
+            for s in streams:
+                if not s.req.finished:
+                    self.engine.abort(s.req, FinishReason.INTERRUPTED)
+            raise
+
+
+def _load_tokenizer(path: Path | None, model):
+    from tokenizers import Tokenizer
+
+    if path is None:
+        raise CheckpointError(f"{model} has no tokenizer.json: LLM needs text (use Engine)")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises plain Exceptions on malformed files
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+
+
+def _chat_template(tokenizer_path: Path | None):
+    """The checkpoint's chat template (tokenizer_config.json's ``chat_template``, or
+    ``chat_template.jinja`` beside it), compiled as transformers compiles it; None if it
+    has none."""
+    if tokenizer_path is None:
+        return None
+    folder = tokenizer_path.parent
+    source = None
+    if (folder / "chat_template.jinja").is_file():
+        source = (folder / "chat_template.jinja").read_text()
+    elif (folder / "tokenizer_config.json").is_file():
+        source = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+    if not isinstance(source, str):
+        return None
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent)
+    return env.from_string(source)
