@@ -110,9 +110,10 @@ TILE_CONFIGS = (
 
 # 2 <= M <= 16 on few output tiles (N = 1536 is 96 tiles of 16): K is split over programs,
 # one launch (cuBLAS's split-K reduces in a second kernel, outside the PDL chain). A row's
-# bits depend on the split: never offered where width invariance is asked for. Not yet
-# among the tuner's candidates (configs_for): first measured on the H200 by
-# bench/gemv_widths.py (tested under the interpreter; its CUDA tests are written, not run).
+# bits depend on the split: never offered where width invariance is asked for. Offered to
+# the tuner only with USE_SPLIT_K (read at every tuning, so a benchmark can compare), off
+# until measured on the H200 (bench/gemv_widths.py, `bash bench/h200.sh splitk`).
+USE_SPLIT_K = False
 SPLIT_CONFIGS = (
     GemvConfig(16, 256, split_k=4),
     GemvConfig(16, 128, num_stages=4, split_k=4),
@@ -123,7 +124,9 @@ SPLIT_CONFIGS = (
 
 
 def configs_for(rows: int) -> tuple[GemvConfig, ...]:
-    return ROW_CONFIGS if rows == 1 else DOT_CONFIGS
+    if rows == 1:
+        return ROW_CONFIGS
+    return DOT_CONFIGS + SPLIT_CONFIGS if USE_SPLIT_K else DOT_CONFIGS
 
 
 def invariant_configs(rows: int) -> tuple[GemvConfig, ...]:
