@@ -1,0 +1,128 @@
+"""``EngineLoop``: one thread stepping the engine for many callers (the server's core),
+on the embedded pair, CPU, float32. Each caller gets exactly its own greedy text, a
+request that is aborted frees its KV at once, and draining stops admitting and lets
+what is in flight finish."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+
+from graphrt.core.serve import LLM, Draining, EngineLoop, TextParams
+
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range(", "x = ["]
+PARAMS = TextParams(max_tokens=20)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(device="cpu")
+
+
+def _kv_free(llm: LLM) -> bool:
+    return llm.engine.kv_pool.available() == llm.engine.kv_pool.num_slots
+
+
+class Collector:
+    """A consumer: the deltas and the completion the loop hands one request."""
+
+    def __init__(self) -> None:
+        self.deltas: list[str] = []
+        self.done = queue.Queue()
+
+    def __call__(self, delta, done) -> None:
+        if delta:
+            self.deltas.append(delta)
+        if done is not None:
+            self.done.put(done)
+
+    def wait(self):
+        return self.done.get(timeout=120)
+
+
+def test_concurrent_callers_each_get_their_own_greedy_text(llm):
+    want = [c.text for c in llm.generate(PROMPTS, PARAMS)]
+    loop = EngineLoop(llm)
+    try:
+        collectors = [Collector() for _ in PROMPTS]
+
+        def submit(i):
+            loop.submit(PROMPTS[i], PARAMS, collectors[i])
+
+        threads = [threading.Thread(target=submit, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        done = [c.wait() for c in collectors]
+        assert [d.text for d in done] == want
+        assert ["".join(c.deltas) for c in collectors] == want  # streamed == whole
+        assert all(d.finish_reason == "length" for d in done)
+        assert loop.inflight == 0 and _kv_free(llm)
+    finally:
+        loop.close()
+
+
+def test_an_aborted_request_frees_its_kv_and_the_others_go_on(llm):
+    loop = EngineLoop(llm)
+    try:
+        first = threading.Event()
+        leaving, staying = Collector(), Collector()
+
+        def on_leaving(delta, done):
+            leaving(delta, done)
+            first.set()
+
+        req = loop.submit(PROMPTS[0], TextParams(max_tokens=200), on_leaving)
+        loop.submit(PROMPTS[1], PARAMS, staying)
+        assert first.wait(timeout=120)
+        loop.abort(req)  # a client that left
+        assert leaving.wait().finish_reason == "interrupted"
+        (want,) = llm.generate(PROMPTS[1:2], PARAMS)
+        assert staying.wait().text == want.text
+        assert _kv_free(llm)
+    finally:
+        loop.close()
+
+
+def test_a_failing_consumer_aborts_only_its_request(llm):
+    loop = EngineLoop(llm)
+    try:
+        calls = []
+
+        def broken(delta, done):
+            calls.append(done)
+            raise RuntimeError("consumer bug")
+
+        fine = Collector()
+        loop.submit(PROMPTS[2], TextParams(max_tokens=200), broken)
+        loop.submit(PROMPTS[3], PARAMS, fine)
+        assert fine.wait().finish_reason == "length"
+        assert loop.drain(timeout=60) and _kv_free(llm)
+        assert calls[-1] is not None and calls[-1].finish_reason == "interrupted"
+    finally:
+        loop.close()
+
+
+def test_drain_stops_admitting_and_lets_requests_in_flight_finish(llm):
+    loop = EngineLoop(llm)
+    running = Collector()
+    loop.submit(PROMPTS[4], PARAMS, running)
+    assert loop.drain(timeout=120)
+    assert running.wait().finish_reason == "length"
+    with pytest.raises(Draining, match="shutting down"):
+        loop.submit(PROMPTS[0], PARAMS, Collector())
+    loop.close()
+    assert _kv_free(llm) and not llm.engine.has_work
+
+
+def test_drain_past_its_timeout_aborts_what_is_left(llm):
+    loop = EngineLoop(llm)
+    long = Collector()
+    loop.submit(PROMPTS[0], TextParams(max_tokens=4000, ignore_eos=True), long)
+    assert not loop.drain(timeout=0.2)
+    assert long.wait().finish_reason == "interrupted"
+    loop.close()
+    assert _kv_free(llm)
