@@ -12,6 +12,9 @@ are the whole sequence's text (``flush`` gives what is held back at the end).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+
+from graphrt.core.errors import CheckpointError, first_line
 
 REPLACEMENT = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
 
@@ -47,3 +50,16 @@ class IncrementalDetokenizer:
         text = self._decode(self._ids[self._prefix :])
         self._prefix = self._read = len(self._ids)
         return text[len(before) :]
+
+
+def load_tokenizer(path: Path | None):
+    """A checkpoint's ``tokenizer.json`` as a ``tokenizers.Tokenizer``; None without one.
+    Raises ``CheckpointError`` (one line) for a file it cannot read."""
+    if path is None:
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises plain Exceptions on malformed files
+        raise CheckpointError(f"cannot read {path}: {first_line(e)}") from None

@@ -67,9 +67,15 @@ def test_a_stop_token_ends_the_request_after_it(llm):
     (whole,) = llm.generate(PROMPTS[1:2], PARAMS)
     token = whole.token_ids[5]
     first = whole.token_ids.index(token)
-    (c,) = llm.generate(PROMPTS[1:2], TextParams(max_tokens=24, stop_token_ids=(token,)))
+    # A stop string that the stop token's text begins and nothing completes: that text is
+    # held back as a possible stop, and must still come out when the token ends the request.
+    tail = llm.tokenizer.decode([token], skip_special_tokens=True)
+    assert tail
+    params = TextParams(max_tokens=24, stop_token_ids=(token,), stop=(tail[-1] + "\uffff",))
+    (c,) = llm.generate(PROMPTS[1:2], params)
     assert c.token_ids == whole.token_ids[: first + 1] and c.finish_reason == "stop"
     assert c.text == llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    assert "".join(llm.stream(PROMPTS[1], params)) == c.text
     assert _kv_free(llm)
 
 

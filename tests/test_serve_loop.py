@@ -75,7 +75,10 @@ def test_an_aborted_request_frees_its_kv_and_the_others_go_on(llm):
             leaving(delta, done)
             first.set()
 
-        req = loop.submit(PROMPTS[0], TextParams(max_tokens=200), on_leaving)
+        # Far from its end whenever the abort lands (no EOS, 2000 tokens): it must be the
+        # abort that ends it, however slowly this thread gets there.
+        long = TextParams(max_tokens=2000, ignore_eos=True)
+        req = loop.submit(PROMPTS[0], long, on_leaving)
         loop.submit(PROMPTS[1], PARAMS, staying)
         assert first.wait(timeout=120)
         loop.abort(req)  # a client that left
@@ -97,7 +100,7 @@ def test_a_failing_consumer_aborts_only_its_request(llm):
             raise RuntimeError("consumer bug")
 
         fine = Collector()
-        loop.submit(PROMPTS[2], TextParams(max_tokens=200), broken)
+        loop.submit(PROMPTS[2], TextParams(max_tokens=2000, ignore_eos=True), broken)
         loop.submit(PROMPTS[3], PARAMS, fine)
         assert fine.wait().finish_reason == "length"
         assert loop.drain(timeout=60) and _kv_free(llm)

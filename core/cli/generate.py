@@ -15,10 +15,11 @@ from tqdm import tqdm
 from graphrt import devices
 from graphrt.core.cli.args import check_environment, spec_config_args
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
-from graphrt.core.errors import CheckpointError, GraphrtError, RequestError, UsageError, first_line
+from graphrt.core.errors import CheckpointError, GraphrtError, RequestError, UsageError
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
 from graphrt.core.parallel.launch import check_runner, default_runner, is_output_rank, join
+from graphrt.core.text import load_tokenizer
 from graphrt.spec import MTPDecoding, SpecConfig
 
 
@@ -33,25 +34,14 @@ def _phase(what: str) -> Iterator[list[str]]:
         print(f"{what}{said}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
-def _tokenizer(path: Path | None):
-    if path is None:
-        return None
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises plain Exceptions on malformed files
-        raise CheckpointError(f"cannot read {path}: {first_line(e)}") from None
-
-
 def _output_tokenizer(path: Path | None, prompts):
     """The tokenizer, read only when text is needed: for --prompt, and for the output's
     text. A run of --prompt-ids alone survives a broken tokenizer.json (one warning line,
     ids instead of text); a --prompt needs it (exit 3)."""
     if any(kind == "text" for kind, _ in prompts):
-        return _tokenizer(path)
+        return load_tokenizer(path)
     try:
-        return _tokenizer(path)
+        return load_tokenizer(path)
     except CheckpointError as e:
         _warn(f"{e}; printing token ids without text")
         return None

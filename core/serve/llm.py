@@ -25,9 +25,7 @@ from graphrt import devices
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.engine.request import FinishReason, Request
 from graphrt.core.errors import CheckpointError, RequestError, UsageError
-from graphrt.core.text import IncrementalDetokenizer
-
-AUTO_SPEC_STEPS = 5  # the longest round ``--spec-steps auto`` may choose (as the CLI's)
+from graphrt.core.text import IncrementalDetokenizer, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -80,7 +78,7 @@ class Completion:
 
 
 @dataclass
-class _Stream:
+class TextStream:
     """A request on its way to text: its detokeniser and the stop checks."""
 
     req: Request
@@ -95,22 +93,26 @@ class _Stream:
     def advance(self, engine: Engine) -> None:
         """Turn the request's new tokens into text; at a stop, end it (KV freed now)."""
         new = self.req.output_ids[self.seen :]
+        stop_token = False
         for i, token in enumerate(new):
             self._add(self.detok.push([token]))
-            hit_token = token in self.params.stop_token_ids
-            if self.stopped or hit_token:
+            stop_token = token in self.params.stop_token_ids
+            if self.stopped or stop_token:
                 # Tokens after a stop are dropped: a round may emit several at once.
                 del self.req.output_ids[self.seen + i + 1 :]
-                self.stopped = True
                 break
         self.seen = len(self.req.output_ids)
-        if self.stopped:
+        if self.req.finished or stop_token:
+            # The end without a stop string: what the detokeniser and the stop-string
+            # check held back is text (a stop token's own text included).
+            self._add(self.detok.flush())
+            if not self.stopped:
+                self._release_held()
+        if self.stopped or stop_token:
+            self.stopped = True
             if not self.req.finished:
                 engine.abort(self.req, FinishReason.STOP)
             self.req.finish_reason = FinishReason.STOP
-        if self.req.finished and not self.stopped:
-            self._add(self.detok.flush())
-            self._release_held()
 
     def _add(self, piece: str) -> None:
         if self.stopped or not piece:
@@ -174,6 +176,7 @@ class LLM:
         config: EngineConfig | None = None,
     ) -> None:
         from graphrt.core import pretrained
+        from graphrt.core.cli.args import AUTO_SPEC_STEPS  # the CLI's auto, the same rounds
         from graphrt.core.models import load_model
         from graphrt.spec import MTPDecoding, SpecConfig
 
@@ -189,10 +192,14 @@ class LLM:
             drafter = load_model(str(draft), self.device, dtype or self.loaded.dtype)
             spec = spec or SpecConfig(num_steps=AUTO_SPEC_STEPS, adaptive=True)
             strategy = MTPDecoding(drafter, spec)
-        self.tokenizer = _load_tokenizer(self.loaded.tokenizer_path, model)
+        self.tokenizer = load_tokenizer(self.loaded.tokenizer_path)
+        if self.tokenizer is None:
+            raise CheckpointError(f"{model} has no tokenizer.json: LLM needs text (use Engine)")
         self.chat_template = _chat_template(self.loaded.tokenizer_path)
         self.engine = Engine(self.loaded, config or EngineConfig(), self.device, strategy)
-        self._lock = threading.Lock()  # one thread steps at a time; requests share steps
+        # Held while stepping the engine or touching a request's tokens: one thread steps
+        # at a time, and every request in the engine shares that step (EngineLoop too).
+        self.step_lock = threading.Lock()
 
     # ---- text ------------------------------------------------------------------------
 
@@ -225,7 +232,7 @@ class LLM:
         """Every prompt to completion, batched; -> completions in prompt order."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        streams = self._start(list(prompts), params or TextParams())
+        streams = self.start(list(prompts), params or TextParams())
         self._run(streams)
         return [s.completion() for s in streams]
 
@@ -234,7 +241,7 @@ class LLM:
     ) -> Iterator[str]:
         """The text of one completion, delta by delta as steps finish. Closing the
         iterator early (``break``) aborts the request and frees its KV."""
-        (s,) = self._start([prompt], params or TextParams())
+        (s,) = self.start([prompt], params or TextParams())
         try:
             while True:
                 self._run([s], steps=1)
@@ -250,21 +257,23 @@ class LLM:
         """One assistant answer to ``messages``."""
         return self.generate([self.render_chat(messages)], params)[0]
 
-    def _start(self, prompts: list, params: TextParams) -> list[_Stream]:
+    def start(self, prompts: list, params: TextParams) -> list[TextStream]:
+        """Queue ``prompts`` (all checked first: a bad one queues nothing); -> their
+        streams, which ``TextStream.advance`` turns into text after each step."""
         if not isinstance(params, TextParams):
             raise UsageError(f"params must be a TextParams, got {type(params).__name__}")
         ids = [self.encode(p) for p in prompts]
         reqs = self.engine.add_requests(ids, params.sampling())  # all checked, then queued
-        return [_Stream(r, params, IncrementalDetokenizer(self.tokenizer)) for r in reqs]
+        return [TextStream(r, params, IncrementalDetokenizer(self.tokenizer)) for r in reqs]
 
-    def _run(self, streams: list[_Stream], steps: int | None = None) -> None:
+    def _run(self, streams: list[TextStream], steps: int | None = None) -> None:
         """Step the engine until ``streams`` finish (or ``steps`` steps), their text and
         stop checks after each step; an interruption aborts the unfinished ones (KV
         freed). Requests touched only under the lock: another thread may be stepping."""
         try:
             done = 0
             while True:
-                with self._lock:
+                with self.step_lock:
                     for s in streams:
                         s.advance(self.engine)
                     if all(s.req.finished for s in streams) or done == steps:
@@ -276,17 +285,6 @@ class LLM:
                 if not s.req.finished:
                     self.engine.abort(s.req, FinishReason.INTERRUPTED)
             raise
-
-
-def _load_tokenizer(path: Path | None, model):
-    from tokenizers import Tokenizer
-
-    if path is None:
-        raise CheckpointError(f"{model} has no tokenizer.json: LLM needs text (use Engine)")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises plain Exceptions on malformed files
-        raise CheckpointError(f"cannot read {path}: {e}") from None
 
 
 def _chat_template(tokenizer_path: Path | None):

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 from graphrt.core.engine.request import FinishReason, Request
 from graphrt.core.errors import GraphrtError
-from graphrt.core.serve.llm import LLM, Completion, TextParams, _Stream
+from graphrt.core.serve.llm import LLM, Completion, TextParams, TextStream
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class EngineLoop:
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
         self._wake = threading.Condition()
-        self._inflight: dict[int, tuple[_Stream, OnEvent]] = {}  # by request id
+        self._inflight: dict[int, tuple[TextStream, OnEvent]] = {}  # by request id
         self._admitting = True
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="graphrt-engine-loop", daemon=True)
@@ -52,8 +52,8 @@ class EngineLoop:
         with self._wake:
             if not self._admitting:
                 raise Draining("the server is shutting down: no new requests")
-            with self.llm._lock:
-                (stream,) = self.llm._start([prompt], params)
+            with self.llm.step_lock:
+                (stream,) = self.llm.start([prompt], params)
             self._inflight[stream.req.rid] = (stream, on_event)
             self._wake.notify()
         return stream.req
@@ -61,7 +61,7 @@ class EngineLoop:
     def abort(self, req: Request) -> None:
         """Stop ``req`` now and free its KV (a client that left); its callback gets the
         completion ("interrupted") at the loop's next pass."""
-        with self.llm._lock:
+        with self.llm.step_lock:
             if not req.finished:
                 self.llm.engine.abort(req, FinishReason.INTERRUPTED)
         with self._wake:
@@ -97,7 +97,7 @@ class EngineLoop:
                     return
                 current = list(self._inflight.items())
             events = []
-            with self.llm._lock:
+            with self.llm.step_lock:
                 if any(not stream.req.finished for _, (stream, _) in current):
                     self.llm.engine.step()  # a failed step finishes its requests with an error
                 for rid, (stream, on_event) in current:
