@@ -30,9 +30,11 @@ class Collector:
 
     def __init__(self) -> None:
         self.deltas: list[str] = []
+        self.tokens: list[int] = []
         self.done = queue.Queue()
 
-    def __call__(self, delta, done) -> None:
+    def __call__(self, delta, tokens, done) -> None:
+        self.tokens.append(tokens)
         if delta:
             self.deltas.append(delta)
         if done is not None:
@@ -59,6 +61,9 @@ def test_concurrent_callers_each_get_their_own_greedy_text(llm):
         done = [c.wait() for c in collectors]
         assert [d.text for d in done] == want
         assert ["".join(c.deltas) for c in collectors] == want  # streamed == whole
+        for c, d in zip(collectors, done):  # a call per step that gave tokens, counted
+            assert c.tokens == sorted(set(c.tokens)) and c.tokens[-1] == len(d.token_ids)
+            assert c.tokens[0] >= 1 and len(c.tokens) > 3
         assert all(d.finish_reason == "length" for d in done)
         assert loop.inflight == 0 and _kv_free(llm)
     finally:
@@ -71,8 +76,8 @@ def test_an_aborted_request_frees_its_kv_and_the_others_go_on(llm):
         first = threading.Event()
         leaving, staying = Collector(), Collector()
 
-        def on_leaving(delta, done):
-            leaving(delta, done)
+        def on_leaving(delta, tokens, done):
+            leaving(delta, tokens, done)
             first.set()
 
         # Far from its end whenever the abort lands (no EOS, 2000 tokens): it must be the
@@ -95,7 +100,7 @@ def test_a_failing_consumer_aborts_only_its_request(llm):
     try:
         calls = []
 
-        def broken(delta, done):
+        def broken(delta, tokens, done):
             calls.append(done)
             raise RuntimeError("consumer bug")
 

@@ -106,6 +106,13 @@ def _count(text: str, minimum: int, note: str = "") -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = _whole(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {value}")
+    return value
+
+
 def _positive(text: str) -> int:
     return _count(text, 1)
 
@@ -121,6 +128,13 @@ def _real(text: str) -> float:
         raise argparse.ArgumentTypeError(f"wants a number, got {text!r}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = _real(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
     return value
 
 
@@ -199,7 +213,7 @@ def spec_config_args(args: argparse.Namespace) -> dict:
     )
 
 
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
+def _add_model_flags(p: argparse.ArgumentParser, tp: bool = True) -> None:
     p.add_argument(
         "--model",
         default=None,
@@ -221,7 +235,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         help="auto: the checkpoint's (float32 on cpu) (default: %(default)s)",
     )
     _add_check_weights(p)
-    _add_tp_flag(p)
+    if tp:
+        _add_tp_flag(p)
 
 
 def _add_tp_flag(p: argparse.ArgumentParser) -> None:
@@ -281,6 +296,73 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """How the engine runs: generate's and serve's."""
+    p.add_argument(
+        "--runner",
+        choices=["eager", "graph"],
+        default=None,
+        help="default: graph where the device has a graph backend (cuda, npu, xpu), eager on "
+        "cpu (compiling costs more than it saves there)",
+    )
+    p.add_argument(
+        "--graph-backend",
+        default=None,
+        help="cuda: full | breakable; cpu: compile; npu, xpu: full "
+        "(default: the device's first, e.g. full on cuda); implies --runner graph",
+    )
+    p.add_argument(
+        "--graph-bs",
+        type=_size_list,
+        default=None,
+        help="batch sizes to capture, e.g. 1,2,4,8 (default: 1,2,4,8,12,...,256 capped)",
+    )
+    p.add_argument(
+        "--no-graph-padding",
+        dest="graph_padding",
+        action="store_false",
+        help="run only exactly captured batch sizes as graphs; others run eager",
+    )
+    p.add_argument(
+        "--max-graph-memory",
+        type=_positive,
+        default=None,
+        metavar="MIB",
+        help="graphs first needed after start-up (other speculative lengths, sampled verify) "
+        "are captured only while all graphs hold under this many MiB; a length left out "
+        "is not drafted (default: no cap)",
+    )
+    p.add_argument(
+        "--max-running-requests",
+        type=_positive,
+        default=32,
+        help="requests decoded together in one batch; graphs are captured up to this "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-context-len",
+        type=_positive,
+        default=None,
+        help="the longest request, prompt and output (default: the model's, bounded by the "
+        "KV pool; at most 4096 on the CPU)",
+    )
+    p.add_argument(
+        "--kv-pool-tokens",
+        type=_positive,
+        default=None,
+        help="KV slots (default: what --kv-memory-fraction of free memory holds; 1 GiB worth "
+        "on the CPU)",
+    )
+    p.add_argument(
+        "--kv-memory-fraction",
+        type=_fraction,
+        default=None,
+        help="the share of device memory free after loading the weights that the KV pool "
+        "takes, the graphs' logits buffers included (default: 0.85 on CUDA; the CPU "
+        "keeps 1 GiB)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="graphrt", description="Accelerator-agnostic LLM decoding runtime.")
     parser.add_argument("--version", action="version", version=f"graphrt {package_version()}")
@@ -310,40 +392,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens generated per prompt, fewer if EOS comes first (default: %(default)s)",
     )
     gen.add_argument(
-        "--runner",
-        choices=["eager", "graph"],
-        default=None,
-        help="default: graph where the device has a graph backend (cuda, npu, xpu), eager on "
-        "cpu (compiling costs more than it saves there)",
-    )
-    gen.add_argument(
-        "--graph-backend",
-        default=None,
-        help="cuda: full | breakable; cpu: compile; npu, xpu: full "
-        "(default: the device's first, e.g. full on cuda); implies --runner graph",
-    )
-    gen.add_argument(
-        "--graph-bs",
-        type=_size_list,
-        default=None,
-        help="batch sizes to capture, e.g. 1,2,4,8 (default: 1,2,4,8,12,...,256 capped)",
-    )
-    gen.add_argument(
-        "--no-graph-padding",
-        dest="graph_padding",
-        action="store_false",
-        help="run only exactly captured batch sizes as graphs; others run eager",
-    )
-    gen.add_argument(
-        "--max-graph-memory",
-        type=_positive,
-        default=None,
-        metavar="MIB",
-        help="graphs first needed after start-up (other speculative lengths, sampled verify) "
-        "are captured only while all graphs hold under this many MiB; a length left out "
-        "is not drafted (default: no cap)",
-    )
-    gen.add_argument(
         "--temperature", type=_temperature, default=0.0, help="0 = greedy (default: %(default)s)"
     )
     gen.add_argument(
@@ -364,35 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens"
     )
-    gen.add_argument(
-        "--max-running-requests",
-        type=_positive,
-        default=32,
-        help="requests decoded together in one batch; graphs are captured up to this "
-        "(default: %(default)s)",
-    )
-    gen.add_argument(
-        "--max-context-len",
-        type=_positive,
-        default=None,
-        help="the longest request, prompt and output (default: the model's, bounded by the "
-        "KV pool; at most 4096 on the CPU)",
-    )
-    gen.add_argument(
-        "--kv-pool-tokens",
-        type=_positive,
-        default=None,
-        help="KV slots (default: what --kv-memory-fraction of free memory holds; 1 GiB worth "
-        "on the CPU)",
-    )
-    gen.add_argument(
-        "--kv-memory-fraction",
-        type=_fraction,
-        default=None,
-        help="the share of device memory free after loading the weights that the KV pool "
-        "takes, the graphs' logits buffers included (default: 0.85 on CUDA; the CPU "
-        "keeps 1 GiB)",
-    )
+    _add_engine_flags(gen)
     _add_spec_flags(gen)
     gen.add_argument(
         "--no-draft",
@@ -400,6 +420,53 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode without speculative drafting, also with the embedded model",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE "
+        "streaming), /v1/models, /health, /metrics",
+    )
+    _add_model_flags(serve, tp=False)
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--port", type=_port, default=8000, help="0: any free port (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: the checkpoint directory's name, "
+        "gemma4-code for the embedded pair)",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C: stop admitting, let requests in flight finish for this "
+        "long, then abort the rest (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--seed",
+        type=_whole,
+        default=0,
+        help="sampled requests without a `seed` of their own draw from streams derived from "
+        "this (default: %(default)s)",
+    )
+    _add_engine_flags(serve)
+    _add_spec_flags(serve)
+    serve.add_argument(
+        "--no-draft",
+        action="store_true",
+        help="decode without speculative drafting, also with the embedded model",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug"],
+        default="warning",
+        help="uvicorn's log level; info logs every HTTP request (default: %(default)s)",
+    )
 
     bench = sub.add_parser(
         "bench", help="decode step latency per batch size: eager, graph, transformers"

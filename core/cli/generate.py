@@ -13,12 +13,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 from graphrt import devices
+from graphrt.core.cli import build
 from graphrt.core.cli.args import check_environment, spec_config_args
-from graphrt.core.engine import Engine, EngineConfig, SamplingParams
-from graphrt.core.errors import CheckpointError, GraphrtError, RequestError, UsageError
+from graphrt.core.engine import Engine, SamplingParams
+from graphrt.core.errors import CheckpointError, GraphrtError, RequestError
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
-from graphrt.core.parallel.launch import check_runner, default_runner, is_output_rank, join
+from graphrt.core.parallel.launch import is_output_rank, join
 from graphrt.core.text import load_tokenizer
 from graphrt.spec import MTPDecoding, SpecConfig
 
@@ -129,35 +130,15 @@ def _raise_failures(reqs, stopped: KeyboardInterrupt | None = None) -> None:
         )
 
 
-def _model_and_draft(args: argparse.Namespace) -> tuple[str, str | None]:
-    """--model and --draft as given, the embedded pair where --model is not."""
-    from graphrt.core import pretrained
-
-    if args.no_draft and args.draft is not None:
-        raise UsageError("--draft and --no-draft contradict each other; pass one")
-    model, draft = args.model, args.draft
-    if model is None:
-        model = str(pretrained.TARGET_DIR)
-        if draft is None and not args.no_draft:
-            draft = str(pretrained.ASSISTANT_DIR)
-    return model, draft
-
-
 def run_generate(args: argparse.Namespace) -> int:
-    args.model, args.draft = _model_and_draft(args)
+    args.model, args.draft = build.model_and_draft(args)
     device = devices.current(args.device)
     check_environment(device)
     tp = join(args.tp, device)  # the group of one unless this is a rank of a --tp job
     spec_config = None
     if args.draft is not None:
         spec_config = SpecConfig(**spec_config_args(args))
-    # --graph-backend asks for graphs: it implies --runner graph where the runner is unset.
-    runner = args.runner or ("graph" if args.graph_backend else default_runner(device, tp))
-    check_runner(device, runner, tp)
-    if runner == "graph":
-        device.create_graph_backend(
-            args.graph_backend
-        )  # a bad --graph-backend fails before loading
+    runner = build.runner(args, device, tp)
     # auto: the checkpoint's dtype on accelerators, float32 where the device prefers it (cpu).
     dtype = None if args.dtype == "auto" else parse_dtype(args.dtype)
     params = SamplingParams(
@@ -181,21 +162,8 @@ def run_generate(args: argparse.Namespace) -> int:
             )
     tokenizer = _output_tokenizer(loaded.tokenizer_path, args.prompts or [])
     prompts = _encode_prompts(args.prompts, tokenizer)
-    config = EngineConfig(
-        max_running_requests=args.max_running_requests,
-        max_context_len=args.max_context_len,
-        kv_pool_tokens=args.kv_pool_tokens,
-        kv_memory_fraction=args.kv_memory_fraction,
-        seed=args.seed,
-        runner=runner,
-        graph_backend=args.graph_backend,
-        graph_buckets=args.graph_bs,
-        graph_padding=args.graph_padding,
-        max_graph_memory_bytes=None
-        if args.max_graph_memory is None
-        else args.max_graph_memory << 20,
-        graph_max_batch=len(prompts),  # N prompts: no batch above N, no graph for one
-    )
+    # N prompts: no batch above N, no graph for one
+    config = build.engine_config(args, runner, graph_max_batch=len(prompts))
     strategy = MTPDecoding(drafter, spec_config) if drafter is not None else None
     # With graphs this is the capture (a lazy backend compiles later, inside the steps: the
     # summary line reports that time apart).

@@ -105,6 +105,10 @@ def _run_command(args, rank: str) -> int:
             from graphrt.core.cli.bench import run_bench
 
             return run_bench(args)
+        if args.command == "serve":
+            from graphrt.core.cli.serve import run_serve
+
+            return run_serve(args)
         if args.command == "info":
             from graphrt.core.cli.info import run_info
 

@@ -163,7 +163,8 @@ class LLM:
     pair; ``draft``: an assistant checkpoint to draft with (the embedded pair drafts with
     its own unless ``draft=False``); ``spec``: its ``SpecConfig`` (default: auto draft
     lengths); ``device``: a device name (default: the best one here); ``config``: the
-    ``EngineConfig``. Safe to use from several threads: their requests share steps."""
+    ``EngineConfig``; ``batch_invariant`` and ``check_weights``: the CLI's flags of those
+    names. Safe to use from several threads: their requests share steps."""
 
     def __init__(
         self,
@@ -174,6 +175,8 @@ class LLM:
         dtype=None,
         spec=None,
         config: EngineConfig | None = None,
+        batch_invariant: bool = False,
+        check_weights: bool | None = None,
     ) -> None:
         from graphrt.core import pretrained
         from graphrt.core.cli.args import AUTO_SPEC_STEPS  # the CLI's auto, the same rounds
@@ -186,10 +189,16 @@ class LLM:
         if draft is True:
             raise UsageError("LLM: draft=True needs the default model; name the assistant")
         self.device = devices.current(device)
-        self.loaded = load_model(str(model), self.device, dtype)
+        self.loaded = load_model(
+            str(model), self.device, dtype, check_finite=check_weights,
+            batch_invariant=batch_invariant,
+        )  # fmt: skip
         strategy = None
         if draft:
-            drafter = load_model(str(draft), self.device, dtype or self.loaded.dtype)
+            # The target's dtype, whatever the assistant was saved in (they share KV).
+            drafter = load_model(
+                str(draft), self.device, dtype or self.loaded.dtype, check_finite=check_weights
+            )
             spec = spec or SpecConfig(num_steps=AUTO_SPEC_STEPS, adaptive=True)
             strategy = MTPDecoding(drafter, spec)
         self.tokenizer = load_tokenizer(self.loaded.tokenizer_path)

@@ -21,9 +21,11 @@ from graphrt.core.serve.llm import LLM, Completion, TextParams, TextStream
 
 log = logging.getLogger(__name__)
 
-# on_event(delta, done): the text a step added ("" if none), and the completion once the
-# request has finished (then it is the last call).
-OnEvent = Callable[[str, Completion | None], None]
+# on_event(delta, tokens, done): the text a step added ("" if none: the detokeniser or a
+# possible stop string may hold it back), the tokens generated so far, and the completion
+# once the request has finished (then it is the last call). Called after every step that
+# gave the request tokens or text, so a server can time its first token.
+OnEvent = Callable[[str, int, Completion | None], None]
 
 
 class Draining(GraphrtError):
@@ -34,7 +36,9 @@ class EngineLoop:
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
         self._wake = threading.Condition()
-        self._inflight: dict[int, tuple[TextStream, OnEvent]] = {}  # by request id
+        # request id -> its stream, its callback, the tokens it was last called with
+        self._inflight: dict[int, tuple[TextStream, OnEvent]] = {}
+        self._told: dict[int, int] = {}
         self._admitting = True
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="graphrt-engine-loop", daemon=True)
@@ -44,6 +48,12 @@ class EngineLoop:
     def inflight(self) -> int:
         with self._wake:
             return len(self._inflight)
+
+    @property
+    def admitting(self) -> bool:
+        """False once ``drain`` or ``close`` began."""
+        with self._wake:
+            return self._admitting
 
     def submit(self, prompt: str | Sequence[int], params: TextParams, on_event: OnEvent) -> Request:
         """Queue ``prompt``; its text arrives through ``on_event``. Raises ``Draining``
@@ -55,6 +65,7 @@ class EngineLoop:
             with self.llm.step_lock:
                 (stream,) = self.llm.start([prompt], params)
             self._inflight[stream.req.rid] = (stream, on_event)
+            self._told[stream.req.rid] = 0
             self._wake.notify()
         return stream.req
 
@@ -105,15 +116,19 @@ class EngineLoop:
                     delta = "".join(stream.deltas)
                     stream.deltas.clear()
                     done = stream.completion() if stream.req.finished else None
-                    events.append((rid, stream, on_event, delta, done))
-            for rid, stream, on_event, delta, done in events:
+                    tokens = len(stream.req.output_ids)
+                    events.append((rid, stream, on_event, delta, tokens, done))
+            for rid, stream, on_event, delta, tokens, done in events:
+                told = self._told[rid]
                 if done is not None:
                     with self._wake:
-                        del self._inflight[rid]
+                        del self._inflight[rid], self._told[rid]
                         self._wake.notify_all()  # drain() waits on this
-                if delta or done is not None:
+                else:
+                    self._told[rid] = tokens
+                if delta or tokens != told or done is not None:
                     try:
-                        on_event(delta, done)
+                        on_event(delta, tokens, done)
                     except Exception:  # noqa: BLE001 (a consumer's bug must not stop the loop)
                         log.exception("request %d: its consumer failed; aborting it", rid)
                         self.abort(stream.req)
