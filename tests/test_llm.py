@@ -130,3 +130,15 @@ def test_a_bad_prompt_queues_nothing(llm):
     with pytest.raises(RequestError, match="a prompt is text or a list of token ids"):
         llm.generate(["fine", [1, "two"]])
     assert not llm.engine.has_work and _kv_free(llm)
+
+
+def test_a_model_without_a_tokenizer_takes_and_gives_token_ids():
+    """The random presets have no tokenizer.json: prompts are ids, completions carry
+    tokens and no text, and text where text is needed is a one-line RequestError."""
+    llm = LLM("random:llama-tiny", device="cpu")
+    (c,) = llm.generate([[1, 2, 3]], TextParams(max_tokens=5, ignore_eos=True))
+    assert len(c.token_ids) == 5 and c.text == "" and c.prompt_tokens == 3
+    with pytest.raises(RequestError, match="no tokenizer.json: prompts must be token ids"):
+        llm.generate(["text"], TextParams(max_tokens=5))
+    with pytest.raises(RequestError, match="stop strings need text"):
+        llm.generate([[1, 2]], TextParams(max_tokens=5, stop=["x"]))

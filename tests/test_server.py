@@ -152,6 +152,13 @@ def test_completions_and_chat_whole_and_streamed_equal_offline_generate(client, 
     assert _streamed(chunks[:-1]) == (chat_want.text, "length")
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
     assert [m.id for m in client.models.list()] == [MODEL]
+    # vLLM's return_token_ids: each chunk's new tokens, every token once, in order.
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stream=True,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    streamed_ids = [t for chunk in stream for c in chunk.choices for t in c.token_ids or ()]
+    assert streamed_ids == want[0].token_ids
 
 
 def test_a_stop_string_ends_the_text_before_it(client, offline):

@@ -66,11 +66,11 @@ def build_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics) -> Fast
         ids = api.ResponseIds(chat, model_name)
         if parsed.stream:
             return StreamingResponse(
-                _sse(_stream(loop, jobs, ids, parsed.include_usage)),
+                _sse(_stream(loop, jobs, ids, parsed)),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return await _whole(loop, jobs, ids, request)
+        return await _whole(loop, jobs, ids, request, parsed)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -111,11 +111,12 @@ class _Job:
         self.index, self.events, self.aio, self.timer = index, events, aio, timer
         self.req: EngineRequest | None = None
 
-    def __call__(self, delta: str, tokens: int, done: Completion | None) -> None:
+    def __call__(self, delta: str, new_ids: list[int], done: Completion | None) -> None:
         # On the engine loop thread. If the event loop has closed (the server is going
         # down), this raises and the engine loop aborts the request.
-        self.timer.update(tokens, done)
-        self.aio.call_soon_threadsafe(self.events.put_nowait, (self.index, delta, done))
+        self.timer.update(len(new_ids), done)
+        event = (self.index, delta, new_ids, done)
+        self.aio.call_soon_threadsafe(self.events.put_nowait, event)
 
 
 def _submit(loop: EngineLoop, parsed: api.ParsedRequest, aio, metrics, arrived) -> list[_Job]:
@@ -154,9 +155,10 @@ def _abort_all(loop: EngineLoop, reqs: list[EngineRequest]) -> None:
 
 
 async def _stream(
-    loop: EngineLoop, jobs: list[_Job], ids: api.ResponseIds, include_usage: bool
+    loop: EngineLoop, jobs: list[_Job], ids: api.ResponseIds, parsed: api.ParsedRequest
 ) -> AsyncIterator[dict]:
-    """The chunks of a streamed answer, as steps finish."""
+    """The chunks of a streamed answer, as steps finish (with ``return_token_ids``, a
+    chunk for every step that gave tokens, text or not)."""
     events = jobs[0].events
     done: dict[int, Completion] = {}
     try:
@@ -164,15 +166,17 @@ async def _stream(
             for job in jobs:
                 yield api.chunk(ids, job.index, None)
         while len(done) < len(jobs):
-            index, delta, completion = await events.get()
-            if delta:
-                yield api.chunk(ids, index, delta)
+            index, delta, new_ids, completion = await events.get()
+            token_ids = new_ids if parsed.return_token_ids else None
+            if delta or token_ids:
+                yield api.chunk(ids, index, delta, token_ids=token_ids)
             if completion is not None:
                 done[index] = completion
                 if completion.error is not None:
                     yield api.error_body(completion.error, "internal_error")
-                yield api.chunk(ids, index, "", completion.finish_reason)
-        if include_usage:
+                finish_ids = [] if parsed.return_token_ids else None
+                yield api.chunk(ids, index, "", completion.finish_reason, finish_ids)
+        if parsed.include_usage:
             yield api.usage_chunk(ids, [done[i] for i in range(len(jobs))])
     finally:  # the client left, or the stream ended: nothing may keep running
         _abort_unfinished(loop, jobs)
@@ -185,7 +189,11 @@ async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
 
 
 async def _whole(
-    loop: EngineLoop, jobs: list[_Job], ids: api.ResponseIds, request: Request
+    loop: EngineLoop,
+    jobs: list[_Job],
+    ids: api.ResponseIds,
+    request: Request,
+    parsed: api.ParsedRequest,
 ) -> Response:
     """A whole answer once every prompt has finished; a client that left meanwhile
     aborts its requests."""
@@ -198,7 +206,7 @@ async def _whole(
             # Events come every step, so the client's check goes by the clock, not by a
             # quiet queue.
             try:
-                index, _, completion = await asyncio.wait_for(
+                index, _, _, completion = await asyncio.wait_for(
                     events.get(), max(0.0, check_at - clock())
                 )
                 if completion is not None:
@@ -216,4 +224,4 @@ async def _whole(
     if failed:
         body = api.error_body(f"generation failed: {failed[0].error}", "internal_error")
         return JSONResponse(body, status_code=500)
-    return JSONResponse(api.whole_response(ids, completions))
+    return JSONResponse(api.whole_response(ids, completions, parsed.return_token_ids))

@@ -24,7 +24,7 @@ from pathlib import Path
 from graphrt import devices
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.engine.request import FinishReason, Request
-from graphrt.core.errors import CheckpointError, RequestError, UsageError
+from graphrt.core.errors import RequestError, UsageError
 from graphrt.core.text import IncrementalDetokenizer, load_tokenizer
 
 
@@ -79,11 +79,12 @@ class Completion:
 
 @dataclass
 class TextStream:
-    """A request on its way to text: its detokeniser and the stop checks."""
+    """A request on its way to text: its detokeniser (None for a model without a
+    tokenizer: tokens only, no text) and the stop checks."""
 
     req: Request
     params: TextParams
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None
     text: str = ""  # everything handed out so far
     held: str = ""  # text that may be the start of a stop string: not handed out yet
     seen: int = 0  # output tokens turned into text
@@ -95,7 +96,8 @@ class TextStream:
         new = self.req.output_ids[self.seen :]
         stop_token = False
         for i, token in enumerate(new):
-            self._add(self.detok.push([token]))
+            if self.detok is not None:
+                self._add(self.detok.push([token]))
             stop_token = token in self.params.stop_token_ids
             if self.stopped or stop_token:
                 # Tokens after a stop are dropped: a round may emit several at once.
@@ -105,7 +107,8 @@ class TextStream:
         if self.req.finished or stop_token:
             # The end without a stop string: what the detokeniser and the stop-string
             # check held back is text (a stop token's own text included).
-            self._add(self.detok.flush())
+            if self.detok is not None:
+                self._add(self.detok.flush())
             if not self.stopped:
                 self._release_held()
         if self.stopped or stop_token:
@@ -201,20 +204,22 @@ class LLM:
             )
             spec = spec or SpecConfig(num_steps=AUTO_SPEC_STEPS, adaptive=True)
             strategy = MTPDecoding(drafter, spec)
+        # None for a checkpoint without tokenizer.json (the random presets): prompts are
+        # then token ids, and completions carry tokens and no text.
         self.tokenizer = load_tokenizer(self.loaded.tokenizer_path)
-        if self.tokenizer is None:
-            raise CheckpointError(f"{model} has no tokenizer.json: LLM needs text (use Engine)")
         self.chat_template = _chat_template(self.loaded.tokenizer_path)
         self.engine = Engine(self.loaded, config or EngineConfig(), self.device, strategy)
         # Held while stepping the engine or touching a request's tokens: one thread steps
         # at a time, and every request in the engine shares that step (EngineLoop too).
-        self.step_lock = threading.Lock()
+        self.step_lock = FairLock()
 
     # ---- text ------------------------------------------------------------------------
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a text prompt (token ids pass through)."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer.json: prompts must be token ids")
             return self.tokenizer.encode(prompt).ids
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise RequestError(f"a prompt is text or a list of token ids, got {prompt!r:.60}")
@@ -271,9 +276,14 @@ class LLM:
         streams, which ``TextStream.advance`` turns into text after each step."""
         if not isinstance(params, TextParams):
             raise UsageError(f"params must be a TextParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need text: this model has no tokenizer.json")
         ids = [self.encode(p) for p in prompts]
         reqs = self.engine.add_requests(ids, params.sampling())  # all checked, then queued
-        return [TextStream(r, params, IncrementalDetokenizer(self.tokenizer)) for r in reqs]
+        return [TextStream(r, params, self._detokenizer()) for r in reqs]
+
+    def _detokenizer(self) -> IncrementalDetokenizer | None:
+        return None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
 
     def _run(self, streams: list[TextStream], steps: int | None = None) -> None:
         """Step the engine until ``streams`` finish (or ``steps`` steps), their text and
@@ -294,6 +304,31 @@ class LLM:
                 if not s.req.finished:
                     self.engine.abort(s.req, FinishReason.INTERRUPTED)
             raise
+
+
+class FairLock:
+    """A lock taken in the order it was asked for.
+
+    HAZARD: with ``threading.Lock`` a thread that steps the engine back to back (the
+    engine loop) takes the lock again before a waiting thread wakes: an abort or a new
+    request waited seconds behind a busy loop (measured: 4-10 s on the CPU). Here each
+    ``with`` draws a ticket, and the lock goes to tickets in order."""
+
+    def __init__(self) -> None:
+        self._turn = threading.Condition()
+        self._next = 0  # the next ticket to hand out
+        self._serving = 0  # the ticket that holds the lock
+
+    def __enter__(self) -> None:
+        with self._turn:
+            ticket, self._next = self._next, self._next + 1
+            while ticket != self._serving:
+                self._turn.wait()
+
+    def __exit__(self, *exc) -> None:
+        with self._turn:
+            self._serving += 1
+            self._turn.notify_all()
 
 
 def _chat_template(tokenizer_path: Path | None):

@@ -21,11 +21,11 @@ from graphrt.core.serve.llm import LLM, Completion, TextParams, TextStream
 
 log = logging.getLogger(__name__)
 
-# on_event(delta, tokens, done): the text a step added ("" if none: the detokeniser or a
-# possible stop string may hold it back), the tokens generated so far, and the completion
-# once the request has finished (then it is the last call). Called after every step that
-# gave the request tokens or text, so a server can time its first token.
-OnEvent = Callable[[str, int, Completion | None], None]
+# on_event(delta, new_ids, done): the text a step added ("" if none: the detokeniser or a
+# possible stop string may hold it back), the tokens it added, and the completion once
+# the request has finished (then it is the last call). Called after every step that gave
+# the request tokens or text, so a server can time its first token.
+OnEvent = Callable[[str, list[int], Completion | None], None]
 
 
 class Draining(GraphrtError):
@@ -36,9 +36,8 @@ class EngineLoop:
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
         self._wake = threading.Condition()
-        # request id -> its stream, its callback, the tokens it was last called with
-        self._inflight: dict[int, tuple[TextStream, OnEvent]] = {}
-        self._told: dict[int, int] = {}
+        self._inflight: dict[int, tuple[TextStream, OnEvent]] = {}  # by request id
+        self._told: dict[int, int] = {}  # request id -> the tokens handed out so far
         self._admitting = True
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="graphrt-engine-loop", daemon=True)
@@ -116,19 +115,17 @@ class EngineLoop:
                     delta = "".join(stream.deltas)
                     stream.deltas.clear()
                     done = stream.completion() if stream.req.finished else None
-                    tokens = len(stream.req.output_ids)
-                    events.append((rid, stream, on_event, delta, tokens, done))
-            for rid, stream, on_event, delta, tokens, done in events:
-                told = self._told[rid]
+                    new_ids = stream.req.output_ids[self._told[rid] :]
+                    self._told[rid] += len(new_ids)
+                    events.append((rid, stream, on_event, delta, new_ids, done))
+            for rid, stream, on_event, delta, new_ids, done in events:
                 if done is not None:
                     with self._wake:
                         del self._inflight[rid], self._told[rid]
                         self._wake.notify_all()  # drain() waits on this
-                else:
-                    self._told[rid] = tokens
-                if delta or tokens != told or done is not None:
+                if delta or new_ids or done is not None:
                     try:
-                        on_event(delta, tokens, done)
+                        on_event(delta, new_ids, done)
                     except Exception:  # noqa: BLE001 (a consumer's bug must not stop the loop)
                         log.exception("request %d: its consumer failed; aborting it", rid)
                         self.abort(stream.req)

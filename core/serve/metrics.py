@@ -92,10 +92,9 @@ class RequestTimer:
     def admitted(self, prompt_tokens: int) -> None:
         self.m.prompt_tokens.labels(self.m.model_name).inc(prompt_tokens)
 
-    def update(self, tokens: int, done: Completion | None) -> None:
-        """After a step: ``tokens`` generated so far; ``done`` once it has finished."""
+    def update(self, new: int, done: Completion | None) -> None:
+        """After a step: ``new`` tokens it generated; ``done`` once it has finished."""
         now, name = time.perf_counter(), self.m.model_name
-        new = tokens - self.tokens
         if new > 0:
             if self.tokens == 0:  # a first round's further tokens: no gap of their own
                 self.m.ttft.labels(name).observe(now - self.arrived)
@@ -103,7 +102,7 @@ class RequestTimer:
                 for _ in range(new):
                     self.m.itl.labels(name).observe((now - self.last) / new)
             self.m.generation_tokens.labels(name).inc(new)
-            self.tokens, self.last = tokens, now
+            self.tokens, self.last = self.tokens + new, now
         if done is not None:
             self.m.e2e.labels(name).observe(now - self.arrived)
             self.m.request_success.labels(name, done.finish_reason).inc()

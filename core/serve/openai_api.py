@@ -7,7 +7,9 @@ OpenAI's error JSON. Responses and stream chunks are built here too, so the stre
 the whole answer cannot drift apart.
 
 Supported beside OpenAI's fields, as vLLM does: ``top_k``, ``ignore_eos``,
-``stop_token_ids``. Refused (400): ``n`` > 1, ``best_of`` > 1, ``echo``, ``logprobs``,
+``stop_token_ids``, and ``return_token_ids`` (each choice and chunk carries its token
+ids: the way to read a model without a tokenizer, whose prompts are token ids and whose
+text is empty). Refused (400): ``n`` > 1, ``best_of`` > 1, ``echo``, ``logprobs``,
 ``suffix``, ``logit_bias``, nonzero penalties, tools.
 """
 
@@ -49,6 +51,7 @@ class ParsedRequest:
     params: TextParams
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    return_token_ids: bool  # vLLM's: token ids in every choice and chunk
 
 
 def parse_request(body, chat: bool, served_model: str, render_chat) -> ParsedRequest:
@@ -120,6 +123,7 @@ def parse_request(body, chat: bool, served_model: str, render_chat) -> ParsedReq
         params=params,
         stream=_get(body, "stream", bool, False),
         include_usage=_get(options, "include_usage", bool, False),
+        return_token_ids=_get(body, "return_token_ids", bool, False),
     )
 
 
@@ -206,7 +210,7 @@ def usage(completions: list[Completion]) -> dict:
     }
 
 
-def whole_response(ids: ResponseIds, completions: list[Completion]) -> dict:
+def whole_response(ids: ResponseIds, completions: list[Completion], token_ids: bool) -> dict:
     choices = []
     for i, c in enumerate(completions):
         choice = {"index": i, "logprobs": None, "finish_reason": FINISH_REASONS[c.finish_reason]}
@@ -214,13 +218,22 @@ def whole_response(ids: ResponseIds, completions: list[Completion]) -> dict:
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
             choice["text"] = c.text
+        if token_ids:
+            choice["token_ids"] = c.token_ids
         choices.append(choice)
     return {**ids.head(chunk=False), "choices": choices, "usage": usage(completions)}
 
 
-def chunk(ids: ResponseIds, index: int, text: str | None, finish: str | None = None) -> dict:
-    """One stream chunk for choice ``index``: its new text, or (chat, ``text`` None) the
-    first chunk, which names the assistant's role; ``finish``: graphrt's finish reason."""
+def chunk(
+    ids: ResponseIds,
+    index: int,
+    text: str | None,
+    finish: str | None = None,
+    token_ids: list[int] | None = None,
+) -> dict:
+    """One stream chunk for choice ``index``: its new text (and, asked for, its new token
+    ids), or (chat, ``text`` None) the first chunk, which names the assistant's role;
+    ``finish``: graphrt's finish reason."""
     choice: dict = {"index": index, "logprobs": None}
     if ids.chat:
         choice["delta"] = {"role": "assistant", "content": ""} if text is None else {}
@@ -228,6 +241,8 @@ def chunk(ids: ResponseIds, index: int, text: str | None, finish: str | None = N
             choice["delta"]["content"] = text
     else:
         choice["text"] = text or ""
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     choice["finish_reason"] = FINISH_REASONS[finish] if finish is not None else None
     return {**ids.head(chunk=True), "choices": [choice]}
 
