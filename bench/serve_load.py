@@ -187,6 +187,13 @@ def main() -> int:
         action="store_true",
         help="windows of the embedded pair's held-out code instead of random ids",
     )
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=4096,
+        help="random prompt ids are below this (4096: the embedded pair's vocabulary, within "
+        "every preset's but llama-tiny's 512)",
+    )
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(own)
@@ -194,8 +201,7 @@ def main() -> int:
     try:
         (model_info,) = json.load(urllib.request.urlopen(f"{url}/v1/models", timeout=60))["data"]
         model = model_info["id"]
-        # Random ids below 4096: every preset's and the embedded pair's vocabulary.
-        make = prompt_maker(code_tokens() if args.code_prompts else None, vocab=4096)
+        make = prompt_maker(code_tokens() if args.code_prompts else None, args.vocab)
         # Warm-up: the first requests compile kernels and tune; not measured.
         warm = min(8, max(args.clients))
         asyncio.run(load(url, model, warm, 16, args.prompt_lens, [16], make, 99))
