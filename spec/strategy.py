@@ -262,6 +262,10 @@ class MTPDecoding(DecodeStrategy):
         self._later = [r for r in self._later if r not in now]
         return now
 
+    def deferred_captures(self) -> Sequence[GraphRunner]:
+        later, self._later = self._later, []
+        return later
+
     def refuse_capture(self, runner: GraphRunner) -> None:
         # With auto lengths, the lengths needing it are not chosen again (for that kind of
         # batch); a fixed length's round, or a plain step, runs that piece eagerly.

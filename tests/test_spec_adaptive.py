@@ -155,6 +155,29 @@ def test_greedy_output_is_plain_decodings_whatever_mix_of_lengths_and_plain_step
 
 
 @pytest.mark.graphs
+def test_capture_all_graphs_captures_every_length_at_start_up(gemma4_tiny, gemma4_assistant):
+    """A server's engine (capture_all_graphs): every length's draft loop and both verify
+    graphs are captured before the first step, and no step captures while running."""
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    prompts = random_prompts((5, 11, 7), seed=31, vocab=target.model.vocab_size)
+    plain = cpu_engine(target, max_context_len=64).generate(prompts, GREEDY)
+    strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
+    strategy.chooser = cycling_chooser(3, (3, 1, 0, 2, 2, 3, 0, 1))
+    engine = cpu_engine(
+        target, strategy, standin_device(), runner="graph", max_context_len=64,
+        graph_buckets=(1, 2, 4), capture_all_graphs=True,
+    )  # fmt: skip
+    for variant in strategy.variants.values():
+        for runner in (variant.draft, variant.verify, variant.sampled_verify):
+            assert runner.captured_sizes == [1, 2, 4]
+    reqs = engine.generate(prompts, GREEDY)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+    assert sorted(engine.stats.rounds_by_steps) == [1, 2, 3]
+    assert engine.stats.lazy_capture_s == 0 and engine.stats.graph_rounds > 0
+
+
+@pytest.mark.graphs
 def test_graph_memory_cap_leaves_lengths_uncaptured_and_never_drafts_them(
     gemma4_tiny, gemma4_assistant, monkeypatch
 ):

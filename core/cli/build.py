@@ -36,9 +36,10 @@ def runner(args: argparse.Namespace, device, tp) -> str:
 
 
 def engine_config(
-    args: argparse.Namespace, runner: str, graph_max_batch: int | None
+    args: argparse.Namespace, runner: str, graph_max_batch: int | None, capture_all: bool = False
 ) -> EngineConfig:
     return EngineConfig(
+        capture_all_graphs=capture_all,
         max_running_requests=args.max_running_requests,
         max_context_len=args.max_context_len,
         kv_pool_tokens=args.kv_pool_tokens,

@@ -1,6 +1,6 @@
 """`graphrt serve`: an OpenAI-compatible server over one engine (graphrt.core.serve.app).
 
-Start-up: the listening socket first (a port in use costs no model load), then the
+Start-up: the listening socket first (a port in use costs no torch import), then the
 model, the drafter and the engine's graphs, then one line on stderr with the address.
 SIGTERM or Ctrl-C drains: the socket closes, new requests get 503, requests in flight
 finish within --drain-timeout and are aborted after it, then the process exits 0. A
@@ -16,11 +16,8 @@ import time
 from pathlib import Path
 
 from graphrt import devices
-from graphrt.core.cli import build
 from graphrt.core.cli.args import check_environment, spec_config_args
 from graphrt.core.errors import UsageError
-from graphrt.core.models.config import parse_dtype
-from graphrt.core.parallel.group import SINGLE
 
 EMBEDDED_NAME = "gemma4-code"  # the embedded pair's name in the API
 
@@ -49,6 +46,11 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def run_serve(args: argparse.Namespace) -> int:
     uvicorn = _server_modules()
+    # The socket before torch is imported: a port in use costs a second, not a start-up.
+    sock = _listen(args.host, args.port)
+    from graphrt.core.cli import build
+    from graphrt.core.models.config import parse_dtype
+    from graphrt.core.parallel.group import SINGLE
     from graphrt.core.serve import LLM, EngineLoop
     from graphrt.core.serve.app import build_app
     from graphrt.core.serve.metrics import ServerMetrics
@@ -60,7 +62,6 @@ def run_serve(args: argparse.Namespace) -> int:
     device = devices.current(args.device)
     check_environment(device)
     runner = build.runner(args, device, SINGLE)
-    sock = _listen(args.host, args.port)
     start = time.perf_counter()
     llm = LLM(
         model,
@@ -68,7 +69,8 @@ def run_serve(args: argparse.Namespace) -> int:
         device=device.name,
         dtype=None if args.dtype == "auto" else parse_dtype(args.dtype),
         spec=SpecConfig(**spec_config_args(args)) if draft else None,
-        config=build.engine_config(args, runner, graph_max_batch=None),
+        # Every graph at start-up: a capture while serving would stall every stream.
+        config=build.engine_config(args, runner, graph_max_batch=None, capture_all=True),
         batch_invariant=args.batch_invariant,
         check_weights=args.check_weights,
     )

@@ -74,6 +74,10 @@ class EngineConfig:
     # refused is not drafted (a plain step, or the lengths captured, serve instead).
     # None: no cap (a capture that runs out of memory is dropped, as at start-up).
     max_graph_memory_bytes: int | None = None
+    # Capture every graph the strategy may need at start-up (every speculative length,
+    # the sampled verify), not when a step first needs it: start-up takes longer, and no
+    # step stalls on a capture (a server: `graphrt serve`). Still under the memory cap.
+    capture_all_graphs: bool = False
 
     def __post_init__(self):
         sizes = ("max_running_requests", "max_prefill_tokens")
@@ -98,8 +102,9 @@ class EngineConfig:
             isinstance(buckets, (tuple, list)) and all(map(is_int, buckets))
         ):
             raise UsageError(f"graph_buckets must be a list of integers, got {buckets!r}")
-        if not isinstance(self.graph_padding, bool):
-            raise UsageError(f"graph_padding must be True or False, got {self.graph_padding!r}")
+        for name in ("graph_padding", "capture_all_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.runner not in (None, *RUNNERS):
             raise UsageError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
 
@@ -306,6 +311,13 @@ class Engine:
         )
         for graphs in self.strategy.setup(self.ctx):
             self._capture(graphs)
+        if cfg.capture_all_graphs:
+            for graphs in self.strategy.deferred_captures():
+                if self._over_graph_cap():
+                    self.strategy.refuse_capture(graphs)
+                    self.stats.refused_captures += 1
+                else:
+                    self._capture(graphs)
 
     @property
     def req_pool(self) -> ReqToTokenPool:

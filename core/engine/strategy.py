@@ -121,6 +121,11 @@ class DecodeStrategy(abc.ABC):
         most engines never use): the engine captures them, then calls ``decode``."""
         return ()
 
+    def deferred_captures(self) -> Sequence[GraphRunner]:
+        """Every runner start-up left for ``captures_before`` to hand out, handed out now
+        (a server captures them all at start-up: no capture stalls mid-traffic)."""
+        return ()
+
     def refuse_capture(self, runner: GraphRunner) -> None:
         """``runner`` (from ``captures_before``) will not be captured (the graph memory
         cap): plan without it. Steps it would have served run eagerly unless the strategy
