@@ -39,11 +39,12 @@ runners=${2:-eager,graph,hf}
 topks=${3:-1,3}
 export PYTHONUNBUFFERED=1
 
-# graphrt from this working tree without pip (the machine has no registry):
-# graphrt is a namespace package, so symlinks to core/, devices/, spec/ do.
+# graphrt from this working tree without pip (the machine has no registry): symlinks to
+# core/, devices/, spec/ and graphrt's own __init__.py (core/package_root/) do.
 site=$(mktemp -d)
 mkdir -p "$site/graphrt"
 for p in core devices spec; do ln -s "$PWD/$p" "$site/graphrt/$p"; done
+ln -s "$PWD/core/package_root/__init__.py" "$site/graphrt/__init__.py"  # graphrt.LLM
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 graphrt() { python -m graphrt.core.cli.main "$@"; }
 

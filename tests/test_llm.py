@@ -142,3 +142,12 @@ def test_a_model_without_a_tokenizer_takes_and_gives_token_ids():
         llm.generate(["text"], TextParams(max_tokens=5))
     with pytest.raises(RequestError, match="stop strings need text"):
         llm.generate([[1, 2]], TextParams(max_tokens=5, stop=["x"]))
+
+
+def test_graphrt_itself_exports_the_text_api_lazily():
+    import graphrt
+
+    assert graphrt.LLM is LLM and graphrt.TextParams is TextParams
+    assert "LLM" in dir(graphrt) and "Engine" in graphrt.__all__
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        graphrt.Nope  # noqa: B018

@@ -1,4 +1,5 @@
-"""Packaging: core/, devices/, spec/ install as graphrt.core, graphrt.devices, graphrt.spec.
+"""Packaging: core/, devices/, spec/ install as graphrt.core, graphrt.devices, graphrt.spec,
+and core/package_root/__init__.py as graphrt/__init__.py (graphrt.LLM, loaded lazily).
 
 A subpackage missing from pyproject's explicit `packages` list is silently left
 out of the wheel, and a generic top-level name (`core`) in site-packages would
@@ -19,6 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP_DIRS = ("core", "devices", "spec")
+PACKAGE_ROOT = Path("core", "package_root")  # installed as the graphrt package itself
 ENTRY_POINT = "graphrt = graphrt.core.cli.start_up:run"
 
 
@@ -37,7 +39,8 @@ def _package_dirs() -> dict[str, Path]:
     for top in TOP_DIRS:
         for init in (ROOT / top).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT)
-            found["graphrt." + ".".join(rel.parts)] = init.parent
+            name = "graphrt" if rel == PACKAGE_ROOT else "graphrt." + ".".join(rel.parts)
+            found[name] = init.parent
     return found
 
 
@@ -50,7 +53,8 @@ def test_every_package_directory_is_listed_in_pyproject():
 def test_every_listed_package_exists():
     # A listed package without its directory makes every wheel build fail.
     setuptools_cfg = _load_pyproject()["tool"]["setuptools"]
-    assert setuptools_cfg["package-dir"] == {f"graphrt.{top}": top for top in TOP_DIRS}
+    want = {"graphrt": PACKAGE_ROOT.as_posix(), **{f"graphrt.{top}": top for top in TOP_DIRS}}
+    assert setuptools_cfg["package-dir"] == want
     stale = sorted(set(setuptools_cfg["packages"]) - set(_package_dirs()))
     assert not stale, f"listed in pyproject.toml but no <dir>/__init__.py: {stale}"
 
@@ -90,8 +94,9 @@ def test_wheel_installs_everything_under_graphrt(wheel):
     for model in ("gemma4-code-target", "gemma4-code-assistant"):
         for name in ("config.json", "model.safetensors", "tokenizer.json"):
             assert f"graphrt/core/pretrained/{model}/{name}" in names
-    # graphrt itself is a namespace package: no graphrt/__init__.py to shadow.
-    assert "graphrt/__init__.py" not in names
+    # graphrt's own __init__.py comes from core/package_root/, and only there.
+    assert "graphrt/__init__.py" in names
+    assert not [n for n in names if "package_root" in n]
     assert ENTRY_POINT in entry_points.splitlines()
 
 
@@ -99,7 +104,11 @@ def test_wheel_contents_import(wheel, tmp_path):
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)
-    code = "import graphrt.core, graphrt.devices, graphrt.spec as s; print(s.__file__)"
+    code = (
+        "import graphrt, sys; assert 'torch' not in sys.modules, 'import graphrt pulled torch'; "
+        "import graphrt.core, graphrt.devices, graphrt.spec as s; "
+        "assert graphrt.LLM.__module__ == 'graphrt.core.serve.llm'; print(s.__file__)"
+    )
     env = {**os.environ, "PYTHONPATH": str(site)}
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
