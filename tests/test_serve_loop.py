@@ -155,3 +155,59 @@ def test_the_step_lock_goes_to_a_waiting_thread_before_the_loop_takes_it_again()
         order.append("loop")
     thread.join(timeout=60)
     assert order == ["waiter", "loop"]
+
+
+def test_a_thread_interrupted_while_waiting_for_the_step_lock_leaves_it_usable():
+    """A Ctrl-C while a thread waits for its turn must not leave its ticket blocking every
+    later thread."""
+    lock = FairLock()
+    got = threading.Event()
+
+    def interrupted_wait(timeout=None):
+        raise KeyboardInterrupt
+
+    def interrupted():
+        with pytest.raises(KeyboardInterrupt):
+            with lock:
+                pass
+
+    def later():
+        with lock:
+            got.set()
+
+    with lock:
+        lock._turn.wait = interrupted_wait  # this instance's waits raise, as a Ctrl-C does
+        waiter = threading.Thread(target=interrupted)
+        waiter.start()
+        waiter.join(timeout=60)
+        del lock._turn.wait
+        thread = threading.Thread(target=later)
+        thread.start()
+    assert got.wait(timeout=60) and lock._abandoned == set()
+    thread.join(timeout=60)
+
+
+def test_a_failing_pass_ends_its_requests_with_an_error_and_the_loop_goes_on(llm, monkeypatch):
+    loop = EngineLoop(llm)
+    try:
+        original = type(llm.engine)._admit
+        calls = []
+
+        def admit_once_broken(engine):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("admission bug")
+            return original(engine)
+
+        monkeypatch.setattr(type(llm.engine), "_admit", admit_once_broken)
+        failed = Collector()
+        loop.submit(PROMPTS[0], PARAMS, failed)
+        done = failed.wait()
+        assert done.finish_reason == "error" and "admission bug" in done.error
+        fine = Collector()
+        loop.submit(PROMPTS[1], PARAMS, fine)
+        (want,) = llm.generate(PROMPTS[1:2], PARAMS)
+        assert fine.wait().text == want.text
+        assert _kv_free(llm)
+    finally:
+        loop.close()

@@ -371,8 +371,9 @@ def test_check_catches_a_wrong_result():
 @needs_triton
 def test_the_tuners_choices_survive_the_process_on_disk(tmp_path):
     """A choice timed once is recalled by the next process's tuner (same file: same card,
-    torch and triton); a cached choice that is no longer a candidate, a damaged file and a
-    directory that cannot be written are ignored, never an error."""
+    torch and triton); a choice timed among other candidates (no longer one of them, or
+    made before new ones were offered), a damaged file and a directory that cannot be
+    written are ignored, never an error."""
     pytest.importorskip("triton")
     from graphrt.devices.cuda.gemv_tuner import CUBLAS, GemvTuner, cache_path
     from graphrt.devices.cuda.triton_gemv import configs_for
@@ -385,13 +386,14 @@ def test_the_tuners_choices_survive_the_process_on_disk(tmp_path):
     first = GemvTuner()
     first.use_cache(path)
     assert first.recall(key, candidates) == "unset"
-    first.remember(key, candidates[2])
-    first.remember(("act_mul",) + key[1:], CUBLAS)
+    first.remember(key, candidates[2], candidates)
+    first.remember(("act_mul",) + key[1:], CUBLAS, candidates)
     second = GemvTuner()
     second.use_cache(path)
     assert second.recall(key, candidates) == candidates[2]
     assert second.recall(("act_mul",) + key[1:], candidates) is CUBLAS
     assert second.recall(key, (CUBLAS, candidates[1])) == "unset"  # no longer a candidate
+    assert second.recall(key, (*candidates, configs_for(2)[0])) == "unset"  # one more offered
     path.write_text("{not json")
     damaged = GemvTuner()
     damaged.use_cache(path)
@@ -400,7 +402,7 @@ def test_the_tuners_choices_survive_the_process_on_disk(tmp_path):
     blocked.write_text("")
     unwritable = GemvTuner()
     unwritable.use_cache(blocked / "cache.json")  # its parent is a file: cannot be made
-    unwritable.remember(key, candidates[1])  # no error: the choice stays in the process
+    unwritable.remember(key, candidates[1], candidates)  # no error: the choice stays in the process
 
 
 def test_non_decode_matmuls_stay_with_torch():
@@ -634,6 +636,7 @@ def test_cuda_split_k_gemv_is_deterministic_and_leaves_the_counts_at_zero():
             with torch.cuda.graph(graph):
                 replayed = run()
             for _ in range(5):
+                replayed.fill_(float("nan"))  # a replay that wrote nothing must not pass
                 graph.replay()
                 assert torch.equal(replayed, first), (config, gated)
             graph.reset()

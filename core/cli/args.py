@@ -266,7 +266,7 @@ def _add_check_weights(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_spec_flags(p: argparse.ArgumentParser) -> None:
+def _add_spec_flags(p: argparse.ArgumentParser, no_draft: bool = False) -> None:
     p.add_argument(
         "--draft",
         default=None,
@@ -294,6 +294,12 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens verified per round, the root included (default: steps + 1 for topk 1)",
     )
+    if no_draft:  # generate and serve draft by default with the embedded model
+        p.add_argument(
+            "--no-draft",
+            action="store_true",
+            help="decode without speculative drafting, also with the embedded model",
+        )
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -413,12 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens"
     )
     _add_engine_flags(gen)
-    _add_spec_flags(gen)
-    gen.add_argument(
-        "--no-draft",
-        action="store_true",
-        help="decode without speculative drafting, also with the embedded model",
-    )
+    _add_spec_flags(gen, no_draft=True)
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     serve = sub.add_parser(
@@ -455,12 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
         "this (default: %(default)s)",
     )
     _add_engine_flags(serve)
-    _add_spec_flags(serve)
-    serve.add_argument(
-        "--no-draft",
-        action="store_true",
-        help="decode without speculative drafting, also with the embedded model",
-    )
+    _add_spec_flags(serve, no_draft=True)
     serve.add_argument(
         "--log-level",
         choices=["critical", "error", "warning", "info", "debug"],

@@ -1,5 +1,5 @@
 """Serving: text in and out over the engine (``LLM``), one engine loop thread for many
-callers (``EngineLoop``), and ``graphrt serve`` (to come).
+callers (``EngineLoop``), and ``graphrt serve`` (``app``, ``server``, core/cli/serve.py).
 
 A composition root like the CLI: it builds engines, drafters included, from names."""
 

@@ -211,7 +211,7 @@ async def _whole(
                 )
                 if completion is not None:
                     done[index] = completion
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not TimeoutError on Python 3.10
                 pass
             if clock() >= check_at:
                 if await request.is_disconnected():

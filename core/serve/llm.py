@@ -312,23 +312,38 @@ class FairLock:
     HAZARD: with ``threading.Lock`` a thread that steps the engine back to back (the
     engine loop) takes the lock again before a waiting thread wakes: an abort or a new
     request waited seconds behind a busy loop (measured: 4-10 s on the CPU). Here each
-    ``with`` draws a ticket, and the lock goes to tickets in order."""
+    ``with`` draws a ticket, and the lock goes to tickets in order. Not re-entrant."""
 
     def __init__(self) -> None:
         self._turn = threading.Condition()
         self._next = 0  # the next ticket to hand out
         self._serving = 0  # the ticket that holds the lock
+        self._abandoned: set[int] = set()  # tickets whose threads stopped waiting
 
     def __enter__(self) -> None:
         with self._turn:
             ticket, self._next = self._next, self._next + 1
-            while ticket != self._serving:
-                self._turn.wait()
+            try:
+                while ticket != self._serving:
+                    self._turn.wait()
+            except BaseException:  # a Ctrl-C while waiting: the ticket must not block the rest
+                if ticket == self._serving:
+                    self._pass_on()
+                else:
+                    self._abandoned.add(ticket)
+                raise
 
     def __exit__(self, *exc) -> None:
         with self._turn:
+            self._pass_on()
+
+    def _pass_on(self) -> None:
+        """To the next ticket still waiting (under ``_turn``)."""
+        self._serving += 1
+        while self._serving in self._abandoned:
+            self._abandoned.remove(self._serving)
             self._serving += 1
-            self._turn.notify_all()
+        self._turn.notify_all()
 
 
 def _chat_template(tokenizer_path: Path | None):

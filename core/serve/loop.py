@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from graphrt.core.engine.request import FinishReason, Request
-from graphrt.core.errors import GraphrtError
+from graphrt.core.errors import GraphrtError, first_line
 from graphrt.core.serve.llm import LLM, Completion, TextParams, TextStream
 
 log = logging.getLogger(__name__)
@@ -37,8 +37,7 @@ class EngineLoop:
         self.llm = llm
         self._wake = threading.Condition()
         self._inflight: dict[int, tuple[TextStream, OnEvent]] = {}  # by request id
-        self._told: dict[int, int] = {}  # request id -> the tokens handed out so far
-        self._admitting = True
+        self._admitting = True  # a plain read for /health: no lock on the event loop
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="graphrt-engine-loop", daemon=True)
         self._thread.start()
@@ -51,21 +50,24 @@ class EngineLoop:
     @property
     def admitting(self) -> bool:
         """False once ``drain`` or ``close`` began."""
-        with self._wake:
-            return self._admitting
+        return self._admitting
 
     def submit(self, prompt: str | Sequence[int], params: TextParams, on_event: OnEvent) -> Request:
         """Queue ``prompt``; its text arrives through ``on_event``. Raises ``Draining``
         once ``drain`` or ``close`` began, and the engine's errors for a bad prompt (a
         prompt longer than the context, bad ids): nothing is queued then."""
-        with self._wake:
-            if not self._admitting:
-                raise Draining("the server is shutting down: no new requests")
-            with self.llm.step_lock:
-                (stream,) = self.llm.start([prompt], params)
-            self._inflight[stream.req.rid] = (stream, on_event)
-            self._told[stream.req.rid] = 0
-            self._wake.notify()
+        # HAZARD: never wait for the step lock while holding _wake: the loop thread and
+        # every reader of _wake would wait a whole step behind this submit.
+        if not self._admitting:
+            raise Draining("the server is shutting down: no new requests")
+        with self.llm.step_lock:
+            (stream,) = self.llm.start([prompt], params)
+            with self._wake:  # step lock, then _wake: the only order the two are nested in
+                if not self._admitting:  # a drain began meanwhile
+                    self.llm.engine.abort(stream.req, FinishReason.INTERRUPTED)
+                    raise Draining("the server is shutting down: no new requests")
+                self._inflight[stream.req.rid] = (stream, on_event)
+                self._wake.notify()
         return stream.req
 
     def abort(self, req: Request) -> None:
@@ -106,26 +108,48 @@ class EngineLoop:
                 if not self._inflight:  # closed, nothing left
                     return
                 current = list(self._inflight.items())
-            events = []
             with self.llm.step_lock:
-                if any(not stream.req.finished for _, (stream, _) in current):
-                    self.llm.engine.step()  # a failed step finishes its requests with an error
-                for rid, (stream, on_event) in current:
-                    stream.advance(self.llm.engine)
-                    delta = "".join(stream.deltas)
-                    stream.deltas.clear()
-                    done = stream.completion() if stream.req.finished else None
-                    new_ids = stream.req.output_ids[self._told[rid] :]
-                    self._told[rid] += len(new_ids)
-                    events.append((rid, stream, on_event, delta, new_ids, done))
+                try:
+                    events = self._step(current)
+                except Exception as e:  # noqa: BLE001 (the loop must outlive it: see _fail)
+                    log.exception("the engine loop's pass failed; failing its requests")
+                    events = self._fail(current, e)
             for rid, stream, on_event, delta, new_ids, done in events:
-                if done is not None:
-                    with self._wake:
-                        del self._inflight[rid], self._told[rid]
-                        self._wake.notify_all()  # drain() waits on this
                 if delta or new_ids or done is not None:
                     try:
                         on_event(delta, new_ids, done)
                     except Exception:  # noqa: BLE001 (a consumer's bug must not stop the loop)
                         log.exception("request %d: its consumer failed; aborting it", rid)
                         self.abort(stream.req)
+                if done is not None:  # after its last event: drain() returns only then
+                    with self._wake:
+                        del self._inflight[rid]
+                        self._wake.notify_all()
+
+    def _step(self, current) -> list[tuple]:
+        """One engine step, then each request's new text and tokens (under the step lock)."""
+        if any(not stream.req.finished for _, (stream, _) in current):
+            self.llm.engine.step()  # a failed step finishes its requests with an error
+        events = []
+        for rid, (stream, on_event) in current:
+            before = stream.seen  # the tokens handed out so far
+            stream.advance(self.llm.engine)
+            delta = "".join(stream.deltas)
+            stream.deltas.clear()
+            done = stream.completion() if stream.req.finished else None
+            new_ids = stream.req.output_ids[before:]
+            events.append((rid, stream, on_event, delta, new_ids, done))
+        return events
+
+    def _fail(self, current, error: Exception) -> list[tuple]:
+        """A pass that raised outside the engine's own step guard (admission, the
+        detokeniser): its requests end with an error and free their KV, so no caller
+        waits forever."""
+        events = []
+        for rid, (stream, on_event) in current:
+            req = stream.req
+            if not req.finished:
+                self.llm.engine.abort(req, FinishReason.ERROR)
+                req.error = f"the engine loop failed: {first_line(error)}"
+            events.append((rid, stream, on_event, "", [], stream.completion()))
+        return events

@@ -32,6 +32,7 @@ timed: the first GEMV configuration is taken, so the tests exercise the kernel.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -66,6 +67,13 @@ def cache_path(device_name: str) -> Path:
     )
     tag = f"gemv-{device_name}-torch{torch.__version__}-triton{triton.__version__}"
     return Path(base, re.sub(r"[^A-Za-z0-9._+-]+", "_", tag) + ".json")
+
+
+def _disk_key(key: Hashable, candidates) -> str:
+    """The cache file's key: the shape's, and a digest of the candidates it was timed
+    among."""
+    among = hashlib.sha1(repr(tuple(candidates)).encode()).hexdigest()[:12]
+    return f"{key!r} among {among}"
 
 
 class GemvTuner:
@@ -111,7 +119,7 @@ class GemvTuner:
             choice = self.recall(key, candidates)
             if choice == "unset":
                 choice = self._time(key, candidates, weight, run)
-                self.remember(key, choice)
+                self.remember(key, choice, candidates)
         self._choices[key] = choice
         return choice
 
@@ -128,22 +136,28 @@ class GemvTuner:
             self._disk = loaded
 
     def recall(self, key: Hashable, candidates) -> GemvConfig | None | str:
-        """The cached choice for ``key`` if it is still one of ``candidates``, else "unset"."""
-        if not self._disk or repr(key) not in self._disk:
+        """The cached choice for ``key``, if it was timed among these same ``candidates``,
+        else "unset" (a release that offers more candidates, split-K tiles say, times the
+        shape again instead of keeping a choice made without them)."""
+        entry = _disk_key(key, candidates)
+        if not self._disk or entry not in self._disk:
             return "unset"
-        fields = self._disk[repr(key)]
+        fields = self._disk[entry]
         try:
             choice = None if fields is None else GemvConfig(**fields)
         except TypeError:  # written by another version of the code
             return "unset"
         return choice if choice in candidates else "unset"
 
-    def remember(self, key: Hashable, choice: GemvConfig | None) -> None:
-        """Adds ``key``'s choice to the cache file (written whole, then renamed into place:
-        another process reading it sees the old file or the new one)."""
+    def remember(self, key: Hashable, choice: GemvConfig | None, candidates) -> None:
+        """Adds ``key``'s choice among ``candidates`` to the cache file (written whole,
+        then renamed into place: another process reading it sees the old file or the new
+        one)."""
         if self._disk is None or self._disk_path is None:
             return
-        self._disk[repr(key)] = None if choice is None else dataclasses.asdict(choice)
+        self._disk[_disk_key(key, candidates)] = (
+            None if choice is None else dataclasses.asdict(choice)
+        )
         path = self._disk_path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,9 +2,9 @@
 
 At batch 1 cuBLAS reads a 2048 x 2048 projection at about 45% of copy
 bandwidth on an H200 (bench profile, 2026-11-30). This kernel streams the
-weight once, ``BLOCK_N`` output rows per program, with no split-K (every
-program owns whole output rows, so no atomics, no workspace, no second
-launch), and can finish the layer's next elementwise op in registers:
+weight once, ``BLOCK_N`` output rows per program (a program owns whole output rows: no
+atomics, no workspace, no second launch; split-K tiles, SPLIT_CONFIGS, are the one
+exception, below), and can finish the layer's next elementwise op in registers:
 
 - ``GATED``: the weight stacks gate rows over up rows ((2I, K), as
   ``GatedMLP.gate_up_proj``); the program reads both halves for its outputs
@@ -38,7 +38,13 @@ activation dtype, then each elementwise step rounds as torch does
 from cuBLAS. Which configuration (or cuBLAS) serves a shape is decided once by
 ``gemv_tuner``; this module only launches.
 
-Capture-safe: no host reads of tensor values, outputs from ``torch.empty``.
+Split-K tiles (2 to 16 rows, few output tiles) split K over programs in one launch: each
+split stores float32 sums in a workspace and counts itself in its tile's arrival count;
+the last to arrive adds the sums in split order (the bits do not depend on which split
+finished last), resets the count and runs the epilogue.
+
+Capture-safe: no host reads of tensor values, outputs and the split-K workspace from
+``torch.empty``; the arrival counts are one buffer per device, made before any capture.
 """
 
 from __future__ import annotations
