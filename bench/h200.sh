@@ -26,9 +26,10 @@
 #   bash bench/h200.sh tp [batch sizes|-]: all-reduce micro-bench, random:llama-8b decode at TP=1
 #     and (with 2 GPUs) TP=2 over each all-reduce
 #   bash bench/h200.sh tptests: the tensor-parallel CUDA tests
-#   bash bench/h200.sh serve [requests] [llama-1b,pair]: graphrt serve (issue 23): the openai client's
-#     streams against offline greedy (embedded pair, drafting, float32), then the load test
-#     (bench/serve_load.py) on random:llama-1b and on the embedded pair (drafting, auto).
+#   bash bench/h200.sh serve [requests] [llama-1b,pair] [1,16,64] [check|nocheck]: graphrt
+#     serve (issue 23): the openai client's streams against offline greedy (embedded pair,
+#     drafting, float32), then the load test (bench/serve_load.py) on random:llama-1b and
+#     on the embedded pair (drafting, auto; pair-nodraft: without), each with a step trace.
 #     Needs the serve extra's wheels: carry .whl (device README) and install them first
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -152,18 +153,24 @@ from graphrt.core.cli.main import main; sys.exit(main(sys.argv[2:]))" $use bench
 fi
 
 if [[ $what == serve ]]; then
-    models=${3:-llama-1b,pair}
-    python bench/serve_check.py --prompts 8 --max-tokens 64 -- --dtype float32 2>&1 \
-        | grep -v -E "Warning|server: " | tee "$OUT/serve-check.log" | tail -n 10
-    requests=${2:-64}
-    [[ $models == *llama-1b* ]] && python bench/serve_load.py --clients 1,16,64 \
-        --requests "$requests" --out "$OUT/serve-load-llama-1b.json" -- \
-        --model random:llama-1b --dtype bfloat16 --max-running-requests 64 2>&1 \
-        | grep -v Warning | tee "$OUT/serve-load-llama-1b.log" | tail -n 6
-    [[ $models == *pair* ]] && python bench/serve_load.py --clients 1,16,64 \
-        --requests "$requests" --code-prompts --out "$OUT/serve-load-pair.json" -- \
-        --max-running-requests 64 2>&1 | grep -v Warning | tee "$OUT/serve-load-pair.log" \
-        | tail -n 6
+    # $2: requests a client count, $3: models, $4: client counts, $5: "check" also runs
+    # serve_check. Each server writes a step trace, summarised per client count.
+    requests=${2:-64}; models=${3:-llama-1b,pair}; clients=${4:-1,16,64}
+    [[ ${5:-check} == check ]] && python bench/serve_check.py --prompts 8 --max-tokens 64 \
+        -- --dtype float32 2>&1 | grep -v -E "Warning|server: " | tee "$OUT/serve-check.log" \
+        | tail -n 10
+    for model in ${models//,/ }; do
+        case $model in
+            pair) flags=(--code-prompts --) ;;
+            pair-nodraft) flags=(--code-prompts -- --no-draft) ;;
+            *) flags=(-- --model "random:$model" --dtype bfloat16) ;;
+        esac
+        python bench/serve_load.py --clients "$clients" --requests "$requests" \
+            --out "$OUT/serve-load-$model.json" "${flags[@]}" --max-running-requests 64 \
+            --step-trace "$OUT/serve-trace-$model.json" 2>&1 | grep -v Warning \
+            | tee "$OUT/serve-load-$model.log" | tail -n 6
+        python bench/step_trace.py "$OUT/serve-trace-$model.json" | tee "$OUT/serve-trace-$model.txt"
+    done
 fi
 
 if [[ $what == round ]]; then

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import subprocess
@@ -65,6 +66,15 @@ def start_server(serve_args: list[str], timeout: float) -> tuple[subprocess.Pope
         time.sleep(0.1)
     proc.kill()
     sys.exit(f"serve_load: the server did not start: {''.join(lines)[-2000:]}")
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid``, all threads (Linux /proc)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def server_metrics(url: str) -> dict[str, float]:
@@ -209,10 +219,16 @@ def main() -> int:
         rows = []
         for clients in args.clients:
             before = server_metrics(url)
+            cpu = (time.process_time(), _process_cpu_s(proc.pid), time.perf_counter())
             row = asyncio.run(
                 load(url, model, clients, args.requests, args.prompt_lens, args.output_lens,
                      make, args.seed)
             )  # fmt: skip
+            wall = time.perf_counter() - cpu[2]
+            # CPU seconds a wall second (1.0: one core busy): a client or server near 1.0
+            # is bound by its one Python thread (the GIL).
+            row["client_cpu_share"] = round((time.process_time() - cpu[0]) / wall, 3)
+            row["server_cpu_share"] = round((_process_cpu_s(proc.pid) - cpu[1]) / wall, 3)
             after = server_metrics(url)
             drafts = after.get("graphrt:spec_decode_num_drafts_total", 0) - before.get(
                 "graphrt:spec_decode_num_drafts_total", 0
@@ -229,7 +245,7 @@ def main() -> int:
         proc.wait(timeout=120)
     header = (
         f"{'clients':>7} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>9} {'TPOT p99':>9} {'accept':>6}"
+        f"{'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>9} {'TPOT p99':>9} {'accept':>6} {'cpu cli/srv':>11}"
     )
     print(f"\n{model} via graphrt serve {' '.join(serve_args)} (ms)\n{header}")
     for r in rows:
@@ -238,7 +254,7 @@ def main() -> int:
             f"{r['clients']:>7} {r['requests_per_s']:>7.2f} {r['output_tokens_per_s']:>9.1f} "
             f"{r['ttft_ms_p50']:>9.2f} {r['ttft_ms_p99']:>9.2f} {r['itl_ms_p50']:>8.3f} "
             f"{r['itl_ms_p99']:>8.3f} {r['tpot_ms_p50']:>9.3f} {r['tpot_ms_p99']:>9.3f} "
-            f"{accept:>6}"
+            f"{accept:>6} {r['client_cpu_share']:>5.2f}/{r['server_cpu_share']:<5.2f}"
         )
     if args.out:
         result = {"model": model, "serve_args": serve_args, "rows": rows,

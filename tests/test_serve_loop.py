@@ -13,6 +13,7 @@ import pytest
 
 from graphrt.core.serve import LLM, Draining, EngineLoop, TextParams
 from graphrt.core.serve.llm import FairLock
+from graphrt.core.serve.loop import PASS_FIELDS
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range(", "x = ["]
 PARAMS = TextParams(max_tokens=20)
@@ -48,7 +49,7 @@ class Collector:
 
 def test_concurrent_callers_each_get_their_own_greedy_text(llm):
     want = [c.text for c in llm.generate(PROMPTS, PARAMS)]
-    loop = EngineLoop(llm)
+    loop = EngineLoop(llm, trace_steps=True)
     try:
         collectors = [Collector() for _ in PROMPTS]
 
@@ -66,6 +67,13 @@ def test_concurrent_callers_each_get_their_own_greedy_text(llm):
         assert [c.tokens for c in collectors] == [d.token_ids for d in done]  # every token once
         assert all(d.finish_reason == "length" for d in done)
         assert loop.inflight == 0 and _kv_free(llm)
+        # The step trace (graphrt serve --step-trace): one record a pass, its tokens
+        # those the callers received, the prompts' first tokens in prefill passes.
+        passes = [dict(zip(PASS_FIELDS, p)) for p in loop.trace]
+        assert all(len(p) == len(PASS_FIELDS) for p in loop.trace)
+        assert sum(p["tokens"] for p in passes) == sum(len(c.tokens) for c in collectors)
+        assert sum(p["tokens"] for p in passes if p["prefill_s"] > 0) == len(PROMPTS)
+        assert [p["t"] for p in passes] == sorted(p["t"] for p in passes)
     finally:
         loop.close()
 

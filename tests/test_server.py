@@ -171,6 +171,17 @@ def test_completions_and_chat_whole_and_streamed_equal_offline_generate(client, 
     )  # fmt: skip
     streamed_ids = [t for chunk in stream for c in chunk.choices for t in c.token_ids or ()]
     assert streamed_ids == want[0].token_ids
+    # Several prompts in one request: a choice each, by index, whole and streamed.
+    both = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=24, temperature=0)
+    assert [(c.index, c.text) for c in both.choices] == [(0, want[0].text), (1, want[1].text)]
+    assert both.usage.completion_tokens == 48
+    texts = {0: "", 1: ""}
+    for chunk in client.completions.create(
+        model=MODEL, prompt=PROMPTS[:2], max_tokens=24, temperature=0, stream=True
+    ):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == {0: want[0].text, 1: want[1].text}
 
 
 def test_a_stop_string_ends_the_text_before_it(client, offline):

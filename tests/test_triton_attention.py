@@ -230,7 +230,90 @@ def interpreter_results() -> dict:
     flags["store_kv/matches_index_put"] = torch.equal(k_buffer, want_k) and torch.equal(
         v_buffer, want_v
     )
-    return {"errors": errors, "flags": flags}
+    return {"errors": errors, "flags": flags, "extend": extend_results(TritonAttentionBackend)}
+
+
+# (tokens cached before the chunk, the chunk's tokens) per request: a whole prompt, one
+# token after a prefix, a chunk after a prefix, and a chunk past one BLOCK_M (64) block.
+EXTEND_CHUNKS = [(0, 5), (11, 1), (7, 13), (3, 70)]
+# (head_dim, sliding_window, num_heads, num_kv_heads, writes_kv)
+EXTEND_CASES = [(24, None, 4, 2, True), (16, 5, 2, 2, True), (24, 9, 4, 1, False)]
+
+
+def extend_batch(pools: Pools, chunks) -> ForwardBatch:
+    """A prefill step of ``chunks`` (scattered slots, every position in the token table)."""
+    dev = pools.kv_pool.device
+    slots, locs, positions = [], [], []
+    for prefix, n_new in chunks:
+        slot, _ = pools.new_request(prefix + n_new)
+        slots.append(slot)
+        locs.append(pools.req_pool.req_to_token[slot, prefix : prefix + n_new])
+        positions.append(torch.arange(prefix, prefix + n_new, device=dev))
+    seq_lens = [p + n for p, n in chunks]
+    return ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=torch.zeros(sum(n for _, n in chunks), dtype=torch.int64, device=dev),
+        positions=torch.cat(positions),
+        req_pool_indices=torch.tensor(slots, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        out_cache_loc=torch.cat(locs),
+        seq_lens_cpu=seq_lens,
+        extend_lens_cpu=[n for _, n in chunks],
+    )
+
+
+def naive_extend(pools: Pools, q: torch.Tensor, spec: AttentionSpec, batch: ForwardBatch):
+    """Explicit float64 softmax attention of each new token over its request's keys 0 .. p
+    (inside the window) -> (T, H, D)."""
+    out, row = [], 0
+    group = spec.num_heads // spec.num_kv_heads
+    for slot, end, n_new in zip(
+        batch.req_pool_indices.tolist(), batch.seq_lens_cpu, batch.extend_lens_cpu
+    ):
+        slots = pools.req_pool.req_to_token[slot, :end]
+        key = pools.kv_pool.k_buffers[spec.cache_index][slots].double()  # (L, Hkv, D)
+        value = pools.kv_pool.v_buffers[spec.cache_index][slots].double()
+        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+        q_i = q[row : row + n_new].double()  # (n, H, D)
+        scores = torch.einsum("nhd,lhd->hnl", q_i, key) * spec.scaling
+        q_pos = torch.arange(end - n_new, end, device=q.device).unsqueeze(1)  # (n, 1)
+        k_pos = torch.arange(end, device=q.device)
+        visible = k_pos <= q_pos
+        if spec.sliding_window is not None:
+            visible &= k_pos > q_pos - spec.sliding_window
+        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+        out.append(torch.einsum("hnl,lhd->nhd", weights, value))
+        row += n_new
+    return torch.cat(out)
+
+
+def extend_results(triton_backend_cls) -> dict:
+    """EXTEND (prefill) through the Triton backend: the K/V it stores, and its output
+    against the torch reference (one SDPA a request) and naive float64 attention."""
+    results = {}
+    for head_dim, window, num_heads, num_kv_heads, writes_kv in EXTEND_CASES:
+        case = f"D{head_dim}-window{window}-G{num_heads // num_kv_heads}-writes{writes_kv}"
+        pools = Pools((head_dim,), num_kv_heads, 5, 80, torch.float32, "cpu", seed=head_dim)
+        batch = extend_batch(pools, EXTEND_CHUNKS)
+        spec = AttentionSpec(
+            num_heads, num_kv_heads, head_dim, 1.3 * head_dim**-0.5, 0,
+            sliding_window=window, writes_kv=writes_kv,
+        )  # fmt: skip
+        q, k, v = pools.qkv(batch.num_tokens, spec)
+        out = run_decode(
+            triton_backend_cls(pools.kv_pool, pools.req_pool), pools, q, k, v, spec, batch
+        )
+        stored = pools.kv_pool.k_buffers[0][batch.out_cache_loc]
+        results[f"{case}/kv_written"] = (
+            torch.equal(stored, k.view(-1, num_kv_heads, head_dim)) == writes_kv
+        )
+        ref = run_decode(
+            TorchAttentionBackend(pools.kv_pool, pools.req_pool), pools, q, k, v, spec, batch
+        )
+        naive = naive_extend(pools, q.view(-1, num_heads, head_dim), spec, batch)
+        results[f"{case}/vs_reference"] = rel_err(out, ref)
+        results[f"{case}/vs_naive"] = rel_err(out, naive)
+    return results
 
 
 @needs_triton
@@ -245,6 +328,14 @@ def test_decode_kernel_under_interpreter_matches_reference_and_naive():
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]
     assert not failed, failed
+    # Prefill: every request's chunk in one launch a layer (EXTEND_CASES x 3 checks).
+    extend = results["extend"]
+    assert len(extend) == 3 * len(EXTEND_CASES)
+    wrong = {
+        name: value for name, value in extend.items()
+        if value is not True and not (not isinstance(value, bool) and value < 1e-5)
+    }  # fmt: skip
+    assert not wrong, wrong
 
 
 @needs_triton
@@ -261,38 +352,6 @@ def test_cuda_device_picks_triton_when_importable(monkeypatch):
     assert type(fallback) is TorchAttentionBackend
 
 
-@needs_triton
-def test_extend_falls_back_to_reference():
-    """EXTEND (prefill, eager) never launches a kernel: it is the reference's, exactly."""
-    from graphrt.devices.cuda.attention import TritonAttentionBackend
-
-    pools = Pools((8,), 2, 3, 32, torch.float32, "cpu", seed=3)
-    news, seq_lens = [5, 1, 9], [5, 12, 20]
-    slots, locs = [], []
-    for n_new, n in zip(news, seq_lens):
-        slot, _ = pools.new_request(n)
-        slots.append(slot)
-        locs.append(pools.req_pool.req_to_token[slot, n - n_new : n])
-    batch = ForwardBatch(
-        mode=ForwardMode.EXTEND,
-        input_ids=torch.zeros(sum(news), dtype=torch.int64),
-        positions=torch.cat([torch.arange(n - e, n) for e, n in zip(news, seq_lens)]),
-        req_pool_indices=torch.tensor(slots),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        out_cache_loc=torch.cat(locs),
-        seq_lens_cpu=seq_lens,
-        extend_lens_cpu=news,
-    )
-    spec = AttentionSpec(4, 2, 8, 8**-0.5, 0, sliding_window=4)
-    q, k, v = pools.qkv(sum(news), spec)
-    outs = []
-    for backend_cls in (TritonAttentionBackend, TorchAttentionBackend):
-        backend = backend_cls(pools.kv_pool, pools.req_pool)
-        backend.init_forward_metadata(batch)
-        outs.append(backend.forward(q, k, v, spec, batch))
-    assert torch.equal(outs[0], outs[1])
-
-
 # ---- CUDA lane -----------------------------------------------------------------------
 
 # (tolerance against the torch reference, against float64 naive attention)
@@ -301,6 +360,35 @@ CUDA_TOLERANCES = {
     torch.bfloat16: (1e-2, 1e-2),
     torch.float16: (5e-3, 2e-3),
 }
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
+@pytest.mark.parametrize("head_dim, window, group", [(128, None, 4), (256, 512, 8), (512, None, 8)])
+@pytest.mark.parametrize("dtype", list(CUDA_TOLERANCES), ids=str)
+def test_cuda_extend_matches_reference_and_naive(dtype, head_dim, window, group):
+    """A prefill step at real sizes (Gemma 4's head dims and groups among them): whole
+    prompts, chunks after cached prefixes, one-token chunks, several BLOCK_M blocks."""
+    from graphrt.devices.cuda.attention import TritonAttentionBackend
+
+    num_kv_heads = 2
+    chunks = [(0, 1000), (0, 37), (500, 1), (1200, 300), (5, 2100), (0, 1)]
+    pools = Pools((head_dim,), num_kv_heads, len(chunks), 2400, dtype, "cuda", seed=head_dim)
+    batch = extend_batch(pools, chunks)
+    spec = AttentionSpec(group * num_kv_heads, num_kv_heads, head_dim, head_dim**-0.5, 0, window)
+    q, k, v = pools.qkv(batch.num_tokens, spec)
+    out = run_decode(
+        TritonAttentionBackend(pools.kv_pool, pools.req_pool), pools, q, k, v, spec, batch
+    )
+    ref = run_decode(
+        TorchAttentionBackend(pools.kv_pool, pools.req_pool), pools, q, k, v, spec, batch
+    )
+    naive = naive_extend(pools, q.view(batch.num_tokens, -1, head_dim), spec, batch)
+    tol_ref, tol_naive = CUDA_TOLERANCES[dtype]
+    assert out.dtype == dtype
+    assert rel_err(out, ref) < tol_ref
+    assert rel_err(out, naive) < tol_naive
 
 
 @pytest.mark.cuda

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 from graphrt.core.cli.version import package_version
 
@@ -454,6 +455,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="sampled requests without a `seed` of their own draw from streams derived from "
         "this (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--step-trace",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="on exit, write one JSON record a pass of the engine loop (its timing, batch "
+        "and step kind; bench/step_trace.py summarises it) to FILE (default: none)",
     )
     _add_engine_flags(serve)
     _add_spec_flags(serve, no_draft=True)

@@ -10,6 +10,7 @@ second Ctrl-C stops at once.
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import sys
 import time
@@ -44,6 +45,17 @@ def _listen(host: str, port: int) -> socket.socket:
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+def _write_trace(path: Path, loop) -> None:
+    from graphrt.core.serve.loop import PASS_FIELDS
+
+    try:
+        path.write_text(json.dumps({"fields": PASS_FIELDS, "passes": list(loop.trace)}))
+    except OSError as e:
+        print(f"graphrt: cannot write the step trace to {path}: {e}", file=sys.stderr)
+    else:
+        print(f"graphrt: step trace ({len(loop.trace)} passes) in {path}", file=sys.stderr)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     uvicorn = _server_modules()
     # The socket before torch is imported: a port in use costs a second, not a start-up.
@@ -75,7 +87,7 @@ def run_serve(args: argparse.Namespace) -> int:
         check_weights=args.check_weights,
     )
     plan = llm.engine.kv_plan
-    loop = EngineLoop(llm)
+    loop = EngineLoop(llm, trace_steps=args.step_trace is not None)
     app = build_app(loop, name, ServerMetrics(llm, name))
     config = uvicorn.Config(
         app,
@@ -101,6 +113,8 @@ def run_serve(args: argparse.Namespace) -> int:
         drained = server.wait_drained()
     finally:
         loop.close()
+        if args.step_trace is not None:
+            _write_trace(args.step_trace, loop)
     if drained is not None:
         print(f"graphrt: {drained}", file=sys.stderr, flush=True)
     return 0

@@ -6,6 +6,12 @@ callback it was submitted with (on the loop thread: a server forwards it to its 
 event loop). Aborting a request (a client that left) frees its KV before the next
 step; ``drain`` stops admitting, lets what is running finish within a timeout, and
 aborts the rest.
+
+With ``trace_steps`` the loop keeps one record per pass (``PASS_FIELDS``; the last
+``TRACE_LIMIT``): when it began, how long it waited for the step lock, stepped and
+handed out events, what the step was and how much of it the loop thread ran on a CPU
+(the rest waited for the GIL or the device). ``graphrt serve --step-trace FILE`` writes
+them; ``bench/step_trace.py`` reads them.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from graphrt.core.engine.request import FinishReason, Request
@@ -28,13 +35,27 @@ log = logging.getLogger(__name__)
 OnEvent = Callable[[str, list[int], Completion | None], None]
 
 
+# One trace record a pass: seconds since the loop started; seconds waiting for the step
+# lock, stepping, handing out events; the loop thread's CPU seconds in the pass; requests
+# running and waiting before the step; the step's eager and graph forwards, speculative
+# rounds (a round a request) and their draft steps summed, plain steps of a speculative
+# strategy, tokens emitted and seconds of prefill (0: a decode step).
+PASS_FIELDS = (
+    "t", "lock_s", "step_s", "events_s", "cpu_s", "running", "waiting",
+    "eager", "graph", "rounds", "drafted", "plain", "tokens", "prefill_s",
+)  # fmt: skip
+TRACE_LIMIT = 200_000  # passes kept (about 100 bytes each)
+
+
 class Draining(GraphrtError):
     """The loop is draining or closed: it admits no new request."""
 
 
 class EngineLoop:
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, trace_steps: bool = False) -> None:
         self.llm = llm
+        self.trace: deque[tuple] | None = deque(maxlen=TRACE_LIMIT) if trace_steps else None
+        self._started = time.perf_counter()
         self._wake = threading.Condition()
         self._inflight: dict[int, tuple[TextStream, OnEvent]] = {}  # by request id
         self._admitting = True  # a plain read for /health: no lock on the event loop
@@ -108,12 +129,15 @@ class EngineLoop:
                 if not self._inflight:  # closed, nothing left
                     return
                 current = list(self._inflight.items())
+            began, cpu = time.perf_counter(), time.thread_time()
             with self.llm.step_lock:
+                locked, before = time.perf_counter(), self._counters()
                 try:
                     events = self._step(current)
                 except Exception as e:  # noqa: BLE001 (the loop must outlive it: see _fail)
                     log.exception("the engine loop's pass failed; failing its requests")
                     events = self._fail(current, e)
+                stepped, after = time.perf_counter(), self._counters()
             for rid, stream, on_event, delta, new_ids, done in events:
                 if delta or new_ids or done is not None:
                     try:
@@ -125,6 +149,25 @@ class EngineLoop:
                     with self._wake:
                         del self._inflight[rid]
                         self._wake.notify_all()
+            if self.trace is not None:
+                ended = time.perf_counter()
+                self.trace.append((
+                    round(began - self._started, 6), round(locked - began, 6),
+                    round(stepped - locked, 6), round(ended - stepped, 6),
+                    round(time.thread_time() - cpu, 6), *before[:2],
+                    *(round(b - a, 6) for a, b in zip(before[2:], after[2:])),
+                ))  # fmt: skip
+
+    def _counters(self) -> tuple[float, ...]:
+        """Running, waiting, then the engine's counters a trace record takes differences of
+        (the order of PASS_FIELDS from "running")."""
+        engine = self.llm.engine
+        s = engine.stats
+        return (
+            len(engine.running), len(engine.waiting), s.eager_steps, s.graph_steps,
+            s.spec_rounds, sum(k * n for k, n in s.rounds_by_steps.items()),
+            s.spec_plain_steps, s.generated_tokens, s.prefill_s,
+        )  # fmt: skip
 
     def _step(self, current) -> list[tuple]:
         """One engine step, then each request's new text and tokens (under the step lock)."""

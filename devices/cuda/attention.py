@@ -7,7 +7,8 @@ drafter's query-only steps over the target's KV) run the same decode kernel
 and store nothing: it reads each row's live prefix only. TARGET_VERIFY stores
 the tree nodes' K/V, then runs ``triton_verify.tree_verify_attention`` (each
 node over its request's prefix plus its ancestors). EXTEND (prefill, eager)
-is the torch reference's, inherited unchanged.
+is ``triton_extend.extend_attention``: every request's chunk in one launch a layer,
+keys through the token table (the new K/V stored first).
 
 Scratch (the kernels' per-split partials) is shared by every layer of one
 (num_heads, head_dim, splits) and allocated on first use outside capture:
@@ -35,6 +36,7 @@ from graphrt.devices.cuda.triton_decode import (
     max_kv_splits,
     store_kv,
 )
+from graphrt.devices.cuda.triton_extend import extend_attention, extend_metadata
 from graphrt.devices.cuda.triton_verify import tree_verify_attention
 
 
@@ -44,6 +46,9 @@ class TritonAttentionMetadata(TorchAttentionMetadata):
     # are the runner's static buffers (so a replay sees the copied-in values).
     req_pool_indices: torch.Tensor  # (B,) int64
     seq_lens: torch.Tensor  # (B,) int32
+    # EXTEND only (eager): extend_metadata's rows, and the longest chunk (host).
+    extend_meta: torch.Tensor | None = None
+    max_extend_len: int = 0
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
@@ -65,6 +70,12 @@ class TritonAttentionBackend(TorchAttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         super().init_forward_metadata(batch)
         self._attach(batch, seq_lens=batch.seq_lens.to(torch.int32))
+        if batch.mode is ForwardMode.EXTEND:  # one copy a forward, read by every layer
+            meta = batch.attn_metadata
+            meta.extend_meta = extend_metadata(
+                batch.prefix_lens_cpu, batch.extend_lens_cpu, batch.input_ids.device
+            )
+            meta.max_extend_len = max(batch.extend_lens_cpu)
 
     def init_graph_state(self, max_bs: int, max_tokens: int) -> None:
         super().init_graph_state(max_bs, max_tokens)
@@ -96,16 +107,14 @@ class TritonAttentionBackend(TorchAttentionBackend):
     # ---- forward -----------------------------------------------------------------
 
     def kv_write_target(self, spec: AttentionSpec, batch: ForwardBatch) -> KVWrite | None:
-        # DECODE and TARGET_VERIFY read the new K/V back from the cache, so the model's
-        # rope kernel may store them there; EXTEND (the torch reference's) needs k and v.
-        if not spec.writes_kv or batch.mode is ForwardMode.EXTEND:
+        # Every mode reads the new K/V back from the cache, so the model's rope kernel
+        # may store them there.
+        if not spec.writes_kv:
             return None
         i = spec.cache_index
         return KVWrite(self.kv_pool.k_buffers[i], self.kv_pool.v_buffers[i], batch.out_cache_loc)
 
     def forward(self, q, k, v, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
-        if batch.mode is ForwardMode.EXTEND:
-            return super().forward(q, k, v, spec, batch)
         k_buffer = self.kv_pool.k_buffers[spec.cache_index]
         v_buffer = self.kv_pool.v_buffers[spec.cache_index]
         if spec.writes_kv and k is not None:  # None: the model's rope kernel stored them
@@ -121,7 +130,20 @@ class TritonAttentionBackend(TorchAttentionBackend):
         # Inside a graph this comes from the graph's pool, which owns it.
         out = torch.empty_like(q)
         meta = batch.attn_metadata
-        if batch.mode is ForwardMode.TARGET_VERIFY:
+        if batch.mode is ForwardMode.EXTEND:
+            extend_attention(
+                q,
+                k_buffer,
+                v_buffer,
+                out,
+                self.req_to_token_pool.req_to_token,
+                meta.req_pool_indices,
+                meta.extend_meta,
+                meta.max_extend_len,
+                spec.scaling,
+                spec.sliding_window,
+            )
+        elif batch.mode is ForwardMode.TARGET_VERIFY:
             # Decode's splits and blocks: a node's output equals decode's for that token.
             scratch = self._scratch_for(spec.num_heads, spec.head_dim, self._splits(spec), q)
             tree_verify_attention(
