@@ -41,9 +41,10 @@ from graphrt.core.errors import (
     out_of_memory,
 )
 from graphrt.core.host import to_device
-from graphrt.core.memory import ReqToTokenPool, TokenKVPool
+from graphrt.core.memory import PADDING_SLOT, ReqToTokenPool, TokenKVPool
 from graphrt.core.models.loader import LoadedModel
 from graphrt.core.runners import EagerRunner, GraphRunner, GraphRunnerConfig
+from graphrt.core.runners.buckets import padded_token_count
 from graphrt.devices.base import Device
 
 RUNNERS = ("graph", "eager")
@@ -639,12 +640,19 @@ class Engine:
         last_rows = torch.tensor(lens).cumsum(0) - 1
         done = [end == len(req.prompt_ids) for req, end in zip(reqs, ends)]
         dev = self.torch_device
+        # Padding rows past the chunks (the device's prefill sizes): token 0 at position 0,
+        # stored in the padding slot, attended by nothing, their outputs never read.
+        pad = padded_token_count(sum(lens), self.device.prefill_sizes_per_octave) - sum(lens)
+        ids = [t for req, a, b in zip(reqs, starts, ends) for t in req.prompt_ids[a:b]]
+        positions = torch.cat([torch.arange(a, b) for a, b in zip(starts, ends)])
+        if pad:
+            locs = torch.cat([locs, torch.full((pad,), PADDING_SLOT, device=dev)])
+            ids += [0] * pad
+            positions = torch.cat([positions, torch.zeros(pad, dtype=positions.dtype)])
         return ForwardBatch(
             mode=ForwardMode.EXTEND,
-            input_ids=to_device(
-                [t for req, a, b in zip(reqs, starts, ends) for t in req.prompt_ids[a:b]], dev
-            ),
-            positions=to_device(torch.cat([torch.arange(a, b) for a, b in zip(starts, ends)]), dev),
+            input_ids=to_device(ids, dev),
+            positions=to_device(positions, dev),
             req_pool_indices=to_device([r.req_slot for r in reqs], dev),
             seq_lens=to_device(ends, dev, torch.int32),
             out_cache_loc=locs,

@@ -18,6 +18,7 @@ class CudaDevice(Device):
     # Of the memory free once the weights are loaded: the rest (15%) holds activations,
     # the graphs' intermediates, cuBLAS and Triton workspaces and the allocator's slack.
     kv_memory_fraction = 0.85
+    prefill_sizes_per_octave = 8  # at most 12.5% padding
 
     def is_available(self) -> bool:
         try:

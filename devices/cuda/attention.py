@@ -46,9 +46,11 @@ class TritonAttentionMetadata(TorchAttentionMetadata):
     # are the runner's static buffers (so a replay sees the copied-in values).
     req_pool_indices: torch.Tensor  # (B,) int64
     seq_lens: torch.Tensor  # (B,) int32
-    # EXTEND only (eager): extend_metadata's rows, and the longest chunk (host).
+    # EXTEND only (eager): extend_metadata's rows, the longest chunk and the chunks'
+    # tokens (host; rows past them pad the step to a device's prefill size).
     extend_meta: torch.Tensor | None = None
     max_extend_len: int = 0
+    extend_tokens: int = 0
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
@@ -76,6 +78,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 batch.prefix_lens_cpu, batch.extend_lens_cpu, batch.input_ids.device
             )
             meta.max_extend_len = max(batch.extend_lens_cpu)
+            meta.extend_tokens = sum(batch.extend_lens_cpu)
 
     def init_graph_state(self, max_bs: int, max_tokens: int) -> None:
         super().init_graph_state(max_bs, max_tokens)
@@ -143,6 +146,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 spec.scaling,
                 spec.sliding_window,
             )
+            out[meta.extend_tokens :] = 0  # padding rows past the chunks: no request's
         elif batch.mode is ForwardMode.TARGET_VERIFY:
             # Decode's splits and blocks: a node's output equals decode's for that token.
             scratch = self._scratch_for(spec.num_heads, spec.head_dim, self._splits(spec), q)
