@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from graphrt.core.engine.request import Request as EngineRequest
-from graphrt.core.errors import GraphrtError, RequestError, UsageError
+from graphrt.core.errors import RequestError, UsageError
 from graphrt.core.serve import openai_api as api
 from graphrt.core.serve.llm import Completion
 from graphrt.core.serve.loop import Draining, EngineLoop
@@ -122,22 +122,12 @@ class _Job:
 def _submit(loop: EngineLoop, parsed: api.ParsedRequest, aio, metrics, arrived) -> list[_Job]:
     """Queue every prompt of the request (a worker thread: this takes the step lock).
     All are checked before any is queued, so a bad one costs the others nothing."""
-    llm = loop.llm
-    sampling = parsed.params.sampling()
-    for prompt in parsed.prompts:
-        llm.engine.validate_request(llm.encode(prompt), sampling)
     events: asyncio.Queue = asyncio.Queue()
-    jobs = []
-    try:
-        for i, prompt in enumerate(parsed.prompts):
-            job = _Job(i, events, aio, metrics.timer(arrived))
-            job.req = loop.submit(prompt, parsed.params, job)
-            job.timer.admitted(len(job.req.prompt_ids))
-            jobs.append(job)
-    except GraphrtError:
-        for job in jobs:
-            loop.abort(job.req)
-        raise
+    jobs = [_Job(i, events, aio, metrics.timer(arrived)) for i in range(len(parsed.prompts))]
+    reqs = loop.submit_all(parsed.prompts, parsed.params, jobs)
+    for job, req in zip(jobs, reqs):
+        job.req = req
+        job.timer.admitted(len(req.prompt_ids))
     return jobs
 
 

@@ -77,19 +77,31 @@ class EngineLoop:
         """Queue ``prompt``; its text arrives through ``on_event``. Raises ``Draining``
         once ``drain`` or ``close`` began, and the engine's errors for a bad prompt (a
         prompt longer than the context, bad ids): nothing is queued then."""
+        return self.submit_all([prompt], params, [on_event])[0]
+
+    def submit_all(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: TextParams,
+        on_events: Sequence[OnEvent],
+    ) -> list[Request]:
+        """``submit`` for several prompts (a request's choices): all checked, each encoded
+        once, then all queued; a bad one queues none."""
         # HAZARD: never wait for the step lock while holding _wake: the loop thread and
         # every reader of _wake would wait a whole step behind this submit.
         if not self._admitting:
             raise Draining("the server is shutting down: no new requests")
         with self.llm.step_lock:
-            (stream,) = self.llm.start([prompt], params)
+            streams = self.llm.start(list(prompts), params)
             with self._wake:  # step lock, then _wake: the only order the two are nested in
                 if not self._admitting:  # a drain began meanwhile
-                    self.llm.engine.abort(stream.req, FinishReason.INTERRUPTED)
+                    for stream in streams:
+                        self.llm.engine.abort(stream.req, FinishReason.INTERRUPTED)
                     raise Draining("the server is shutting down: no new requests")
-                self._inflight[stream.req.rid] = (stream, on_event)
+                for stream, on_event in zip(streams, on_events, strict=True):
+                    self._inflight[stream.req.rid] = (stream, on_event)
                 self._wake.notify()
-        return stream.req
+        return [stream.req for stream in streams]
 
     def abort(self, req: Request) -> None:
         """Stop ``req`` now and free its KV (a client that left); its callback gets the
