@@ -21,11 +21,12 @@ import sys
 SLOWEST = 8  # passes listed by step time
 
 
-def _p(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
+def _p99(values: list[float]) -> float:
+    return (
+        statistics.quantiles(values, n=100, method="inclusive")[98]
+        if len(values) > 1
+        else values[0]
+    )
 
 
 def kind(rec: dict) -> str:
@@ -40,7 +41,7 @@ def kind(rec: dict) -> str:
 
 def summarise(trace: dict) -> dict:
     recs = [dict(zip(trace["fields"], p)) for p in trace["passes"]]
-    wall = recs[-1]["t"] - recs[0]["t"]
+    wall = max(recs[-1]["t"] - recs[0]["t"], 1e-9)  # a one-pass stretch: 0
     out = {"passes": len(recs), "wall_s": wall, "kinds": {}}
     busy = {"lock_s": 0.0, "events_s": 0.0, "gap_s": 0.0}
     for a, b in zip(recs, recs[1:]):
@@ -58,7 +59,7 @@ def summarise(trace: dict) -> dict:
             "passes": len(rs),
             "share": sum(steps) / wall,
             "step_ms_p50": 1e3 * statistics.median(steps),
-            "step_ms_p99": 1e3 * _p(steps, 99),
+            "step_ms_p99": 1e3 * _p99(steps),
             "running_mean": statistics.fmean(r["running"] for r in rs),
             "tokens_mean": statistics.fmean(r["tokens"] for r in rs),
             "events_ms_p50": 1e3 * statistics.median(r["events_s"] for r in rs),
@@ -77,7 +78,8 @@ def segments(trace: dict, idle_s: float) -> list[dict]:
     counts, run one after another, come apart)."""
     out, start = [], 0
     passes = trace["passes"]
-    ends = [p[0] + p[1] + p[2] + p[3] for p in passes]  # t + lock + step + events
+    at = {name: i for i, name in enumerate(trace["fields"])}
+    ends = [sum(p[at[f]] for f in ("t", "lock_s", "step_s", "events_s")) for p in passes]
     for i in range(1, len(passes) + 1):
         if i == len(passes) or passes[i][0] - ends[i - 1] > idle_s:
             out.append({"fields": trace["fields"], "passes": passes[start:i]})

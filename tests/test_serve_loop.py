@@ -5,12 +5,15 @@ what is in flight finish."""
 
 from __future__ import annotations
 
+import importlib.util
 import queue
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from graphrt.core.errors import UsageError
 from graphrt.core.serve import LLM, Draining, EngineLoop, TextParams
 from graphrt.core.serve.llm import FairLock
 from graphrt.core.serve.loop import PASS_FIELDS
@@ -67,15 +70,27 @@ def test_concurrent_callers_each_get_their_own_greedy_text(llm):
         assert [c.tokens for c in collectors] == [d.token_ids for d in done]  # every token once
         assert all(d.finish_reason == "length" for d in done)
         assert loop.inflight == 0 and _kv_free(llm)
-        # The step trace (graphrt serve --step-trace): one record a pass, its tokens
-        # those the callers received, the prompts' first tokens in prefill passes.
-        passes = [dict(zip(PASS_FIELDS, p)) for p in loop.trace]
-        assert all(len(p) == len(PASS_FIELDS) for p in loop.trace)
-        assert sum(p["tokens"] for p in passes) == sum(len(c.tokens) for c in collectors)
-        assert sum(p["tokens"] for p in passes if p["prefill_s"] > 0) == len(PROMPTS)
-        assert [p["t"] for p in passes] == sorted(p["t"] for p in passes)
     finally:
         loop.close()
+    # The step trace (graphrt serve --step-trace), read once the loop thread has ended
+    # (a pass's record follows its last events): one record a pass, its tokens those the
+    # callers received, the prompts' first tokens in prefill passes.
+    passes = [dict(zip(PASS_FIELDS, p)) for p in loop.trace]
+    assert all(len(p) == len(PASS_FIELDS) for p in loop.trace)
+    assert sum(p["tokens"] for p in passes) == sum(len(c.tokens) for c in collectors)
+    assert sum(p["tokens"] for p in passes if p["prefill_s"] > 0) == len(PROMPTS)
+    assert [p["t"] for p in passes] == sorted(p["t"] for p in passes)
+    # bench/step_trace.py reads what --step-trace writes: every pass classed, the tokens
+    # counted once.
+    spec = importlib.util.spec_from_file_location(
+        "step_trace", Path(__file__).parents[1] / "bench" / "step_trace.py"
+    )
+    step_trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_trace)
+    trace = {"fields": list(PASS_FIELDS), "passes": [list(p) for p in loop.trace]}
+    (summary,) = [step_trace.summarise(t) for t in step_trace.segments(trace, idle_s=60.0)]
+    assert summary["passes"] == len(passes) and "prefill" in summary["kinds"]
+    assert sum(k["passes"] for k in summary["kinds"].values()) == len(passes) - 1
 
 
 def test_an_aborted_request_frees_its_kv_and_the_others_go_on(llm):
@@ -118,6 +133,17 @@ def test_a_failing_consumer_aborts_only_its_request(llm):
         assert fine.wait().finish_reason == "length"
         assert loop.drain(timeout=60) and _kv_free(llm)
         assert calls[-1] is not None and calls[-1].finish_reason == "interrupted"
+    finally:
+        loop.close()
+
+
+def test_submit_all_refuses_a_bare_string_or_a_callback_short_and_queues_nothing(llm):
+    loop = EngineLoop(llm)
+    try:
+        for prompts, callbacks in (("def f(", [Collector()]), (PROMPTS[:2], [Collector()])):
+            with pytest.raises(UsageError, match="one callback for each"):
+                loop.submit_all(prompts, PARAMS, callbacks)
+        assert loop.inflight == 0 and not llm.engine.waiting and _kv_free(llm)
     finally:
         loop.close()
 

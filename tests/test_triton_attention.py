@@ -12,6 +12,7 @@ and the backend inside a CUDA graph against eager, bitwise.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -313,6 +314,20 @@ def extend_results(triton_backend_cls) -> dict:
         naive = naive_extend(pools, q.view(-1, num_heads, head_dim), spec, batch)
         results[f"{case}/vs_reference"] = rel_err(out, ref)
         results[f"{case}/vs_naive"] = rel_err(out, naive)
+    # The same step padded with 3 rows past its chunks (a device's prefill sizes): the
+    # chunks' rows unchanged, the padding rows zero.
+    pad = 3
+    padded = dataclasses.replace(
+        batch,
+        input_ids=torch.zeros(batch.num_tokens + pad, dtype=torch.int64),
+        positions=torch.cat([batch.positions, torch.zeros(pad, dtype=torch.int64)]),
+        out_cache_loc=torch.cat([batch.out_cache_loc, torch.full((pad,), PADDING_SLOT)]),
+    )
+    q, k, v = (torch.cat([t, pools.rand(pad, t.shape[1])]) for t in (q, k, v))
+    backend = triton_backend_cls(pools.kv_pool, pools.req_pool)
+    got = run_decode(backend, pools, q, k, v, spec, padded)
+    results["padded/rows_unchanged"] = rel_err(got[:-pad], out)
+    results["padded/padding_zero"] = bool((got[-pad:] == 0).all())
     return results
 
 
@@ -330,7 +345,7 @@ def test_decode_kernel_under_interpreter_matches_reference_and_naive():
     assert not failed, failed
     # Prefill: every request's chunk in one launch a layer (EXTEND_CASES x 3 checks).
     extend = results["extend"]
-    assert len(extend) == 3 * len(EXTEND_CASES)
+    assert len(extend) == 3 * len(EXTEND_CASES) + 2
     wrong = {
         name: value for name, value in extend.items()
         if value is not True and not (not isinstance(value, bool) and value < 1e-5)

@@ -161,7 +161,8 @@ class TorchAttentionBackend(AttentionBackend):
                 )
             out[new] = o[0].transpose(0, 1).to(q.dtype)
             start += n_new
-        out[start:] = 0  # padding rows past the chunks (a device's prefill sizes)
+        if start < out.shape[0]:  # padding rows past the chunks (a device's prefill sizes)
+            out[start:] = 0
         return out
 
 

@@ -43,7 +43,7 @@ MIN_PADDED_TOKENS = 16
 def padded_token_count(n: int, sizes_per_octave: int | None) -> int:
     """A prefill of ``n`` tokens padded up to one of ``sizes_per_octave`` sizes between
     each power of two and the next (at least MIN_PADDED_TOKENS): 8 an octave pads by at
-    most 12.5%, and 8,192 tokens take one of 72 sizes. None: ``n`` itself."""
+    most 12.5%, and up to 8,192 tokens take one of 73 sizes. None: ``n`` itself."""
     if sizes_per_octave is None:
         return n
     if n <= MIN_PADDED_TOKENS:

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from graphrt.core.engine.request import FinishReason, Request
-from graphrt.core.errors import GraphrtError, first_line
+from graphrt.core.errors import GraphrtError, UsageError, first_line
 from graphrt.core.serve.llm import LLM, Completion, TextParams, TextStream
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ PASS_FIELDS = (
     "t", "lock_s", "step_s", "events_s", "cpu_s", "running", "waiting",
     "eager", "graph", "rounds", "drafted", "plain", "tokens", "prefill_s",
 )  # fmt: skip
-TRACE_LIMIT = 200_000  # passes kept (about 100 bytes each)
+TRACE_LIMIT = 100_000  # passes kept (about 400 bytes each in CPython: 40 MB at most)
 
 
 class Draining(GraphrtError):
@@ -87,6 +87,8 @@ class EngineLoop:
     ) -> list[Request]:
         """``submit`` for several prompts (a request's choices): all checked, each encoded
         once, then all queued; a bad one queues none."""
+        if isinstance(prompts, (str, bytes)) or len(prompts) != len(on_events):
+            raise UsageError("submit_all takes a list of prompts and one callback for each")
         # HAZARD: never wait for the step lock while holding _wake: the loop thread and
         # every reader of _wake would wait a whole step behind this submit.
         if not self._admitting:
@@ -98,7 +100,7 @@ class EngineLoop:
                     for stream in streams:
                         self.llm.engine.abort(stream.req, FinishReason.INTERRUPTED)
                     raise Draining("the server is shutting down: no new requests")
-                for stream, on_event in zip(streams, on_events, strict=True):
+                for stream, on_event in zip(streams, on_events):
                     self._inflight[stream.req.rid] = (stream, on_event)
                 self._wake.notify()
         return [stream.req for stream in streams]
@@ -141,15 +143,16 @@ class EngineLoop:
                 if not self._inflight:  # closed, nothing left
                     return
                 current = list(self._inflight.items())
+            tracing = self.trace is not None
             began, cpu = time.perf_counter(), time.thread_time()
             with self.llm.step_lock:
-                locked, before = time.perf_counter(), self._counters()
+                locked, before = time.perf_counter(), tracing and self._counters()
                 try:
                     events = self._step(current)
                 except Exception as e:  # noqa: BLE001 (the loop must outlive it: see _fail)
                     log.exception("the engine loop's pass failed; failing its requests")
                     events = self._fail(current, e)
-                stepped, after = time.perf_counter(), self._counters()
+                stepped, after = time.perf_counter(), tracing and self._counters()
             for rid, stream, on_event, delta, new_ids, done in events:
                 if delta or new_ids or done is not None:
                     try:
@@ -161,7 +164,7 @@ class EngineLoop:
                     with self._wake:
                         del self._inflight[rid]
                         self._wake.notify_all()
-            if self.trace is not None:
+            if tracing:
                 ended = time.perf_counter()
                 self.trace.append((
                     round(began - self._started, 6), round(locked - began, 6),

@@ -146,7 +146,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 spec.scaling,
                 spec.sliding_window,
             )
-            out[meta.extend_tokens :] = 0  # padding rows past the chunks: no request's
+            if meta.extend_tokens < out.shape[0]:  # padding rows past the chunks
+                out[meta.extend_tokens :] = 0
         elif batch.mode is ForwardMode.TARGET_VERIFY:
             # Decode's splits and blocks: a node's output equals decode's for that token.
             scratch = self._scratch_for(spec.num_heads, spec.head_dim, self._splits(spec), q)

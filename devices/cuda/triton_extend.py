@@ -130,6 +130,7 @@ def extend_attention(
     assert k_buffer.shape[2] == head_dim and v_buffer.shape == k_buffer.shape
     assert out.shape == q.shape and meta.shape == (3, num_reqs) and meta.is_contiguous()
     assert req_slots.shape == (num_reqs,) and req_slots.stride(0) == 1
+    assert sliding_window is None or sliding_window > 0, f"sliding window {sliding_window}"
     for name, t in (("q", q), ("k", k_buffer), ("v", v_buffer), ("out", out)):
         assert t.stride(-1) == 1, f"{name} must be contiguous in head_dim"
     assert req_to_token.stride(1) == 1
