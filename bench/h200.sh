@@ -23,6 +23,7 @@
 #   bash bench/h200.sh reliability [steps]: capture under a memory cap, differential, soak
 #   bash bench/h200.sh soakspec [steps]: differential and soak with speculative rounds
 #   bash bench/h200.sh lanes [steps]: the CUDA lane beside capture_oom and soakspec (one call)
+#   bash bench/h200.sh prefill [lengths]: prefill tokens/s against transformers (bench/prefill.py)
 #   bash bench/h200.sh tp [batch sizes|-]: all-reduce micro-bench, random:llama-8b decode at TP=1
 #     and (with 2 GPUs) TP=2 over each all-reduce
 #   bash bench/h200.sh tptests: the tensor-parallel CUDA tests
@@ -199,6 +200,12 @@ if [[ $what == cold ]]; then
         echo "first command ($run): exit $rc, $wall s wall"
         grep -E "set up|captur|tok/s" "$OUT/first-$run.txt" | head -n 6
     done
+fi
+
+if [[ $what == prefill ]]; then
+    # Issue 21: prefill tokens/s against transformers on the same weights ($2: lengths).
+    python bench/prefill.py --model random:llama-1b --lens "${2:-512,8192,32768}" \
+        --out "$OUT/prefill.json" 2>&1 | grep -v Warning | tail -n 8
 fi
 
 if [[ $what == profile ]]; then
