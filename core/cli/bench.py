@@ -38,7 +38,7 @@ from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
 from graphrt.core.parallel.group import TPGroup
 from graphrt.core.parallel.launch import check_runner, join
-from graphrt.spec import MTPDecoding, SpecConfig
+from graphrt.spec import SpecConfig, load_drafting
 
 
 def check_bench_args(args: argparse.Namespace, tp_size: int) -> None:
@@ -167,15 +167,12 @@ def _run_round_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> in
         args.model, device, dtype, check_finite=args.check_weights, tp=tp,
         batch_invariant=args.batch_invariant,
     )  # fmt: skip
-    # They share KV: the drafter in the target's dtype.
-    drafter = load_model(
-        args.draft, device, dtype or target.dtype, check_finite=args.check_weights, tp=tp
-    )
+    drafting = load_drafting(args.draft, target, device, spec, args.check_weights, tp)
     log(
         f"graphrt bench: {args.model} + {args.draft} {str(dtype).removeprefix('torch.')} on "
         f"{device.describe()}, steps {spec.num_steps}, topk {spec.topk}; capturing graphs..."
     )
-    spec_engine, plain_engine = round_engines(target, MTPDecoding(drafter, spec), device, cfg)
+    spec_engine, plain_engine = round_engines(target, drafting, device, cfg)
     log(
         f"captured in {spec_engine.stats.capture_time_s:.2f} s (speculative) and "
         f"{plain_engine.stats.capture_time_s:.2f} s (decode)"
@@ -185,7 +182,8 @@ def _run_round_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> in
 
         def hf_peer():
             return hf_assisted_tokens_per_s(
-                hf_config(args.model), target, hf_config(args.draft), drafter, spec.num_steps,
+                hf_config(args.model), target, hf_config(args.draft), drafting.drafter,
+                spec.num_steps,
                 cfg.prompt_len, 64, device.torch_device(), device.synchronize,
             )  # fmt: skip
 

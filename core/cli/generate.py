@@ -21,7 +21,7 @@ from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
 from graphrt.core.parallel.launch import is_output_rank, join
 from graphrt.core.text import load_tokenizer
-from graphrt.spec import MTPDecoding, SpecConfig
+from graphrt.spec import SpecConfig, load_drafting
 
 
 @contextmanager
@@ -153,18 +153,16 @@ def run_generate(args: argparse.Namespace) -> int:
             args.model, device, dtype, check_finite=args.check_weights, tp=tp,
             batch_invariant=args.batch_invariant,
         )  # fmt: skip
-    drafter = None
+    strategy = None
     if args.draft is not None:
         with _phase(f"loaded drafter {args.draft}"):
-            # auto: the target's dtype, whatever the assistant was saved in (they share KV).
-            drafter = load_model(
-                args.draft, device, dtype or loaded.dtype, check_finite=args.check_weights, tp=tp
+            strategy = load_drafting(
+                args.draft, loaded, device, spec_config, check_finite=args.check_weights, tp=tp
             )
     tokenizer = _output_tokenizer(loaded.tokenizer_path, args.prompts or [])
     prompts = _encode_prompts(args.prompts, tokenizer)
     # N prompts: no batch above N, no graph for one
     config = build.engine_config(args, runner, graph_max_batch=len(prompts))
-    strategy = MTPDecoding(drafter, spec_config) if drafter is not None else None
     # With graphs this is the capture (a lazy backend compiles later, inside the steps: the
     # summary line reports that time apart).
     with _phase("set up the engine" + (" and its graphs" if runner == "graph" else "")) as said:
@@ -224,7 +222,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "prefill_time_s": round(engine.stats.prefill_s, 3),
         "graph_memory_bytes": engine.stats.graph_memory_bytes,
     }
-    if drafter is not None:
+    if strategy is not None:
         stats["spec"] = {
             "rounds": engine.stats.spec_rounds,
             "graph_rounds": engine.stats.graph_rounds,
@@ -244,7 +242,7 @@ def run_generate(args: argparse.Namespace) -> int:
             }
     if args.json:
         out = {
-            "requests": [_request_json(r, decode, drafter is not None) for r in reqs],
+            "requests": [_request_json(r, decode, strategy is not None) for r in reqs],
             "stats": stats,
         }
         print(json.dumps(out))
@@ -276,7 +274,7 @@ def run_generate(args: argparse.Namespace) -> int:
         + (f" x {tp.size} (tensor parallel)" if tp.size > 1 else "")
         + f", runner {runner}"
     )
-    if drafter is not None:
+    if strategy is not None:
         spec = stats["spec"]
         summary += (
             f"; speculative: accept length {spec['accept_length_mean']:.2f} tokens per round "

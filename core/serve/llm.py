@@ -184,7 +184,7 @@ class LLM:
         from graphrt.core import pretrained
         from graphrt.core.cli.args import AUTO_SPEC_STEPS  # the CLI's auto, the same rounds
         from graphrt.core.models import load_model
-        from graphrt.spec import MTPDecoding, SpecConfig
+        from graphrt.spec import SpecConfig, load_drafting
 
         if model is None:
             model = pretrained.TARGET_DIR
@@ -198,12 +198,8 @@ class LLM:
         )  # fmt: skip
         strategy = None
         if draft:
-            # The target's dtype, whatever the assistant was saved in (they share KV).
-            drafter = load_model(
-                str(draft), self.device, dtype or self.loaded.dtype, check_finite=check_weights
-            )
             spec = spec or SpecConfig(num_steps=AUTO_SPEC_STEPS, adaptive=True)
-            strategy = MTPDecoding(drafter, spec)
+            strategy = load_drafting(draft, self.loaded, self.device, spec, check_weights)
         # None for a checkpoint without tokenizer.json (the random presets): prompts are
         # then token ids, and completions carry tokens and no text.
         self.tokenizer = load_tokenizer(self.loaded.tokenizer_path)
