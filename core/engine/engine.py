@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from graphrt import devices
-from graphrt.core.batch import ForwardBatch, ForwardMode
+from graphrt.core.batch import ForwardBatch
 from graphrt.core.engine.kv_plan import plan_kv
 from graphrt.core.engine.ledger import Ledger
+from graphrt.core.engine.prefill import Chunk, prefill_batch, prefill_chunks
 from graphrt.core.engine.request import (
     FinishReason,
     Request,
@@ -40,11 +41,9 @@ from graphrt.core.errors import (
     UsageError,
     out_of_memory,
 )
-from graphrt.core.host import to_device
-from graphrt.core.memory import PADDING_SLOT, ReqToTokenPool, TokenKVPool
+from graphrt.core.memory import ReqToTokenPool, TokenKVPool
 from graphrt.core.models.loader import LoadedModel
 from graphrt.core.runners import EagerRunner, GraphRunner, GraphRunnerConfig
-from graphrt.core.runners.buckets import padded_token_count
 from graphrt.devices.base import Device
 
 RUNNERS = ("graph", "eager")
@@ -552,7 +551,7 @@ class Engine:
             req.req_slot = None
         self.ledger.recover(self.running)
 
-    def _step(self, chunks: list[tuple[Request, int]]) -> list[Request]:
+    def _step(self, chunks: list[Chunk]) -> list[Request]:
         if chunks:
             batch = self._prefill_batch(chunks)
             out, _ = self.ctx.forward(batch, None)
@@ -617,48 +616,12 @@ class Engine:
             self.running.append(req)
             self.prefilling.append(req)
 
-    def _prefill_chunks(self) -> list[tuple[Request, int]]:
-        """This step's prefill: (request, tokens) in admission order, at most
-        max_prefill_tokens in all; a prompt longer than that prefills over several steps
-        (its chunks attend to the KV of those before, through the token table)."""
-        chunks, budget = [], self.config.max_prefill_tokens
-        for req in self.prefilling:
-            n = min(len(req.prompt_ids) - req.kv_len, budget)
-            if n == 0:
-                break
-            chunks.append((req, n))
-            budget -= n
-        return chunks
+    def _prefill_chunks(self) -> list[Chunk]:
+        return prefill_chunks(self.prefilling, self.config.max_prefill_tokens)
 
-    def _prefill_batch(self, chunks: list[tuple[Request, int]]) -> ForwardBatch:
-        reqs = [req for req, _ in chunks]
-        starts = [req.kv_len for req in reqs]  # tokens already in the cache
-        lens = [n for _, n in chunks]
-        locs = self.ledger.place_prompts(reqs, lens, self.torch_device)
-        ends = [req.kv_len for req in reqs]  # (place_prompts moved kv_len on)
-        # Logits only where a prompt ends: rows of the requests this chunk completes.
-        last_rows = torch.tensor(lens).cumsum(0) - 1
-        done = [end == len(req.prompt_ids) for req, end in zip(reqs, ends)]
-        dev = self.torch_device
-        # Padding rows past the chunks (the device's prefill sizes): token 0 at position 0,
-        # stored in the padding slot, attended by nothing, their outputs never read.
-        pad = padded_token_count(sum(lens), self.device.prefill_sizes_per_octave) - sum(lens)
-        ids = [t for req, a, b in zip(reqs, starts, ends) for t in req.prompt_ids[a:b]]
-        positions = torch.cat([torch.arange(a, b) for a, b in zip(starts, ends)])
-        if pad:
-            locs = torch.cat([locs, torch.full((pad,), PADDING_SLOT, device=dev)])
-            ids += [0] * pad
-            positions = torch.cat([positions, torch.zeros(pad, dtype=positions.dtype)])
-        return ForwardBatch(
-            mode=ForwardMode.EXTEND,
-            input_ids=to_device(ids, dev),
-            positions=to_device(positions, dev),
-            req_pool_indices=to_device([r.req_slot for r in reqs], dev),
-            seq_lens=to_device(ends, dev, torch.int32),
-            out_cache_loc=locs,
-            seq_lens_cpu=ends,
-            extend_lens_cpu=lens,
-            logits_indices=to_device(last_rows[torch.tensor(done)], dev),
+    def _prefill_batch(self, chunks: list[Chunk]) -> ForwardBatch:
+        return prefill_batch(
+            self.ledger, chunks, self.torch_device, self.device.prefill_sizes_per_octave
         )
 
     def _append_token(self, req: Request, token: int) -> None:
