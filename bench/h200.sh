@@ -190,8 +190,8 @@ if [[ $what == servepad ]]; then
                 *) flags=(-- --model "random:$model" --dtype bfloat16) ;;
             esac
             PYTHONPATH="$pad:$PYTHONPATH" python bench/serve_load.py --clients "${4:-16,64}" \
-                --requests "${2:-64}" --out "$OUT/serve-load-$model-pad$sizes.json" \
-                "${flags[@]}" --max-running-requests 64 \
+                --requests "${2:-64}" --client-procs 4 \
+                --out "$OUT/serve-load-$model-pad$sizes.json" "${flags[@]}" --max-running-requests 64 \
                 --step-trace "$OUT/serve-trace-$model-pad$sizes.json" 2>&1 | grep -v Warning \
                 | grep -A3 "^clients"
             python bench/step_trace.py "$OUT/serve-trace-$model-pad$sizes.json" | grep -E "^\| prefill"

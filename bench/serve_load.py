@@ -13,7 +13,9 @@ Reported per client count: requests/s and output tokens/s over the wall time, ti
 first token (TTFT), inter-token latency (ITL: the gaps between a request's tokens, a
 chunk's k tokens sharing its gap) and time per output token (TPOT: a request's decode
 time over its tokens after the first), at p50 and p99; from the server's /metrics, the
-speculative accept length when drafting.
+speculative accept length when drafting; the CPU shares of the client processes and of
+the server (near 1.0 a process: bound by its Python thread). ``--client-procs N`` spreads
+the clients over N processes: one saturates its core near 64 streams.
 
     python bench/serve_load.py --clients 1,16,64 --requests 128 -- --model random:llama-1b --dtype bfloat16
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -144,9 +147,15 @@ def prompt_maker(code: list[list[int]] | None, vocab: int):
     return make
 
 
-async def load(url, model, clients, requests, prompt_lens, output_lens, make, seed) -> dict:
+def make_work(requests, prompt_lens, output_lens, make, seed) -> list[tuple[list[int], int]]:
+    """The requests of one load row, (prompt, output length) each, seeded."""
     rng = random.Random(seed)
-    work = [(make(rng, rng.choice(prompt_lens)), rng.choice(output_lens)) for _ in range(requests)]
+    return [(make(rng, rng.choice(prompt_lens)), rng.choice(output_lens)) for _ in range(requests)]
+
+
+async def drive(url: str, model: str, clients: int, work, start_at: float) -> list[dict]:
+    """A closed loop of ``clients`` clients over ``work`` (each sends its next request
+    when its last one ended), from ``start_at`` (time.monotonic: every process alike)."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
     results = []
     queue = list(reversed(work))
@@ -156,10 +165,33 @@ async def load(url, model, clients, requests, prompt_lens, output_lens, make, se
             prompt, n = queue.pop()
             results.append(await one_request(client, model, prompt, n))
 
-    start = time.perf_counter()
+    await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     await asyncio.gather(*(worker() for _ in range(clients)))
-    wall = time.perf_counter() - start
     await client.close()
+    return results
+
+
+def _drive_process(url, model, clients, work, start_at) -> tuple[list[dict], float, float]:
+    """One client process's share: its results, when it ended, its CPU seconds."""
+    cpu = time.process_time()
+    results = asyncio.run(drive(url, model, clients, work, start_at))
+    return results, time.monotonic(), time.process_time() - cpu
+
+
+def load(url: str, model: str, clients: int, work, procs: int = 1) -> dict:
+    """``clients`` clients over ``work``, spread over ``procs`` client processes (one
+    Python process saturates its core near 64 streams: the client would set the pace)."""
+    procs = max(1, min(procs, clients))
+    shares = [(clients // procs + (i < clients % procs), work[i::procs]) for i in range(procs)]
+    start_at = time.monotonic() + (2.0 if procs > 1 else 0.0)  # the processes start first
+    if procs == 1:
+        outs = [_drive_process(url, model, clients, work, start_at)]
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(procs) as pool:
+            outs = pool.starmap(_drive_process, [(url, model, c, w, start_at) for c, w in shares])
+    wall = max(end for _, end, _ in outs) - start_at
+    results = [r for rs, _, _ in outs for r in rs]
     tokens = sum(r["tokens"] for r in results)
     itl = [g for r in results for g in r["itl"]]
     tpot = [r["tpot"] for r in results if r["tpot"] is not None]
@@ -167,6 +199,7 @@ async def load(url, model, clients, requests, prompt_lens, output_lens, make, se
     ms = 1000.0
     return {
         "clients": clients,
+        "client_procs": procs,
         "requests": len(results),
         "wall_s": round(wall, 3),
         "requests_per_s": round(len(results) / wall, 3),
@@ -179,6 +212,9 @@ async def load(url, model, clients, requests, prompt_lens, output_lens, make, se
         "itl_ms_p99": round(_percentile(itl, 99) * ms, 3),
         "tpot_ms_p50": round(_percentile(tpot, 50) * ms, 3),
         "tpot_ms_p99": round(_percentile(tpot, 99) * ms, 3),
+        # CPU seconds a wall second, all client processes: near 1.0 a process, the
+        # client is the bottleneck.
+        "client_cpu_share": round(sum(cpu for _, _, cpu in outs) / wall, 3),
     }
 
 
@@ -192,6 +228,12 @@ def main() -> int:
     p.add_argument("--prompt-lens", type=_ints, default=[32, 128, 512])
     p.add_argument("--output-lens", type=_ints, default=[32, 128, 256])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="client processes the clients are spread over (one saturates near 64 streams)",
+    )
     p.add_argument(
         "--code-prompts",
         action="store_true",
@@ -215,20 +257,17 @@ def main() -> int:
         # Warm-up at the largest client count: the first requests compile kernels and tune
         # matmuls at their batch sizes; not measured.
         warm = max(args.clients)
-        asyncio.run(load(url, model, warm, warm, args.prompt_lens, [16], make, 99))
+        load(url, model, warm, make_work(warm, args.prompt_lens, [16], make, 99))
         rows = []
         for clients in args.clients:
             before = server_metrics(url)
-            cpu = (time.process_time(), _process_cpu_s(proc.pid), time.perf_counter())
-            row = asyncio.run(
-                load(url, model, clients, args.requests, args.prompt_lens, args.output_lens,
-                     make, args.seed)
-            )  # fmt: skip
-            wall = time.perf_counter() - cpu[2]
-            # CPU seconds a wall second (1.0: one core busy): a client or server near 1.0
-            # is bound by its one Python thread (the GIL).
-            row["client_cpu_share"] = round((time.process_time() - cpu[0]) / wall, 3)
-            row["server_cpu_share"] = round((_process_cpu_s(proc.pid) - cpu[1]) / wall, 3)
+            work = make_work(args.requests, args.prompt_lens, args.output_lens, make, args.seed)
+            server_cpu = _process_cpu_s(proc.pid)
+            row = load(url, model, clients, work, args.client_procs)
+            # The server's CPU seconds a wall second of the row (1.0: one core busy; its
+            # Python threads share one GIL).
+            used = _process_cpu_s(proc.pid) - server_cpu
+            row["server_cpu_share"] = round(used / row["wall_s"], 3)
             after = server_metrics(url)
             drafts = after.get("graphrt:spec_decode_num_drafts_total", 0) - before.get(
                 "graphrt:spec_decode_num_drafts_total", 0
