@@ -20,6 +20,10 @@ programs past a shorter request's chunk do nothing. Host lengths only: no sync.
 
 Eager only (prefill is never captured): nothing here needs to be capture-safe, but the
 launch allocates nothing either (the caller owns ``out``).
+
+HAZARD (speed, unmeasured): the block sizes are untuned and the loop is not software-
+pipelined beyond Triton's default. A few long prompts (one 8k prompt: SDPA's flash kernel
+before this) may prefill slower than they did; `bash bench/h200.sh prefill` measures it.
 """
 
 from __future__ import annotations
