@@ -178,12 +178,14 @@ def test_capture_all_graphs_captures_every_length_at_start_up(gemma4_tiny, gemma
 
 
 @pytest.mark.graphs
+@pytest.mark.parametrize("capture_all", [False, True], ids=["lazy", "capture-all"])
 def test_graph_memory_cap_leaves_lengths_uncaptured_and_never_drafts_them(
-    gemma4_tiny, gemma4_assistant, monkeypatch
+    gemma4_tiny, gemma4_assistant, monkeypatch, capture_all
 ):
     """max_graph_memory_bytes: once the graphs hold the cap, a length first needed is not
     captured and never chosen (the chooser asks for every length in turn); steps run the
-    captured length or plain steps, all on graphs, and the output is plain decoding's."""
+    captured length or plain steps, all on graphs, and the output is plain decoding's.
+    With capture_all_graphs (a server) the lengths are refused at start-up instead."""
     from graphrt.devices.graphs import StreamGraphBackend
 
     # Stand-in graphs hold no device memory: count 1 MiB a captured graph.
@@ -200,13 +202,17 @@ def test_graph_memory_cap_leaves_lengths_uncaptured_and_never_drafts_them(
     # 2 buckets each: 6 MiB, the cap; any further capture would pass it.
     engine = cpu_engine(
         target, strategy, standin_device(), runner="graph", max_context_len=64,
-        graph_buckets=(1, 2), max_graph_memory_bytes=6 << 20,
+        graph_buckets=(1, 2), max_graph_memory_bytes=6 << 20, capture_all_graphs=capture_all,
     )  # fmt: skip
     assert engine.stats.graph_memory_bytes == 6 << 20
+    if capture_all:  # refused: lengths 1 and 2's draft, verify and sampled verify, and
+        assert engine.stats.refused_captures == 7  # length 3's sampled verify
     reqs = engine.generate(prompts, GREEDY)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
     stats = engine.stats
     assert stats.refused_captures >= 2 and stats.graph_memory_bytes == 6 << 20
+    if capture_all:
+        assert stats.lazy_capture_s == 0  # nothing captured while running
     assert set(stats.rounds_by_steps) == {3} and stats.spec_plain_steps > 0
     assert stats.graph_rounds == stats.spec_rounds and stats.eager_steps == 1  # the prefill
     for k in (1, 2):

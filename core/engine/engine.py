@@ -313,11 +313,7 @@ class Engine:
             self._capture(graphs)
         if cfg.capture_all_graphs:
             for graphs in self.strategy.deferred_captures():
-                if self._over_graph_cap():
-                    self.strategy.refuse_capture(graphs)
-                    self.stats.refused_captures += 1
-                else:
-                    self._capture(graphs)
+                self._capture_within_cap([graphs])
 
     @property
     def req_pool(self) -> ReqToTokenPool:
@@ -346,15 +342,25 @@ class Engine:
         the graphs' memory stays under ``max_graph_memory_bytes``. Over it, the strategy is
         told (``refuse_capture``) and plans the step again without those graphs."""
         needed = self.strategy.captures_before(reqs)
-        while needed and self._over_graph_cap():
-            for runner in needed:
-                self.strategy.refuse_capture(runner)
-            self.stats.refused_captures += len(needed)
-            needed = self.strategy.captures_before(reqs)  # each refusal is final: this ends
-        for runner in needed:
+        while needed:
             start = time.perf_counter()
+            if self._capture_within_cap(needed):
+                self.stats.lazy_capture_s += time.perf_counter() - start
+                return
+            needed = self.strategy.captures_before(reqs)  # each refusal is final: this ends
+
+    def _capture_within_cap(self, runners: Sequence[GraphRunner]) -> bool:
+        """Capture ``runners``, unless the graphs' memory would pass
+        ``max_graph_memory_bytes``: then the strategy is told (``refuse_capture``) of each
+        and plans without them. -> whether they were captured."""
+        if self._over_graph_cap():
+            for runner in runners:
+                self.strategy.refuse_capture(runner)
+            self.stats.refused_captures += len(runners)
+            return False
+        for runner in runners:
             self._capture(runner)
-            self.stats.lazy_capture_s += time.perf_counter() - start
+        return True
 
     def _over_graph_cap(self) -> bool:
         """Would the next capture pass ``max_graph_memory_bytes``? It is taken to add what
