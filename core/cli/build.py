@@ -16,12 +16,7 @@ def model_and_draft(args: argparse.Namespace) -> tuple[str, str | None]:
 
     if args.no_draft and args.draft is not None:
         raise UsageError("--draft and --no-draft contradict each other; pass one")
-    model, draft = args.model, args.draft
-    if model is None:
-        model = str(pretrained.TARGET_DIR)
-        if draft is None and not args.no_draft:
-            draft = str(pretrained.ASSISTANT_DIR)
-    return model, draft
+    return pretrained.model_and_draft(args.model, False if args.no_draft else args.draft)
 
 
 def runner(args: argparse.Namespace, device, tp) -> str:

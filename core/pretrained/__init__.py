@@ -16,7 +16,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from graphrt.core.errors import UsageError
+
 _HERE = Path(__file__).resolve().parent
 
 TARGET_DIR = _HERE / "gemma4-code-target"
 ASSISTANT_DIR = _HERE / "gemma4-code-assistant"
+
+
+def model_and_draft(model, draft) -> tuple[str, str | None]:
+    """What to load: ``model`` (None: the embedded target) and the assistant to draft
+    with. ``draft``: a checkpoint; None or True: the embedded assistant where the model
+    is the embedded target (None: no drafter for another model); False: no drafter."""
+    if model is None:
+        model = TARGET_DIR
+        if draft is None or draft is True:
+            draft = ASSISTANT_DIR
+    elif draft is True:
+        raise UsageError("draft=True means the embedded assistant, which drafts for the "
+                         "embedded model only: name an assistant checkpoint")  # fmt: skip
+    return str(model), str(draft) if draft else None

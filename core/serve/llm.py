@@ -186,11 +186,7 @@ class LLM:
         from graphrt.core.models import load_model
         from graphrt.spec import SpecConfig, load_drafting
 
-        if model is None:
-            model = pretrained.TARGET_DIR
-            draft = pretrained.ASSISTANT_DIR if draft is None or draft is True else draft
-        if draft is True:
-            raise UsageError("LLM: draft=True needs the default model; name the assistant")
+        model, draft = pretrained.model_and_draft(model, draft)
         self.device = devices.current(device)
         self.loaded = load_model(
             str(model), self.device, dtype, check_finite=check_weights,
