@@ -314,20 +314,29 @@ def extend_results(triton_backend_cls) -> dict:
         naive = naive_extend(pools, q.view(-1, num_heads, head_dim), spec, batch)
         results[f"{case}/vs_reference"] = rel_err(out, ref)
         results[f"{case}/vs_naive"] = rel_err(out, naive)
-    # The same step padded with 3 rows past its chunks (a device's prefill sizes): the
-    # chunks' rows unchanged, the padding rows zero.
+    # A step padded with 3 rows past its chunks (a device's prefill sizes), in a layer
+    # that writes KV: the chunks' rows and stored K/V as unpadded, the padding rows zero.
     pad = 3
-    padded = dataclasses.replace(
-        batch,
-        input_ids=torch.zeros(batch.num_tokens + pad, dtype=torch.int64),
-        positions=torch.cat([batch.positions, torch.zeros(pad, dtype=torch.int64)]),
-        out_cache_loc=torch.cat([batch.out_cache_loc, torch.full((pad,), PADDING_SLOT)]),
-    )
-    q, k, v = (torch.cat([t, pools.rand(pad, t.shape[1])]) for t in (q, k, v))
-    backend = triton_backend_cls(pools.kv_pool, pools.req_pool)
-    got = run_decode(backend, pools, q, k, v, spec, padded)
-    results["padded/rows_unchanged"] = rel_err(got[:-pad], out)
-    results["padded/padding_zero"] = bool((got[-pad:] == 0).all())
+    spec = AttentionSpec(4, 2, 24, 24**-0.5, 0)
+    runs = []
+    for rows in (0, pad):
+        pools = Pools((24,), 2, 5, 80, torch.float32, "cpu", seed=7)
+        batch = extend_batch(pools, EXTEND_CHUNKS)
+        q, k, v = pools.qkv(batch.num_tokens + pad, spec)  # the same draws either way
+        n = batch.num_tokens + rows
+        batch = dataclasses.replace(
+            batch,
+            input_ids=torch.zeros(n, dtype=torch.int64),
+            positions=torch.cat([batch.positions, torch.zeros(rows, dtype=torch.int64)]),
+            out_cache_loc=torch.cat([batch.out_cache_loc, torch.full((rows,), PADDING_SLOT)]),
+        )
+        backend = triton_backend_cls(pools.kv_pool, pools.req_pool)
+        out = run_decode(backend, pools, q[:n], k[:n], v[:n], spec, batch)
+        runs.append((out, pools.kv_pool.k_buffers[0][batch.out_cache_loc[: n - rows]]))
+    (plain, plain_kv), (padded, padded_kv) = runs
+    results["padded/rows_unchanged"] = rel_err(padded[:-pad], plain)
+    results["padded/kv_unchanged"] = torch.equal(padded_kv, plain_kv)
+    results["padded/padding_zero"] = bool((padded[-pad:] == 0).all())
     return results
 
 
@@ -345,7 +354,7 @@ def test_decode_kernel_under_interpreter_matches_reference_and_naive():
     assert not failed, failed
     # Prefill: every request's chunk in one launch a layer (EXTEND_CASES x 3 checks).
     extend = results["extend"]
-    assert len(extend) == 3 * len(EXTEND_CASES) + 2
+    assert len(extend) == 3 * len(EXTEND_CASES) + 3
     wrong = {
         name: value for name, value in extend.items()
         if value is not True and not (not isinstance(value, bool) and value < 1e-5)
