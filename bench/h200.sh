@@ -6,8 +6,7 @@
 #   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
 #   bash bench/h200.sh round [topk] [kernels listed]: bench/profile_round.py
 #   bash bench/h200.sh widths [model]: GEMV CUDA tests, then bench/gemv_widths.py (cuBLAS,
-#     tiles and split-K tiles at verify widths); splitk: that, then the round and the decode
-#     step with split-K tiles offered to the tuner and without
+#     tiles and split-K tiles at verify widths)
 #   bash bench/h200.sh cold: the README's first command on a bare machine, then warm
 #   bash bench/h200.sh splits: decode attention by KV split count and context (issue 21;
 #     bench/decode_splits.py, the combine's narrower step beside), then the decode step
@@ -127,32 +126,13 @@ if [[ $what == invariant ]]; then
     done
 fi
 
-if [[ $what == widths || $what == splitk ]]; then
+if [[ $what == widths ]]; then
     # Issue 20: skinny matmuls at verify widths, cuBLAS / tiles / split-K tiles ($2: model),
     # after the GEMV's CUDA tests (split-K's among them).
     python -m pytest tests/test_triton_fused.py -m cuda -q -p no:cacheprovider -n 4 --dist load \
         -ra 2>&1 | tee "$OUT/tests-gemv.log" | tail -n 4
     python bench/gemv_widths.py --model "${2:-gemma4-e2b}" --out "$OUT/gemv-widths.json" 2>&1 \
         | grep -v Warning | tee "$OUT/gemv-widths.log"
-fi
-
-if [[ $what == splitk ]]; then
-    # Then the round (batch 1 and 8) and the decode step (batch 2 and 8) with split-K tiles
-    # among the tuner's candidates and without (triton_gemv.USE_SPLIT_K), side by side.
-    for use in 0 1; do
-        for what_run in round decode; do
-            run="--batch-sizes 2,8"
-            [[ $what_run == round ]] && \
-                run="--draft random:gemma4-e2b-assistant --batch-sizes 1,8 --spec-steps 4"
-            # A tuner cache of its own: a cached choice still among the candidates is not
-            # timed again, so the split-K run would recall the other run's choices.
-            GRAPHRT_CACHE_DIR=$(mktemp -d) python -c "import sys; import graphrt.devices.cuda.triton_gemv as g; g.USE_SPLIT_K = sys.argv[1] == '1';
-from graphrt.core.cli.main import main; sys.exit(main(sys.argv[2:]))" $use bench \
-                --model random:gemma4-e2b --dtype bfloat16 --prompt-len 512 $run --steps 30 \
-                --runners graph --out "$OUT/bench-$what_run-splitk$use.json" 2>&1 \
-                | grep -v Warning | tail -n 4
-        done
-    done
 fi
 
 if [[ $what == serve ]]; then

@@ -586,11 +586,7 @@ CUDA_GEMV_SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_cuda_fused_kernels_match_reference(dtype):
     from graphrt.devices.cuda.ops import TRITON_OPS
-    from graphrt.devices.cuda.triton_gemv import SPLIT_CONFIGS, configs_for
-
-    def every_config(rows):  # split-K tiles too, whether or not the tuner is offered them
-        split = tuple(c for c in SPLIT_CONFIGS if c not in configs_for(rows)) if rows > 1 else ()
-        return configs_for(rows) + split
+    from graphrt.devices.cuda.triton_gemv import configs_for
 
     results = gemma_cases(TRITON_OPS, dtype, CUDA_GEMMA_SHAPES, "cuda", seed=1)
     # Every configuration in bfloat16; the first of each path in the other dtypes (each
@@ -600,7 +596,7 @@ def test_cuda_fused_kernels_match_reference(dtype):
         gemv_cases(
             dtype,
             CUDA_GEMV_SHAPES,
-            lambda rows: every_config(rows) if every else configs_for(rows)[:1],
+            lambda rows: configs_for(rows) if every else configs_for(rows)[:1],
             "cuda",
             seed=2,
         )
@@ -633,13 +629,16 @@ def test_cuda_gemv_rows_are_batch_invariant(dtype):
 @needs_triton
 def test_cuda_split_k_gemv_is_deterministic_and_leaves_the_counts_at_zero():
     """Split-K tiles: whichever split of a tile finishes last adds the splits' sums in split
-    order, so 30 launches on one input give one result bit for bit, eager and replayed from
-    a graph, and every tile's arrival count is back at zero afterwards."""
+    order, so 30 launches give each input its one result bit for bit, eager and replayed
+    from a graph, and every tile's arrival count is back at zero afterwards. The launches
+    alternate two inputs: a last split that read another split's sums before they were
+    written would find the previous launch's, of the other input, and fail."""
     from graphrt.devices.cuda import triton_gemv
     from graphrt.devices.cuda.triton_gemv import SPLIT_CONFIGS, gemv
 
     gen = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn(5, 6144, generator=gen, device="cuda").bfloat16()
+    inputs = [torch.randn(5, 6144, generator=gen, device="cuda").bfloat16() for _ in range(2)]
+    x = inputs[0].clone()  # what every launch reads (the graph's input): inputs copied in
     w = (torch.randn(2 * 1536, 6144, generator=gen, device="cuda") / 80).bfloat16()
     for config in SPLIT_CONFIGS:
         for gated in (False, True):
@@ -648,15 +647,22 @@ def test_cuda_split_k_gemv_is_deterministic_and_leaves_the_counts_at_zero():
                 weight = w if gated else w[:1536]
                 return gemv(x, weight, None, config, act="silu" if gated else None, gated=gated)
 
-            first = run()
-            assert all(torch.equal(run(), first) for _ in range(30)), (config, gated)
+            firsts = []
+            for each in inputs:
+                x.copy_(each)
+                firsts.append(run())
+            assert not torch.equal(firsts[0], firsts[1])
+            for i in range(30):
+                x.copy_(inputs[i % 2])
+                assert torch.equal(run(), firsts[i % 2]), (config, gated, i)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 replayed = run()
-            for _ in range(5):
+            for i in range(6):
+                x.copy_(inputs[i % 2])
                 replayed.fill_(float("nan"))  # a replay that wrote nothing must not pass
                 graph.replay()
-                assert torch.equal(replayed, first), (config, gated)
+                assert torch.equal(replayed, firsts[i % 2]), (config, gated, i)
             graph.reset()
     (arrived,) = triton_gemv._ARRIVED.values()
     assert not arrived.any()

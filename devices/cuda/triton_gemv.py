@@ -117,11 +117,9 @@ TILE_CONFIGS = (
 # 2 <= M <= 16 on few output tiles (N = 1536 is 96 tiles of 16): K is split over programs,
 # one launch (cuBLAS's split-K reduces in a second kernel, outside the PDL chain). A row's
 # bits depend on the split: never offered where width invariance is asked for. Offered to
-# the tuner while USE_SPLIT_K holds (read at every tuning, so a benchmark can compare):
-# on the H200 it took the decode step of random:gemma4-e2b from 3.190 to 2.926 ms at
-# batch 8 and the speculative round at batch 1 from 4.465 to 4.173 ms (BENCHMARKS.md,
-# "Split-K GEMV tiles"; `bash bench/h200.sh splitk` measures both ways).
-USE_SPLIT_K = True
+# the tuner: on the H200 they took the decode step of random:gemma4-e2b from 3.190 to
+# 2.926 ms at batch 8 and the speculative round at batch 1 from 4.465 to 4.173 ms
+# (BENCHMARKS.md, "Split-K GEMV tiles").
 SPLIT_CONFIGS = (
     GemvConfig(16, 256, split_k=4),
     GemvConfig(16, 128, num_stages=4, split_k=4),
@@ -134,7 +132,7 @@ SPLIT_CONFIGS = (
 def configs_for(rows: int) -> tuple[GemvConfig, ...]:
     if rows == 1:
         return ROW_CONFIGS
-    return DOT_CONFIGS + SPLIT_CONFIGS if USE_SPLIT_K else DOT_CONFIGS
+    return DOT_CONFIGS + SPLIT_CONFIGS
 
 
 def invariant_configs(rows: int) -> tuple[GemvConfig, ...]:
