@@ -554,38 +554,49 @@ def decode_attention(
         BLOCK_N=block_n,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        # float32 caches keep float32 products (tf32 would cost ~1e-3 relative);
-        # the precision only applies to float32 operands, so 16-bit caches ignore it.
-        DOT_PRECISION="ieee" if k_buffer.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(k_buffer.dtype),
         num_warps=4,
         num_stages=2,
     )
     return combine_splits(partial_out, partial_lse, partial_splits, out, short_splits, rest_chunk)
 
 
-def check_paged_inputs(
-    q, k_buffer, v_buffer, req_to_token, out, partial_out, partial_lse, partial_splits
-) -> None:
-    """Host-side shape checks shared by the decode and tree-verify launchers (no sync):
-    q and out (rows, H, D), the paged K/V buffers, the per-split float32 scratch."""
-    rows, num_heads, head_dim = q.shape
+def check_kv_inputs(q, k_buffer, v_buffer, req_to_token, out) -> None:
+    """Host-side checks shared by the paged attention launchers (decode, tree verify,
+    prefill; no sync): q and out (rows, H, D), the paged K/V buffers, the token table."""
+    num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_buffer.shape[1]
-    num_splits = partial_out.shape[2]
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads, {num_kv_heads} KV heads"
     assert k_buffer.shape[2] == head_dim and v_buffer.shape[1:] == k_buffer.shape[1:]
     assert k_buffer.dtype == v_buffer.dtype
+    assert out.shape == q.shape
+    # The kernels index the last dimension (and the 1-D inputs) with unit stride.
+    for name, t in (("q", q), ("k", k_buffer), ("v", v_buffer), ("out", out)):
+        assert t.stride(-1) == 1, f"{name} must be contiguous in head_dim"
+    assert req_to_token.stride(1) == 1
+
+
+def check_paged_inputs(
+    q, k_buffer, v_buffer, req_to_token, out, partial_out, partial_lse, partial_splits
+) -> None:
+    """``check_kv_inputs``, and the per-split float32 scratch of decode and tree verify."""
+    check_kv_inputs(q, k_buffer, v_buffer, req_to_token, out)
+    rows, num_heads, head_dim = q.shape
+    num_splits = partial_out.shape[2]
     assert partial_out.shape[0] >= rows
     assert partial_out.shape[1:] == (num_heads, num_splits, head_dim)
     assert partial_lse.shape[0] >= rows and partial_lse.shape[1:] == (num_heads, num_splits)
     assert partial_out.dtype == partial_lse.dtype == torch.float32
     assert partial_splits.shape[0] >= rows and partial_splits.dtype == torch.int32
-    assert out.shape == q.shape
-    # The kernels index the last dimension (and the 1-D inputs) with unit stride.
-    for name, t in (("q", q), ("k", k_buffer), ("v", v_buffer), ("out", out)):
-        assert t.stride(-1) == 1, f"{name} must be contiguous in head_dim"
     assert partial_out.stride(-1) == 1 and partial_lse.stride(-1) == 1
     assert partial_splits.stride(0) == 1
-    assert req_to_token.stride(1) == 1
+
+
+def dot_precision(cache_dtype: torch.dtype) -> str:
+    """The attention kernels' DOT_PRECISION: float32 caches keep float32 products (tf32
+    would cost ~1e-3 relative); the precision only applies to float32 operands, so
+    16-bit caches ignore it."""
+    return "ieee" if cache_dtype == torch.float32 else "tf32"
 
 
 def rest_splits(short: int, max_splits: int, block_d: int) -> int:

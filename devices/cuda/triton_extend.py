@@ -33,7 +33,13 @@ import triton
 import triton.language as tl
 
 from graphrt.core.host import to_device
-from graphrt.devices.cuda.triton_decode import _attend_block, _load_kv_block
+from graphrt.devices.cuda.triton_decode import (
+    MIN_DOT,
+    _attend_block,
+    _load_kv_block,
+    check_kv_inputs,
+    dot_precision,
+)
 
 
 def _blocks(block_d: int) -> tuple[int, int, int]:
@@ -130,17 +136,13 @@ def extend_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     num_reqs = meta.shape[1]
-    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads, {num_kv_heads} KV heads"
-    assert k_buffer.shape[2] == head_dim and v_buffer.shape == k_buffer.shape
-    assert out.shape == q.shape and meta.shape == (3, num_reqs) and meta.is_contiguous()
+    check_kv_inputs(q, k_buffer, v_buffer, req_to_token, out)
+    assert meta.shape == (3, num_reqs) and meta.is_contiguous()
     assert req_slots.shape == (num_reqs,) and req_slots.stride(0) == 1
     assert sliding_window is None or sliding_window > 0, f"sliding window {sliding_window}"
-    for name, t in (("q", q), ("k", k_buffer), ("v", v_buffer), ("out", out)):
-        assert t.stride(-1) == 1, f"{name} must be contiguous in head_dim"
-    assert req_to_token.stride(1) == 1
     if num_tokens == 0:
         return
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
     block_m, block_n, warps = _blocks(block_d)
     grid = (num_reqs, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
@@ -151,6 +153,6 @@ def extend_attention(
         req_to_token.stride(0), num_reqs,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, SLIDING=sliding_window is not None,
-        DOT_PRECISION="ieee" if k_buffer.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(k_buffer.dtype),
         num_warps=warps,
     )  # fmt: skip

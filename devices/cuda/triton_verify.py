@@ -56,6 +56,7 @@ from graphrt.devices.cuda.triton_decode import (
     check_paged_inputs,
     combine_splits,
     default_block_n,
+    dot_precision,
     min_splits,
     split_constants,
     split_programs,
@@ -374,9 +375,7 @@ def tree_verify_attention(
         BLOCK_T=triton.next_power_of_2(num_nodes),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        # float32 caches keep float32 products (tf32 would cost ~1e-3 relative);
-        # the precision only applies to float32 operands, so 16-bit caches ignore it.
-        DOT_PRECISION="ieee" if k_buffer.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(k_buffer.dtype),
         num_warps=4,
         num_stages=2,
     )
