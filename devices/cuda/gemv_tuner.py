@@ -22,8 +22,10 @@ every tile gives a row the same bits, so there the timing picks speed, not arith
 Choices are kept on disk (``cache_path``: one JSON file per card name and torch/triton
 versions, under $GRAPHRT_CACHE_DIR or ~/.cache/graphrt), so a later process takes them
 without timing (a faster start) and with them the same kernels (the same bits). A
-cached choice that is no longer a candidate (the code changed) is timed again; a cache
-that cannot be read or written is ignored.
+choice counts only among the same candidates it was timed among (their digest is part of
+its key): a release that offers other candidates times the shape again. Entries of
+earlier candidate sets stay in the file, unread. A cache that cannot be read or written
+is ignored.
 
 Under the Triton interpreter (CPU tensors, the CPU test lane) nothing can be
 timed: the first GEMV configuration is taken, so the tests exercise the kernel.
@@ -88,7 +90,8 @@ class GemvTuner:
         # runner's warm-up: the capture stream, whose workspace its graphs use anyway), or
         # on this one stream when the caller is on the default stream, which cannot capture.
         self._stream: torch.cuda.Stream | None = None
-        self._disk: dict[str, dict | None] | None = None  # repr(key) -> fields (None: cuBLAS)
+        # _disk_key(key, candidates) -> the choice's fields (None: cuBLAS)
+        self._disk: dict[str, dict | None] | None = None
         self._disk_path: Path | None = None
 
     def choose(
