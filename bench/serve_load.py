@@ -37,17 +37,11 @@ import urllib.request
 
 import openai
 from prometheus_client.parser import text_string_to_metric_families
+from step_trace import percentile  # this directory's (a script's own is on sys.path)
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
 def start_server(serve_args: list[str], timeout: float) -> tuple[subprocess.Popen, str, list]:
@@ -211,12 +205,12 @@ def load(url: str, model: str, clients: int, work, procs: int = 1) -> dict:
         "output_tokens_per_s": round(tokens / wall, 1),
         "output_tokens": tokens,
         "expected_tokens": sum(n for _, n in work),
-        "ttft_ms_p50": round(_percentile(ttft, 50) * ms, 2),
-        "ttft_ms_p99": round(_percentile(ttft, 99) * ms, 2),
-        "itl_ms_p50": round(_percentile(itl, 50) * ms, 3),
-        "itl_ms_p99": round(_percentile(itl, 99) * ms, 3),
-        "tpot_ms_p50": round(_percentile(tpot, 50) * ms, 3),
-        "tpot_ms_p99": round(_percentile(tpot, 99) * ms, 3),
+        "ttft_ms_p50": round(percentile(ttft, 50) * ms, 2),
+        "ttft_ms_p99": round(percentile(ttft, 99) * ms, 2),
+        "itl_ms_p50": round(percentile(itl, 50) * ms, 3),
+        "itl_ms_p99": round(percentile(itl, 99) * ms, 3),
+        "tpot_ms_p50": round(percentile(tpot, 50) * ms, 3),
+        "tpot_ms_p99": round(percentile(tpot, 99) * ms, 3),
         # CPU seconds a wall second, all client processes: near 1.0 a process, the
         # client is the bottleneck.
         "client_cpu_share": round(sum(cpu for _, _, cpu in outs) / wall, 3),

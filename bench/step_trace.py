@@ -19,14 +19,15 @@ import statistics
 import sys
 
 SLOWEST = 8  # passes listed by step time
+PASS_PARTS = ("t", "lock_s", "step_s", "text_s", "events_s")  # a pass ends at their sum
 
 
-def _p99(values: list[float]) -> float:
-    return (
-        statistics.quantiles(values, n=100, method="inclusive")[98]
-        if len(values) > 1
-        else values[0]
-    )
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q``th percentile (NaN of nothing); bench/serve_load.py's too."""
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
 def kind(rec: dict) -> str:
@@ -40,14 +41,16 @@ def kind(rec: dict) -> str:
 
 
 def summarise(trace: dict) -> dict:
-    recs = [dict(zip(trace["fields"], p)) for p in trace["passes"]]
+    # Traces written before text_s was recorded count it in step_s.
+    recs = [{"text_s": 0.0, **dict(zip(trace["fields"], p))} for p in trace["passes"]]
     wall = max(recs[-1]["t"] - recs[0]["t"], 1e-9)  # a one-pass stretch: 0
     out = {"passes": len(recs), "wall_s": wall, "kinds": {}}
-    busy = {"lock_s": 0.0, "events_s": 0.0, "gap_s": 0.0}
+    busy = {"lock_s": 0.0, "text_s": 0.0, "events_s": 0.0, "gap_s": 0.0}
     for a, b in zip(recs, recs[1:]):
         busy["lock_s"] += a["lock_s"]
+        busy["text_s"] += a["text_s"]
         busy["events_s"] += a["events_s"]
-        busy["gap_s"] += b["t"] - (a["t"] + a["lock_s"] + a["step_s"] + a["events_s"])
+        busy["gap_s"] += b["t"] - sum(a[f] for f in PASS_PARTS)
     out.update({k: v / wall for k, v in busy.items()})  # shares of the wall time
     out["cpu_share"] = sum(r["cpu_s"] for r in recs[:-1]) / wall
     for name in ("prefill", "round", "decode", "other"):
@@ -59,7 +62,7 @@ def summarise(trace: dict) -> dict:
             "passes": len(rs),
             "share": sum(steps) / wall,
             "step_ms_p50": 1e3 * statistics.median(steps),
-            "step_ms_p99": 1e3 * _p99(steps),
+            "step_ms_p99": 1e3 * percentile(steps, 99),
             "running_mean": statistics.fmean(r["running"] for r in rs),
             "tokens_mean": statistics.fmean(r["tokens"] for r in rs),
             "events_ms_p50": 1e3 * statistics.median(r["events_s"] for r in rs),
@@ -79,7 +82,7 @@ def segments(trace: dict, idle_s: float) -> list[dict]:
     out, start = [], 0
     passes = trace["passes"]
     at = {name: i for i, name in enumerate(trace["fields"])}
-    ends = [sum(p[at[f]] for f in ("t", "lock_s", "step_s", "events_s")) for p in passes]
+    ends = [sum(p[at[f]] for f in PASS_PARTS if f in at) for p in passes]
     for i in range(1, len(passes) + 1):
         if i == len(passes) or passes[i][0] - ends[i - 1] > idle_s:
             out.append({"fields": trace["fields"], "passes": passes[start:i]})
@@ -114,7 +117,8 @@ def main() -> None:
 def show(s: dict) -> None:
     print(
         f"{s['passes']} passes over {s['wall_s']:.2f} s, {s['tokens_per_s']:.0f} tok/s; "
-        f"lock wait {s['lock_s']:.1%}, events {s['events_s']:.1%}, between passes "
+        f"lock wait {s['lock_s']:.1%}, text {s['text_s']:.1%}, events {s['events_s']:.1%}, "
+        f"between passes "
         f"{s['gap_s']:.1%}; loop thread on a CPU {s['cpu_share']:.1%} of the wall"
     )
     print(

@@ -8,8 +8,8 @@ step; ``drain`` stops admitting, lets what is running finish within a timeout, a
 aborts the rest.
 
 With ``trace_steps`` the loop keeps one record per pass (``PASS_FIELDS``; the last
-``TRACE_LIMIT``): when it began, how long it waited for the step lock, stepped and
-handed out events, what the step was and how much of it the loop thread ran on a CPU
+``TRACE_LIMIT``): when it began, how long it waited for the step lock, stepped the
+engine, turned tokens into text and handed out events, what the step was and how much of it the loop thread ran on a CPU
 (the rest waited for the GIL or the device). ``graphrt serve --step-trace FILE`` writes
 them; ``bench/step_trace.py`` reads them.
 """
@@ -36,12 +36,12 @@ OnEvent = Callable[[str, list[int], Completion | None], None]
 
 
 # One trace record a pass: seconds since the loop started; seconds waiting for the step
-# lock, stepping, handing out events; the loop thread's CPU seconds in the pass; requests
+# lock, stepping the engine, turning tokens into text (under the lock), handing out events; the loop thread's CPU seconds in the pass; requests
 # running and waiting before the step; the step's eager and graph forwards, speculative
 # rounds (a round a request) and their draft steps summed, plain steps of a speculative
 # strategy, tokens emitted and seconds of prefill (0: a decode step).
 PASS_FIELDS = (
-    "t", "lock_s", "step_s", "events_s", "cpu_s", "running", "waiting",
+    "t", "lock_s", "step_s", "text_s", "events_s", "cpu_s", "running", "waiting",
     "eager", "graph", "rounds", "drafted", "plain", "tokens", "prefill_s",
 )  # fmt: skip
 TRACE_LIMIT = 100_000  # passes kept (about 400 bytes each in CPython: 40 MB at most)
@@ -55,7 +55,7 @@ class EngineLoop:
     def __init__(self, llm: LLM, trace_steps: bool = False) -> None:
         self.llm = llm
         self.trace: deque[tuple] | None = deque(maxlen=TRACE_LIMIT) if trace_steps else None
-        self._started = time.perf_counter()
+        self._started = self._stepped = time.perf_counter()
         self._wake = threading.Condition()
         self._inflight: dict[int, tuple[TextStream, OnEvent]] = {}  # by request id
         self._admitting = True  # a plain read for /health: no lock on the event loop
@@ -93,8 +93,9 @@ class EngineLoop:
         # every reader of _wake would wait a whole step behind this submit.
         if not self._admitting:
             raise Draining("the server is shutting down: no new requests")
+        ids = [self.llm.encode(p) for p in prompts]  # before the lock: the loop steps meanwhile
         with self.llm.step_lock:
-            streams = self.llm.start(list(prompts), params)
+            streams = self.llm.start(ids, params)
             with self._wake:  # step lock, then _wake: the only order the two are nested in
                 if not self._admitting:  # a drain began meanwhile
                     for stream in streams:
@@ -147,12 +148,13 @@ class EngineLoop:
             began, cpu = time.perf_counter(), time.thread_time()
             with self.llm.step_lock:
                 locked, before = time.perf_counter(), tracing and self._counters()
+                self._stepped = locked  # _step moves it on once the engine has stepped
                 try:
                     events = self._step(current)
                 except Exception as e:  # noqa: BLE001 (the loop must outlive it: see _fail)
                     log.exception("the engine loop's pass failed; failing its requests")
                     events = self._fail(current, e)
-                stepped, after = time.perf_counter(), tracing and self._counters()
+                texted, after = time.perf_counter(), tracing and self._counters()
             for rid, stream, on_event, delta, new_ids, done in events:
                 if delta or new_ids or done is not None:
                     try:
@@ -168,7 +170,8 @@ class EngineLoop:
                 ended = time.perf_counter()
                 self.trace.append((
                     round(began - self._started, 6), round(locked - began, 6),
-                    round(stepped - locked, 6), round(ended - stepped, 6),
+                    round(self._stepped - locked, 6), round(texted - self._stepped, 6),
+                    round(ended - texted, 6),
                     round(time.thread_time() - cpu, 6), *before[:2],
                     *(round(b - a, 6) for a, b in zip(before[2:], after[2:])),
                 ))  # fmt: skip
@@ -188,6 +191,7 @@ class EngineLoop:
         """One engine step, then each request's new text and tokens (under the step lock)."""
         if any(not stream.req.finished for _, (stream, _) in current):
             self.llm.engine.step()  # a failed step finishes its requests with an error
+        self._stepped = time.perf_counter()
         events = []
         for rid, (stream, on_event) in current:
             before = stream.seen  # the tokens handed out so far

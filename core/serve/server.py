@@ -35,6 +35,8 @@ class DrainingServer(uvicorn.Server):
         if self.engine_loop.drain(self.drain_timeout):
             took = time.perf_counter() - start
             self.drained = f"drained: {left} requests in flight finished in {took:.1f} s"
+            if self.force_exit:  # a second signal: their handlers were cancelled, aborting them
+                self.drained = f"stopped at a second signal: {left} requests in flight aborted"
         else:
             self.drained = (
                 f"drained: requests still running after {self.drain_timeout:g} s were aborted "
