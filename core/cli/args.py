@@ -272,7 +272,7 @@ def _add_spec_flags(p: argparse.ArgumentParser, no_draft: bool = False) -> None:
         "--draft",
         default=None,
         help="MTP assistant (drafter): checkpoint directory or random:PRESET (default: none; "
-        "generate without --model: the embedded assistant)",
+        "generate and serve without --model: the embedded assistant)",
     )
     p.add_argument(
         "--spec-steps",
@@ -280,7 +280,7 @@ def _add_spec_flags(p: argparse.ArgumentParser, no_draft: bool = False) -> None:
         default="auto",
         help=f"draft steps per round; auto: each step a plain decode step or a round of 1 to "
         f"{AUTO_SPEC_STEPS} steps, whichever emits the most tokens a second by the acceptance "
-        f"and times measured as it runs (generate; the round bench times {AUTO_SPEC_STEPS}-step "
+        f"and times measured as it runs (generate, serve; the round bench times {AUTO_SPEC_STEPS}-step "
         "rounds) (default: %(default)s)",
     )
     p.add_argument(
