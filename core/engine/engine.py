@@ -11,6 +11,7 @@ in FIFO order, and one that could never fit is refused when it is added.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -309,10 +310,14 @@ class Engine:
             device=self.torch_device,
             max_context_len=self.max_context_len,
         )
-        for graphs in self.strategy.setup(self.ctx):
+        runners = self.strategy.setup(self.ctx)
+        self._compile_ahead(runners)
+        for graphs in runners:
             self._capture(graphs)
         if cfg.capture_all_graphs:
-            for graphs in self.strategy.deferred_captures():
+            deferred = self.strategy.deferred_captures()
+            self._compile_ahead(deferred)
+            for graphs in deferred:
                 self._capture_within_cap([graphs])
 
     @property
@@ -327,6 +332,15 @@ class Engine:
     def graph_runner(self) -> GraphRunner | None:
         """The graph runner of plain decode steps (None with a speculative strategy)."""
         return self.strategy.graph_runner
+
+    def _compile_ahead(self, runners: Sequence[GraphRunner]) -> None:
+        """Let the backend compile the kernels of every bucket of ``runners`` at once before
+        the first capture (CUDA: Triton's, in parallel, devices/cuda/compile_ahead.py)."""
+        todo = [runner for runner in runners if not runner.compiled_ahead]
+        if todo and self.graph_backend is not None:
+            self.graph_backend.compile_ahead(
+                itertools.chain.from_iterable(r.dry_runs() for r in todo)
+            )
 
     def _capture(self, runner: GraphRunner) -> None:
         """Capture ``runner``'s graphs into the engine's backend (one pool for all)."""
@@ -358,6 +372,7 @@ class Engine:
                 self.strategy.refuse_capture(runner)
             self.stats.refused_captures += len(runners)
             return False
+        self._compile_ahead(runners)
         for runner in runners:
             self._capture(runner)
         return True

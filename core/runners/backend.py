@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,12 @@ class ExecutionBackend(abc.ABC):
         Returns what the captured run returned: the static outputs every replay
         writes into (None where nothing ran yet, as for lazily compiled code).
         """
+
+    def compile_ahead(self, runs: Iterable[Callable[[], Any]]) -> None:  # noqa: B027
+        """A device whose kernels compile at their first launch may compile all that
+        ``runs`` launch here, at once, before any capture: each of ``runs`` is a graph
+        bucket's forward as its capture will warm it up (a dry run: its output is not
+        used). The default runs nothing; the warm-ups compile as they go."""
 
     @abc.abstractmethod
     def can_run(self, key: ShapeKey) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +77,7 @@ class GraphRunner(BaseRunner):
         self._loaded: tuple[ShapeKey, ForwardBatch] | None = None
         self.capture_time_s = 0.0
         self.dropped_buckets: dict[int, str] = {}  # size -> why its capture failed
+        self.compiled_ahead = False  # dry_runs() handed out (the engine compiles ahead once)
 
     # ---- keys and padding (the one place each is decided) ------------------------
 
@@ -110,6 +111,17 @@ class GraphRunner(BaseRunner):
         self._shared_logits = torch.empty(
             (rows, self.model.vocab_size), dtype=torch.float32, device=self.buffers.input_ids.device
         )
+
+    def dry_runs(self) -> Iterator[Callable[[], Any]]:
+        """Every bucket's forward as its capture warms it up, largest first, for the
+        backend's ``compile_ahead`` (a device that compiles kernels at their first launch
+        compiles them all at once). Each is set up as it is handed out; what it computes
+        is thrown away, and capture sets every buffer up again."""
+        self.compiled_ahead = True
+        for size in reversed(self.buckets):
+            batch = self.buffers.set_batch(size, self.attn_backend.seq_len_fill_value())
+            self.attn_backend.init_metadata_for_capture(batch)
+            yield self._graph_function(batch)
 
     def _graph_function(self, batch: ForwardBatch) -> Callable[[], Any]:
         """What the graph of static ``batch`` computes, as a closure that holds no

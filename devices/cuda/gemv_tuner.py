@@ -28,7 +28,8 @@ earlier candidate sets stay in the file, unread. A cache that cannot be read or 
 is ignored.
 
 Under the Triton interpreter (CPU tensors, the CPU test lane) nothing can be
-timed: the first GEMV configuration is taken, so the tests exercise the kernel.
+timed: the first GEMV configuration is taken, so the tests exercise the kernel. During a
+dry run (``compile_ahead``) nothing is timed either: every candidate is compiled.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from pathlib import Path
 import torch
 
 from graphrt.core.errors import GraphrtError
+from graphrt.devices.cuda import compile_ahead
 from graphrt.devices.cuda.triton_gemv import GemvConfig, configs_for
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,13 @@ class GemvTuner:
             if self._disk is None:
                 self.use_cache(cache_path(torch.cuda.get_device_name(weight.device)))
             choice = self.recall(key, candidates)
+            if choice == "unset" and compile_ahead.dry():
+                # A dry run (compile_ahead): compile every candidate, time none; the
+                # warm-up that follows times them and keeps the choice.
+                for candidate in candidates:
+                    if candidate is not CUBLAS:
+                        run(candidate, weight)
+                return next(c for c in candidates if c is not CUBLAS)
             if choice == "unset":
                 choice = self._time(key, candidates, weight, run)
                 self.remember(key, choice, candidates)

@@ -1,0 +1,89 @@
+"""Compile the Triton kernels of many forwards at once, in parallel, before any runs.
+
+Triton compiles a kernel the first time it is launched with new constants, on the
+launching thread, one kernel after another. On a fresh H200 the README's first command
+spent 28 of its 39 s that way (88 compiles; ``bench/cold_start.py``). Triton's compiler
+passes and ptxas release the GIL, so threads compile side by side (1.8x on 2 cores).
+
+``compile_ahead(runs)`` calls each of ``runs`` (a graph bucket's forward, as its capture
+will warm it up) with every Triton launch turned into a compile-only warm-up, queued on a
+thread pool through Triton's ``AsyncCompileMode``. It then waits for the compiles. The
+warm-ups and captures that follow find every kernel compiled.
+
+HAZARD (dry runs compute garbage): no Triton kernel runs during them, so their outputs
+hold whatever the allocator left there, and the torch ops in between compute from that.
+Only capture-safe forwards may run dry: no host reads of device values, and no index
+derived from a Triton kernel's output except through ops that keep it in range (argmax,
+top-k). An index out of range would raise a device-side assert and end the process.
+Nothing a dry run writes may outlive it: the warm-ups that follow rewrite every buffer a
+graph reads. The GEMV tuner times nothing during a dry run (``dry()``); it compiles
+every candidate instead, and the warm-up that follows times them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_dry = False  # inside compile_ahead's runs (one thread launches kernels: the engine's)
+
+
+def dry() -> bool:
+    """True while the forward runs dry: Triton launches compile and run nothing."""
+    return _dry
+
+
+@contextlib.contextmanager
+def _launches_compile_only() -> Iterator[None]:
+    # Every `kernel[grid](...)` goes through JITFunction.run; warmup=True compiles (queued
+    # on the async mode's pool) and returns without launching.
+    global _dry
+    from triton.runtime.jit import JITFunction
+
+    launch = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+
+    JITFunction.run = compile_only
+    _dry = True
+    try:
+        yield
+    finally:
+        JITFunction.run = launch
+        _dry = False
+
+
+def compile_ahead(runs: Iterable[Callable[[], Any]], threads: int | None = None) -> int:
+    """Run each of ``runs`` dry, compiling its Triton kernels on ``threads`` threads
+    (default: the CPUs this process may use, at most 32); -> how many compiles were
+    queued. Without Triton's async compile mode (triton < 3.4) the runs are skipped:
+    the warm-ups then compile one kernel at a time, as before."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return 0
+    threads = threads or min(32, len(os.sched_getaffinity(0)))
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool:
+        mode = AsyncCompileMode(pool)
+        with mode:  # leaving it waits for every compile (and raises the first failure)
+            with _launches_compile_only():
+                try:
+                    for run in runs:
+                        run()
+                except Exception as e:  # noqa: BLE001 (the warm-ups compile the rest, or fail)
+                    log.warning("compiling ahead stopped (%s); the warm-ups compile the rest", e)
+            queued = len(mode.raw_futures)
+    log.info(
+        "compiled %d Triton kernels ahead on %d threads in %.1f s",
+        queued, threads, time.perf_counter() - start,
+    )  # fmt: skip
+    return queued

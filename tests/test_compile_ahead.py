@@ -1,0 +1,171 @@
+"""Compiling ahead (issue 21, cold start): before its first capture the engine hands the
+backend every bucket's forward of every runner it is about to capture, in one go (CUDA
+compiles their Triton kernels in parallel, devices/cuda/compile_ahead.py); graphs captured
+later (a speculative variant first needed by some step) get theirs before their own
+capture. The dry runs leave nothing behind: tokens equal an eager engine's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import CPU, cpu_engine, standin_device
+
+from graphrt.core.engine import SamplingParams
+from graphrt.core.models import load_model
+from graphrt.core.runners.graph import GraphRunner
+from graphrt.devices.cuda.graph import CudaFullGraphBackend
+from graphrt.spec import MTPDecoding, SpecConfig
+
+BUCKETS = (1, 2, 4)
+
+
+@pytest.fixture
+def events(monkeypatch):
+    """("dry", runner, size) per dry run handed out and run, ("capture", runner) per
+    capture, in order; the stand-in backend runs the dry runs for real (no Triton here)."""
+    log: list[tuple] = []
+    dry_runs, capture = GraphRunner.dry_runs, GraphRunner.capture
+
+    def recording_dry_runs(self):
+        for size, run in zip(reversed(self.buckets), dry_runs(self), strict=True):
+            yield lambda run=run, size=size: (run(), log.append(("dry", self, size)))
+
+    def recording_capture(self):
+        log.append(("capture", self))
+        capture(self)
+
+    def compile_ahead(self, runs):
+        for run in runs:
+            run()
+
+    monkeypatch.setattr(GraphRunner, "dry_runs", recording_dry_runs)
+    monkeypatch.setattr(GraphRunner, "capture", recording_capture)
+    monkeypatch.setattr(CudaFullGraphBackend, "compile_ahead", compile_ahead)
+    return log
+
+
+def _assert_compiled_before_captured(log: list[tuple]) -> list[GraphRunner]:
+    """Every capture's runner ran dry at each of its buckets before it, and the first
+    capture of each group comes after every dry run of that group. -> captured runners."""
+    captured = [event[1] for event in log if event[0] == "capture"]
+    assert captured
+    for i, event in enumerate(log):
+        if event[0] != "capture":
+            continue
+        runner = event[1]
+        dry = [e[2] for e in log[:i] if e[0] == "dry" and e[1] is runner]
+        assert dry == list(reversed(runner.buckets)), (runner.shape, dry)
+    return captured
+
+
+def _engine(loaded, strategy=None, **config):
+    config = dict(
+        runner="graph", graph_backend="cuda-full", graph_buckets=BUCKETS,
+        max_running_requests=4, max_context_len=48, **config,
+    )  # fmt: skip
+    return cpu_engine(loaded, strategy, standin_device(), **config)
+
+
+def _tokens(engine, prompts, params):
+    reqs = [engine.add_request(p, params) for p in prompts]
+    engine.run_until_finished(reqs)
+    return [r.output_ids for r in reqs]
+
+
+PROMPTS = [[5, 6, 7], [9, 10], [3, 4, 11, 12], [8]]
+
+
+@pytest.mark.graphs
+def test_plain_decode_buckets_run_dry_before_capture_and_leave_no_trace(events, llama_gqa_untied):
+    loaded = load_model(str(llama_gqa_untied.path), CPU, torch.float32)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine = _engine(loaded)
+    (runner,) = _assert_compiled_before_captured(events)
+    assert runner is engine.graph_runner
+    # Every bucket ran dry once, all before the one capture.
+    assert [e[0] for e in events] == ["dry"] * len(BUCKETS) + ["capture"]
+    got = _tokens(engine, PROMPTS, params)
+    assert engine.stats.graph_steps > 0 and engine.graph_runner.replays_per_size()
+    assert got == _tokens(cpu_engine(loaded, max_context_len=48), PROMPTS, params)
+
+
+@pytest.mark.graphs
+def test_speculative_runners_run_dry_together_and_lazy_ones_before_their_capture(
+    events, gemma4_tiny, gemma4_assistant
+):
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    engine = _engine(target, MTPDecoding(drafter, SpecConfig(2, 1)))
+    setup = _assert_compiled_before_captured(events)
+    assert len(setup) >= 2  # the target's verify and the draft loop, at least
+    first_capture = next(i for i, e in enumerate(events) if e[0] == "capture")
+    assert {e[1] for e in events[:first_capture]} == set(setup)  # all dry, then captures
+    # A sampled request needs graphs start-up left uncaptured: they run dry first too.
+    sampled = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.8, seed=4)
+    before = len(events)
+    got = _tokens(engine, PROMPTS[:2], sampled)
+    later = _assert_compiled_before_captured(events[before:])
+    assert later and not set(later) & set(setup)
+    assert engine.stats.spec_rounds == engine.stats.graph_rounds > 0
+    eager = cpu_engine(target, MTPDecoding(drafter, SpecConfig(2, 1)), max_context_len=48)
+    assert got == _tokens(eager, PROMPTS[:2], sampled)
+
+
+# ---- on the GPU: the real thing, from empty caches, in a fresh process -------------------
+
+PROBE = r"""
+import json, sys, threading
+import torch, triton.compiler
+compiles = {"ahead": 0, "setup": 0}
+phase = {"now": None}
+real = triton.compiler.compile
+
+def counting(src, *args, **kwargs):
+    on_pool = threading.current_thread() is not threading.main_thread()
+    if phase["now"] == "setup":
+        compiles["ahead" if on_pool else "setup"] += 1
+    return real(src, *args, **kwargs)
+
+triton.compiler.compile = counting
+from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+from graphrt.core.models import load_model
+from graphrt.devices.cuda import CudaDevice
+
+device = CudaDevice()
+loaded = load_model(sys.argv[1], device, torch.float32)
+config = dict(max_running_requests=4, max_context_len=64)
+phase["now"] = "setup"
+engine = Engine(loaded, EngineConfig(runner="graph", graph_buckets=(1, 2, 4), **config), device)
+phase["now"] = None
+prompts = [[5, 6, 7], [9, 10], [3, 4, 11, 12], [8]]
+params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+graph = [r.output_ids for r in engine.generate(prompts, params)]
+steps = engine.stats.graph_steps
+eager = Engine(loaded, EngineConfig(runner="eager", **config), device)
+print(json.dumps(dict(compiles, graph=graph, graph_steps=steps,
+                      eager=[r.output_ids for r in eager.generate(prompts, params)])))
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_engine_compiles_every_kernel_ahead_on_threads(llama_gqa_untied, tmp_path):
+    """From empty Triton and GEMV-tuner caches: while the engine sets up, every Triton
+    kernel compiles on the compile-ahead pool's threads and none on the main thread (the
+    warm-ups and captures find them all); the graphs then give the eager engine's tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"),
+               GRAPHRT_CACHE_DIR=str(tmp_path / "graphrt"))  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, str(llama_gqa_untied.path)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["ahead"] > 0 and result["setup"] == 0, result
+    assert result["graph_steps"] > 0
+    assert result["graph"] == result["eager"]
