@@ -8,6 +8,8 @@ forward of the same weights with its sdpa attention and ``logits_to_keep=1``. Me
 tokens a second and the ratio graphrt / transformers. Prints a table and writes JSON.
 
 Run on the device: python bench/prefill.py [--model random:llama-1b] [--lens 512,8192,32768]
+``--profile``: also where graphrt's prefill time goes at each length (torch.profiler:
+the kernels by device time, and the step's host time).
 """
 
 from __future__ import annotations
@@ -38,6 +40,23 @@ def timed(fn, device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def profile(name: str, n: int, fn, device, rows: int = 12) -> None:
+    """One run of ``fn`` under torch.profiler: its top kernels by device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        device.synchronize()
+    kernels = torch.autograd.DeviceType.CUDA
+    events = [e for e in prof.key_averages() if e.device_type == kernels]
+    events = sorted(events, key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events) / 1e3
+    print(f"-- {name} prefill of {n} tokens: kernels {total:.1f} ms of device time")
+    for e in events[:rows]:
+        print(f"   {e.device_time_total / 1e3:8.2f} ms {e.count:5d}x  {e.key[:90]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="random:llama-1b")
@@ -45,6 +64,7 @@ def main() -> None:
     parser.add_argument("--lens", default="512,8192,32768")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="kernels by device time")
     args = parser.parse_args()
     device = devices.current()
     dtype = getattr(torch, args.dtype)
@@ -71,6 +91,10 @@ def main() -> None:
                 hf(ids, logits_to_keep=1, use_cache=False)
 
         peer = timed(theirs, device, args.repeats)
+        if args.profile:
+            for name, fn in (("graphrt", lambda t=tokens: engine.generate([t], one)),
+                             ("transformers", theirs)):  # fmt: skip
+                profile(name, n, fn, device)
         rows.append(
             dict(prompt=n, graphrt_ms=ours * 1e3, transformers_ms=peer * 1e3,
                  graphrt_tok_s=n / ours, transformers_tok_s=n / peer, ratio=peer / ours)

@@ -42,12 +42,13 @@ from graphrt.devices.cuda.triton_decode import (
 )
 
 
-def _blocks(block_d: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps) for a padded head_dim: the q tile, the K and V tiles and
-    the float32 accumulator stay in registers and shared memory at Gemma 4's 256 and 512."""
+def _blocks(block_d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) for a padded head_dim: the q tile, the K and V
+    tiles and the float32 accumulator stay in registers and shared memory at Gemma 4's 256
+    and 512."""
     if block_d <= 128:
-        return 64, 64, 4
-    return (32, 32, 4) if block_d <= 256 else (16, 32, 8)
+        return 64, 64, 4, 3
+    return (32, 32, 4, 3) if block_d <= 256 else (16, 32, 8, 3)
 
 
 @triton.jit
@@ -61,7 +62,8 @@ def _extend_kernel(
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
-    m0 = tl.program_id(2) * BLOCK_M
+    # The last query blocks walk the most keys: they go first, so no long one starts last.
+    m0 = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
     # Meta rows (3, B): tokens before the chunk, the chunk's first row, its length.
     n_new = tl.load(Meta + 2 * num_reqs + b)
     if m0 < n_new:
@@ -143,7 +145,7 @@ def extend_attention(
     if num_tokens == 0:
         return
     block_d = max(MIN_DOT, triton.next_power_of_2(head_dim))
-    block_m, block_n, warps = _blocks(block_d)
+    block_m, block_n, warps, stages = _blocks(block_d)
     grid = (num_reqs, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, req_to_token, req_slots, meta, sm_scale,
@@ -154,5 +156,5 @@ def extend_attention(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, SLIDING=sliding_window is not None,
         DOT_PRECISION=dot_precision(k_buffer.dtype),
-        num_warps=warps,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
