@@ -314,6 +314,15 @@ def extend_results(triton_backend_cls) -> dict:
         naive = naive_extend(pools, q.view(-1, num_heads, head_dim), spec, batch)
         results[f"{case}/vs_reference"] = rel_err(out, ref)
         results[f"{case}/vs_naive"] = rel_err(out, naive)
+        # Chunks of 13 tokens and more sent to SDPA (a long prompt's path): the others
+        # still through the kernel in one launch; windowed layers keep the kernel for all.
+        split = triton_backend_cls(pools.kv_pool, pools.req_pool, sdpa_min_chunk=13)
+        routed = []
+        to_sdpa = split._extend_request
+        split._extend_request = lambda *a, log=routed, run=to_sdpa: (log.append(a[4]), run(*a))
+        mixed = run_decode(split, pools, q, k, v, spec, batch)
+        results[f"{case}/split_vs_naive"] = rel_err(mixed, naive)
+        results[f"{case}/split_routed"] = routed == ([2, 3] if window is None else [])
     # A step padded with 3 rows past its chunks (a device's prefill sizes), in a layer
     # that writes KV: the chunks' rows and stored K/V as unpadded, the padding rows zero.
     pad = 3
@@ -352,9 +361,10 @@ def test_decode_kernel_under_interpreter_matches_reference_and_naive():
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]
     assert not failed, failed
-    # Prefill: every request's chunk in one launch a layer (EXTEND_CASES x 3 checks).
+    # Prefill: every request's chunk in one launch a layer, and with long chunks sent to
+    # SDPA (EXTEND_CASES x 5 checks).
     extend = results["extend"]
-    assert len(extend) == 3 * len(EXTEND_CASES) + 3
+    assert len(extend) == 5 * len(EXTEND_CASES) + 3
     wrong = {
         name: value for name, value in extend.items()
         if value is not True and not (not isinstance(value, bool) and value < 1e-5)
@@ -391,10 +401,12 @@ CUDA_TOLERANCES = {
 @needs_triton
 @pytest.mark.parametrize("head_dim, window, group", [(128, None, 4), (256, 512, 8), (512, None, 8)])
 @pytest.mark.parametrize("dtype", list(CUDA_TOLERANCES), ids=str)
-def test_cuda_extend_matches_reference_and_naive(dtype, head_dim, window, group):
+@pytest.mark.parametrize("sdpa_min_chunk", [None, 500], ids=["default", "sdpa-from-500"])
+def test_cuda_extend_matches_reference_and_naive(dtype, head_dim, window, group, sdpa_min_chunk):
     """A prefill step at real sizes (Gemma 4's head dims and groups among them): whole
-    prompts, chunks after cached prefixes, one-token chunks, several BLOCK_M blocks."""
-    from graphrt.devices.cuda.attention import TritonAttentionBackend
+    prompts, chunks after cached prefixes, one-token chunks, several BLOCK_M blocks; and
+    with the chunks of 500 tokens and more sent to SDPA beside the kernel's."""
+    from graphrt.devices.cuda.attention import SDPA_MIN_CHUNK, TritonAttentionBackend
 
     num_kv_heads = 2
     chunks = [(0, 1000), (0, 37), (500, 1), (1200, 300), (5, 2100), (0, 1)]
@@ -402,9 +414,10 @@ def test_cuda_extend_matches_reference_and_naive(dtype, head_dim, window, group)
     batch = extend_batch(pools, chunks)
     spec = AttentionSpec(group * num_kv_heads, num_kv_heads, head_dim, head_dim**-0.5, 0, window)
     q, k, v = pools.qkv(batch.num_tokens, spec)
-    out = run_decode(
-        TritonAttentionBackend(pools.kv_pool, pools.req_pool), pools, q, k, v, spec, batch
+    backend = TritonAttentionBackend(
+        pools.kv_pool, pools.req_pool, sdpa_min_chunk=sdpa_min_chunk or SDPA_MIN_CHUNK
     )
+    out = run_decode(backend, pools, q, k, v, spec, batch)
     ref = run_decode(
         TorchAttentionBackend(pools.kv_pool, pools.req_pool), pools, q, k, v, spec, batch
     )

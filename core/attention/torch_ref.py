@@ -128,42 +128,51 @@ class TorchAttentionBackend(AttentionBackend):
         return out.transpose(1, 2).reshape(bs * n, spec.num_heads, spec.head_dim).to(q.dtype)
 
     def _extend(self, q: torch.Tensor, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
-        # One SDPA per request (prefill runs eager). Keys: the request's cached tokens
-        # this chunk can see (req_to_token), then its new tokens (out_cache_loc). No mask
-        # is built where causality implies it (see _causal): a prompt's chunks need no
-        # n x L mask, so a long prompt runs through SDPA's flash-class kernels. A sliding
-        # window reads only the keys inside it. Host lengths only: no syncs.
+        # One SDPA per request (prefill runs eager). Host lengths only: no syncs.
+        out = torch.empty_like(q)
+        start = 0
+        for i, n_new in enumerate(batch.extend_lens_cpu):
+            self._extend_request(q, out, spec, batch, i, start)
+            start += n_new
+        if start < out.shape[0]:  # padding rows past the chunks (a device's prefill sizes)
+            out[start:] = 0
+        return out
+
+    def _extend_request(
+        self, q: torch.Tensor, out: torch.Tensor, spec: AttentionSpec, batch: ForwardBatch,
+        i: int, start: int,
+    ) -> None:  # fmt: skip
+        """Request ``i``'s chunk (rows ``start`` on of q, (T, H, D)) into the same rows of
+        ``out``: one SDPA. Keys: the request's cached tokens this chunk can see
+        (req_to_token), then its new tokens (out_cache_loc). No mask is built where
+        causality implies it (see _causal): a prompt's chunks need no n x L mask, so a
+        long prompt runs through SDPA's flash-class kernels. A sliding window reads only
+        the keys inside it."""
         k_buf = self.kv_pool.k_buffers[spec.cache_index]
         v_buf = self.kv_pool.v_buffers[spec.cache_index]
         req_to_token = self.req_to_token_pool.req_to_token
         window = spec.sliding_window
         gqa = spec.num_heads != spec.num_kv_heads
-        out = torch.empty_like(q)
-        start = 0
-        for i, (prefix, n_new) in enumerate(zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)):
-            new = slice(start, start + n_new)
-            # The chunk's first query (position ``prefix``) sees keys past prefix - window.
-            first = 0 if window is None else max(0, prefix - window + 1)
-            slots = torch.cat(
-                [req_to_token[batch.req_pool_indices[i], first:prefix], batch.out_cache_loc[new]]
-            )  # (L,): positions first .. prefix + n_new - 1
-            key = k_buf[slots].transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
-            value = v_buf[slots].transpose(0, 1).unsqueeze(0)
-            q_i = q[new].transpose(0, 1).unsqueeze(0).to(key.dtype)  # (1, H, n, D)
-            if window is None:
-                o = _causal(q_i, key, value, spec.scaling, gqa)
-            else:
-                q_pos = batch.positions[new].unsqueeze(1)  # (n, 1)
-                k_pos = torch.cat([torch.arange(first, prefix, device=q.device), q_pos[:, 0]])
-                visible = (k_pos <= q_pos) & (k_pos > q_pos - window)  # (n, L)
-                o = F.scaled_dot_product_attention(
-                    q_i, key, value, attn_mask=visible, scale=spec.scaling, enable_gqa=gqa
-                )
-            out[new] = o[0].transpose(0, 1).to(q.dtype)
-            start += n_new
-        if start < out.shape[0]:  # padding rows past the chunks (a device's prefill sizes)
-            out[start:] = 0
-        return out
+        prefix, n_new = batch.prefix_lens_cpu[i], batch.extend_lens_cpu[i]
+        new = slice(start, start + n_new)
+        # The chunk's first query (position ``prefix``) sees keys past prefix - window.
+        first = 0 if window is None else max(0, prefix - window + 1)
+        slots = torch.cat(
+            [req_to_token[batch.req_pool_indices[i], first:prefix], batch.out_cache_loc[new]]
+        )  # (L,): positions first .. prefix + n_new - 1
+        key = k_buf[slots].transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
+        value = v_buf[slots].transpose(0, 1).unsqueeze(0)
+        q_i = q[new].transpose(0, 1).unsqueeze(0).to(key.dtype)  # (1, H, n, D)
+        if window is None:
+            o = _causal(q_i, key, value, spec.scaling, gqa)
+        else:
+            q_pos = batch.positions[new].unsqueeze(1)  # (n, 1)
+            k_pos = torch.cat([torch.arange(first, prefix, device=q.device), q_pos[:, 0]])
+            visible = (k_pos <= q_pos) & (k_pos > q_pos - window)  # (n, L)
+            o = F.scaled_dot_product_attention(
+                q_i, key, value, attn_mask=visible, scale=spec.scaling, enable_gqa=gqa
+            )
+        out[new] = o[0].transpose(0, 1).to(q.dtype)
 
 
 def _causal(

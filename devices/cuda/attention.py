@@ -8,7 +8,10 @@ and store nothing: it reads each row's live prefix only. TARGET_VERIFY stores
 the tree nodes' K/V, then runs ``triton_verify.tree_verify_attention`` (each
 node over its request's prefix plus its ancestors). EXTEND (prefill, eager)
 is ``triton_extend.extend_attention``: every request's chunk in one launch a layer,
-keys through the token table (the new K/V stored first).
+keys through the token table (the new K/V stored first). A chunk of ``SDPA_MIN_CHUNK``
+tokens or more in a full-attention layer goes to the reference's SDPA instead (cuDNN's
+flash kernel runs one long prompt 1.7x faster than the extend kernel); the choice
+depends on the request's own chunk, never on its neighbours.
 
 Scratch (the kernels' per-split partials) is shared by every layer of one
 (num_heads, head_dim, splits) and allocated on first use outside capture:
@@ -21,6 +24,7 @@ on the batch around it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 
 import torch
@@ -39,6 +43,12 @@ from graphrt.devices.cuda.triton_decode import (
 from graphrt.devices.cuda.triton_extend import extend_attention, extend_metadata
 from graphrt.devices.cuda.triton_verify import tree_verify_attention
 
+# Chunks this long (tokens) of full-attention layers run through SDPA, one call a request
+# (H200, bf16, bench/extend_blocks.py: SDPA 814 us a layer against the kernel's 1,402 at
+# 8,192 tokens; the kernel 62 against 181 at 512, where SDPA's dozen host-side ops a call
+# also count). Windowed layers keep the kernel: SDPA would need an n x L mask there.
+SDPA_MIN_CHUNK = 4096
+
 
 @dataclass
 class TritonAttentionMetadata(TorchAttentionMetadata):
@@ -51,14 +61,28 @@ class TritonAttentionMetadata(TorchAttentionMetadata):
     extend_meta: torch.Tensor | None = None
     max_extend_len: int = 0
     extend_tokens: int = 0
+    # Requests whose chunk full-attention layers send to SDPA, each chunk's first row,
+    # and the kernel's rows and longest chunk without them (no such request: the kernel
+    # takes every chunk).
+    sdpa_requests: tuple[int, ...] = ()
+    extend_starts_cpu: tuple[int, ...] = ()
+    extend_meta_rest: torch.Tensor | None = None
+    max_extend_len_rest: int = 0
 
 
 class TritonAttentionBackend(TorchAttentionBackend):
     name = "triton"
 
-    def __init__(self, kv_pool, req_to_token_pool, num_kv_splits: int = NUM_KV_SPLITS):
+    def __init__(
+        self,
+        kv_pool,
+        req_to_token_pool,
+        num_kv_splits: int = NUM_KV_SPLITS,
+        sdpa_min_chunk: int = SDPA_MIN_CHUNK,
+    ):
         super().__init__(kv_pool, req_to_token_pool)
         self.num_kv_splits = num_kv_splits  # a short row's; longer rows get more
+        self.sdpa_min_chunk = sdpa_min_chunk
         self._graph_bs = 0  # rows every scratch buffer holds once graphs are in use
         # (num_heads, head_dim, splits) -> (partial_out, partial_lse, partial_splits), shared
         # across layers.
@@ -79,6 +103,15 @@ class TritonAttentionBackend(TorchAttentionBackend):
             )
             meta.max_extend_len = max(batch.extend_lens_cpu)
             meta.extend_tokens = sum(batch.extend_lens_cpu)
+            lens = batch.extend_lens_cpu
+            meta.sdpa_requests = tuple(i for i, n in enumerate(lens) if n >= self.sdpa_min_chunk)
+            if meta.sdpa_requests:
+                meta.extend_starts_cpu = tuple(itertools.accumulate(lens, initial=0))[:-1]
+                meta.extend_meta_rest = extend_metadata(
+                    batch.prefix_lens_cpu, lens, batch.input_ids.device, meta.sdpa_requests
+                )
+                rest = [n for i, n in enumerate(lens) if i not in meta.sdpa_requests]
+                meta.max_extend_len_rest = max(rest, default=0)
 
     def init_graph_state(self, max_bs: int, max_tokens: int) -> None:
         super().init_graph_state(max_bs, max_tokens)
@@ -134,18 +167,27 @@ class TritonAttentionBackend(TorchAttentionBackend):
         out = torch.empty_like(q)
         meta = batch.attn_metadata
         if batch.mode is ForwardMode.EXTEND:
-            extend_attention(
-                q,
-                k_buffer,
-                v_buffer,
-                out,
-                self.req_to_token_pool.req_to_token,
-                meta.req_pool_indices,
-                meta.extend_meta,
-                meta.max_extend_len,
-                spec.scaling,
-                spec.sliding_window,
+            to_sdpa = meta.sdpa_requests if spec.sliding_window is None else ()
+            rows, longest = (
+                (meta.extend_meta_rest, meta.max_extend_len_rest)
+                if to_sdpa
+                else (meta.extend_meta, meta.max_extend_len)
             )
+            if longest:
+                extend_attention(
+                    q,
+                    k_buffer,
+                    v_buffer,
+                    out,
+                    self.req_to_token_pool.req_to_token,
+                    meta.req_pool_indices,
+                    rows,
+                    longest,
+                    spec.scaling,
+                    spec.sliding_window,
+                )
+            for i in to_sdpa:
+                self._extend_request(q, out, spec, batch, i, meta.extend_starts_cpu[i])
             if meta.extend_tokens < out.shape[0]:  # padding rows past the chunks
                 out[meta.extend_tokens :] = 0
         elif batch.mode is ForwardMode.TARGET_VERIFY:

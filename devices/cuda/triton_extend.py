@@ -21,12 +21,16 @@ programs past a shorter request's chunk do nothing. Host lengths only: no sync.
 Eager only (prefill is never captured): nothing here needs to be capture-safe, but the
 launch allocates nothing either (the caller owns ``out``).
 
-HAZARD (speed, unmeasured): the block sizes are untuned and the loop is not software-
-pipelined beyond Triton's default. A few long prompts (one 8k prompt: SDPA's flash kernel
-before this) may prefill slower than they did; `bash bench/h200.sh prefill` measures it.
+Speed (H200, bf16, llama-1b's 32 heads on 8, head_dim 64; bench/extend_blocks.py, us a
+layer): 40 prompts of 200 tokens 143 against SDPA's 3,433 (one call a request), one
+512-token prompt 62 against 181, but one 8,192-token prompt 1,402 against 814 (cuDNN's
+flash kernel). So the attention backend sends a long chunk (``SDPA_MIN_CHUNK``) of a
+full-attention layer to SDPA instead, request by request (devices/cuda/attention.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import torch
 import triton
@@ -46,8 +50,8 @@ def _blocks(block_d: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) for a padded head_dim: the q tile, the K and V
     tiles and the float32 accumulator stay in registers and shared memory at Gemma 4's 256
     and 512."""
-    if block_d <= 128:
-        return 64, 64, 4, 3
+    if block_d <= 128:  # bench/extend_blocks.py: the best of 6 at 512, 8k and 40 x 200 tokens
+        return 64, 32, 4, 3
     return (32, 32, 4, 3) if block_d <= 256 else (16, 32, 8, 3)
 
 
@@ -111,15 +115,20 @@ def _extend_kernel(
 
 
 def extend_metadata(
-    prefix_lens: list[int], extend_lens: list[int], device: torch.device
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    device: torch.device,
+    skip: Collection[int] = (),
 ) -> torch.Tensor:
     """The launch's per-request rows, one host-to-device copy a forward (not a layer):
-    (3, B) int32: tokens before the chunk, the chunk's first row, its length."""
+    (3, B) int32: tokens before the chunk, the chunk's first row, its length. Requests
+    in ``skip`` get length 0 (the kernel leaves their rows to another path)."""
     starts, row = [], 0
     for n in extend_lens:
         starts.append(row)
         row += n
-    return to_device([prefix_lens, starts, extend_lens], device, torch.int32)
+    lens = [0 if i in skip else n for i, n in enumerate(extend_lens)]
+    return to_device([prefix_lens, starts, lens], device, torch.int32)
 
 
 def extend_attention(
