@@ -46,15 +46,25 @@ def profile(name: str, n: int, fn, device, rows: int = 12) -> None:
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         fn()
         device.synchronize()
+        wall = (time.perf_counter() - start) * 1e3
     kernels = torch.autograd.DeviceType.CUDA
     events = [e for e in prof.key_averages() if e.device_type == kernels]
     events = sorted(events, key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in events) / 1e3
-    print(f"-- {name} prefill of {n} tokens: kernels {total:.1f} ms of device time")
+    print(f"-- {name} prefill of {n} tokens: {wall:.1f} ms wall (profiled), kernels "
+          f"{total:.1f} ms of device time")  # fmt: skip
     for e in events[:rows]:
         print(f"   {e.device_time_total / 1e3:8.2f} ms {e.count:5d}x  {e.key[:90]}")
+    host = sorted(
+        (e for e in prof.key_averages() if e.device_type != kernels),
+        key=lambda e: -e.self_cpu_time_total,
+    )
+    print("   host ops by self CPU time:")
+    for e in host[:rows]:
+        print(f"   {e.self_cpu_time_total / 1e3:8.2f} ms {e.count:5d}x  {e.key[:90]}")
 
 
 def main() -> None:

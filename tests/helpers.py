@@ -209,6 +209,28 @@ def hf_greedy(
     return out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits]
 
 
+def exact_interpreter_dots() -> None:
+    """Make the Triton interpreter's float32 ``tl.dot`` sum in float64, then round: the
+    same bits for a row whatever the rows beside it. The interpreter's dots are numpy
+    matmuls, and OpenBLAS's float32 kernels give a row other bits at other row counts on
+    some CPUs and builds (numpy 2.4.6 with OPENBLAS_CORETYPE=Haswell: 2 rows against 8),
+    so a width-invariance check would test the BLAS, not the kernel's schedule. The
+    online softmax and the split combine stay float32: a schedule that differs still
+    shows. Call it in the interpreter's subprocess, before any kernel runs."""
+    import numpy as np
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    plain = InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if not (a.data.dtype == b.data.dtype == d.data.dtype == np.float32):
+            return plain(self, a, b, d, input_precision, max_num_imprecise_acc)
+        exact = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64))
+        return TensorHandle(exact.astype(np.float32) + d.data, d.dtype.scalar)
+
+    InterpreterBuilder.create_dot = create_dot
+
+
 def run_under_triton_interpreter(test_file: str) -> Any:
     """Run ``test_file`` as a script with TRITON_INTERPRET=1 and return the JSON it prints last.
 
