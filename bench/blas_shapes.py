@@ -2,8 +2,9 @@
 
 cuBLAS picks a kernel for each new (M, N, K) and dtype: on the H200 (torch 2.11) a
 bfloat16 ``linear`` with a new M took 0.65-0.86 ms of host time, a repeated one 0.015 ms.
-Each prefill step has a new token count M, so this cost comes once a matmul (why
-``Device.prefill_sizes_per_octave`` pads prefill steps to a few sizes).
+Each prefill step has a new token count M, so this cost comes once a matmul. (Padding
+prefill steps to 8 sizes an octave was tried against it on the H200 and served slower:
+BENCHMARKS.md, "Serving".)
 
     python bench/blas_shapes.py [--calls 200] [--out blas.json]
 """

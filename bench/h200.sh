@@ -23,8 +23,6 @@
 #   bash bench/h200.sh reliability [steps]: capture under a memory cap, differential, soak
 #   bash bench/h200.sh soakspec [steps]: differential and soak with speculative rounds
 #   bash bench/h200.sh lanes [steps]: the CUDA lane beside capture_oom and soakspec (one call)
-#   bash bench/h200.sh servepad [requests] [pair,llama-1b] [16,64]: serve load with prefill
-#     padding off, then on (one machine start)
 #   bash bench/h200.sh prefill [lengths]: prefill tokens/s against transformers (bench/prefill.py)
 #   bash bench/h200.sh tp [batch sizes|-]: all-reduce micro-bench, random:llama-8b decode at TP=1
 #     and (with 2 GPUs) TP=2 over each all-reduce
@@ -154,29 +152,6 @@ if [[ $what == serve ]]; then
             --step-trace "$OUT/serve-trace-$model.json" 2>&1 | grep -v Warning \
             | tee "$OUT/serve-load-$model.log" | tail -n 6
         python bench/step_trace.py "$OUT/serve-trace-$model.json" | tee "$OUT/serve-trace-$model.txt"
-    done
-fi
-
-if [[ $what == servepad ]]; then
-    # Prefill padding (Device.prefill_sizes_per_octave) off and on, side by side in one
-    # machine start: the servers (subprocesses) take the setting from a sitecustomize.py
-    # on their path. $2: requests a client count, $3: models, $4: client counts.
-    for sizes in None 8; do
-        pad=$(mktemp -d)
-        printf 'import graphrt.devices.cuda as c\nc.CudaDevice.prefill_sizes_per_octave = %s\n' \
-            "$sizes" > "$pad/sitecustomize.py"
-        for model in $(echo "${3:-pair,llama-1b}" | tr , ' '); do
-            case $model in
-                pair) flags=(--code-prompts --) ;;
-                *) flags=(-- --model "random:$model" --dtype bfloat16) ;;
-            esac
-            PYTHONPATH="$pad:$PYTHONPATH" python bench/serve_load.py --clients "${4:-16,64}" \
-                --requests "${2:-64}" --client-procs 4 \
-                --out "$OUT/serve-load-$model-pad$sizes.json" "${flags[@]}" --max-running-requests 64 \
-                --step-trace "$OUT/serve-trace-$model-pad$sizes.json" 2>&1 | grep -v Warning \
-                | grep -A3 "^clients"
-            python bench/step_trace.py "$OUT/serve-trace-$model-pad$sizes.json" | grep -E "^\| prefill"
-        done
     done
 fi
 

@@ -52,12 +52,6 @@ class Device(abc.ABC):
     """The share of free memory (weights loaded) the KV pool takes by default, the context
     then defaulting to the model's (core/engine/kv_plan.py); None: a fixed 1 GiB pool and
     a context of at most 4096 tokens."""
-    prefill_sizes_per_octave: ClassVar[int | None] = None
-    """Prefill steps pad their token count up to one of this many sizes an octave
-    (``buckets.padded_token_count``), so a server's prefills repeat a few matmul shapes:
-    where the BLAS library picks a kernel for every new shape (cuBLAS: 0.65 ms of host
-    time a bfloat16 call on the H200, 0.015 ms for a shape seen before). None: exact
-    token counts."""
     index: int | None = None
     """Which of the host's devices this process drives (``bind_local_rank``); None: the
     current one."""

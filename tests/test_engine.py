@@ -137,44 +137,6 @@ def test_requests_wait_for_kv_and_match_running_alone(loaded):
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-def test_prefill_padded_to_the_devices_sizes_gives_the_same_tokens(loaded, monkeypatch):
-    """A device with prefill sizes (CUDA: cuBLAS picks a kernel a new matmul shape) pads
-    each prefill step's tokens with rows nothing attends to or reads: whole prompts and
-    chunks after a prefix give the same tokens and logits, and the KV in use stays the
-    requests' own."""
-    from graphrt.devices.cpu import CpuDevice
-
-    class PaddedCpu(CpuDevice):
-        prefill_sizes_per_octave = 8
-
-    prompts = random_prompts(LENS, seed=23)
-    params = dataclasses.replace(GREEDY, return_logits=True)
-    shapes = []
-    engine = _engine(loaded, device=PaddedCpu(), max_prefill_tokens=19)  # chunks of 19
-    build = engine._prefill_batch
-    monkeypatch.setattr(
-        engine, "_prefill_batch",
-        lambda chunks: shapes.append((b := build(chunks)).num_tokens - sum(b.extend_lens_cpu)) or b,
-    )  # fmt: skip
-    padded = _run(engine, prompts, params)
-    _assert_idle(engine)
-    assert any(shapes) and all(0 <= s < 16 for s in shapes)  # padded, to sizes of 16 or more
-    plain = _engine(loaded, max_prefill_tokens=19).generate(prompts, params)
-    for ours, theirs in zip(padded, plain):
-        assert ours.output_ids == theirs.output_ids
-        for a, b in zip(ours.output_logits, theirs.output_logits):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-def test_padded_token_counts_take_few_sizes_and_pad_little():
-    from graphrt.core.runners.buckets import padded_token_count
-
-    sizes = {padded_token_count(n, 8) for n in range(1, 8193)}
-    assert len(sizes) == 1 + 8 * 9  # 16, then 8 an octave from 16 to 8,192
-    assert all(n <= padded_token_count(n, 8) <= max(16, n * 1.125) for n in range(1, 8193))
-    assert padded_token_count(1000, None) == 1000
-
-
 def test_max_running_requests_respected(loaded):
     prompts = random_prompts((4, 7, 3, 9, 6), seed=23)
     engine = _engine(loaded, max_running_requests=2)

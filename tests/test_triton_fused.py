@@ -22,6 +22,7 @@ and graph replay against eager, bitwise.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -403,6 +404,35 @@ def test_the_tuners_choices_survive_the_process_on_disk(tmp_path):
     unwritable = GemvTuner()
     unwritable.use_cache(blocked / "cache.json")  # its parent is a file: cannot be made
     unwritable.remember(key, candidates[1], candidates)  # no error: the choice stays in the process
+
+
+@needs_triton
+def test_shipped_choices_serve_a_fresh_machine_after_its_own(tmp_path):
+    """A card's shipped choices (devices/cuda/gemv_choices) answer where the machine's own
+    cache has none, under the same candidates only; its own cache answers first. The
+    shipped H200 file holds configurations this code can build."""
+    pytest.importorskip("triton")
+    from graphrt.devices.cuda.gemv_tuner import CUBLAS, GemvTuner, _disk_key, shipped_path
+    from graphrt.devices.cuda.triton_gemv import GemvConfig, configs_for
+
+    candidates = (CUBLAS, *configs_for(1))
+    key = ("linear", "1", 2048, 2048, torch.bfloat16, False, True, False)
+    other = ("linear", "1", 4096, 2048, torch.bfloat16, False, True, False)
+    shipped = tmp_path / "shipped.json"
+    choice = dataclasses.asdict(candidates[2])
+    shipped.write_text(json.dumps({_disk_key(key, candidates): choice,
+                                   _disk_key(other, candidates): None}))  # fmt: skip
+    fresh = GemvTuner()
+    fresh.use_cache(tmp_path / "own.json", shipped)
+    assert fresh.recall(key, candidates) == candidates[2]
+    assert fresh.recall(other, candidates) is CUBLAS
+    assert fresh.recall(key, (CUBLAS, candidates[1])) == "unset"  # timed among others
+    fresh.remember(key, candidates[1], candidates)  # timed here: its own file wins
+    again = GemvTuner()
+    again.use_cache(tmp_path / "own.json", shipped)
+    assert again.recall(key, candidates) == candidates[1]
+    h200 = json.loads(shipped_path("NVIDIA H200").read_text())
+    assert h200 and all(v is None or GemvConfig(**v) for v in h200.values())
 
 
 def test_non_decode_matmuls_stay_with_torch():

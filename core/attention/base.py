@@ -92,8 +92,4 @@ class AttentionBackend(abc.ABC):
         spec: AttentionSpec,
         batch: ForwardBatch,
     ) -> torch.Tensor:  # (T, H * D)
-        """Store this layer's new K/V (if it writes KV), then attend over the cache.
-
-        An EXTEND batch may end in padding rows past its chunks' tokens (a device's
-        prefill sizes, ``Device.prefill_sizes_per_octave``): their K/V go to the padding
-        slot, and their output rows must be zero (no request's, never read)."""
+        """Store this layer's new K/V (if it writes KV), then attend over the cache."""

@@ -134,8 +134,6 @@ class TorchAttentionBackend(AttentionBackend):
         for i, n_new in enumerate(batch.extend_lens_cpu):
             self._extend_request(q, out, spec, batch, i, start)
             start += n_new
-        if start < out.shape[0]:  # padding rows past the chunks (a device's prefill sizes)
-            out[start:] = 0
         return out
 
     def _extend_request(

@@ -641,9 +641,7 @@ class Engine:
         return prefill_chunks(self.prefilling, self.config.max_prefill_tokens)
 
     def _prefill_batch(self, chunks: list[Chunk]) -> ForwardBatch:
-        return prefill_batch(
-            self.ledger, chunks, self.torch_device, self.device.prefill_sizes_per_octave
-        )
+        return prefill_batch(self.ledger, chunks, self.torch_device)
 
     def _append_token(self, req: Request, token: int) -> None:
         req.output_ids.append(token)

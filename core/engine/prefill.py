@@ -10,8 +10,6 @@ from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.engine.ledger import Ledger
 from graphrt.core.engine.request import Request
 from graphrt.core.host import to_device
-from graphrt.core.memory import PADDING_SLOT
-from graphrt.core.runners.buckets import padded_token_count
 
 Chunk = tuple[Request, int]  # a request and how many of its prompt tokens this step takes
 
@@ -30,12 +28,9 @@ def prefill_chunks(prefilling: Sequence[Request], budget: int) -> list[Chunk]:
     return chunks
 
 
-def prefill_batch(
-    ledger: Ledger, chunks: list[Chunk], device: torch.device, sizes_per_octave: int | None
-) -> ForwardBatch:
+def prefill_batch(ledger: Ledger, chunks: list[Chunk], device: torch.device) -> ForwardBatch:
     """The EXTEND batch of ``chunks``, their slots placed in the token table (each
-    request's ``kv_len`` moves on), padded to one of ``sizes_per_octave`` token counts
-    an octave (``Device.prefill_sizes_per_octave``; None: exact)."""
+    request's ``kv_len`` moves on)."""
     reqs = [req for req, _ in chunks]
     starts = [req.kv_len for req in reqs]  # tokens already in the cache
     lens = [n for _, n in chunks]
@@ -44,15 +39,8 @@ def prefill_batch(
     # Logits only where a prompt ends: rows of the requests this chunk completes.
     last_rows = torch.tensor(lens).cumsum(0) - 1
     done = [end == len(req.prompt_ids) for req, end in zip(reqs, ends)]
-    # Padding rows past the chunks: token 0 at position 0, stored in the padding slot,
-    # attended by nothing, their outputs never read.
-    pad = padded_token_count(sum(lens), sizes_per_octave) - sum(lens)
     ids = [t for req, a, b in zip(reqs, starts, ends) for t in req.prompt_ids[a:b]]
     positions = torch.cat([torch.arange(a, b) for a, b in zip(starts, ends)])
-    if pad:
-        locs = torch.cat([locs, torch.full((pad,), PADDING_SLOT, device=device)])
-        ids += [0] * pad
-        positions = torch.cat([positions, torch.zeros(pad, dtype=positions.dtype)])
     return ForwardBatch(
         mode=ForwardMode.EXTEND,
         input_ids=to_device(ids, device),

@@ -35,19 +35,3 @@ def pad_to_bucket(n: int, buckets: tuple[int, ...], padding: bool = True) -> int
         return n if n in buckets else None
     i = bisect.bisect_left(buckets, n)
     return buckets[i] if i < len(buckets) else None
-
-
-MIN_PADDED_TOKENS = 16
-
-
-def padded_token_count(n: int, sizes_per_octave: int | None) -> int:
-    """A prefill of ``n`` tokens padded up to one of ``sizes_per_octave`` sizes between
-    each power of two and the next (at least MIN_PADDED_TOKENS): 8 an octave pads by at
-    most 12.5%, and up to 8,192 tokens take one of 73 sizes. None: ``n`` itself."""
-    if sizes_per_octave is None:
-        return n
-    if n <= MIN_PADDED_TOKENS:
-        return MIN_PADDED_TOKENS
-    octave = 1 << ((n - 1).bit_length() - 1)  # the largest power of two below n
-    step = max(1, octave // sizes_per_octave)
-    return -(-n // step) * step

@@ -18,9 +18,6 @@ class CudaDevice(Device):
     # Of the memory free once the weights are loaded: the rest (15%) holds activations,
     # the graphs' intermediates, cuBLAS and Triton workspaces and the allocator's slack.
     kv_memory_fraction = 0.85
-    # None until measured on the H200: 8 an octave (at most 12.5% padding) is what the
-    # cuBLAS cost (base.py) asks for; the stop that built it had no device time left.
-    prefill_sizes_per_octave = None
 
     def is_available(self) -> bool:
         try:

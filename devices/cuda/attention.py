@@ -60,7 +60,6 @@ class TritonAttentionMetadata(TorchAttentionMetadata):
     # tokens (host; rows past them pad the step to a device's prefill size).
     extend_meta: torch.Tensor | None = None
     max_extend_len: int = 0
-    extend_tokens: int = 0
     # Requests whose chunk full-attention layers send to SDPA, each chunk's first row,
     # and the kernel's rows and longest chunk without them (no such request: the kernel
     # takes every chunk).
@@ -102,7 +101,6 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 batch.prefix_lens_cpu, batch.extend_lens_cpu, batch.input_ids.device
             )
             meta.max_extend_len = max(batch.extend_lens_cpu)
-            meta.extend_tokens = sum(batch.extend_lens_cpu)
             lens = batch.extend_lens_cpu
             meta.sdpa_requests = tuple(i for i, n in enumerate(lens) if n >= self.sdpa_min_chunk)
             if meta.sdpa_requests:
@@ -188,8 +186,6 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 )
             for i in to_sdpa:
                 self._extend_request(q, out, spec, batch, i, meta.extend_starts_cpu[i])
-            if meta.extend_tokens < out.shape[0]:  # padding rows past the chunks
-                out[meta.extend_tokens :] = 0
         elif batch.mode is ForwardMode.TARGET_VERIFY:
             # Decode's splits and blocks: a node's output equals decode's for that token.
             scratch = self._scratch_for(spec.num_heads, spec.head_dim, self._splits(spec), q)

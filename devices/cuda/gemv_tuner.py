@@ -62,6 +62,17 @@ Run = Callable[[GemvConfig | None, torch.Tensor], object]
 CACHE_DIR_ENV = "GRAPHRT_CACHE_DIR"
 
 
+# Choices timed on a card and shipped with graphrt, one JSON file per card name (the cache
+# file's format; a card's `bash bench/h200.sh cold` writes one): a fresh machine takes
+# them instead of timing, whatever its torch and triton (a choice is a configuration,
+# valid on any version; only its speed may differ). Its own cache file comes first.
+SHIPPED_DIR = Path(__file__).parent / "gemv_choices"
+
+
+def shipped_path(device_name: str) -> Path:
+    return SHIPPED_DIR / (re.sub(r"[^A-Za-z0-9._+-]+", "_", device_name) + ".json")
+
+
 def cache_path(device_name: str) -> Path:
     """The file of one card's choices under this torch and triton."""
     import triton
@@ -80,6 +91,17 @@ def _disk_key(key: Hashable, candidates) -> str:
     return f"{key!r} among {among}"
 
 
+def _read_choices(path: Path | None) -> dict:
+    """A choices file's entries; {} for none, or one that cannot be read (time anew)."""
+    if path is None:
+        return {}
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
 class GemvTuner:
     def __init__(self) -> None:
         self._choices: dict[Hashable, GemvConfig | None] = {}
@@ -95,6 +117,7 @@ class GemvTuner:
         # _disk_key(key, candidates) -> the choice's fields (None: cuBLAS)
         self._disk: dict[str, dict | None] | None = None
         self._disk_path: Path | None = None
+        self._shipped: dict[str, dict | None] = {}  # the same, shipped for this card
 
     def choose(
         self,
@@ -120,7 +143,8 @@ class GemvTuner:
             )
         else:
             if self._disk is None:
-                self.use_cache(cache_path(torch.cuda.get_device_name(weight.device)))
+                name = torch.cuda.get_device_name(weight.device)
+                self.use_cache(cache_path(name), shipped_path(name))
             choice = self.recall(key, candidates)
             if choice == "unset" and compile_ahead.dry():
                 # A dry run (compile_ahead): compile every candidate, time none; the
@@ -137,24 +161,23 @@ class GemvTuner:
 
     # ---- the disk cache ------------------------------------------------------------
 
-    def use_cache(self, path: Path) -> None:
-        """Recall choices from the cache file ``path`` and add new ones to it."""
-        self._disk_path, self._disk = path, {}
-        try:
-            loaded = json.loads(path.read_text())
-        except (OSError, ValueError):  # none yet, or unreadable: time as if new
-            return
-        if isinstance(loaded, dict):
-            self._disk = loaded
+    def use_cache(self, path: Path, shipped: Path | None = None) -> None:
+        """Recall choices from the cache file ``path`` and add new ones to it; where it
+        has none for a shape, take the ``shipped`` file's (read only)."""
+        self._disk_path = path
+        self._disk, self._shipped = _read_choices(path), _read_choices(shipped)
 
     def recall(self, key: Hashable, candidates) -> GemvConfig | None | str:
         """The cached choice for ``key``, if it was timed among these same ``candidates``,
         else "unset" (a release that offers more candidates, split-K tiles say, times the
         shape again instead of keeping a choice made without them)."""
         entry = _disk_key(key, candidates)
-        if not self._disk or entry not in self._disk:
-            return "unset"
-        fields = self._disk[entry]
+        found = self._disk or {}
+        if entry not in found:
+            found = self._shipped
+            if entry not in found:
+                return "unset"
+        fields = found[entry]
         try:
             choice = None if fields is None else GemvConfig(**fields)
         except TypeError:  # written by another version of the code
