@@ -450,8 +450,8 @@ class Engine:
         vocab = self.loaded.model.vocab_size
         if not prompt_ids:
             raise RequestError("empty prompt: a request needs at least one token")
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # C speed; then which one
+            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
             raise RequestError(f"token id {bad} is outside the vocabulary (size {vocab})")
         if len(prompt_ids) > self.max_context_len:
             model_max = self.loaded.model.max_context_len

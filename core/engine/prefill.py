@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -39,7 +40,9 @@ def prefill_batch(ledger: Ledger, chunks: list[Chunk], device: torch.device) -> 
     # Logits only where a prompt ends: rows of the requests this chunk completes.
     last_rows = torch.tensor(lens).cumsum(0) - 1
     done = [end == len(req.prompt_ids) for req, end in zip(reqs, ends)]
-    ids = [t for req, a, b in zip(reqs, starts, ends) for t in req.prompt_ids[a:b]]
+    ids = list(itertools.chain.from_iterable(  # slices at C speed, not a loop a token
+        req.prompt_ids[a:b] for req, a, b in zip(reqs, starts, ends)
+    ))  # fmt: skip
     positions = torch.cat([torch.arange(a, b) for a, b in zip(starts, ends)])
     return ForwardBatch(
         mode=ForwardMode.EXTEND,

@@ -59,6 +59,8 @@ def token_ids(prompt: Iterable) -> list[int]:
         ids = list(prompt)
     except TypeError:
         raise RequestError(f"a prompt is a sequence of token ids, got {prompt!r}") from None
+    if set(map(type, ids)) <= {int}:  # plain ints (bool is a subclass, not int itself)
+        return ids  # at C speed: the check below took 14 ms for an 8k-token prompt
     for i, t in enumerate(ids):
         if not is_int(t):
             raise RequestError(
