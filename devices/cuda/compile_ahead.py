@@ -64,13 +64,17 @@ def _launches_compile_only() -> Iterator[None]:
 def compile_ahead(runs: Iterable[Callable[[], Any]], threads: int | None = None) -> int:
     """Run each of ``runs`` dry, compiling its Triton kernels on ``threads`` threads
     (default: the CPUs this process may use, at most 32); -> how many compiles were
-    queued. Without Triton's async compile mode (triton < 3.4) the runs are skipped:
-    the warm-ups then compile one kernel at a time, as before."""
+    queued. Without Triton's async compile mode (triton < 3.4), or inside another
+    caller's, the runs are skipped: the warm-ups then compile one kernel at a time."""
     try:
-        from triton.runtime._async_compile import AsyncCompileMode
+        from triton.runtime._async_compile import AsyncCompileMode, active_mode
     except ImportError:
         return 0
-    threads = threads or min(32, len(os.sched_getaffinity(0)))
+    if active_mode.get() is not None:  # someone else's (torch.compile's): theirs stays
+        return 0
+    if threads is None:
+        usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        threads = min(32, len(usable) if usable else os.cpu_count() or 1)
     start = time.perf_counter()
     with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool:
         mode = AsyncCompileMode(pool)
