@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CPU, cpu_engine, standin_device
+from helpers import CPU, HAS_TRITON, cpu_engine, standin_device
 
 from graphrt.core.engine import SamplingParams
 from graphrt.core.models import load_model
@@ -169,3 +169,33 @@ def test_cuda_engine_compiles_every_kernel_ahead_on_threads(llama_gqa_untied, tm
     assert result["ahead"] > 0 and result["setup"] == 0, result
     assert result["graph_steps"] > 0
     assert result["graph"] == result["eager"]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_compile_ahead_runs_each_dry_and_restores_launches(caplog):
+    """compile_ahead calls each run once with launches compile-only (dry() is True), puts
+    Triton's launch back after, stops at a failing run with one warning instead of failing
+    the engine, and runs nothing inside another caller's async compile mode."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime._async_compile import AsyncCompileMode
+    from triton.runtime.jit import JITFunction
+
+    from graphrt.devices.cuda import compile_ahead as ahead
+
+    launch = JITFunction.run
+    seen = []
+
+    def run(i):
+        seen.append((i, ahead.dry(), JITFunction.run is not launch))
+        if i == 2:
+            raise RuntimeError("a forward that cannot run dry")
+
+    assert ahead.compile_ahead((lambda i=i: run(i)) for i in range(4)) == 0  # nothing queued
+    assert seen == [(0, True, True), (1, True, True), (2, True, True)]  # stopped at 2
+    assert "compiling ahead stopped" in caplog.text
+    assert JITFunction.run is launch and not ahead.dry()
+    seen.clear()
+    with ThreadPoolExecutor(1) as pool, AsyncCompileMode(pool):
+        assert ahead.compile_ahead([lambda: run(0)]) == 0
+    assert seen == []
