@@ -190,6 +190,27 @@ def mistral_swa(tmp_path_factory) -> Checkpoint:
     return _save(tmp_path_factory, "mistral_swa", cfg, seed=5)
 
 
+# Long-context twins (issue 21: parity at a 2k-token prompt): the tiny shapes with room
+# for 4,096 positions; Llama with its llama3 rope scaling, Mistral with a 512-token window.
+LONG = {**TINY, "max_position_embeddings": 4096}
+
+
+@pytest.fixture(scope="session")
+def llama_long(tmp_path_factory) -> Checkpoint:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**LONG, tie_word_embeddings=False, rope_scaling=dict(LLAMA3_ROPE))
+    return _save(tmp_path_factory, "llama_long", cfg, seed=41)
+
+
+@pytest.fixture(scope="session")
+def mistral_long(tmp_path_factory) -> Checkpoint:
+    from transformers import MistralConfig
+
+    cfg = MistralConfig(**LONG, sliding_window=512, tie_word_embeddings=False)
+    return _save(tmp_path_factory, "mistral_long", cfg, seed=42)
+
+
 @pytest.fixture(scope="session")
 def llama_sharded(tmp_path_factory) -> Checkpoint:
     from transformers import LlamaConfig

@@ -190,3 +190,25 @@ def test_prompts_longer_than_a_prefill_step_prefill_in_chunks(name, request):
     longest = max(reqs, key=lambda r: len(r.prompt_ids))
     assert sum(any(rid == longest.rid for rid, _ in step) for step in chunks) >= 6
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
+
+
+@pytest.mark.parametrize("name", ["llama_long", "mistral_long"])
+@pytest.mark.parametrize("prefill_step", [8192, 512], ids=["one-step", "chunks-of-512"])
+def test_a_2k_token_prompt_decodes_as_transformers(name, prefill_step, request):
+    """A 2,048-token prompt (issue 21), prefilled in one step or in four chunks of 512
+    (Mistral's 512-token window then reaches back across chunks): transformers' greedy
+    tokens, and logits within 1e-4, for 8 steps."""
+    ckpt = request.getfixturevalue(name)
+    loaded = load_model(str(ckpt.path), CPU, torch.float32)
+    (prompt,) = random_prompts([2048], seed=43)
+    engine = cpu_engine(loaded, max_context_len=2100, max_prefill_tokens=prefill_step)
+    steps = []
+    real_batch = engine._prefill_batch
+    engine._prefill_batch = lambda chunks: (steps.append(chunks), real_batch(chunks))[1]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, return_logits=True)
+    (req,) = engine.generate([prompt], params)
+    hf_tokens, hf_logits = hf_greedy(ckpt.hf, prompt, 8)
+    assert req.output_ids == hf_tokens
+    for step, (ours, theirs) in enumerate(zip(req.output_logits, hf_logits)):
+        assert rel_err(ours, theirs) < RTOL, f"step {step}"
+    assert len(steps) == -(-2048 // prefill_step)
