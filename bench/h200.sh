@@ -23,7 +23,8 @@
 #   bash bench/h200.sh reliability [steps]: capture under a memory cap, differential, soak
 #   bash bench/h200.sh soakspec [steps]: differential and soak with speculative rounds
 #   bash bench/h200.sh lanes [steps]: the CUDA lane beside capture_oom and soakspec (one call)
-#   bash bench/h200.sh prefill [lengths]: prefill tokens/s against transformers (bench/prefill.py)
+#   bash bench/h200.sh prefill [lengths] [profile]: prefill tokens/s against transformers
+#     (bench/prefill.py; profile: where each length's time goes, in $OUT/prefill.log)
 #   bash bench/h200.sh tp [batch sizes|-]: all-reduce micro-bench, random:llama-8b decode at TP=1
 #     and (with 2 GPUs) TP=2 over each all-reduce
 #   bash bench/h200.sh tptests: the tensor-parallel CUDA tests
@@ -190,9 +191,12 @@ if [[ $what == cold ]]; then
 fi
 
 if [[ $what == prefill ]]; then
-    # Issue 21: prefill tokens/s against transformers on the same weights ($2: lengths).
-    python bench/prefill.py --model random:llama-1b --lens "${2:-512,8192,32768}" \
-        --out "$OUT/prefill.json" 2>&1 | grep -v Warning | tail -n 8
+    # Issue 21: prefill tokens/s against transformers on the same weights ($2: lengths;
+    # $3 = profile: also each length's kernels by device time and host ops, in the log).
+    python bench/prefill.py --model random:llama-1b --lens "${2:-512,2048,8192,32768}" \
+        --out "$OUT/prefill.json" ${3:+--profile} 2>&1 | grep -v "Warn\|USDT\|warn_once" \
+        > "$OUT/prefill.log"
+    grep -E "^ +[0-9]+ graphrt" "$OUT/prefill.log"
 fi
 
 if [[ $what == profile ]]; then
