@@ -25,7 +25,7 @@ import time
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cold", action="store_true", help="start from empty caches")
-    parser.add_argument("--prompt", default="def fibonacci(n):")
+    parser.add_argument("--prompt", default="def fibonacci(n):", help='"": none (--prompt-ids)')
     parser.add_argument("generate_args", nargs="*", help="more `graphrt generate` flags")
     args = parser.parse_args()
     if args.cold:
@@ -49,8 +49,9 @@ def main() -> int:
     # Triton's JIT looks `compile` up in triton.compiler when a kernel first runs.
     compile_s: collections.Counter = collections.Counter()
     compile_n: collections.Counter = collections.Counter()
-    # compile seconds inside each phase ("both": tuning within a capture's warm-up)
-    inner = {"tuner": 0.0, "capture": 0.0, "both": 0.0}
+    # Main-thread compile seconds inside each phase ("both": tuning within a capture's
+    # warm-up); compiles on other threads are compiling ahead's, side by side.
+    inner: collections.Counter = collections.Counter()
     phases: list[str] = []  # the phases running now, innermost last (tuning runs inside capture)
     real_compile = triton.compiler.compile
 
@@ -64,7 +65,7 @@ def main() -> int:
             compile_s[name] += dt
             compile_n[name] += 1
             if threading.current_thread() is not threading.main_thread():
-                ahead["thread_s"] += dt  # compiling ahead, side by side
+                inner["threads"] += dt
             else:
                 for running in set(phases):
                     inner[running] += dt
@@ -73,56 +74,37 @@ def main() -> int:
 
     triton.compiler.compile = timed_compile
 
-    tuner = {"s": 0.0, "n": 0, "in_capture": 0.0}  # in_capture: tuning seconds within captures
-    real_time = gemv_tuner.GemvTuner._time
+    def time_calls(owner, name: str, phase: str) -> collections.Counter:
+        """Wraps ``owner.name``: -> its calls' seconds ("s"), count ("n") and seconds
+        inside a capture ("in_capture"); ``phase`` is on the stack while one runs."""
+        totals: collections.Counter = collections.Counter()
+        real = getattr(owner, name)
 
-    def timed_tuning(self, *a, **k):
-        phases.append("tuner")
-        t = time.perf_counter()
-        try:
-            return real_time(self, *a, **k)
-        finally:
-            phases.pop()
-            dt = time.perf_counter() - t
-            tuner["s"] += dt
-            tuner["n"] += 1
-            if "capture" in phases:
-                tuner["in_capture"] += dt
+        def timed(*a, **k):
+            phases.append(phase)
+            t = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                phases.pop()
+                dt = time.perf_counter() - t
+                totals["s"] += dt
+                totals["n"] += 1
+                if "capture" in phases:
+                    totals["in_capture"] += dt
 
-    gemv_tuner.GemvTuner._time = timed_tuning
+        setattr(owner, name, timed)
+        return totals
 
-    # Compiling ahead: its wall time; its compiles run on pool threads, side by side.
-    ahead = {"s": 0.0, "thread_s": 0.0}
-    real_ahead = compile_ahead.compile_ahead
-
-    def timed_ahead(*a, **k):
-        t = time.perf_counter()
-        try:
-            return real_ahead(*a, **k)
-        finally:
-            ahead["s"] += time.perf_counter() - t
-
-    compile_ahead.compile_ahead = timed_ahead
-
-    captures = {"s": 0.0, "n": 0}
-    real_capture = GraphRunner.capture
-
-    def timed_capture(self, *a, **k):
-        phases.append("capture")
-        t = time.perf_counter()
-        try:
-            return real_capture(self, *a, **k)
-        finally:
-            captures["s"] += time.perf_counter() - t
-            captures["n"] += 1
-            phases.pop()
-
-    GraphRunner.capture = timed_capture
+    tuner = time_calls(gemv_tuner.GemvTuner, "_time", "tuner")
+    ahead = time_calls(compile_ahead, "compile_ahead", "ahead")  # its compiles: on threads
+    captures = time_calls(GraphRunner, "capture", "capture")
 
     run_start = time.perf_counter()
-    rc = cli_main(["generate", "--prompt", args.prompt, *args.generate_args])
+    prompt = ["--prompt", args.prompt] if args.prompt else []  # "": --prompt-ids given
+    rc = cli_main(["generate", *prompt, *args.generate_args])
     total = time.perf_counter() - start
-    on_main = sum(compile_s.values()) - ahead["thread_s"]  # compiles the main thread waited on
+    on_main = sum(compile_s.values()) - inner["threads"]  # compiles the main thread waited on
     tuning_s = tuner["s"] - inner["tuner"]
     # Tuning runs inside the captures' warm-ups: take it (and every compile) out.
     capture_s = captures["s"] - inner["capture"] - (tuner["in_capture"] - inner["both"])
@@ -130,7 +112,7 @@ def main() -> int:
     rows = [
         ("import torch", import_torch_s),
         ("import graphrt, triton", import_s - import_torch_s),
-        (f"compiling ahead ({ahead['thread_s']:.1f} s of compiles on its threads)", ahead["s"]),
+        (f"compiling ahead ({inner['threads']:.1f} s of compiles on its threads)", ahead["s"]),
         ("Triton compiles on the main thread", on_main),
         (f"GEMV tuner timing ({tuner['n']} shapes; its compiles excluded)", tuning_s),
         (f"graph captures ({captures['n']} runners; compiles, tuning excluded)", capture_s),

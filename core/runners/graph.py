@@ -119,9 +119,13 @@ class GraphRunner(BaseRunner):
         is thrown away, and capture sets every buffer up again."""
         self.compiled_ahead = True
         for size in reversed(self.buckets):
-            batch = self.buffers.set_batch(size, self.attn_backend.seq_len_fill_value())
-            self.attn_backend.init_metadata_for_capture(batch)
-            yield self._graph_function(batch)
+            yield self._graph_function(self._capture_batch(size))
+
+    def _capture_batch(self, size: int) -> ForwardBatch:
+        """The static batch of bucket ``size``, its attention metadata set for capture."""
+        batch = self.buffers.set_batch(size, self.attn_backend.seq_len_fill_value())
+        self.attn_backend.init_metadata_for_capture(batch)
+        return batch
 
     def _graph_function(self, batch: ForwardBatch) -> Callable[[], Any]:
         """What the graph of static ``batch`` computes, as a closure that holds no
@@ -184,12 +188,11 @@ class GraphRunner(BaseRunner):
 
     def capture_one_shape(self, size: int) -> None:
         key = self._make_graph_key(size)
-        batch = self.buffers.set_batch(size, self.attn_backend.seq_len_fill_value())
+        batch = self._capture_batch(size)
 
         def init_metadata() -> None:
             self.attn_backend.init_metadata_for_capture(batch)
 
-        init_metadata()
         # The hook re-arms metadata the warm-up runs may have advanced.
         outputs = self.backend.capture_one(
             key, self._graph_function(batch), post_warmup_hook=init_metadata

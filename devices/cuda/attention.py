@@ -56,8 +56,7 @@ class TritonAttentionMetadata(TorchAttentionMetadata):
     # are the runner's static buffers (so a replay sees the copied-in values).
     req_pool_indices: torch.Tensor  # (B,) int64
     seq_lens: torch.Tensor  # (B,) int32
-    # EXTEND only (eager): extend_metadata's rows, the longest chunk and the chunks'
-    # tokens (host; rows past them pad the step to a device's prefill size).
+    # EXTEND only (eager): extend_metadata's rows and the longest chunk (host).
     extend_meta: torch.Tensor | None = None
     max_extend_len: int = 0
     # Requests whose chunk full-attention layers send to SDPA, each chunk's first row,
