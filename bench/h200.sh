@@ -4,7 +4,7 @@
 # table prints last. Usage: bash bench/h200.sh [tests|bench|spec|all] [bench runners] [spec topks]
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
 #   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
-#   bash bench/h200.sh round [topk] [kernels listed]: bench/profile_round.py
+#   bash bench/h200.sh round [topk] [kernels listed] [batch sizes]: bench/profile_round.py
 #   bash bench/h200.sh widths [model]: GEMV CUDA tests, then bench/gemv_widths.py (cuBLAS,
 #     tiles and split-K tiles at verify widths)
 #   bash bench/h200.sh cold: the README's first command from empty caches, then warm, with
@@ -157,9 +157,13 @@ if [[ $what == serve ]]; then
 fi
 
 if [[ $what == round ]]; then
-    # Where a round's time goes, kernel by kernel ($2: topk, $3: kernels listed per graph).
-    python bench/profile_round.py "${2:-1}" "${3:-16}" 2>&1 | grep -v Warning \
-        | tee "$OUT/profile-round.log" | grep -E "kernels,|==" 
+    # Where a round's time goes, kernel by kernel ($2: topk, $3: kernels listed per graph,
+    # $4: batch sizes, comma-separated, default 1).
+    batches=${4:-1}
+    for bs in ${batches//,/ }; do
+        python bench/profile_round.py "${2:-1}" "${3:-16}" "$bs" 2>&1 | grep -v Warning \
+            | tee -a "$OUT/profile-round.log" | grep -E "kernels,|replay|=="
+    done
 fi
 
 if [[ $what == splits ]]; then

@@ -1,6 +1,8 @@
 """Where a speculative round's time goes on a GPU: the draft-loop graph and the verify
 graph of random:gemma4-e2b with its assistant (bf16, prompt 512), kernel by kernel
-(torch.profiler), beside a plain decode graph step (its greedy tokens included).
+(torch.profiler), beside a plain decode graph step (its greedy tokens included). Each
+graph's replay is timed too (median of 50): replay minus GPU time is what the device idles
+between kernels (launch gaps that PDL or fewer kernels would close).
 
 Run on the device: python bench/profile_round.py [topk, default 1] [kernels listed,
 default 15] [batch size, default 1]
@@ -15,6 +17,7 @@ from profile_step import print_kernels
 
 from graphrt import devices
 from graphrt.core.bench.rounds import RoundBenchConfig, round_engines
+from graphrt.core.bench.timing import median_ms
 from graphrt.core.models import load_model
 from graphrt.spec import MTPDecoding, SpecConfig
 
@@ -43,6 +46,8 @@ def main() -> None:
             ("verify graph", lambda: pieces["verify"](True)),
         ]:
             fn()
+            replay = median_ms(fn, device.synchronize, 50, 10)
+            print(f"  {name}: replay {replay:.3f} ms (median of 50)")
             print_kernels(name, fn, device.synchronize, top=top)
 
 

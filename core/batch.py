@@ -44,6 +44,10 @@ class ForwardBatch:
     # Rows of the flat token dimension whose logits are wanted; None = every token.
     logits_indices: torch.Tensor | None = None
     spec_info: Any = None
+    # Rows want only their argmax token (``RunnerOutput.tokens``), no logits: a greedy
+    # draft chain. A model with a cheaper greedy head (``greedy_tokens``: the centroid-
+    # masked head scores ~4k of 262k tokens) then never builds the (N, vocab) logits.
+    greedy_only: bool = False
     # Attention-backend metadata for this forward (set by init_forward_metadata).
     attn_metadata: Any = field(default=None, repr=False)
 

@@ -103,14 +103,18 @@ def draft_chain(
     argmax, and the tree is the chain itself, whose parents, depths, mask and validity
     are the same every round. The general path spends about 30 launches a step on
     scores, top-k expansion and the tree build that a chain does not need (launches are
-    what a captured draft loop pays for): here a step is the drafter's forward and one
-    argmax, and every step reuses one batch (its rows do not change along a chain)."""
+    what a captured draft loop pays for): here a step is the drafter's forward and its
+    argmax tokens (``greedy_only``: the centroid head never builds a full row), and every
+    step reuses one batch (its rows do not change along a chain)."""
     batch_size, n = tokens.shape[0], cfg.num_steps + 1
     step = draft_batch(tokens, seed_hidden, req_pool_indices, kv_lens, kv_lens_cpu)
+    step = dataclasses.replace(step, greedy_only=True)  # argmax tokens, no logits
     drafted = [tokens.long()]
     for _ in range(cfg.num_steps):
         out = run_step(step)
-        token = out.logits.argmax(dim=-1)  # (B,) the first maximum, as top_probs' max
+        # (B,) the first maximum, as top_probs' max; from logits where a runner (a test's
+        # oracle, say) answers a greedy-only batch with them.
+        token = out.tokens if out.tokens is not None else out.logits.argmax(dim=-1)
         drafted.append(token)
         step = dataclasses.replace(step, input_ids=token, spec_info=DraftInput(hidden=out.hidden))
     dev = tokens.device

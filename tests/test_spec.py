@@ -90,11 +90,16 @@ def test_first_round_draft_equals_transformers_candidate_generator(
     assert len(set(expected)) > 1  # a real chain, not one repeated token
 
 
+@pytest.mark.parametrize("ordered", [False, True], ids=["tied-head", "ordered-embeddings"])
 @pytest.mark.parametrize("steps", [1, 2, 5])
-def test_the_chain_path_drafts_the_general_trees_chain(steps, gemma4_tiny, gemma4_assistant):
-    """topk 1 verifying every draft takes ``draft_chain`` (no scores, no tree build): its
-    tree equals the general path's, field by field, for requests at different lengths."""
-    engine = spec_engine(gemma4_tiny, gemma4_assistant, steps=steps, topk=1)
+def test_the_chain_path_drafts_the_general_trees_chain(
+    steps, ordered, gemma4_tiny, gemma4_assistant, gemma4_assistant_ordered
+):
+    """topk 1 verifying every draft takes ``draft_chain`` (no scores, no tree build, and
+    the centroid head's argmax without a full row): its tree equals the general path's,
+    field by field, for requests at different lengths."""
+    drafter = gemma4_assistant_ordered if ordered else gemma4_assistant
+    engine = spec_engine(gemma4_tiny, drafter, steps=steps, topk=1)
     prompts = random_prompts([9, 16, 5], seed=11)
     reqs = [
         engine.add_request(p, SamplingParams(max_new_tokens=8, ignore_eos=True)) for p in prompts
@@ -109,6 +114,25 @@ def test_the_chain_path_drafts_the_general_trees_chain(steps, gemma4_tiny, gemma
     for name in ("tokens", "parents", "depth", "mask", "valid"):
         assert torch.equal(getattr(chain, name), getattr(general, name)), name
     assert chain.mask.is_contiguous() and chain.depth.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_centroid_greedy_tokens_are_the_argmax_of_its_logits(dtype, gemma4_assistant_ordered):
+    """The centroid head's greedy tokens (a chain's draft step) equal the first maximum of
+    its full logits row, ties included: rows of the head are duplicated so that selected
+    tokens tie, and the smallest tied id must win wherever the clusters put it."""
+    drafter = load_model(str(gemma4_assistant_ordered.path), CPU, dtype).model
+    weight = drafter.lm_head_weight
+    with torch.no_grad():
+        weight[1::2] = weight[0::2]  # every odd token scores as the even one before it
+    hidden = torch.randn(64, weight.shape[1], generator=torch.Generator().manual_seed(5))
+    hidden = hidden.to(dtype)
+    expected = drafter.compute_logits(hidden).argmax(dim=-1)
+    got = drafter.greedy_tokens(hidden)
+    assert torch.equal(got, expected)
+    logits = drafter.compute_logits(hidden)
+    ties = (logits == logits.amax(dim=-1, keepdim=True)).sum(dim=-1)
+    assert (ties > 1).sum() >= 8  # ties happen among selected tokens (14 of 64 rows here)
 
 
 @pytest.mark.parametrize("topk", [1, 3])

@@ -121,15 +121,30 @@ class CentroidMaskedHead(nn.Module):
     def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """``lm_head_weight``: this rank's vocabulary rows (all of them for one rank)."""
         rows = hidden.shape[0]
-        top = self.centroids(hidden).topk(self.top_k, dim=-1).indices  # (N, k)
-        clusters = self.token_ordering.view(self.num_centroids, -1)  # (C, V / C)
-        tokens = clusters[top].reshape(rows, -1)  # (N, k * V / C)
+        tokens = self._selected_tokens(hidden)  # (N, k * V / C)
         selected = self._selected_logits(hidden, lm_head_weight, tokens)  # (N, k * V / C)
         # transformers takes one min over the whole batch with .item() (a host sync); per
         # row here, which is the same for its one-row drafting and never syncs.
         fill = selected.amin(dim=-1, keepdim=True) - 1.0
         out = fill.expand(rows, self.vocab_size).clone()
         return out.scatter_(1, tokens, selected)
+
+    def greedy_tokens(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """(N,) int64: the first maximum of ``forward``'s row without building the row.
+        Only selected tokens can hold it (the fill is below their smallest), so it is the
+        smallest token id among the selected maxima; the float32 logits order as the
+        model's dtype does. Exact unless all of a row's k * V / C selected logits are
+        equal and the fill rounds onto them (then an unselected id could come first)."""
+        tokens = self._selected_tokens(hidden)  # (N, k * V / C)
+        selected = self._selected_logits(hidden, lm_head_weight, tokens)  # (N, k * V / C)
+        best = selected.amax(dim=-1, keepdim=True)  # (N, 1)
+        return torch.where(selected == best, tokens, self.vocab_size).amin(dim=-1)  # (N,)
+
+    def _selected_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, k * V / C): the token ids of each row's top-k centroids' clusters."""
+        top = self.centroids(hidden).topk(self.top_k, dim=-1).indices  # (N, k)
+        clusters = self.token_ordering.view(self.num_centroids, -1)  # (C, V / C)
+        return clusters[top].reshape(hidden.shape[0], -1)
 
     def _selected_logits(
         self, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor
@@ -270,6 +285,13 @@ class Gemma4AssistantForCausalLM(nn.Module):
                 self.tp, self.ops.linear(hidden, self.lm_head_weight, None), self.vocab_size
             )
         return self.ops.float_logits(logits, None, out)  # float32
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N,) int64: ``compute_logits(hidden).argmax(-1)``; the centroid head's without
+        its (N, vocab) row (a greedy draft chain's step: ``ForwardBatch.greedy_only``)."""
+        if self.masked_embedding is not None:
+            return self.masked_embedding.greedy_tokens(hidden, self.lm_head_weight)
+        return self.compute_logits(hidden).argmax(dim=-1)
 
     def next_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The next draft step's hidden input: ``post_projection`` back to the target's width."""

@@ -132,12 +132,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "dtype": "bfloat16",
     },
     # A 4-layer MTP assistant shaped to read random:gemma4-e2b's KV (random weights:
-    # drafts are rarely accepted; for smoke runs and benchmarks of the draft loop).
+    # drafts are rarely accepted; for smoke runs and benchmarks of the draft loop). Like
+    # the real E2B and E4B assistants it scores its vocabulary through 2,048 centroids,
+    # the top 32 clusters' ~4k tokens a row (a random permutation orders them).
     "gemma4-e2b-assistant": {
         "architectures": ["Gemma4AssistantForCausalLM"],
         "model_type": "gemma4_assistant",
         "backbone_hidden_size": 1536,
-        "use_ordered_embeddings": False,
+        "use_ordered_embeddings": True,
+        "num_centroids": 2048,
+        "centroid_intermediate_top_k": 32,
         "tie_word_embeddings": True,
         "dtype": "bfloat16",
         "text_config": {
@@ -200,6 +204,8 @@ def load_random(
             full.fill_(1.0)
         elif name.endswith("bias"):
             full.zero_()
+        elif name.endswith("token_ordering"):  # an index table: a permutation of the vocabulary
+            full.copy_(torch.randperm(full.numel(), generator=generator, device=full.device))
         else:
             # std 0.02, as transformers initialises these models.
             full.normal_(0.0, 0.02, generator=generator)

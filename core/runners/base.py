@@ -16,10 +16,12 @@ from graphrt.core.batch import ForwardBatch
 class RunnerOutput:
     """Results for the rows of ``batch.logits_indices`` (every token when None)."""
 
-    logits: torch.Tensor  # (N, vocab) float32
+    logits: torch.Tensor | None  # (N, vocab) float32; None for ``batch.greedy_only``
     # (N, hidden) what a speculative draft step is fed next (``model.next_hidden``): a
     # target's final hidden states, a drafter's projection of its own.
     hidden: torch.Tensor
+    # (N,) int64 argmax tokens for ``batch.greedy_only`` (a stand-in runner may give logits).
+    tokens: torch.Tensor | None = None
 
 
 class BaseRunner(abc.ABC):
@@ -54,9 +56,19 @@ def forward_model(
     logits_out: torch.Tensor | None = None,
 ) -> RunnerOutput:
     """One forward of ``model`` over ``batch``: logits (into ``logits_out`` (N, vocab)
-    float32 when given) and the hidden handed on."""
+    float32 when given), or argmax tokens only (``batch.greedy_only``), and the hidden
+    handed on."""
     hidden = model(batch, attn)  # (T, hidden)
     if batch.logits_indices is not None:
         hidden = hidden[batch.logits_indices]  # (N, hidden)
+    if batch.greedy_only:
+        return RunnerOutput(None, model.next_hidden(hidden), greedy_tokens(model, hidden))
     logits = model.compute_logits(hidden, logits_out)
     return RunnerOutput(logits=logits, hidden=model.next_hidden(hidden))
+
+
+def greedy_tokens(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """(N,) int64: each row's argmax token, the first maximum as ``argmax`` picks it;
+    through the model's own ``greedy_tokens`` where it has a cheaper way than logits."""
+    own = getattr(model, "greedy_tokens", None)
+    return own(hidden) if own is not None else model.compute_logits(hidden).argmax(dim=-1)
