@@ -101,6 +101,18 @@ def _cases():
             {"Out": "*fp32"},
         )
     yield (
+        "selected_max",
+        triton_gemma._selected_max_kernel,
+        {"HIDDEN": 256, "BLOCK_H": 64, "BLOCK_S": 128},
+        {"Tokens": "*i64", "PartialMax": "*fp32", "PartialToken": "*i64"},
+    )
+    yield (
+        "selected_argmax",
+        triton_gemma._selected_argmax_kernel,
+        {"BLOCK_P": 32},
+        {"PartialMax": "*fp32", "PartialToken": "*i64", "Out": "*i64"},
+    )
+    yield (
         "per_layer_inputs",
         triton_gemma._per_layer_inputs_kernel,
         {"NUM_LAYERS": 35, "P": 256, "BLOCK": 256, "TORCH_CUDA_MATH": True},

@@ -103,9 +103,12 @@ class CentroidMaskedHead(nn.Module):
     """transformers' Gemma4AssistantMaskedEmbedder: only tokens of the top-k centroids get
     real logits; every other token gets the row's smallest real logit minus one."""
 
-    def __init__(self, config: Gemma4AssistantConfig, tp: TPGroup = SINGLE):
+    def __init__(
+        self, config: Gemma4AssistantConfig, ops: ModelOps = TORCH_OPS, tp: TPGroup = SINGLE
+    ):
         super().__init__()
         t = config.text
+        self.ops = ops
         self.top_k = config.centroid_intermediate_top_k
         self.num_centroids = config.num_centroids
         self.vocab_size = t.vocab_size
@@ -136,6 +139,8 @@ class CentroidMaskedHead(nn.Module):
         model's dtype does. Exact unless all of a row's k * V / C selected logits are
         equal and the fill rounds onto them (then an unselected id could come first)."""
         tokens = self._selected_tokens(hidden)  # (N, k * V / C)
+        if self.tp.is_single:  # one fused op where the device has one (no (N, S, H) gather)
+            return self.ops.selected_argmax(hidden, lm_head_weight, tokens)
         selected = self._selected_logits(hidden, lm_head_weight, tokens)  # (N, k * V / C)
         best = selected.amax(dim=-1, keepdim=True)  # (N, 1)
         return torch.where(selected == best, tokens, self.vocab_size).amin(dim=-1)  # (N,)
@@ -200,7 +205,7 @@ class Gemma4AssistantForCausalLM(nn.Module):
             else VocabParallelHead(t.hidden_size, t.vocab_size, tp, ops)
         )
         self.masked_embedding = (
-            CentroidMaskedHead(config, tp) if config.use_ordered_embeddings else None
+            CentroidMaskedHead(config, ops, tp) if config.use_ordered_embeddings else None
         )
         self._target: list[nn.Module] = []  # a list, so the target is not a submodule of ours
 

@@ -68,6 +68,10 @@ class ModelOps:
     # (R <= D, the rest passes through). With kv_write (a ``KVWrite``), rotated k and v go
     # into the KV cache at its slots instead, and (q, None) comes back.
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    # (hidden (N, H), weight (V, H), tokens (N, S) int64) -> (N,) int64: each row's token
+    # with the largest logit hidden . weight[token] (rounded to the weight's dtype), the
+    # smallest id among equal ones: the centroid-masked head's greedy draft token.
+    selected_argmax: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -183,6 +187,14 @@ def torch_float_logits(
     return out.copy_(logits)
 
 
+def torch_selected_argmax(
+    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    logits = (hidden.unsqueeze(1) @ weight[tokens].transpose(1, 2)).squeeze(1)  # (N, S)
+    best = logits.amax(dim=-1, keepdim=True)
+    return torch.where(logits == best, tokens, weight.shape[0]).amin(dim=-1)
+
+
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -230,4 +242,5 @@ TORCH_OPS = ModelOps(
     gemma_qkv_norm_rope=torch_gemma_qkv_norm_rope,
     gemma_per_layer_inputs=torch_gemma_per_layer_inputs,
     float_logits=torch_float_logits,
+    selected_argmax=torch_selected_argmax,
 )

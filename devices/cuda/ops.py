@@ -20,6 +20,7 @@ from graphrt.devices.cuda.triton_gemma import (
     float_logits,
     gemma_per_layer_inputs,
     gemma_residual_norm,
+    selected_argmax,
 )
 from graphrt.devices.cuda.triton_gemv import MAX_ROWS, gemv, invariant_configs
 from graphrt.devices.cuda.triton_ops import (
@@ -200,6 +201,7 @@ TRITON_OPS = ModelOps(
     gemma_qkv_norm_rope=gemma_qkv_norm_rope,
     gemma_per_layer_inputs=gemma_per_layer_inputs,
     float_logits=float_logits,
+    selected_argmax=selected_argmax,
 )
 
 # Batch-invariant (``--batch-invariant``): a row's logits do not depend on how many rows

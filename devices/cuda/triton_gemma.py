@@ -13,6 +13,9 @@ kernels a layer, each reading and writing the hidden row. Here:
 - ``float_logits``: the LM head's logits as float32, softcapped on the way
   (``tanh(logits / cap) * cap`` in the model dtype) when the model caps them: the
   LM head's three elementwise kernels and the cast in one.
+- ``selected_argmax``: the centroid-masked head's greedy token (an MTP assistant's draft
+  step) from its ~4k selected tokens, their weight rows gathered in registers: no
+  (N, 4096, H) gather, no logits row, two launches.
 
 Arithmetic and rounding are transformers' (see ``core/models/ops.py`` for the
 reference and ``triton_ops`` for the rounding rules): every value torch
@@ -25,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphrt.devices.cuda import pdl
+from graphrt.devices.cuda import compile_ahead, pdl
 from graphrt.devices.cuda.triton_ops import (
     _INTERPRETED,
     _gemma_inv_rms,
@@ -249,4 +252,124 @@ def gemma_per_layer_inputs(
         num_warps=_norm_num_warps(block),
         enable_fp_fusion=False,
     )
+    return out
+
+
+# Selected tokens a stage-1 program scores: 4,096 a row (32 clusters of 128) make 32
+# programs a row, enough to spread one row's 2 MB of gathered weight rows over the SMs.
+SELECTED_BLOCK = 128
+SELECTED_CHUNK = 64  # hidden columns a step: a 128 x 64 float32 tile is 64 registers a thread
+
+
+@triton.jit
+def _selected_max_kernel(
+    Hidden,  # (N, H)
+    Weight,  # (V, H) rows contiguous
+    Tokens,  # (N, S) int64
+    PartialMax,  # (N, P) float32
+    PartialToken,  # (N, P) int64
+    stride_h,
+    stride_w,
+    stride_t,
+    selected,  # S
+    vocab,
+    blocks,  # P
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # hidden columns a step
+    BLOCK_S: tl.constexpr,
+):
+    """One row's BLOCK_S selected tokens: logits hidden . weight[token] (float32 sums,
+    rounded to the weight's dtype as the matmul's output is), their maximum and the
+    smallest token id holding it."""
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    offs_s = block * BLOCK_S + tl.arange(0, BLOCK_S)
+    mask_s = offs_s < selected
+    tokens = tl.load(Tokens + row * stride_t + offs_s, mask=mask_s, other=0)
+    logits = tl.zeros([BLOCK_S], tl.float32)
+    for start in tl.static_range(0, HIDDEN, BLOCK_H):  # chunks keep the tile in registers
+        offs_h = start + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < HIDDEN
+        h = tl.load(Hidden + row * stride_h + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+        w = tl.load(
+            Weight + tokens[:, None] * stride_w + offs_h[None, :],
+            mask=mask_s[:, None] & mask_h[None, :],
+            other=0.0,
+        ).to(tl.float32)  # (BLOCK_S, BLOCK_H): the selected rows' chunk, gathered
+        logits += tl.sum(w * h[None, :], axis=1)
+    logits = logits.to(Weight.dtype.element_ty).to(tl.float32)
+    logits = tl.where(mask_s, logits, float("-inf"))
+    best = tl.max(logits, axis=0)
+    token = tl.min(tl.where(mask_s & (logits == best), tokens, vocab), axis=0)
+    tl.store(PartialMax + row * blocks + block, best)
+    tl.store(PartialToken + row * blocks + block, token)
+
+
+@triton.jit
+def _selected_argmax_kernel(
+    PartialMax,  # (N, P) float32
+    PartialToken,  # (N, P) int64
+    Out,  # (N,) int64
+    blocks,  # P
+    vocab,
+    BLOCK_P: tl.constexpr,
+):
+    """The row's maximum over its blocks' and the smallest token id holding it."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_P)
+    mask = offs < blocks
+    best = tl.load(PartialMax + row * blocks + offs, mask=mask, other=float("-inf"))
+    tokens = tl.load(PartialToken + row * blocks + offs, mask=mask, other=vocab)
+    top = tl.max(best, axis=0)
+    tl.store(Out + row, tl.min(tl.where(mask & (best == top), tokens, vocab), axis=0))
+
+
+def selected_argmax(
+    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
+    """(N,) int64: for each row, the token of ``tokens`` (N, S) whose logit
+    ``hidden . weight[token]`` is largest, the smallest id among equal ones (``TORCH_OPS``'
+    contract). Two launches, and no (N, S, H) gather nor (N, S) logits in memory: at 64
+    rows the centroid head's gather alone writes and reads 134 MB. The float32 sums run
+    in another order than a matmul's, so a logit may round one ulp apart from torch's:
+    argmax ties may break elsewhere, as two matmul libraries' would."""
+    rows, width = hidden.shape
+    selected = tokens.shape[1]
+    assert weight.shape[1] == width and weight.stride(1) == 1 and hidden.stride(1) == 1
+    assert tokens.shape[0] == rows and tokens.stride(1) == 1 and tokens.dtype == torch.int64
+    out = torch.empty(rows, dtype=torch.int64, device=hidden.device)
+    if rows == 0:
+        return out
+    block_s = min(SELECTED_BLOCK, triton.next_power_of_2(selected))
+    blocks = triton.cdiv(selected, block_s)
+    partial_max = torch.empty((rows, blocks), dtype=torch.float32, device=hidden.device)
+    partial_token = torch.empty((rows, blocks), dtype=torch.int64, device=hidden.device)
+    _selected_max_kernel[(rows, blocks)](
+        hidden,
+        weight,
+        tokens,
+        partial_max,
+        partial_token,
+        hidden.stride(0),
+        weight.stride(0),
+        tokens.stride(0),
+        selected,
+        weight.shape[0],
+        blocks,
+        HIDDEN=width,
+        BLOCK_H=min(SELECTED_CHUNK, triton.next_power_of_2(width)),
+        BLOCK_S=block_s,
+        num_warps=4,
+    )
+    _selected_argmax_kernel[(rows,)](
+        partial_max,
+        partial_token,
+        out,
+        blocks,
+        weight.shape[0],
+        BLOCK_P=triton.next_power_of_2(blocks),
+        num_warps=1,
+    )
+    if compile_ahead.dry():  # nothing ran: the next draft step embeds these ids (HAZARD there)
+        out.zero_()
     return out
