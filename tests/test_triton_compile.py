@@ -103,9 +103,10 @@ def _cases():
     yield (
         "selected_max",
         triton_gemma._selected_max_kernel,
-        {"HIDDEN": 256, "BLOCK_H": 64, "BLOCK_S": 128},
-        {"Tokens": "*i64", "PartialMax": "*fp32", "PartialToken": "*i64"},
+        {"CLUSTER": 128, "HIDDEN": 256, "BLOCK_H": 64, "BLOCK_S": 128},
+        {"Clusters": "*i64", "Top": "*i64", "PartialMax": "*fp32", "PartialToken": "*i64"},
     )
+    yield "topk_set", triton_gemma._topk_set_kernel, {"K": 32, "BLOCK_C": 2048}, {"Out": "*i64"}
     yield (
         "selected_argmax",
         triton_gemma._selected_argmax_kernel,

@@ -138,18 +138,28 @@ class CentroidMaskedHead(nn.Module):
         smallest token id among the selected maxima; the float32 logits order as the
         model's dtype does. Exact unless all of a row's k * V / C selected logits are
         equal and the fill rounds onto them (then an unselected id could come first)."""
-        tokens = self._selected_tokens(hidden)  # (N, k * V / C)
         if self.tp.is_single:  # one fused op where the device has one (no (N, S, H) gather)
-            return self.ops.selected_argmax(hidden, lm_head_weight, tokens)
+            return self.ops.selected_argmax(
+                hidden, lm_head_weight, self._clusters, self._top(hidden)
+            )
+        tokens = self._selected_tokens(hidden)  # (N, k * V / C)
         selected = self._selected_logits(hidden, lm_head_weight, tokens)  # (N, k * V / C)
         best = selected.amax(dim=-1, keepdim=True)  # (N, 1)
         return torch.where(selected == best, tokens, self.vocab_size).amin(dim=-1)  # (N,)
 
+    @property
+    def _clusters(self) -> torch.Tensor:
+        return self.token_ordering.view(self.num_centroids, -1)  # (C, V / C) token ids
+
+    def _top(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, k): each row's top-k centroids, in index order (the clusters' order changes
+        no logit, and the argmax breaks ties by token id), ties to the smallest index
+        (torch.topk, which transformers calls, leaves those unspecified)."""
+        return self.ops.topk_set(self.centroids(hidden), self.top_k)
+
     def _selected_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, k * V / C): the token ids of each row's top-k centroids' clusters."""
-        top = self.centroids(hidden).topk(self.top_k, dim=-1).indices  # (N, k)
-        clusters = self.token_ordering.view(self.num_centroids, -1)  # (C, V / C)
-        return clusters[top].reshape(hidden.shape[0], -1)
+        return self._clusters[self._top(hidden)].reshape(hidden.shape[0], -1)
 
     def _selected_logits(
         self, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor

@@ -68,10 +68,15 @@ class ModelOps:
     # (R <= D, the rest passes through). With kv_write (a ``KVWrite``), rotated k and v go
     # into the KV cache at its slots instead, and (q, None) comes back.
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
-    # (hidden (N, H), weight (V, H), tokens (N, S) int64) -> (N,) int64: each row's token
-    # with the largest logit hidden . weight[token] (rounded to the weight's dtype), the
-    # smallest id among equal ones: the centroid-masked head's greedy draft token.
-    selected_argmax: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    # (x (N, C), k) -> (N, k) int64: the indices of each row's k largest values, in index
+    # order; among values equal to the k-th largest, the smallest indices (the centroid-
+    # masked head's clusters).
+    topk_set: Callable[[torch.Tensor, int], torch.Tensor]
+    # (hidden (N, H), weight (V, H), clusters (C, W) int64, top (N, k) int64) -> (N,)
+    # int64: each row's token among clusters[top[row]] with the largest logit hidden .
+    # weight[token] (rounded to the weight's dtype), the smallest id among equal ones:
+    # the centroid-masked head's greedy draft token.
+    selected_argmax: Callable[..., torch.Tensor]
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -187,9 +192,15 @@ def torch_float_logits(
     return out.copy_(logits)
 
 
+def torch_topk_set(x: torch.Tensor, k: int) -> torch.Tensor:
+    # A stable descending sort keeps equal values in index order (torch.topk may not).
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k].sort(-1).values
+
+
 def torch_selected_argmax(
-    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor
+    hidden: torch.Tensor, weight: torch.Tensor, clusters: torch.Tensor, top: torch.Tensor
 ) -> torch.Tensor:
+    tokens = clusters[top].reshape(hidden.shape[0], -1)  # (N, S)
     logits = (hidden.unsqueeze(1) @ weight[tokens].transpose(1, 2)).squeeze(1)  # (N, S)
     best = logits.amax(dim=-1, keepdim=True)
     return torch.where(logits == best, tokens, weight.shape[0]).amin(dim=-1)
@@ -242,5 +253,6 @@ TORCH_OPS = ModelOps(
     gemma_qkv_norm_rope=torch_gemma_qkv_norm_rope,
     gemma_per_layer_inputs=torch_gemma_per_layer_inputs,
     float_logits=torch_float_logits,
+    topk_set=torch_topk_set,
     selected_argmax=torch_selected_argmax,
 )

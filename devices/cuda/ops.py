@@ -21,6 +21,7 @@ from graphrt.devices.cuda.triton_gemma import (
     gemma_per_layer_inputs,
     gemma_residual_norm,
     selected_argmax,
+    topk_set,
 )
 from graphrt.devices.cuda.triton_gemv import MAX_ROWS, gemv, invariant_configs
 from graphrt.devices.cuda.triton_ops import (
@@ -201,6 +202,7 @@ TRITON_OPS = ModelOps(
     gemma_qkv_norm_rope=gemma_qkv_norm_rope,
     gemma_per_layer_inputs=gemma_per_layer_inputs,
     float_logits=float_logits,
+    topk_set=topk_set,
     selected_argmax=selected_argmax,
 )
 

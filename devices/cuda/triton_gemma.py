@@ -262,30 +262,87 @@ SELECTED_CHUNK = 64  # hidden columns a step: a 128 x 64 float32 tile is 64 regi
 
 
 @triton.jit
+def _topk_set_kernel(
+    X,  # (N, C)
+    Out,  # (N, K) int64
+    stride_x,
+    columns,  # C
+    K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """The indices of a row's K largest values, in index order; among values equal to the
+    K-th largest, the smallest indices. One program a row: the K-th largest by bisection
+    over the values' order-preserving int keys (32 counts over the row in registers)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_C)
+    mask = offs < columns
+    bits = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    bits = bits.to(tl.int32, bitcast=True)
+    # Negative floats order backwards as ints: flipping their magnitude bits fixes that.
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    key = tl.where(mask, key, -(2**31) - 1)  # below every value's key
+    lo = tl.full([], -(2**31), tl.int64)  # count(key >= lo) >= K holds throughout
+    hi = tl.full([], 2**31 - 1, tl.int64)
+    for _ in range(32):
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= K
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = key > lo  # fewer than K: lo is the largest key with K at or above it
+    ties = mask & (key == lo)
+    take = above | (
+        ties & (tl.cumsum(ties.to(tl.int32), axis=0) <= K - tl.sum(above.to(tl.int32), axis=0))
+    )
+    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(Out + row * K + slot, offs.to(tl.int64), mask=take)
+
+
+def topk_set(x: torch.Tensor, k: int) -> torch.Tensor:
+    """(N, k) int64: the indices of each row's k largest values of ``x`` (N, C), in index
+    order, ties at the k-th value to the smallest indices (``TORCH_OPS``' contract). One
+    launch; torch's top-k took two (a radix select and a sort) and 17 us for one row of
+    the E2B assistant's 2,048 centroid scores on an H200."""
+    rows, columns = x.shape
+    assert 0 < k <= columns and x.stride(1) == 1, f"top {k} of {columns}"
+    out = torch.empty((rows, k), dtype=torch.int64, device=x.device)
+    if rows:
+        _topk_set_kernel[(rows,)](
+            x, out, x.stride(0), columns, K=k, BLOCK_C=triton.next_power_of_2(columns),
+            num_warps=4,
+        )  # fmt: skip
+    if compile_ahead.dry():  # nothing ran: these index the clusters next (HAZARD there)
+        out.zero_()
+    return out
+
+
+@triton.jit
 def _selected_max_kernel(
     Hidden,  # (N, H)
     Weight,  # (V, H) rows contiguous
-    Tokens,  # (N, S) int64
+    Clusters,  # (C, W) int64 token ids, W a cluster's
+    Top,  # (N, k) int64 clusters of each row
     PartialMax,  # (N, P) float32
     PartialToken,  # (N, P) int64
     stride_h,
     stride_w,
-    stride_t,
-    selected,  # S
+    stride_top,
+    selected,  # S = k * W
     vocab,
     blocks,  # P
+    CLUSTER: tl.constexpr,  # W
     HIDDEN: tl.constexpr,
     BLOCK_H: tl.constexpr,  # hidden columns a step
     BLOCK_S: tl.constexpr,
 ):
-    """One row's BLOCK_S selected tokens: logits hidden . weight[token] (float32 sums,
-    rounded to the weight's dtype as the matmul's output is), their maximum and the
-    smallest token id holding it."""
+    """BLOCK_S of one row's selected tokens (token s: entry s % W of cluster top[s // W]):
+    logits hidden . weight[token] (float32 sums, rounded to the weight's dtype as the
+    matmul's output is), their maximum and the smallest token id holding it."""
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     offs_s = block * BLOCK_S + tl.arange(0, BLOCK_S)
     mask_s = offs_s < selected
-    tokens = tl.load(Tokens + row * stride_t + offs_s, mask=mask_s, other=0)
+    cluster = tl.load(Top + row * stride_top + offs_s // CLUSTER, mask=mask_s, other=0)
+    tokens = tl.load(Clusters + cluster * CLUSTER + offs_s % CLUSTER, mask=mask_s, other=0)
     logits = tl.zeros([BLOCK_S], tl.float32)
     for start in tl.static_range(0, HIDDEN, BLOCK_H):  # chunks keep the tile in registers
         offs_h = start + tl.arange(0, BLOCK_H)
@@ -325,18 +382,21 @@ def _selected_argmax_kernel(
 
 
 def selected_argmax(
-    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor
+    hidden: torch.Tensor, weight: torch.Tensor, clusters: torch.Tensor, top: torch.Tensor
 ) -> torch.Tensor:
-    """(N,) int64: for each row, the token of ``tokens`` (N, S) whose logit
-    ``hidden . weight[token]`` is largest, the smallest id among equal ones (``TORCH_OPS``'
-    contract). Two launches, and no (N, S, H) gather nor (N, S) logits in memory: at 64
-    rows the centroid head's gather alone writes and reads 134 MB. The float32 sums run
-    in another order than a matmul's, so a logit may round one ulp apart from torch's:
-    argmax ties may break elsewhere, as two matmul libraries' would."""
+    """(N,) int64: for each row, the token of its clusters ``clusters[top[row]]`` whose
+    logit ``hidden . weight[token]`` is largest, the smallest id among equal ones
+    (``TORCH_OPS``' contract). Two launches, and no token list, (N, S, H) gather nor
+    (N, S) logits in memory: at 64 rows the centroid head's gather alone writes and reads
+    134 MB. The float32 sums run in another order than a matmul's, so a logit may round
+    one ulp apart from torch's: argmax ties may break elsewhere, as two matmul
+    libraries' would."""
     rows, width = hidden.shape
-    selected = tokens.shape[1]
+    cluster = clusters.shape[1]
+    selected = top.shape[1] * cluster
     assert weight.shape[1] == width and weight.stride(1) == 1 and hidden.stride(1) == 1
-    assert tokens.shape[0] == rows and tokens.stride(1) == 1 and tokens.dtype == torch.int64
+    assert clusters.is_contiguous() and clusters.dtype == top.dtype == torch.int64
+    assert top.shape[0] == rows and top.stride(1) == 1
     out = torch.empty(rows, dtype=torch.int64, device=hidden.device)
     if rows == 0:
         return out
@@ -347,15 +407,17 @@ def selected_argmax(
     _selected_max_kernel[(rows, blocks)](
         hidden,
         weight,
-        tokens,
+        clusters,
+        top,
         partial_max,
         partial_token,
         hidden.stride(0),
         weight.stride(0),
-        tokens.stride(0),
+        top.stride(0),
         selected,
         weight.shape[0],
         blocks,
+        CLUSTER=cluster,
         HIDDEN=width,
         BLOCK_H=min(SELECTED_CHUNK, triton.next_power_of_2(width)),
         BLOCK_S=block_s,
