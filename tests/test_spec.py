@@ -455,17 +455,30 @@ def cuda_spec_engine(target, drafter, steps: int, topk: int, **config) -> Engine
 @pytest.mark.graphs
 @pytest.mark.cuda
 @needs_gpu
-@pytest.mark.parametrize("topk", [1, 3])
+@pytest.mark.parametrize(
+    "topk,ordered", [(1, False), (3, False), (1, True)], ids=["chain", "tree", "chain-centroids"]
+)
 def test_cuda_greedy_with_drafter_on_graphs_equals_transformers(
-    topk, gemma4_tiny, gemma4_assistant, hf_reference
+    topk, ordered, gemma4_tiny, gemma4_assistant, gemma4_assistant_ordered, hf_reference
 ):
+    """Graph rounds give transformers' greedy tokens; with the centroid head (its Triton
+    top-k and argmax in the draft graph) they draft what eager rounds of the same kernels
+    draft, round by round."""
     prompts, expected = hf_reference
-    engine = cuda_spec_engine(gemma4_tiny, gemma4_assistant, 4, topk)
+    drafter = gemma4_assistant_ordered if ordered else gemma4_assistant
+    engine = cuda_spec_engine(gemma4_tiny, drafter, 4, topk)
     assert engine.attn_backend.name == "triton" and engine.strategy.verify_graph is not None
-    reqs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    reqs = engine.generate(prompts, params)
     assert [r.output_ids for r in reqs] == expected
     assert engine.stats.graph_rounds == engine.stats.spec_rounds > 0
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
+    if ordered:
+        eager = cuda_spec_engine(gemma4_tiny, drafter, 4, topk, runner="eager")
+        eager_reqs = eager.generate(prompts, params)
+        assert eager.stats.graph_rounds == 0 < eager.stats.spec_rounds
+        drafts = [[rnd["draft_tokens"] for rnd in r.spec_rounds] for r in reqs]
+        assert drafts == [[rnd["draft_tokens"] for rnd in r.spec_rounds] for r in eager_reqs]
 
 
 @pytest.mark.graphs

@@ -114,7 +114,7 @@ class CentroidMaskedHead(nn.Module):
         self.vocab_size = t.vocab_size
         self.tp = tp
         # Whole on every rank, as is token_ordering: top-k needs every centroid's score.
-        self.centroids = nn.Linear(t.hidden_size, config.num_centroids, bias=False)
+        self.centroids = Linear(t.hidden_size, config.num_centroids, False, ops)
         # Saved in checkpoints (a persistent buffer in transformers): a parameter here so
         # the loader fills it and reports it missing; integer, so .to(dtype) leaves it be.
         self.token_ordering = nn.Parameter(
