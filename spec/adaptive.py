@@ -16,8 +16,8 @@ Each step runs the step count ``k`` that maximises the batch's expected tokens a
   (``step_seconds``): one noisy sample must not decide for 64 steps.
 
 At the first bucket the longest rounds run first (they measure acceptance at every
-position), then plain steps; a later bucket starts from the nearest measured one's times,
-scaled. Another count still runs now and then, so the figures follow
+position), then plain steps; a later bucket measures its own plain step, then starts its
+rounds from the nearest measured bucket's times, scaled. Another count still runs now and then, so the figures follow
 what changes (acceptance drifts with the text): after 16 steps of the same winner, then
 32, then every 64 (at most 1 step in 64 spent looking once the choice is stable), the
 runner-up and the longest rounds in turn.
@@ -167,6 +167,14 @@ class DraftChooser:
             for steps in (self.max_steps, 0):  # (their first step left out)
                 if not size.seconds.get(steps) and steps not in refused:
                     return steps
+        elif not size.seconds.get(0):
+            # Any later bucket measures its own plain step (two: the first is left out).
+            # Rounds and plain steps scale differently with the batch (verify's rows
+            # grow, a plain step's barely), so the donor's plain time scaled by rounds'
+            # ratios is wrong, and plain steps, never the runner-up, were never looked
+            # at: on an H200 auto kept drafting at batches 8 and 64 where plain steps
+            # were 1.4x faster.
+            return 0
         # The ranking is redone every REDECIDE steps, or when the batch changes: it moves
         # slowly, and weighing it costs tens of microseconds (a plain step of a small
         # model is a few hundred).

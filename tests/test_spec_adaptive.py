@@ -295,3 +295,22 @@ def test_a_new_batch_bucket_starts_from_the_nearest_measured_one():
     chooser.record(0, 4, 0.5e-3)
     seconds = chooser.step_seconds(4)  # bucket 8's times at half the cost
     assert seconds[0] == pytest.approx(0.5e-3) and seconds[5] == pytest.approx(1e-3)
+
+
+def test_a_new_bucket_measures_its_own_plain_step():
+    """Rounds and plain steps scale differently with the batch (verify's attention and
+    matmuls grow with its rows, a plain step barely does), so a donor bucket's plain time
+    scaled by the rounds' ratio is wrong: it once kept auto drafting at batch 8 and 64 on
+    an H200 where plain steps were 1.4x faster. A new bucket measures a plain step first."""
+    chooser = DraftChooser(5)
+    accept_all = lambda k, rid: k  # noqa: E731
+    one = lambda k: 1e-3 if k == 0 else (1.0 + 0.05 * k) * 1e-3  # noqa: E731
+    _run(chooser, 40, one, accept_all)  # bucket 1: rounds of 5 pay (6 tokens in 1.25 ms)
+    eight = lambda k: 1.1e-3 if k == 0 else (9.0 + 0.5 * k) * 1e-3  # noqa: E731
+    chosen = []
+    for _ in range(100):  # bucket 8: rounds of 5 take 11.5 ms for 6 tokens a request
+        k = chooser.choose(8, ONE_REQUEST)
+        chosen.append(k)
+        chooser.record(k, 8, eight(k), [(ONE_REQUEST[0], k)] if k else [])
+    assert chosen[:2] == [0, 0]  # measured (the first of a kind is left out)
+    assert chosen[-50:].count(0) >= 45  # plain steps pay here, now and then a look
