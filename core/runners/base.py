@@ -62,7 +62,8 @@ def forward_model(
     if batch.logits_indices is not None:
         hidden = hidden[batch.logits_indices]  # (N, hidden)
     if batch.greedy_only:
-        return RunnerOutput(None, model.next_hidden(hidden), greedy_tokens(model, hidden))
+        tokens = greedy_tokens(model, hidden)
+        return RunnerOutput(logits=None, hidden=model.next_hidden(hidden), tokens=tokens)
     logits = model.compute_logits(hidden, logits_out)
     return RunnerOutput(logits=logits, hidden=model.next_hidden(hidden))
 

@@ -13,9 +13,10 @@ kernels a layer, each reading and writing the hidden row. Here:
 - ``float_logits``: the LM head's logits as float32, softcapped on the way
   (``tanh(logits / cap) * cap`` in the model dtype) when the model caps them: the
   LM head's three elementwise kernels and the cast in one.
-- ``selected_argmax``: the centroid-masked head's greedy token (an MTP assistant's draft
-  step) from its ~4k selected tokens, their weight rows gathered in registers: no
-  (N, 4096, H) gather, no logits row, two launches.
+- ``topk_set`` and ``selected_argmax``: the centroid-masked head's clusters (the top 32
+  of 2,048 scores, one launch) and its greedy token (an MTP assistant's draft step) from
+  their ~4k tokens, the weight rows gathered in registers: no (N, 4096, H) gather, no
+  logits row, two launches.
 
 Arithmetic and rounding are transformers' (see ``core/models/ops.py`` for the
 reference and ``triton_ops`` for the rounding rules): every value torch
