@@ -20,10 +20,12 @@ Run on the device: python bench/spec_matrix.py [--batch-sizes 1,8,32,64] [--rate
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -129,7 +131,8 @@ def run_mode(subject: Subject, mode: str, args, device, cfg: EngineConfig, resul
                 oracle.rate.fill_(rate)
             engine.generate(prompts, warm)  # this batch size's graphs, auto's first looks
             hist0 = list(s.accept_histogram)
-            tps = generate_tokens_per_s(engine, prompts, params)
+            with step_timer(engine, bs) as step_ms:
+                tps = generate_tokens_per_s(engine, prompts, params)
             hist = [
                 n - (hist0[i] if i < len(hist0) else 0) for i, n in enumerate(s.accept_histogram)
             ]
@@ -144,6 +147,7 @@ def run_mode(subject: Subject, mode: str, args, device, cfg: EngineConfig, resul
                 if rounds
                 else None,
             }
+            cell["step_ms"] = step_ms  # what a step of each kind took, at the full batch
             if mode == "auto":
                 cell["steps_by_count"] = list(engine.strategy.chooser.steps_by_count)
                 cell["why"] = engine.strategy.chooser.explain()
@@ -154,6 +158,32 @@ def run_mode(subject: Subject, mode: str, args, device, cfg: EngineConfig, resul
     del engine
     if device.name == "cuda":
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def step_timer(engine: Engine, batch_size: int) -> Iterator[dict[str, float]]:
+    """Times the strategy's decode steps of all ``batch_size`` requests: -> {kind: median
+    ms}, kind "plain" or the draft steps of a round, filled on exit. The same window the
+    auto chooser times (a step's host work and its read), so auto's figures and a fixed
+    engine's compare directly."""
+    strategy, times = engine.strategy, {}
+    decode = strategy.decode
+
+    def timed(reqs):
+        start = time.perf_counter()
+        outcome = decode(reqs)
+        if len(reqs) == batch_size:
+            kind = str(outcome.rounds[0].num_steps) if outcome.rounds else "plain"
+            times.setdefault(kind, []).append(time.perf_counter() - start)
+        return outcome
+
+    strategy.decode = timed
+    medians: dict[str, float] = {}
+    try:
+        yield medians
+    finally:
+        del strategy.decode  # the class's method again
+        medians.update({k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()})
 
 
 def table(results: list[dict], modes: list[str]) -> list[str]:
