@@ -112,9 +112,7 @@ def draft_chain(
     drafted = [tokens.long()]
     for _ in range(cfg.num_steps):
         out = run_step(step)
-        # (B,) the first maximum, as top_probs' max; from logits where a runner (a test's
-        # oracle, say) answers a greedy-only batch with them.
-        token = out.tokens if out.tokens is not None else out.logits.argmax(dim=-1)
+        token = out.tokens  # (B,) the first maximum, as top_probs' max
         drafted.append(token)
         step = dataclasses.replace(step, input_ids=token, spec_info=DraftInput(hidden=out.hidden))
     dev = tokens.device

@@ -291,6 +291,8 @@ class OracleDraftRunner:
         hidden = torch.zeros(
             batch.num_tokens, self.engine.loaded.model.config.hidden_size, device=dev
         )
+        if batch.greedy_only:  # a chain's step: its argmax tokens, as forward_model gives
+            return RunnerOutput(logits=None, hidden=hidden, tokens=logits.argmax(dim=-1))
         return RunnerOutput(logits=logits, hidden=hidden)
 
 

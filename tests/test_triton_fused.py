@@ -411,7 +411,6 @@ def test_shipped_choices_serve_a_fresh_machine_after_its_own(tmp_path):
     """A card's shipped choices (devices/cuda/gemv_choices) answer where the machine's own
     cache has none, under the same candidates only; its own cache answers first. The
     shipped H200 file holds configurations this code can build."""
-    pytest.importorskip("triton")
     from graphrt.devices.cuda.gemv_tuner import CUBLAS, GemvTuner, _disk_key, shipped_path
     from graphrt.devices.cuda.triton_gemv import GemvConfig, configs_for
 

@@ -39,7 +39,7 @@ from graphrt.core.models.config import _bool, _positive_int, eos_ids
 from graphrt.core.models.gemma4 import Gemma4DecoderLayer, GemmaRMSNorm, _rotary, run_layers
 from graphrt.core.models.gemma4_config import FULL, Gemma4Config, gemma4_config_from_hf
 from graphrt.core.models.layers import Linear
-from graphrt.core.models.ops import TORCH_OPS, ModelOps
+from graphrt.core.models.ops import TORCH_OPS, ModelOps, smallest_token_at_max
 from graphrt.core.parallel.group import SINGLE, TPGroup
 from graphrt.core.parallel.layers import VocabParallelEmbedding, VocabParallelHead, vocab_logits
 
@@ -144,8 +144,7 @@ class CentroidMaskedHead(nn.Module):
             )
         tokens = self._selected_tokens(hidden)  # (N, k * V / C)
         selected = self._selected_logits(hidden, lm_head_weight, tokens)  # (N, k * V / C)
-        best = selected.amax(dim=-1, keepdim=True)  # (N, 1)
-        return torch.where(selected == best, tokens, self.vocab_size).amin(dim=-1)  # (N,)
+        return smallest_token_at_max(selected, tokens, self.vocab_size)
 
     @property
     def _clusters(self) -> torch.Tensor:

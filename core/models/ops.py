@@ -202,8 +202,14 @@ def torch_selected_argmax(
 ) -> torch.Tensor:
     tokens = clusters[top].reshape(hidden.shape[0], -1)  # (N, S)
     logits = (hidden.unsqueeze(1) @ weight[tokens].transpose(1, 2)).squeeze(1)  # (N, S)
-    best = logits.amax(dim=-1, keepdim=True)
-    return torch.where(logits == best, tokens, weight.shape[0]).amin(dim=-1)
+    return smallest_token_at_max(logits, tokens, weight.shape[0])
+
+
+def smallest_token_at_max(logits: torch.Tensor, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(N,): of each row's ``tokens`` (N, S) those whose ``logits`` (N, S) are largest, the
+    smallest id: the first maximum of a full vocabulary row, whatever order S lists them."""
+    best = logits.amax(dim=-1, keepdim=True)  # (N, 1)
+    return torch.where(logits == best, tokens, vocab).amin(dim=-1)
 
 
 ACTIVATIONS = {

@@ -20,8 +20,7 @@ class RunnerOutput:
     # (N, hidden) what a speculative draft step is fed next (``model.next_hidden``): a
     # target's final hidden states, a drafter's projection of its own.
     hidden: torch.Tensor
-    # (N,) int64 argmax tokens for ``batch.greedy_only`` (a stand-in runner may give logits).
-    tokens: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None  # (N,) int64 argmax tokens, for ``batch.greedy_only``
 
 
 class BaseRunner(abc.ABC):

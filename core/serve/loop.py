@@ -10,8 +10,8 @@ aborts the rest.
 With ``trace_steps`` the loop keeps one record per pass (``PASS_FIELDS``; the last
 ``TRACE_LIMIT``): when it began, how long it waited for the step lock, stepped the
 engine, turned tokens into text and handed out events, what the step was and how much
-of it the loop thread ran on a CPU (the rest waited for the GIL or the device). ``graphrt serve --step-trace FILE`` writes
-them; ``bench/step_trace.py`` reads them.
+of it the loop thread ran on a CPU (the rest waited for the GIL or the device).
+``graphrt serve --step-trace FILE`` writes them; ``bench/step_trace.py`` reads them.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ OnEvent = Callable[[str, list[int], Completion | None], None]
 
 # One trace record a pass: seconds since the loop started; seconds waiting for the step
 # lock, stepping the engine, turning tokens into text (under the lock), handing out
-# events; the loop thread's CPU seconds in the pass; requests
-# running and waiting before the step; the step's eager and graph forwards, speculative
-# rounds (a round a request) and their draft steps summed, plain steps of a speculative
-# strategy, tokens emitted and seconds of prefill (0: a decode step).
+# events; the loop thread's CPU seconds in the pass; requests running and waiting before
+# the step; the step's eager and graph forwards, speculative rounds (a round a request)
+# and their draft steps summed, plain steps of a speculative strategy, tokens emitted and
+# seconds of prefill (0: a decode step).
 PASS_FIELDS = (
     "t", "lock_s", "step_s", "text_s", "events_s", "cpu_s", "running", "waiting",
     "eager", "graph", "rounds", "drafted", "plain", "tokens", "prefill_s",

@@ -92,7 +92,7 @@ def check(results: list[dict]) -> None:
 
 @needs_triton
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
-def test_selected_argmax_under_interpreter_matches_torch():
+def test_centroid_ops_under_interpreter_match_torch():
     results = run_under_triton_interpreter(__file__)
     assert len(results) == 6
     check(results)
