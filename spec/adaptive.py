@@ -15,9 +15,14 @@ Each step runs the step count ``k`` that maximises the batch's expected tokens a
   measured fewer than 4 times, a line ``a + b * k`` fitted through the measured lengths
   (``step_seconds``): one noisy sample must not decide for 64 steps.
 
-At the first bucket the longest rounds run first (they measure acceptance at every
-position), then plain steps; a later bucket measures its own plain step, then starts its
-rounds from the nearest measured bucket's times, scaled. Another count still runs now and then, so the figures follow
+The engine times a plain step and the longest rounds at each batch bucket it captured
+(batch 1 when eager) at start-up, on throwaway requests (``Engine``'s step timing), so the
+first real steps already know what each end costs. Before any round has measured
+acceptance, the longest rounds run first where they could pay at all (at an acceptance of
+``OPTIMISTIC_RATE`` a position): they measure acceptance at every position; where even that
+would lose to plain steps, no round runs until exploration looks. A bucket start-up left
+unmeasured measures its own plain step, then starts its rounds from the nearest measured
+bucket's times, scaled. Another count still runs now and then, so the figures follow
 what changes (acceptance drifts with the text): after 16 steps of the same winner, then
 32, then every 64 (at most 1 step in 64 spent looking once the choice is stable), the
 runner-up and the longest rounds in turn.
@@ -46,6 +51,11 @@ REDECIDE = 4  # steps between two weighings of the same batch
 FIRST_EXPLORE = 16  # steps before the runner-up runs again, doubling up to
 MAX_EXPLORE = 64
 UNSEEN_RATE = 0.5  # acceptance assumed at position 1 before any round ran
+# Before any round ran, the longest rounds run first (to measure acceptance) only if at
+# this acceptance a position they would beat plain steps: rounds measured at start-up to
+# cost more than that never run before exploration looks (2 CPU cores: the embedded
+# pair's rounds of 5 cost 3.3 plain steps).
+OPTIMISTIC_RATE = 0.9
 PRIOR_WEIGHT = 1.0  # observations a position's prior is worth
 # Engine-wide, a position's prior is the one before it times this: a drafter recurring on
 # its own guesses does not get better with depth (and only rounds that accepted every
@@ -175,6 +185,8 @@ class DraftChooser:
             # at: on an H200 auto kept drafting at batches 8 and 64 where plain steps
             # were 1.4x faster.
             return 0
+        if not self.engine_rates.seen[0] and self._may_pay(bucket, refused):
+            return self.max_steps  # no round ran yet: this one measures every position
         # The ranking is redone every REDECIDE steps, or when the batch changes: it moves
         # slowly, and weighing it costs tens of microseconds (a plain step of a small
         # model is a few hundred).
@@ -201,6 +213,15 @@ class DraftChooser:
                 return longest
             return runner_up
         return winner
+
+    def _may_pay(self, bucket: int, refused: Set[int]) -> bool:
+        """Could the longest rounds beat plain steps at ``bucket``, were every position
+        accepted at ``OPTIMISTIC_RATE``? (Both ends measured.)"""
+        if self.max_steps in refused:
+            return False
+        seconds = self.step_seconds(bucket)
+        tokens = sum(OPTIMISTIC_RATE**i for i in range(self.max_steps + 1))
+        return tokens / seconds[self.max_steps] > 1.0 / seconds[0]
 
     def rates(self, bucket: int, reqs: Sequence[Request]) -> list[float]:
         """[k] = expected tokens a second of a step with k draft steps over ``reqs``."""
@@ -283,13 +304,17 @@ class DraftChooser:
         bucket: int,
         seconds: float,
         accepted: Sequence[tuple[Request, int]] = (),
+        timing: bool = False,
     ) -> None:
         """A step with ``steps`` draft steps ran: its wall time (the host's read included)
-        and, for a round, the drafts each drafting request accepted."""
+        and, for a round, the drafts each drafting request accepted. ``timing``: a start-up
+        step timing that kind on throwaway requests: its time counts, nothing else."""
         size = self._buckets.setdefault(bucket, _Bucket())
         size.seen[steps] = size.seen.get(steps, 0) + 1
         if size.seen[steps] > 1:
             size.seconds.setdefault(steps, deque(maxlen=WINDOW)).append(seconds)
+        if timing:
+            return
         self.steps_by_count[steps] += 1
         if not accepted:
             return

@@ -113,6 +113,7 @@ class MTPDecoding(DecodeStrategy):
         self._later: list[GraphRunner] = []
         self._planned: tuple[list[Request], int] | None = None  # (reqs, draft steps) next
         self._refused: list[GraphRunner] = []  # left uncaptured by the graph memory cap
+        self._forced: int | None = None  # the engine's start-up timing: this many steps
 
     @property
     def longest(self) -> RoundGraphs:
@@ -235,8 +236,35 @@ class MTPDecoding(DecodeStrategy):
 
     # ---- one step ----------------------------------------------------------------
 
+    def step_timing(self) -> tuple[Sequence[int], Sequence[int]]:
+        """With auto lengths: the longest rounds, rounds of one draft step where they run
+        without a capture (eagerly, or captured up front), and a plain step, twice each
+        (the chooser leaves each kind's first step out: first touches), at every batch
+        bucket whose graphs start-up captured, or at batch 1 when eager. Two lengths of
+        rounds give the chooser the line ``a + b k`` of a round's time (verify's share, a
+        draft step's); with the longest alone, shorter rounds are modelled between it and a
+        plain step until they run. A few steps a bucket: 13 ms at batch 1 for
+        random:gemma4-e2b on an H200."""
+        if self.chooser is None:
+            return (), ()
+        shortest = self.variants[1]
+        ends = (self.cfg.num_steps, 0)
+        if self.cfg.num_steps > 1 and not any(r in self._later for r in shortest.runners()):
+            ends = (self.cfg.num_steps, 1, 0)
+        kinds = ends * 2
+        if self.plain_graph is None:
+            return (1,), kinds
+        graphs = [self.plain_graph, self.longest.verify, self.longest.draft]
+        sizes = set.intersection(*(set(g.captured_sizes) for g in graphs if g is not None))
+        return sorted(sizes), kinds
+
+    def force_step(self, kind: int | None) -> None:
+        self._forced = kind
+
     def plan(self, reqs: list[Request]) -> int:
         """The draft steps of the next step of ``reqs`` (0: a plain step)."""
+        if self._forced is not None:
+            return self._forced
         if not any(r.params.speculate for r in reqs):
             return 0  # nothing to draft for
         if self.chooser is None:
@@ -283,8 +311,8 @@ class MTPDecoding(DecodeStrategy):
                 for r, log in zip(reqs, outcome.rounds or ())
                 if r.params.speculate
             ]
-            bucket = self._bucket(len(reqs))
-            self.chooser.record(steps, bucket, time.perf_counter() - start, accepted)
+            bucket, timing = self._bucket(len(reqs)), self._forced is not None
+            self.chooser.record(steps, bucket, time.perf_counter() - start, accepted, timing)
         return outcome
 
     def _bucket(self, batch_size: int) -> int:

@@ -139,7 +139,10 @@ def test_greedy_output_is_plain_decodings_whatever_mix_of_lengths_and_plain_step
         assert stats.drafted_per_position[0] == stats.spec_rounds
         assert stats.drafted_per_position[2] == stats.rounds_by_steps[3]
     if runner == "graph":  # plain steps on the drafter's own decode graphs, rounds on theirs
-        assert sum(strategy.plain_graph.replays_per_size().values()) == stats.spec_plain_steps
+        # (Start-up timing ran a plain step twice at each bucket: step_timing.)
+        timed = 2 * len(strategy.plain_graph.captured_sizes)
+        plain_replays = sum(strategy.plain_graph.replays_per_size().values())
+        assert plain_replays == stats.spec_plain_steps + timed
         # Lengths first chosen while running (all but the longest) were captured just
         # before that step: every round replayed graphs.
         assert stats.graph_rounds == stats.spec_rounds and stats.eager_steps == 1  # prefill
@@ -314,3 +317,59 @@ def test_a_new_bucket_measures_its_own_plain_step():
         chooser.record(k, 8, eight(k), [(ONE_REQUEST[0], k)] if k else [])
     assert chosen[:2] == [0, 0]  # measured (the first of a kind is left out)
     assert chosen[-50:].count(0) >= 45  # plain steps pay here, now and then a look
+
+
+def _timed_at_start_up(chooser, bucket, plain_ms, round_ms):
+    """What the engine's start-up timing records at ``bucket``: each end twice."""
+    for k, ms in ((5, round_ms), (0, plain_ms)) * 2:
+        chooser.record(k, bucket, ms * 1e-3, timing=True)
+
+
+def test_start_up_timing_skips_the_rounds_that_cannot_pay():
+    """With both ends timed at start-up, the first steps do not measure them again: a
+    round of 5 that costs more than an optimistic acceptance could win back (here 6 plain
+    steps' time) never runs before exploration looks; one that could runs once first, to
+    measure acceptance. Timing steps count as no step run."""
+    costly = DraftChooser(5)
+    _timed_at_start_up(costly, 1, plain_ms=1.0, round_ms=6.0)
+    assert costly.steps_by_count == [0] * 6 and not costly.engine_rates.seen[0]
+    chosen = _run(costly, FIRST_EXPLORE - 1, linear(5.5, 0.1), lambda k, rid: k)
+    assert chosen == [0] * (FIRST_EXPLORE - 1)
+
+    cheap = DraftChooser(5)
+    _timed_at_start_up(cheap, 1, plain_ms=1.0, round_ms=2.0)
+    chosen = _run(cheap, 40, linear(1.5, 0.1), lambda k, rid: 0)  # nothing accepted
+    assert chosen[0] == 5  # acceptance measured at every position, then
+    assert chosen[1:FIRST_EXPLORE] == [0] * (FIRST_EXPLORE - 1)  # plain steps pay
+
+
+@pytest.mark.parametrize("runner", ["eager", pytest.param("graph", marks=pytest.mark.graphs)])
+def test_the_engine_times_each_end_at_start_up_and_leaves_nothing_behind(
+    runner, gemma4_tiny, gemma4_assistant
+):
+    """Auto lengths: the engine's start-up runs a plain step and the longest rounds twice
+    each at every captured bucket (batch 1 eagerly) on throwaway requests; the chooser then
+    knows both ends' times, and the pools, the request ids and the stats are as before."""
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
+    device = standin_device() if runner == "graph" else None
+    engine = cpu_engine(
+        target, strategy, device, runner=runner, max_context_len=64, graph_buckets=(1, 2, 4)
+    )
+    buckets = (1, 2, 4) if runner == "graph" else (1,)
+    chooser = strategy.chooser
+    for bucket in buckets:
+        seconds = chooser._buckets[bucket].seconds
+        assert len(seconds[0]) == len(seconds[3]) == 1  # the first of each left out
+    assert engine.stats.step_timing_s > 0
+    assert engine.stats.generated_tokens == engine.stats.eager_steps == 0
+    assert engine.stats.graph_steps == 0 and chooser.steps_by_count == [0] * 4
+    assert not chooser.engine_rates.seen[0]  # a throwaway text teaches no acceptance
+    assert engine.kv_pool.available() == engine.kv_pool.num_slots
+    assert engine.req_pool.available() == engine.req_pool.max_requests
+    if runner == "graph":
+        replays = strategy.plain_graph.replays_per_size()
+        assert replays == {1: 2, 2: 2, 4: 2}
+    (req,) = engine.generate([[1, 2, 3]], GREEDY)
+    assert req.rid == 0 and len(req.output_ids) == GREEDY.max_new_tokens

@@ -126,6 +126,7 @@ class EngineStats:
     graph_memory_bytes: int = 0
     captured_sizes: list[int] = field(default_factory=list)
     refused_captures: int = 0  # graphs left uncaptured by max_graph_memory_bytes
+    step_timing_s: float = 0.0  # start-up steps timing each kind of step (_time_steps)
     # Speculative rounds, one per request per verify forward.
     spec_rounds: int = 0
     graph_rounds: int = 0  # request rounds whose draft loop and verify both replayed graphs
@@ -319,6 +320,46 @@ class Engine:
             self._compile_ahead(deferred)
             for graphs in deferred:
                 self._capture_within_cap([graphs])
+        self._time_steps()
+
+    def _time_steps(self) -> None:
+        """Run the kinds of step the strategy weighs by their cost (``step_timing``: auto
+        draft lengths' plain steps and longest rounds) at each batch size it names, on
+        throwaway one-token requests, so that its first real steps know what each costs.
+        What they emit is dropped, their slots come back, and the stats are left as they
+        were but for ``step_timing_s``."""
+        sizes, kinds = self.strategy.step_timing()
+        if not kinds:
+            return
+        start = time.perf_counter()
+        stats, self.stats = self.stats, EngineStats()
+        # Enough tokens that none finishes: a round emits at most its steps + 1.
+        params = SamplingParams(max_new_tokens=1 + sum(k + 1 for k in kinds), ignore_eos=True)
+        try:
+            for size in sizes:
+                reqs = [Request(rid=-1 - i, prompt_ids=[0], params=params) for i in range(size)]
+                for req in reqs:
+                    req.kv_budget = self.kv_budget(1, params)
+                if not self.ledger.fits(size * reqs[0].kv_budget):
+                    continue
+                for req in reqs:
+                    self.ledger.admit(req)
+                    self.running.append(req)
+                    self.prefilling.append(req)
+                try:
+                    while self.prefilling:
+                        self._step(self._prefill_chunks())
+                    for kind in kinds:
+                        self.strategy.force_step(kind)
+                        self._step([])
+                finally:
+                    self.strategy.force_step(None)
+                    for req in reqs:
+                        if req in self.running:
+                            self._release(req)
+        finally:
+            stats.step_timing_s = time.perf_counter() - start
+            self.stats = stats
 
     @property
     def req_pool(self) -> ReqToTokenPool:

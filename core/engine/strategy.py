@@ -132,6 +132,16 @@ class DecodeStrategy(abc.ABC):
         avoids them."""
         raise NotImplementedError(f"{type(self).__name__} captures nothing after start-up")
 
+    def step_timing(self) -> tuple[Sequence[int], Sequence[int]]:
+        """What the engine times at start-up for a strategy that chooses between kinds of
+        step by their cost: (batch sizes, the kinds of step to run at each, in order; each
+        run through ``force_step``), on throwaway requests. ((), ()): nothing."""
+        return (), ()
+
+    def force_step(self, kind: int | None) -> None:  # noqa: B027
+        """Make the next steps of the kind ``step_timing`` named (None: back to choosing).
+        They time that kind only: what they emit teaches nothing else."""
+
     def after_prefill(self, reqs: list[Request], out: RunnerOutput) -> None:  # noqa: B027
         """See each prefilled request's last-token output (a drafter seeds from its hidden)."""
 
