@@ -368,6 +368,10 @@ def test_the_engine_times_each_end_at_start_up_and_leaves_nothing_behind(
     assert not chooser.engine_rates.seen[0]  # a throwaway text teaches no acceptance
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
     assert engine.req_pool.available() == engine.req_pool.max_requests
+    # ...and hand out slots as fresh pools do (1 first), so engines that timed different
+    # sizes still allocate alike.
+    assert engine.req_pool._free[-1] == 1 and engine.kv_pool.alloc_host(1).tolist() == [1]
+    engine.kv_pool.free(torch.tensor([1]))
     if runner == "graph":
         replays = strategy.plain_graph.replays_per_size()
         assert replays == {1: 2, 2: 2, 4: 2}

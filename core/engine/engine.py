@@ -326,8 +326,8 @@ class Engine:
         """Run the kinds of step the strategy weighs by their cost (``step_timing``: auto
         draft lengths' plain steps and longest rounds) at each batch size it names, on
         throwaway one-token requests, so that its first real steps know what each costs.
-        What they emit is dropped, their slots come back, and the stats are left as they
-        were but for ``step_timing_s``."""
+        What they emit is dropped, the slot pools are left as fresh ones, and the stats as
+        they were but for ``step_timing_s``."""
         sizes, kinds = self.strategy.step_timing()
         if not kinds:
             return
@@ -358,6 +358,9 @@ class Engine:
                         if req in self.running:
                             self._release(req)
         finally:
+            # Fresh free lists, so that the first requests get the slots they would have
+            # got without timing (engines that time differently still allocate alike).
+            self.ledger.recover(self.running)
             stats.step_timing_s = time.perf_counter() - start
             self.stats = stats
 
