@@ -169,6 +169,8 @@ def run_generate(args: argparse.Namespace) -> int:
         engine = Engine(loaded, config, device, strategy)
         plan = engine.kv_plan
         said.append(f"KV pool {plan.slots} tokens, {plan.sized_by}; context {plan.context}")
+        if engine.stats.step_timing_s:  # auto draft lengths timed each kind of step
+            said.append(f"steps timed for auto draft lengths in {engine.stats.step_timing_s:.2f} s")
     # Validate every prompt before generating anything, so a bad one costs no work.
     for prompt in prompts:
         engine.validate_request(prompt, params)
