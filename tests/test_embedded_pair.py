@@ -28,7 +28,8 @@ def _generate(capsys, *flags: str) -> dict:
     for prompt in PROMPTS:
         argv += ["--prompt", prompt]
     assert main([*argv, *flags]) == 0
-    return json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    return {**json.loads(captured.out), "status_lines": captured.err}
 
 
 def test_the_pair_loads_in_the_dtype_it_was_saved_in():
@@ -61,6 +62,10 @@ def test_default_command_drafts_with_the_embedded_pair_and_keeps_greedy_output(c
             r["output_ids"] for r in plain["requests"]
         ]
     assert auto["stats"]["spec"]["rounds"] > 0  # auto measures rounds before it chooses
+    # Only auto times each kind of step at start-up, and its set-up line says so.
+    timed = "steps timed for auto draft lengths in"
+    assert timed in auto["status_lines"]
+    assert timed not in rounds["status_lines"] and timed not in plain["status_lines"]
     assert rounds["stats"]["spec"]["plain_steps"] == 0
     accept = rounds["stats"]["spec"]["accept_length_mean"]
     assert accept >= ACCEPT_FLOOR, rounds["stats"]["spec"]

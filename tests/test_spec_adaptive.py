@@ -370,7 +370,8 @@ def test_the_engine_times_each_end_at_start_up_and_leaves_nothing_behind(
     assert engine.req_pool.available() == engine.req_pool.max_requests
     # ...and hand out slots as fresh pools do (1 first), so engines that timed different
     # sizes still allocate alike.
-    assert engine.req_pool._free[-1] == 1 and engine.kv_pool.alloc_host(1).tolist() == [1]
+    assert engine.req_pool.alloc() == 1 and engine.kv_pool.alloc_host(1).tolist() == [1]
+    engine.req_pool.free(1)
     engine.kv_pool.free(torch.tensor([1]))
     if runner == "graph":
         replays = strategy.plain_graph.replays_per_size()
