@@ -129,9 +129,11 @@ def run_mode(subject: Subject, mode: str, args, device, cfg: EngineConfig, resul
         for rate in subject.rates:
             if oracle is not None:
                 oracle.rate.fill_(rate)
-            engine.generate(prompts, warm)  # this batch size's graphs, auto's first looks
+            label = f"{subject.name if rate is None else f'{subject.name}-{rate}'} bs{bs}"
+            with chooser_trace(engine, args.trace, label + " warm"):
+                engine.generate(prompts, warm)  # this batch size's graphs, auto's first looks
             hist0 = list(s.accept_histogram)
-            with step_timer(engine, bs) as step_ms:
+            with step_timer(engine, bs) as step_ms, chooser_trace(engine, args.trace, label):
                 tps = generate_tokens_per_s(engine, prompts, params)
             hist = [
                 n - (hist0[i] if i < len(hist0) else 0) for i, n in enumerate(s.accept_histogram)
@@ -163,27 +165,67 @@ def run_mode(subject: Subject, mode: str, args, device, cfg: EngineConfig, resul
 @contextlib.contextmanager
 def step_timer(engine: Engine, batch_size: int) -> Iterator[dict[str, float]]:
     """Times the strategy's decode steps of all ``batch_size`` requests: -> {kind: median
-    ms}, kind "plain" or the draft steps of a round, filled on exit. The same window the
-    auto chooser times (a step's host work and its read), so auto's figures and a fixed
-    engine's compare directly."""
-    strategy, times = engine.strategy, {}
-    decode = strategy.decode
+    ms}, kind "plain" or the draft steps of a round, filled on exit. The window the auto
+    chooser times (``step_done``: the step and the engine's settling of it), so auto's
+    figures and a fixed engine's compare directly."""
+    strategy, times, last = engine.strategy, {}, []
+    decode, step_done = strategy.decode, strategy.step_done
 
-    def timed(reqs):
-        start = time.perf_counter()
+    def timed_decode(reqs):
         outcome = decode(reqs)
-        if len(reqs) == batch_size:
-            kind = str(outcome.rounds[0].num_steps) if outcome.rounds else "plain"
-            times.setdefault(kind, []).append(time.perf_counter() - start)
+        kind = str(outcome.rounds[0].num_steps) if outcome.rounds else "plain"
+        last[:] = [kind if len(reqs) == batch_size else None]
         return outcome
 
-    strategy.decode = timed
+    def timed_step_done(seconds):
+        step_done(seconds)
+        if last and last[0] is not None:
+            times.setdefault(last[0], []).append(seconds)
+
+    strategy.decode, strategy.step_done = timed_decode, timed_step_done
     medians: dict[str, float] = {}
     try:
         yield medians
     finally:
-        del strategy.decode  # the class's method again
+        del strategy.decode, strategy.step_done  # the class's methods again
         medians.update({k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()})
+
+
+@contextlib.contextmanager
+def chooser_trace(engine: Engine, path: str | None, label: str) -> Iterator[None]:
+    """With ``path``, appends one JSON line per step the auto chooser records: its batch
+    bucket, requests, draft steps, milliseconds, mean accepted drafts, and the tokens and
+    seconds by step count it last weighed (to replay its choices off the device)."""
+    chooser = getattr(engine.strategy, "chooser", None)
+    if path is None or chooser is None:
+        yield
+        return
+    record, lines = chooser.record, []
+
+    def traced(steps, bucket, seconds, accepted=(), timing=False):
+        record(steps, bucket, seconds, accepted, timing)
+        tokens, weighed = (chooser.last or (None, None, None))[1:]
+        lines.append(
+            {
+                "cell": label,
+                "bucket": bucket,
+                "k": steps,
+                "ms": round(seconds * 1e3, 3),
+                "accepted": round(sum(n for _, n in accepted) / len(accepted), 3)
+                if accepted
+                else None,
+                "tokens": [round(t, 2) for t in tokens] if tokens else None,
+                "weighed_ms": [round(x * 1e3, 3) for x in weighed] if weighed else None,
+            }
+        )
+
+    chooser.record = traced
+    try:
+        yield
+    finally:
+        del chooser.record  # the class's method again
+        with open(path, "a") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
 
 
 def table(results: list[dict], modes: list[str]) -> list[str]:
@@ -196,8 +238,8 @@ def table(results: list[dict], modes: list[str]) -> list[str]:
     for (model, bs), cells in rows.items():
         values = {m: cells[m]["tokens_per_s"] for m in modes if m in cells}
         fixed = {m: v for m, v in values.items() if m != "auto"}
-        best = max(fixed, key=fixed.get)
-        ratio = values.get("auto", 0) / fixed[best] if fixed[best] else 0
+        best = max(fixed, key=fixed.get, default="-")  # none: auto ran alone
+        ratio = values.get("auto", 0) / fixed[best] if fixed.get(best) else 0
         cols = " ".join(f"{values.get(m, 0):7.0f}" for m in modes)
         lines.append(f"{model:<12} {bs:>3} {cols}  {ratio:9.2f}  {best}")
     return lines
@@ -215,6 +257,7 @@ def main() -> None:
     parser.add_argument("--oracle-model", default="random:gemma4-e2b")
     parser.add_argument("--oracle-draft", default="random:gemma4-e2b-assistant")
     parser.add_argument("--out", default="spec-matrix.json")
+    parser.add_argument("--trace", help="append the auto chooser's steps here (JSON lines)")
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.modes = args.modes.split(",")

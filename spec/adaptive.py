@@ -17,7 +17,8 @@ Each step runs the step count ``k`` that maximises the batch's expected tokens a
 
 The engine times a plain step and the longest rounds at each batch bucket it captured
 (batch 1 when eager) at start-up, on throwaway requests (``Engine``'s step timing), so the
-first real steps already know what each end costs. Before any round has measured
+first real steps already know what each end costs (the fastest of its samples: a stall
+only adds time). Before any round has measured
 acceptance, the longest rounds run first where they could pay at all (at an acceptance of
 ``OPTIMISTIC_RATE`` a position): they measure acceptance at every position; where even that
 would lose to plain steps, no round runs until exploration looks. A bucket start-up left
@@ -25,7 +26,8 @@ unmeasured measures its own plain step, then starts its rounds from the nearest 
 bucket's times, scaled. Another count still runs now and then, so the figures follow
 what changes (acceptance drifts with the text): after 16 steps of the same winner, then
 32, then every 64 (at most 1 step in 64 spent looking once the choice is stable), the
-runner-up and the longest rounds in turn.
+runner-up and the longest rounds in turn, and a plain step while its time rests on fewer
+than ``TRUSTED_SAMPLES`` samples.
 """
 
 from __future__ import annotations
@@ -205,6 +207,11 @@ class DraftChooser:
             size.since_explore = 0
             size.explore_every = min(2 * size.explore_every, MAX_EXPLORE)
             size.explored += 1
+            # Plain steps first while their time rests on few samples: every count is
+            # weighed against them, and a plain step is never the runner-up's look
+            # where its one figure came out slow.
+            if winner != 0 and len(size.seconds.get(0, ())) < TRUSTED_SAMPLES:
+                return 0
             # Every other look runs the longest rounds, whatever the runner-up: only they
             # measure acceptance at every position (a shorter runner-up would leave the
             # deeper positions' rates as old as the last long round).
@@ -312,7 +319,14 @@ class DraftChooser:
         size = self._buckets.setdefault(bucket, _Bucket())
         size.seen[steps] = size.seen.get(steps, 0) + 1
         if size.seen[steps] > 1:
-            size.seconds.setdefault(steps, deque(maxlen=WINDOW)).append(seconds)
+            times = size.seconds.setdefault(steps, deque(maxlen=WINDOW))
+            if timing and times:
+                # Start-up's figure is the fastest of its samples: a stall (a collection,
+                # an interrupt) only adds time, and one slow sample must not rule a kind
+                # out (a plain step timed at 19.5 ms, not 5.5, once kept rounds running).
+                times[0] = min(times[0], seconds)
+            else:
+                times.append(seconds)
         if timing:
             return
         self.steps_by_count[steps] += 1

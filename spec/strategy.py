@@ -27,7 +27,6 @@ target's token, as a plain step would.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -114,6 +113,8 @@ class MTPDecoding(DecodeStrategy):
         self._planned: tuple[list[Request], int] | None = None  # (reqs, draft steps) next
         self._refused: list[GraphRunner] = []  # left uncaptured by the graph memory cap
         self._forced: int | None = None  # the engine's start-up timing: this many steps
+        # What the last step recorded for the chooser, waiting for its time (step_done).
+        self._unrecorded: tuple[int, int, list, bool] | None = None
 
     @property
     def longest(self) -> RoundGraphs:
@@ -238,12 +239,13 @@ class MTPDecoding(DecodeStrategy):
 
     def step_timing(self) -> tuple[Sequence[int], Sequence[int]]:
         """With auto lengths: the longest rounds, rounds of one draft step where they run
-        without a capture (eagerly, or captured up front), and a plain step, twice each
-        (the chooser leaves each kind's first step out: first touches), at every batch
+        without a capture (eagerly, or captured up front), and a plain step, three times
+        each (the chooser leaves each kind's first step out, first touches, and keeps the
+        faster of the other two: a stall only adds time), at every batch
         bucket whose graphs start-up captured, or at batch 1 when eager. Two lengths of
         rounds give the chooser the line ``a + b k`` of a round's time (verify's share, a
         draft step's); with the longest alone, shorter rounds are modelled between it and a
-        plain step until they run. A few steps a bucket: 13 ms at batch 1 for
+        plain step until they run. A few steps a bucket: about 20 ms at batch 1 for
         random:gemma4-e2b on an H200."""
         if self.chooser is None:
             return (), ()
@@ -251,7 +253,7 @@ class MTPDecoding(DecodeStrategy):
         ends = (self.cfg.num_steps, 0)
         if self.cfg.num_steps > 1 and not any(r in self._later for r in shortest.runners()):
             ends = (self.cfg.num_steps, 1, 0)
-        kinds = ends * 2
+        kinds = ends * 3
         if self.plain_graph is None:
             return (1,), kinds
         graphs = [self.plain_graph, self.longest.verify, self.longest.draft]
@@ -303,17 +305,22 @@ class MTPDecoding(DecodeStrategy):
     def decode(self, reqs: list[Request]) -> StepOutcome:
         planned, self._planned = self._planned, None
         steps = planned[1] if planned is not None and planned[0] == reqs else self.plan(reqs)
-        start = time.perf_counter()
         outcome = self.round(reqs, steps) if steps else self.plain_step(reqs)
-        if self.chooser is not None:
+        if self.chooser is not None:  # recorded with the step's time (step_done)
             accepted = [
                 (r, len(log.accepted_tokens))
                 for r, log in zip(reqs, outcome.rounds or ())
                 if r.params.speculate
             ]
-            bucket, timing = self._bucket(len(reqs)), self._forced is not None
-            self.chooser.record(steps, bucket, time.perf_counter() - start, accepted, timing)
+            timing = self._forced is not None
+            self._unrecorded = (steps, self._bucket(len(reqs)), accepted, timing)
         return outcome
+
+    def step_done(self, seconds: float) -> None:
+        unrecorded, self._unrecorded = self._unrecorded, None
+        if unrecorded is not None:
+            steps, bucket, accepted, timing = unrecorded
+            self.chooser.record(steps, bucket, seconds, accepted, timing)
 
     def _bucket(self, batch_size: int) -> int:
         """The batch bucket a step of ``batch_size`` requests runs at (its graphs' padded

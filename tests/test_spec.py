@@ -326,6 +326,7 @@ def test_cli_mismatched_models_are_usage_errors(capsys, request, pair, extra, ne
     from graphrt.core.cli.main import main
 
     model, draft = (request.getfixturevalue(n).path if n else None for n in pair)
+    capsys.readouterr()  # a checkpoint fixture made just now wrote its progress bar
     argv = ["generate", "--model", str(model), "--prompt-ids", "5,6,7", "--device", "cpu"]
     argv += ["--draft", str(draft)] if draft else []
     assert main([*argv, *extra]) == 2

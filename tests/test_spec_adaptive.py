@@ -139,8 +139,8 @@ def test_greedy_output_is_plain_decodings_whatever_mix_of_lengths_and_plain_step
         assert stats.drafted_per_position[0] == stats.spec_rounds
         assert stats.drafted_per_position[2] == stats.rounds_by_steps[3]
     if runner == "graph":  # plain steps on the drafter's own decode graphs, rounds on theirs
-        # (Start-up timing ran a plain step twice at each bucket: step_timing.)
-        timed = 2 * len(strategy.plain_graph.captured_sizes)
+        # (Start-up timing ran a plain step three times at each bucket: step_timing.)
+        timed = 3 * len(strategy.plain_graph.captured_sizes)
         plain_replays = sum(strategy.plain_graph.replays_per_size().values())
         assert plain_replays == stats.spec_plain_steps + timed
         # Lengths first chosen while running (all but the longest) were captured just
@@ -320,8 +320,8 @@ def test_a_new_bucket_measures_its_own_plain_step():
 
 
 def _timed_at_start_up(chooser, bucket, plain_ms, round_ms):
-    """What the engine's start-up timing records at ``bucket``: each end twice."""
-    for k, ms in ((5, round_ms), (0, plain_ms)) * 2:
+    """What the engine's start-up timing records at ``bucket``: each end three times."""
+    for k, ms in ((5, round_ms), (0, plain_ms)) * 3:
         chooser.record(k, bucket, ms * 1e-3, timing=True)
 
 
@@ -343,12 +343,37 @@ def test_start_up_timing_skips_the_rounds_that_cannot_pay():
     assert chosen[1:FIRST_EXPLORE] == [0] * (FIRST_EXPLORE - 1)  # plain steps pay
 
 
+def test_one_slow_start_up_sample_does_not_rule_plain_steps_out():
+    """A stall in a start-up timing step (a collection, an interrupt) only adds time: the
+    fastest sample stands. And where plain steps' one figure came out slow anyway, the
+    chooser's looks run plain steps until their time rests on enough samples."""
+    chooser = DraftChooser(5)
+    for k, ms in ((5, 10.0), (0, 5.0), (5, 10.0), (0, 19.5), (5, 10.5), (0, 5.5)):
+        chooser.record(k, 1, ms * 1e-3, timing=True)
+    assert chooser.step_seconds(1)[0] == pytest.approx(5.5e-3)
+    assert chooser.step_seconds(1)[5] == pytest.approx(10e-3)
+
+    stalled = DraftChooser(5)  # plain's only kept sample a stall: rounds look cheaper
+    for k, ms in ((5, 10.0), (0, 5.0), (5, 10.0), (0, 19.5)):
+        stalled.record(k, 1, ms * 1e-3, timing=True)
+    # Nothing accepted, a plain step 5 ms, a round of k 9.5 + 0.1 k: plain steps pay.
+    chosen = _run(
+        stalled,
+        6 * FIRST_EXPLORE,
+        lambda k: 5e-3 if k == 0 else (9.5 + 0.1 * k) * 1e-3,
+        lambda k, rid: 0,
+    )
+    assert chosen[: FIRST_EXPLORE - 1].count(0) == 0  # the stalled figure rules at first
+    assert chosen[-FIRST_EXPLORE:] == [0] * FIRST_EXPLORE  # the looks measured plain steps
+    assert stalled.explain().endswith("plain steps pay")
+
+
 @pytest.mark.parametrize("runner", ["eager", pytest.param("graph", marks=pytest.mark.graphs)])
 def test_the_engine_times_each_end_at_start_up_and_leaves_nothing_behind(
     runner, gemma4_tiny, gemma4_assistant
 ):
-    """Auto lengths: the engine's start-up runs a plain step and the longest rounds twice
-    each at every captured bucket (batch 1 eagerly) on throwaway requests; the chooser then
+    """Auto lengths: the engine's start-up runs a plain step and the longest rounds three
+    times each at every captured bucket (batch 1 eagerly) on throwaway requests; the chooser then
     knows both ends' times, and the pools, the request ids and the stats are as before."""
     target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
     drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
@@ -361,7 +386,7 @@ def test_the_engine_times_each_end_at_start_up_and_leaves_nothing_behind(
     chooser = strategy.chooser
     for bucket in buckets:
         seconds = chooser._buckets[bucket].seconds
-        assert len(seconds[0]) == len(seconds[3]) == 1  # the first of each left out
+        assert len(seconds[0]) == len(seconds[3]) == 1  # the first left out, the faster kept
     assert engine.stats.step_timing_s > 0
     assert engine.stats.generated_tokens == engine.stats.eager_steps == 0
     assert engine.stats.graph_steps == 0 and chooser.steps_by_count == [0] * 4
@@ -375,6 +400,6 @@ def test_the_engine_times_each_end_at_start_up_and_leaves_nothing_behind(
     engine.kv_pool.free(torch.tensor([1]))
     if runner == "graph":
         replays = strategy.plain_graph.replays_per_size()
-        assert replays == {1: 2, 2: 2, 4: 2}
+        assert replays == {1: 3, 2: 3, 4: 3}
     (req,) = engine.generate([[1, 2, 3]], GREEDY)
     assert req.rid == 0 and len(req.output_ids) == GREEDY.max_new_tokens

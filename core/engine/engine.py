@@ -23,6 +23,7 @@ import torch
 
 from graphrt import devices
 from graphrt.core.batch import ForwardBatch
+from graphrt.core.engine.heap import freeze_startup_heap
 from graphrt.core.engine.kv_plan import plan_kv
 from graphrt.core.engine.ledger import Ledger
 from graphrt.core.engine.prefill import Chunk, prefill_batch, prefill_chunks
@@ -79,6 +80,9 @@ class EngineConfig:
     # the sampled verify), not when a step first needs it: start-up takes longer, and no
     # step stalls on a capture (a server: `graphrt serve`). Still under the memory cap.
     capture_all_graphs: bool = False
+    # Freeze the objects start-up left alive out of Python's garbage collector's walks
+    # (core/engine/heap.py; process-wide): full collections otherwise stall decoding.
+    freeze_gc: bool = True
 
     def __post_init__(self):
         sizes = ("max_running_requests", "max_prefill_tokens")
@@ -320,6 +324,8 @@ class Engine:
             self._compile_ahead(deferred)
             for graphs in deferred:
                 self._capture_within_cap([graphs])
+        if self.config.freeze_gc:  # before timing: no full collection stalls a timed step
+            freeze_startup_heap()
         self._time_steps()
 
     def _time_steps(self) -> None:
@@ -635,6 +641,7 @@ class Engine:
             if not reqs:
                 return []
             self._capture_needed(reqs)
+            start = time.perf_counter()  # after any capture: what the step itself costs
             emitted = self._apply(reqs, self.strategy.decode(reqs))
         for req, tokens in zip(reqs, emitted):
             for token in tokens:
@@ -649,6 +656,8 @@ class Engine:
                 self._finish(req, FinishReason.LENGTH)
         if chunks:  # the prompts' first tokens: decoding tok/s leaves them out
             self.stats.prefill_tokens += sum(len(req.output_ids) > 0 for req in reqs)
+        else:
+            self.strategy.step_done(time.perf_counter() - start)
         return reqs
 
     def _apply(self, reqs: list[Request], outcome: StepOutcome) -> list[list[int]]:
