@@ -27,7 +27,8 @@ bucket's times, scaled. Another count still runs now and then, so the figures fo
 what changes (acceptance drifts with the text): after 16 steps of the same winner, then
 32, then every 64 (at most 1 step in 64 spent looking once the choice is stable), the
 runner-up and the longest rounds in turn, and a plain step while its time rests on fewer
-than ``TRUSTED_SAMPLES`` samples.
+than ``TRUSTED_SAMPLES`` samples. Looks (the optimistic first round too) are only taken
+while the batch has ``LOOK_HORIZON`` tokens or more left to pay them back.
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ UNSEEN_RATE = 0.5  # acceptance assumed at position 1 before any round ran
 # cost more than that never run before exploration looks (2 CPU cores: the embedded
 # pair's rounds of 5 cost 3.3 plain steps).
 OPTIMISTIC_RATE = 0.9
+# A look (the first optimistic round, exploration) costs up to a few plain steps now and
+# pays back only over the steps after it: a batch whose longest request has fewer tokens
+# left than this gets none (the README's 32-token command on the CPU paid 6% for its one
+# round of 5 where plain steps were right).
+LOOK_HORIZON = 64
 PRIOR_WEIGHT = 1.0  # observations a position's prior is worth
 # Engine-wide, a position's prior is the one before it times this: a drafter recurring on
 # its own guesses does not get better with depth (and only rounds that accepted every
@@ -175,7 +181,9 @@ class DraftChooser:
             running = {r.rid for r in reqs}
             self._requests = {rid: a for rid, a in self._requests.items() if rid in running}
         size = self._buckets.setdefault(bucket, _Bucket())
-        if self._donor(bucket) is None:  # the first bucket: each end measured first
+        if size.seconds.get(0) and size.seconds.get(self.max_steps):
+            pass  # both ends measured here (the usual case: no other bucket to look up)
+        elif self._donor(bucket) is None:  # the first bucket: each end measured first
             for steps in (self.max_steps, 0):  # (their first step left out)
                 if not size.seconds.get(steps) and steps not in refused:
                     return steps
@@ -187,7 +195,8 @@ class DraftChooser:
             # at: on an H200 auto kept drafting at batches 8 and 64 where plain steps
             # were 1.4x faster.
             return 0
-        if not self.engine_rates.seen[0] and self._may_pay(bucket, refused):
+        worth_a_look = _remaining(reqs) >= LOOK_HORIZON
+        if not self.engine_rates.seen[0] and worth_a_look and self._may_pay(bucket, refused):
             return self.max_steps  # no round ran yet: this one measures every position
         # The ranking is redone every REDECIDE steps, or when the batch changes: it moves
         # slowly, and weighing it costs tens of microseconds (a plain step of a small
@@ -203,7 +212,7 @@ class DraftChooser:
         if winner != size.last_winner:  # the winner changed: watch closely again
             size.last_winner, size.explore_every, size.since_explore = winner, FIRST_EXPLORE, 0
         size.since_explore += 1
-        if size.since_explore >= size.explore_every:
+        if size.since_explore >= size.explore_every and worth_a_look:
             size.since_explore = 0
             size.explore_every = min(2 * size.explore_every, MAX_EXPLORE)
             size.explored += 1
@@ -358,6 +367,11 @@ class DraftChooser:
         )
         verdict = "plain steps pay" if best == 0 else f"rounds of {best} draft steps pay"
         return f"at batch {bucket}: {cells} (~ modelled): {verdict}"
+
+
+def _remaining(reqs: Sequence[Request]) -> int:
+    """Tokens the longest-running request of ``reqs`` may still emit (its cap)."""
+    return max((r.params.max_new_tokens - len(r.output_ids) for r in reqs), default=0)
 
 
 def _fit_line(points: dict[int, tuple[float, int]]) -> tuple[float, float] | None:

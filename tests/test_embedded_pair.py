@@ -18,13 +18,16 @@ import torch
 from graphrt.core import pretrained
 from graphrt.core.cli.main import main
 from graphrt.core.models import load_model
+from graphrt.spec.adaptive import LOOK_HORIZON
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self"]
 ACCEPT_FLOOR = 2.0
 
 
 def _generate(capsys, *flags: str) -> dict:
-    argv = ["generate", "--device", "cpu", "--max-new-tokens", "64", "--ignore-eos", "--json"]
+    # Enough tokens that auto lengths look at rounds (spec.adaptive.LOOK_HORIZON).
+    tokens = str(LOOK_HORIZON + 8)
+    argv = ["generate", "--device", "cpu", "--max-new-tokens", tokens, "--ignore-eos", "--json"]
     for prompt in PROMPTS:
         argv += ["--prompt", prompt]
     assert main([*argv, *flags]) == 0

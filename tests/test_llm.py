@@ -13,6 +13,7 @@ import pytest
 
 from graphrt.core.errors import RequestError
 from graphrt.core.serve import LLM, TextParams
+from graphrt.spec.adaptive import LOOK_HORIZON
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:"]
 PARAMS = TextParams(max_tokens=24)
@@ -34,12 +35,14 @@ def _kv_free(llm: LLM) -> bool:
 
 def test_text_is_the_tokens_decoded_and_drafting_changes_no_greedy_token(llm, plain):
     assert llm.engine.strategy.name != plain.engine.strategy.name
-    got = llm.generate(PROMPTS, PARAMS)
-    assert [c.token_ids for c in got] == [c.token_ids for c in plain.generate(PROMPTS, PARAMS)]
+    # Long enough for auto lengths to look at rounds (spec.adaptive.LOOK_HORIZON).
+    params = TextParams(max_tokens=LOOK_HORIZON + 8, ignore_eos=True)
+    got = llm.generate(PROMPTS, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain.generate(PROMPTS, params)]
     for prompt, c in zip(PROMPTS, got):
         assert c.text == llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         assert c.prompt_tokens == len(llm.encode(prompt)) and c.finish_reason == "length"
-        assert len(c.token_ids) == 24
+        assert len(c.token_ids) == params.max_tokens
     assert llm.engine.stats.spec_rounds > 0  # drafts were verified
     assert _kv_free(llm)
 

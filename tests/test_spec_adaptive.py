@@ -8,7 +8,7 @@ request's acceptance, and must go on looking at the runner-up now and then.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -19,15 +19,25 @@ from graphrt.core import pretrained
 from graphrt.core.engine import SamplingParams
 from graphrt.core.models import load_model
 from graphrt.spec import MTPDecoding, SpecConfig
-from graphrt.spec.adaptive import FIRST_EXPLORE, MAX_EXPLORE, PER_REQUEST_MAX, DraftChooser
+from graphrt.spec.adaptive import (
+    FIRST_EXPLORE,
+    LOOK_HORIZON,
+    MAX_EXPLORE,
+    PER_REQUEST_MAX,
+    DraftChooser,
+)
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+LONG = SamplingParams(max_new_tokens=100_000, ignore_eos=True)  # looks always pay back
 
 
 @dataclass
 class _Req:  # what the chooser reads of a request
     rid: int
-    params: SamplingParams = GREEDY
+    params: SamplingParams = LONG
+    output_ids: list[int] = field(default_factory=list)
 
 
 ONE_REQUEST = (_Req(0),)
@@ -120,15 +130,18 @@ def test_greedy_output_is_plain_decodings_whatever_mix_of_lengths_and_plain_step
     target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
     drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
     prompts = random_prompts((5, 11, 7), seed=31, vocab=target.model.vocab_size)
-    plain = cpu_engine(target, max_context_len=64).generate(prompts, GREEDY)
+    # Long enough that the measured chooser's first look pays back (LOOK_HORIZON).
+    params = SamplingParams(max_new_tokens=LOOK_HORIZON + 8, ignore_eos=True)
+    context = 12 + params.max_new_tokens + 4  # the longest prompt, a round's overhang
+    plain = cpu_engine(target, max_context_len=context).generate(prompts, params)
     strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
     if chooser == "cycling":
         strategy.chooser = cycling_chooser(3, (3, 1, 0, 2, 2, 3, 0, 1))
     device = standin_device() if runner == "graph" else None
     engine = cpu_engine(
-        target, strategy, device, runner=runner, max_context_len=64, graph_buckets=(1, 2, 4)
+        target, strategy, device, runner=runner, max_context_len=context, graph_buckets=(1, 2, 4)
     )
-    reqs = engine.generate(prompts, GREEDY)
+    reqs = engine.generate(prompts, params)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
     stats = engine.stats
     assert stats.spec_rounds > 0 and stats.spec_plain_steps > 0  # both kinds ran
@@ -341,6 +354,22 @@ def test_start_up_timing_skips_the_rounds_that_cannot_pay():
     chosen = _run(cheap, 40, linear(1.5, 0.1), lambda k, rid: 0)  # nothing accepted
     assert chosen[0] == 5  # acceptance measured at every position, then
     assert chosen[1:FIRST_EXPLORE] == [0] * (FIRST_EXPLORE - 1)  # plain steps pay
+
+
+def test_no_look_where_too_few_tokens_are_left_to_pay_it_back():
+    """Rounds that could pay at an optimistic acceptance are tried first, and the runner-up
+    looked at now and then, only while the batch has LOOK_HORIZON tokens or more left: a
+    look costs now and pays back over the steps after it. (Rounds of 5 cost 4 plain
+    steps: they could pay at 0.9 a position, but not at the unseen prior, so every round
+    here is a look.)"""
+    short = SamplingParams(max_new_tokens=LOOK_HORIZON - 1, ignore_eos=True)
+    for params, looks in ((short, False), (LONG, True)):
+        chooser = DraftChooser(5)
+        _timed_at_start_up(chooser, 1, plain_ms=1.0, round_ms=4.0)
+        reqs = (_Req(0, params),)
+        chosen = _run(chooser, 3 * FIRST_EXPLORE, linear(3.5, 0.1), lambda k, rid: 0, reqs)
+        assert (chosen.count(0) < len(chosen)) == looks, chosen
+        assert chosen[0] == (5 if looks else 0)
 
 
 def test_one_slow_start_up_sample_does_not_rule_plain_steps_out():
