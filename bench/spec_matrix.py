@@ -14,7 +14,8 @@ of ``--tokens`` new tokens each, after one warm-up generate at that batch size; 
 tokens/s counts decode steps and rounds only (prefill and captures apart), as the CLI.
 
 Run on the device: python bench/spec_matrix.py [--batch-sizes 1,8,32,64] [--rates
-0.5,0.7,0.9] [--modes plain,1,2,3,4,5,auto] [--tokens 64] [--out matrix.json]
+0.5,0.7,0.9] [--modes plain,1,2,3,4,5,auto] [--tokens 64] [--out matrix.json] [--trace
+steps.jsonl] (the auto chooser's every step: kind, time, acceptance, what it weighed)
 """
 
 from __future__ import annotations

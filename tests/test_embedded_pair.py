@@ -88,3 +88,18 @@ def test_draft_and_no_draft_together_is_a_one_line_error(capsys):
     assert code == 2  # usage
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("graphrt: error:") and "--no-draft" in err[-1]
+
+
+def test_the_readme_command_summary_says_what_auto_did(capsys):
+    """The README's first command (32 tokens: too few for auto to look at rounds that its
+    start-up timing and prior say do not pay): the summary line names auto's steps, and an
+    accept length only where rounds ran."""
+    assert main(["generate", "--device", "cpu", "--prompt", PROMPTS[0]]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    auto = summary[summary.index("; auto: ") :]
+    rounds = int(auto.split()[2])
+    assert auto.endswith("pay)") and f"auto: {rounds} rounds and " in auto
+    if rounds:
+        assert f"over {rounds} rounds" in summary
+    else:
+        assert "speculative: no round ran" in summary and "accept length" not in summary

@@ -278,10 +278,14 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     if strategy is not None:
         spec = stats["spec"]
-        summary += (
-            f"; speculative: accept length {spec['accept_length_mean']:.2f} tokens per round "
-            f"over {spec['rounds']} rounds, drafts accepted per round {spec['accept_histogram']}"
-        )
+        if spec["rounds"]:
+            summary += (
+                f"; speculative: accept length {spec['accept_length_mean']:.2f} tokens per "
+                f"round over {spec['rounds']} rounds, drafts accepted per round "
+                f"{spec['accept_histogram']}"
+            )
+        else:  # auto took plain steps only: no accept length to speak of
+            summary += "; speculative: no round ran"
         if "auto" in spec:  # --spec-steps auto: what it chose, and why
             summary += (
                 f"; auto: {spec['auto']['round_steps']} rounds and {spec['plain_steps']} plain "
