@@ -26,9 +26,9 @@ unmeasured measures its own plain step, then starts its rounds from the nearest 
 bucket's times, scaled. Another count still runs now and then, so the figures follow
 what changes (acceptance drifts with the text): after 16 steps of the same winner, then
 32, then every 64 (at most 1 step in 64 spent looking once the choice is stable), the
-runner-up and the longest rounds in turn, and a plain step while its time rests on fewer
-than ``TRUSTED_SAMPLES`` samples. Looks (the optimistic first round too) are only taken
-while the batch has ``LOOK_HORIZON`` tokens or more left to pay them back.
+runner-up and the longest rounds in turn (and first a plain step, where its time is still
+start-up's alone). Looks (the optimistic first round too) are only taken while the batch
+has ``LOOK_HORIZON`` tokens or more left to pay them back.
 """
 
 from __future__ import annotations
@@ -85,6 +85,9 @@ class _Bucket:
     ranked_for: tuple[int, ...] = ()  # the request ids it was weighed for
     ranked_age: int = 0  # steps since
     last_winner: int | None = None
+    # Kinds whose time is start-up's figure alone (the fastest of its timing runs, on
+    # throwaway one-token requests): the first real step of the kind replaces it.
+    from_start_up: set[int] = field(default_factory=set)
 
     def median(self, steps: int) -> float | None:
         times = self.seconds.get(steps)
@@ -157,8 +160,9 @@ class Acceptance:
 
 
 class DraftChooser:
-    def __init__(self, max_steps: int):
+    def __init__(self, max_steps: int, context_len: int | None = None):
         self.max_steps = max_steps
+        self.context_len = context_len  # the engine's context (None: unbounded)
         self._buckets: dict[int, _Bucket] = {}
         self.engine_rates = Acceptance(max_steps, ENGINE_WEIGHT)
         self._requests: dict[int, Acceptance] = {}  # by request id, while it runs
@@ -195,9 +199,9 @@ class DraftChooser:
             # at: on an H200 auto kept drafting at batches 8 and 64 where plain steps
             # were 1.4x faster.
             return 0
-        worth_a_look = _remaining(reqs) >= LOOK_HORIZON
-        if not self.engine_rates.seen[0] and worth_a_look and self._may_pay(bucket, refused):
-            return self.max_steps  # no round ran yet: this one measures every position
+        if not self.engine_rates.seen[0] and self._may_pay(bucket, refused):
+            if self._worth_a_look(reqs):
+                return self.max_steps  # no round ran yet: this one measures every position
         # The ranking is redone every REDECIDE steps, or when the batch changes: it moves
         # slowly, and weighing it costs tens of microseconds (a plain step of a small
         # model is a few hundred).
@@ -212,15 +216,15 @@ class DraftChooser:
         if winner != size.last_winner:  # the winner changed: watch closely again
             size.last_winner, size.explore_every, size.since_explore = winner, FIRST_EXPLORE, 0
         size.since_explore += 1
-        if size.since_explore >= size.explore_every and worth_a_look:
+        if size.since_explore >= size.explore_every and self._worth_a_look(reqs):
             size.since_explore = 0
+            # A plain step first while its time is start-up's alone: every count is
+            # weighed against it, and where that one figure came out slow a plain step
+            # would never be the runner-up. It takes no turn of the looks below.
+            if winner != 0 and 0 in size.from_start_up:
+                return 0
             size.explore_every = min(2 * size.explore_every, MAX_EXPLORE)
             size.explored += 1
-            # Plain steps first while their time rests on few samples: every count is
-            # weighed against them, and a plain step is never the runner-up's look
-            # where its one figure came out slow.
-            if winner != 0 and len(size.seconds.get(0, ())) < TRUSTED_SAMPLES:
-                return 0
             # Every other look runs the longest rounds, whatever the runner-up: only they
             # measure acceptance at every position (a shorter runner-up would leave the
             # deeper positions' rates as old as the last long round).
@@ -229,6 +233,10 @@ class DraftChooser:
                 return longest
             return runner_up
         return winner
+
+    def _worth_a_look(self, reqs: Sequence[Request]) -> bool:
+        """Has the batch enough tokens left to pay a look back (``LOOK_HORIZON``)?"""
+        return _remaining(reqs, self.context_len) >= LOOK_HORIZON
 
     def _may_pay(self, bucket: int, refused: Set[int]) -> bool:
         """Could the longest rounds beat plain steps at ``bucket``, were every position
@@ -322,19 +330,27 @@ class DraftChooser:
         accepted: Sequence[tuple[Request, int]] = (),
         timing: bool = False,
     ) -> None:
-        """A step with ``steps`` draft steps ran: its wall time (the host's read included)
+        """A step with ``steps`` draft steps ran: its wall time (the whole step, the
+        engine's settling of it included: ``DecodeStrategy.step_done``)
         and, for a round, the drafts each drafting request accepted. ``timing``: a start-up
         step timing that kind on throwaway requests: its time counts, nothing else."""
         size = self._buckets.setdefault(bucket, _Bucket())
         size.seen[steps] = size.seen.get(steps, 0) + 1
         if size.seen[steps] > 1:
             times = size.seconds.setdefault(steps, deque(maxlen=WINDOW))
-            if timing and times:
-                # Start-up's figure is the fastest of its samples: a stall (a collection,
-                # an interrupt) only adds time, and one slow sample must not rule a kind
-                # out (a plain step timed at 19.5 ms, not 5.5, once kept rounds running).
-                times[0] = min(times[0], seconds)
+            if timing:
+                # Start-up's figure is the fastest of its samples (a stall, a collection or
+                # an interrupt, only adds time: a plain step timed at 19.5 ms, not 5.5,
+                # once kept rounds running for good), and stands until a real step of
+                # the kind replaces it.
+                times.append(min([seconds, *times]))
+                if len(times) > 1:
+                    times.popleft()
+                size.from_start_up.add(steps)
             else:
+                if steps in size.from_start_up:
+                    size.from_start_up.discard(steps)
+                    times.clear()
                 times.append(seconds)
         if timing:
             return
@@ -369,9 +385,14 @@ class DraftChooser:
         return f"at batch {bucket}: {cells} (~ modelled): {verdict}"
 
 
-def _remaining(reqs: Sequence[Request]) -> int:
-    """Tokens the longest-running request of ``reqs`` may still emit (its cap)."""
-    return max((r.params.max_new_tokens - len(r.output_ids) for r in reqs), default=0)
+def _remaining(reqs: Sequence[Request], context_len: int | None) -> int:
+    """Tokens the longest-running request of ``reqs`` may still emit: its cap, and the
+    context's room (``context_len``: the engine's context, None: no limit)."""
+    caps = (r.params.max_new_tokens - len(r.output_ids) for r in reqs)
+    if context_len is not None:
+        rooms = (context_len - len(r.prompt_ids) - len(r.output_ids) for r in reqs)
+        caps = (min(cap, room) for cap, room in zip(caps, rooms))
+    return max(caps, default=0)
 
 
 def _fit_line(points: dict[int, tuple[float, int]]) -> tuple[float, float] | None:

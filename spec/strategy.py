@@ -137,6 +137,8 @@ class MTPDecoding(DecodeStrategy):
 
     def setup(self, ctx: StepContext) -> Sequence[GraphRunner]:
         self.ctx = ctx
+        if self.chooser is not None:  # a look pays back only within the context
+            self.chooser.context_len = ctx.max_context_len
         target, drafter = ctx.loaded.model, self.drafter.model
         if not hasattr(drafter, "bind_target"):
             raise UsageError(
@@ -275,7 +277,9 @@ class MTPDecoding(DecodeStrategy):
         if self._refused:  # the graph memory cap spoke: lengths whose graphs it left out
             greedy = all(r.params.greedy for r in reqs)
             refused = {k for k in self.variants if set(self._needs(k, greedy)) & set(self._refused)}
-        return self.chooser.choose(self._bucket(len(reqs)), reqs, refused)
+        steps = self.chooser.choose(self._bucket(len(reqs)), reqs, refused)
+        # Under tensor parallelism each rank's chooser times its own steps: rank 0 decides.
+        return self.ctx.loaded.model.tp.agree(steps, self.ctx.device)
 
     def _needs(self, steps: int, greedy: bool) -> tuple[GraphRunner | None, ...]:
         """The graphs a step of ``steps`` draft steps runs on (greedy or sampled)."""
@@ -303,6 +307,7 @@ class MTPDecoding(DecodeStrategy):
         self._planned = None
 
     def decode(self, reqs: list[Request]) -> StepOutcome:
+        self._unrecorded = None  # a step that raised after its decode is not recorded
         planned, self._planned = self._planned, None
         steps = planned[1] if planned is not None and planned[0] == reqs else self.plan(reqs)
         outcome = self.round(reqs, steps) if steps else self.plain_step(reqs)

@@ -91,15 +91,11 @@ def test_draft_and_no_draft_together_is_a_one_line_error(capsys):
 
 
 def test_the_readme_command_summary_says_what_auto_did(capsys):
-    """The README's first command (32 tokens: too few for auto to look at rounds that its
-    start-up timing and prior say do not pay): the summary line names auto's steps, and an
-    accept length only where rounds ran."""
+    """The README's first command on the CPU: the summary line says auto took plain steps
+    only, and why."""
     assert main(["generate", "--device", "cpu", "--prompt", PROMPTS[0]]) == 0
     summary = capsys.readouterr().out.strip().splitlines()[-1]
-    auto = summary[summary.index("; auto: ") :]
-    rounds = int(auto.split()[2])
-    assert auto.endswith("pay)") and f"auto: {rounds} rounds and " in auto
-    if rounds:
-        assert f"over {rounds} rounds" in summary
-    else:
-        assert "speculative: no round ran" in summary and "accept length" not in summary
+    # Rounds cost 2 to 3 plain steps on a CPU, more than the unseen prior's acceptance
+    # wins back, and 32 tokens are too few for a look: plain steps only, as the README.
+    assert "speculative: no round ran; auto: 0 rounds and 31 plain steps (" in summary
+    assert summary.endswith("plain steps pay)") and "accept length" not in summary

@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import CPU, cpu_engine
+from helpers import CPU, cpu_engine, standin_device
 
 from graphrt.core.engine import SamplingParams
 from graphrt.core.models import load_model
@@ -55,3 +55,17 @@ def test_freeze_gc_false_leaves_the_collector_alone(loaded, unfrozen):
     alive = _Cycle()
     cpu_engine(loaded, freeze_gc=False)
     assert gc.get_freeze_count() == 0 and _walked(alive)
+
+
+@pytest.mark.parametrize("runner", ["eager", pytest.param("graph", marks=pytest.mark.graphs)])
+def test_an_engine_alive_at_anothers_freeze_is_still_freed_when_dropped(loaded, unfrozen, runner):
+    """Freezing keeps nothing alive that reference counting frees: an engine (graphs, KV
+    pool) frozen by a later engine's start-up goes as soon as its last reference does."""
+    device = standin_device() if runner == "graph" else None
+    first = cpu_engine(loaded, device=device, runner=runner, graph_buckets=(1, 2))
+    first.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+    gone, pool = weakref.ref(first), weakref.ref(first.kv_pool)
+    cpu_engine(loaded)  # freezes the first engine with everything else alive
+    assert not _walked(first)
+    del first
+    assert gone() is None and pool() is None  # no collection needed

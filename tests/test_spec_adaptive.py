@@ -8,6 +8,7 @@ request's acceptance, and must go on looking at the runner-up now and then.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -38,6 +39,7 @@ class _Req:  # what the chooser reads of a request
     rid: int
     params: SamplingParams = LONG
     output_ids: list[int] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
 
 
 ONE_REQUEST = (_Req(0),)
@@ -372,10 +374,55 @@ def test_no_look_where_too_few_tokens_are_left_to_pay_it_back():
         assert chosen[0] == (5 if looks else 0)
 
 
+def test_looks_stop_where_the_cap_or_the_context_leaves_too_few_tokens():
+    """Tokens left are the request's cap less what it emitted, and no more than its
+    context's room: a look stops paying back near either end."""
+    for context_len, prompt, cap in ((None, 3, 2 * LOOK_HORIZON), (LOOK_HORIZON + 40, 8, 10**6)):
+        chooser = DraftChooser(5, context_len)
+        _timed_at_start_up(chooser, 1, plain_ms=1.0, round_ms=4.0)
+        req = _Req(0, SamplingParams(max_new_tokens=cap, ignore_eos=True), [])
+        req.prompt_ids = [1] * prompt
+        chosen = []
+        for _ in range(3 * MAX_EXPLORE):
+            k = chooser.choose(1, (req,))
+            chosen.append((k, len(req.output_ids)))
+            chooser.record(k, 1, linear(3.5, 0.1)(k), [(req, 0)] if k else [])
+            req.output_ids.append(7)  # nothing accepted: one token a step
+        looked = [emitted for k, emitted in chosen if k]
+        left = (cap if context_len is None else context_len - prompt) - LOOK_HORIZON
+        assert looked and max(looked) <= left, (looked, left)  # none once too few are left
+
+
+def test_the_chooser_times_each_decode_step_whole_settling_included(gemma4_tiny, gemma4_assistant):
+    """What the chooser learns a step costs is the engine's whole step, its settling (slots,
+    tokens) included, once per decode step and never for a prefill."""
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
+    engine = cpu_engine(target, strategy, max_context_len=64)
+    timed, done, settle = [], strategy.step_done, engine._apply
+
+    def step_done(seconds):
+        timed.append(seconds)
+        done(seconds)
+
+    def slow_settle(reqs, outcome):
+        time.sleep(0.005)
+        return settle(reqs, outcome)
+
+    strategy.step_done, engine._apply = step_done, slow_settle
+    engine.generate([[5, 6, 7]], GREEDY)
+    chooser = strategy.chooser
+    assert len(timed) == sum(chooser.steps_by_count) > 0  # the prefill step is not timed
+    seconds = chooser._buckets[1].seconds
+    ran = [k for k, n in enumerate(chooser.steps_by_count) if n]
+    assert all(min(seconds[k]) >= 0.005 for k in ran), {k: list(seconds[k]) for k in ran}
+
+
 def test_one_slow_start_up_sample_does_not_rule_plain_steps_out():
     """A stall in a start-up timing step (a collection, an interrupt) only adds time: the
     fastest sample stands. And where plain steps' one figure came out slow anyway, the
-    chooser's looks run plain steps until their time rests on enough samples."""
+    chooser's first look runs a plain step, whose real time replaces start-up's."""
     chooser = DraftChooser(5)
     for k, ms in ((5, 10.0), (0, 5.0), (5, 10.0), (0, 19.5), (5, 10.5), (0, 5.5)):
         chooser.record(k, 1, ms * 1e-3, timing=True)

@@ -28,6 +28,7 @@ from helpers import (
     Checkpoint,
     GraphWitness,
     cpu_engine,
+    cycling_chooser,
     join_gloo,
     random_prompts,
     selected_params,
@@ -84,9 +85,38 @@ def _generate(target: str, drafter: str | None, tp: TPGroup, runner: str) -> dic
     )
 
 
+# Auto draft lengths: each rank's chooser scripted differently (rank 0's order, rank 1's
+# reversed), as each rank's own timings could make them choose; rank 0's choice must rule.
+AUTO_ORDER = (3, 0, 1, 2)
+
+
+def _generate_auto(target: str, drafter: str, tp: TPGroup, runner: str) -> dict:
+    """Greedy tokens and draft lengths run, with auto lengths whose choosers disagree."""
+    loaded = load_model(target, CPU, torch.float32, tp=tp)
+    strategy = MTPDecoding(
+        load_model(drafter, CPU, torch.float32, tp=tp), SpecConfig(num_steps=3, adaptive=True)
+    )
+    strategy.chooser = cycling_chooser(3, AUTO_ORDER[:: 1 if tp.rank == 0 else -1])
+    device = standin_device() if runner == "graph" else None
+    engine = cpu_engine(
+        loaded, strategy, device, runner=runner, max_context_len=64, graph_buckets=(4,)
+    )
+    prompts = random_prompts(LENS, seed=5, vocab=loaded.model.vocab_size)
+    reqs = engine.generate(prompts, GREEDY)
+    s = engine.stats
+    return dict(
+        tokens=[r.output_ids for r in reqs],
+        rounds_by_steps=dict(s.rounds_by_steps),
+        plain_steps=s.spec_plain_steps,
+        graphs=s.graph_steps + s.graph_rounds,
+    )
+
+
 def _rank_main(rank: int, port: int, jobs: dict, out_dir: str) -> None:
     tp = join_gloo(rank, 2, port)
     results = {key: _generate(*args, tp, key[1]) for key, args in jobs.items()}
+    for runner in {runner for _, runner in jobs}:  # the scripted auto lengths
+        results[("auto", runner)] = _generate_auto(*jobs[("mtp", runner)], tp, runner)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     del tp  # leave_job frees the group, as a product rank does
     leave_job(0)
@@ -208,6 +238,23 @@ def test_two_ranks_give_the_tokens_of_one(two_ranks, case, runner):
             assert got["graph_rounds"] == (got["rounds"] if runner == "graph" else 0)
             # Every round drafted and verified on graphs, or none did.
             assert got["graph_rounds"] == (got["rounds"] if runner == "graph" else 0)
+
+
+@pytest.mark.parametrize("runner", [pytest.param(r, marks=GRAPH_MARKS[r]) for r in RUNNERS])
+def test_auto_lengths_follow_rank_0s_choice_on_every_rank(two_ranks, runner):
+    """Each rank's chooser times its own steps, so ranks could choose apart (a round on one,
+    a plain step on another: their collectives would part ways). Rank 0's choice rules:
+    both ranks run its lengths, and greedy tokens are one process's."""
+    expected, ranks = two_ranks
+    got = [results[("auto", runner)] for results in ranks]
+    for rank in got:
+        GraphWitness.saw(rank["graphs"])  # for conftest's check
+        assert (rank["graphs"] > 0) == (runner == "graph")
+        assert rank["tokens"] == expected["mtp"]["tokens"]
+    assert got[0]["rounds_by_steps"] == got[1]["rounds_by_steps"]
+    assert got[0]["plain_steps"] == got[1]["plain_steps"] > 0
+    # Rank 0's order: lengths 3, 1 and 2 each ran, at batch 3 three rounds a step.
+    assert sorted(got[0]["rounds_by_steps"]) == [1, 2, 3]
 
 
 def _refused(path: Path, tp: TPGroup) -> str:

@@ -284,7 +284,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 f"round over {spec['rounds']} rounds, drafts accepted per round "
                 f"{spec['accept_histogram']}"
             )
-        else:  # auto took plain steps only: no accept length to speak of
+        else:  # no accept length to speak of
             summary += "; speculative: no round ran"
         if "auto" in spec:  # --spec-steps auto: what it chose, and why
             summary += (

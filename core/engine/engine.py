@@ -623,26 +623,39 @@ class Engine:
         self.ledger.recover(self.running)
 
     def _step(self, chunks: list[Chunk]) -> list[Request]:
-        if chunks:
-            batch = self._prefill_batch(chunks)
-            out, _ = self.ctx.forward(batch, None)
-            self.stats.eager_steps += 1
-            # Requests whose whole prompt is in now emit their first token; the others'
-            # next chunk comes in the next step.
-            reqs = [req for req in self.prefilling if req.kv_len == len(req.prompt_ids)]
-            self.prefilling = [req for req in self.prefilling if req not in reqs]
-            if not reqs:
-                return []
-            tokens = sample_requests(reqs, out.logits)
-            self.strategy.after_prefill(reqs, out)
-            emitted = [[t] for t in tokens]
-        else:
-            reqs = list(self.running)
-            if not reqs:
-                return []
-            self._capture_needed(reqs)
-            start = time.perf_counter()  # after any capture: what the step itself costs
-            emitted = self._apply(reqs, self.strategy.decode(reqs))
+        if not chunks:
+            return self._decode_step()
+        batch = self._prefill_batch(chunks)
+        out, _ = self.ctx.forward(batch, None)
+        self.stats.eager_steps += 1
+        # Requests whose whole prompt is in now emit their first token; the others' next
+        # chunk comes in the next step.
+        reqs = [req for req in self.prefilling if req.kv_len == len(req.prompt_ids)]
+        self.prefilling = [req for req in self.prefilling if req not in reqs]
+        if not reqs:
+            return []
+        tokens = sample_requests(reqs, out.logits)
+        self.strategy.after_prefill(reqs, out)
+        self._emit(reqs, [[t] for t in tokens])
+        # The prompts' first tokens: decoding tok/s leaves them out.
+        self.stats.prefill_tokens += sum(len(req.output_ids) > 0 for req in reqs)
+        return reqs
+
+    def _decode_step(self) -> list[Request]:
+        """A decode step (or speculative round) of every running request; its whole time,
+        settling included, goes to the strategy (``step_done``)."""
+        reqs = list(self.running)
+        if not reqs:
+            return []
+        self._capture_needed(reqs)
+        start = time.perf_counter()  # after any capture: what the step itself costs
+        self._emit(reqs, self._apply(reqs, self.strategy.decode(reqs)))
+        self.strategy.step_done(time.perf_counter() - start)
+        return reqs
+
+    def _emit(self, reqs: list[Request], emitted: list[list[int]]) -> None:
+        """Append each request's tokens, finishing those that stop, reach their length or
+        fill the context."""
         for req, tokens in zip(reqs, emitted):
             for token in tokens:
                 if token == BAD_LOGITS:  # the target's logits held NaN or +Inf
@@ -654,11 +667,6 @@ class Engine:
             # A request whose KV filled the context can take no further token.
             if not req.finished and req.kv_len >= self.max_context_len:
                 self._finish(req, FinishReason.LENGTH)
-        if chunks:  # the prompts' first tokens: decoding tok/s leaves them out
-            self.stats.prefill_tokens += sum(len(req.output_ids) > 0 for req in reqs)
-        else:
-            self.strategy.step_done(time.perf_counter() - start)
-        return reqs
 
     def _apply(self, reqs: list[Request], outcome: StepOutcome) -> list[list[int]]:
         """Settle a decode step's slots and counts through the ledger and stats; -> the

@@ -1,18 +1,14 @@
 """Start-up's objects out of the garbage collector's way, as vLLM does after its start-up.
 
-An engine's start-up leaves a few hundred thousand long-lived Python objects behind: the
-model's modules, the captured graphs and their static tensors, compiled kernels'
-launchers, the tokenizer. Python's full collections walk every one of them, and a
-speculative round allocates a few thousand short-lived objects (per-request lists and
-logs), so full collections come round every hundred or so rounds: on an H200 one took
-88 ms in the middle of the embedded pair's decoding at batch 64 (Python 3.12), nearly a
-millisecond a round on average, in one stall. ``gc.freeze`` moves every object alive now
-into a permanent generation no collection walks; what is garbage now is collected first,
-so nothing that could be freed is kept.
+Start-up leaves a few hundred thousand long-lived Python objects (the model's modules,
+the graphs, kernels' launchers) that every full collection walks, and speculative rounds
+allocate enough short-lived ones that full collections come round while decoding: one
+stalled a batch-64 decode for 88 ms on an H200 (BENCHMARKS.md, stop 41). ``gc.freeze``
+moves everything alive into a permanent generation no collection walks; what is garbage
+is collected first, so nothing that could be freed is kept.
 
-Hazard: an object frozen here and later left in a reference cycle is never collected
-(objects freed by reference counting, as the engine's are, still go). Engines built one
-after another in one process (tests, benchmarks) each freeze what is alive at their end.
+HAZARD: process-wide. An object frozen here and later left in a reference cycle is never
+collected (objects freed by reference counting, as engines are, still go).
 """
 
 from __future__ import annotations

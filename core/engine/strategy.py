@@ -145,9 +145,8 @@ class DecodeStrategy(abc.ABC):
     def step_done(self, seconds: float) -> None:  # noqa: B027
         """The last ``decode`` step's wall time, the engine's settling of it included (its
         slots, its tokens, finished requests): what a strategy that weighs kinds of step
-        by their cost should time, as the host's share of a step grows with the tokens it
-        emits (a round of the embedded pair at batch 64 on an H200: 0.45 ms after
-        ``decode`` returned, a plain step's 0.06)."""
+        by their cost should time, as settling grows with the tokens a step emits. Not
+        called for a step that raised."""
 
     def after_prefill(self, reqs: list[Request], out: RunnerOutput) -> None:  # noqa: B027
         """See each prefilled request's last-token output (a drafter seeds from its hidden)."""

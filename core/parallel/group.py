@@ -114,6 +114,16 @@ class TPGroup:
         out = _C10D.all_reduce(x.contiguous(), "sum", self.group.group_name)
         return _C10D.wait_tensor(out)
 
+    def agree(self, value: int, device: torch.device) -> int:
+        """Rank 0's ``value`` on every rank: a choice each rank makes from its own timings
+        (auto draft lengths) must be one choice, or the ranks' collectives part ways.
+        One small all-reduce and a read; nothing for the group of one."""
+        if self.is_single:
+            return value
+        x = torch.tensor([value if self.rank == 0 else 0], dtype=torch.int64, device=device)
+        out = _C10D.wait_tensor(_C10D.all_reduce(x, "sum", self.group.group_name))
+        return int(out.item())
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """(..., n) on every rank -> (..., size * n), rank 0's columns first (the
         vocabulary-parallel LM head's logits)."""
