@@ -60,13 +60,24 @@ CASES = {
 }
 
 
-def _generate(target: str, drafter: str | None, tp: TPGroup, runner: str) -> dict:
-    """Every request's greedy tokens and speculative rounds (drafts, accepted tokens), and
-    how many steps and rounds replayed graphs."""
+# Auto draft lengths: each rank's chooser scripted differently (rank 0's order, rank 1's
+# reversed), as each rank's own timings could make them choose; rank 0's choice must rule.
+AUTO_ORDER = (3, 0, 1, 2)
+
+
+def _generate(
+    target: str, drafter: str | None, tp: TPGroup, runner: str, auto: bool = False
+) -> dict:
+    """Every request's greedy tokens and speculative rounds (drafts, accepted tokens, draft
+    lengths run), and how many steps and rounds replayed graphs. ``auto``: auto lengths,
+    each rank's chooser scripted apart (AUTO_ORDER)."""
     loaded = load_model(target, CPU, torch.float32, tp=tp)
     strategy = None
     if drafter is not None:
-        strategy = MTPDecoding(load_model(drafter, CPU, torch.float32, tp=tp), SPEC)
+        spec = SpecConfig(num_steps=3, adaptive=True) if auto else SPEC
+        strategy = MTPDecoding(load_model(drafter, CPU, torch.float32, tp=tp), spec)
+    if auto:
+        strategy.chooser = cycling_chooser(3, AUTO_ORDER[:: 1 if tp.rank == 0 else -1])
     device = standin_device() if runner == "graph" else None
     # The requests decode in lockstep, a batch of 3 at every step and round (finishing
     # together): one bucket, padded to 4; smaller ones would be captured, never replayed.
@@ -82,33 +93,8 @@ def _generate(target: str, drafter: str | None, tp: TPGroup, runner: str) -> dic
         graph_steps=s.graph_steps,
         rounds=s.spec_rounds,
         graph_rounds=s.graph_rounds,
-    )
-
-
-# Auto draft lengths: each rank's chooser scripted differently (rank 0's order, rank 1's
-# reversed), as each rank's own timings could make them choose; rank 0's choice must rule.
-AUTO_ORDER = (3, 0, 1, 2)
-
-
-def _generate_auto(target: str, drafter: str, tp: TPGroup, runner: str) -> dict:
-    """Greedy tokens and draft lengths run, with auto lengths whose choosers disagree."""
-    loaded = load_model(target, CPU, torch.float32, tp=tp)
-    strategy = MTPDecoding(
-        load_model(drafter, CPU, torch.float32, tp=tp), SpecConfig(num_steps=3, adaptive=True)
-    )
-    strategy.chooser = cycling_chooser(3, AUTO_ORDER[:: 1 if tp.rank == 0 else -1])
-    device = standin_device() if runner == "graph" else None
-    engine = cpu_engine(
-        loaded, strategy, device, runner=runner, max_context_len=64, graph_buckets=(4,)
-    )
-    prompts = random_prompts(LENS, seed=5, vocab=loaded.model.vocab_size)
-    reqs = engine.generate(prompts, GREEDY)
-    s = engine.stats
-    return dict(
-        tokens=[r.output_ids for r in reqs],
         rounds_by_steps=dict(s.rounds_by_steps),
         plain_steps=s.spec_plain_steps,
-        graphs=s.graph_steps + s.graph_rounds,
     )
 
 
@@ -116,7 +102,7 @@ def _rank_main(rank: int, port: int, jobs: dict, out_dir: str) -> None:
     tp = join_gloo(rank, 2, port)
     results = {key: _generate(*args, tp, key[1]) for key, args in jobs.items()}
     for runner in {runner for _, runner in jobs}:  # the scripted auto lengths
-        results[("auto", runner)] = _generate_auto(*jobs[("mtp", runner)], tp, runner)
+        results[("auto", runner)] = _generate(*jobs[("mtp", runner)], tp, runner, auto=True)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     del tp  # leave_job frees the group, as a product rank does
     leave_job(0)
@@ -248,8 +234,9 @@ def test_auto_lengths_follow_rank_0s_choice_on_every_rank(two_ranks, runner):
     expected, ranks = two_ranks
     got = [results[("auto", runner)] for results in ranks]
     for rank in got:
-        GraphWitness.saw(rank["graphs"])  # for conftest's check
-        assert (rank["graphs"] > 0) == (runner == "graph")
+        graphs = rank["graph_steps"] + rank["graph_rounds"]
+        GraphWitness.saw(graphs)  # for conftest's check
+        assert (graphs > 0) == (runner == "graph")
         assert rank["tokens"] == expected["mtp"]["tokens"]
     assert got[0]["rounds_by_steps"] == got[1]["rounds_by_steps"]
     assert got[0]["plain_steps"] == got[1]["plain_steps"] > 0
