@@ -26,10 +26,12 @@ import json
 import random
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from graphrt.core.engine import SamplingParams
 from graphrt.spec.adaptive import DraftChooser
 
+RESULTS = Path(__file__).resolve().parent / "results"
 MAX_STEPS = 5
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
 WARM_TOKENS = 16
@@ -115,7 +117,7 @@ def simulate(times, seed, batch_sizes, rates, tokens) -> dict[tuple[int, float],
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--matrix", default="bench/results/h200-spec-matrix-stop40.json")
+    parser.add_argument("--matrix", default=str(RESULTS / "h200-spec-matrix-stop40.json"))
     parser.add_argument("--rates", default="0.5,0.7,0.9")
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--tokens", type=int, default=128)

@@ -101,7 +101,9 @@ def _generate(
 def _rank_main(rank: int, port: int, jobs: dict, out_dir: str) -> None:
     tp = join_gloo(rank, 2, port)
     results = {key: _generate(*args, tp, key[1]) for key, args in jobs.items()}
-    for runner in {runner for _, runner in jobs}:  # the scripted auto lengths
+    # The scripted auto lengths, in one order on every rank (a set's order is each
+    # process's own: ranks that ran the runners in different orders broke the job).
+    for runner in dict.fromkeys(runner for _, runner in jobs):
         results[("auto", runner)] = _generate(*jobs[("mtp", runner)], tp, runner, auto=True)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     del tp  # leave_job frees the group, as a product rank does
