@@ -180,8 +180,9 @@ def step_timer(engine: Engine, batch_size: int) -> Iterator[dict[str, float]]:
 
     def timed_step_done(seconds):
         step_done(seconds)
-        if last and last[0] is not None:
-            times.setdefault(last[0], []).append(seconds)
+        kind = last.pop() if last else None  # the step decode just ran, counted once
+        if kind is not None:
+            times.setdefault(kind, []).append(seconds)
 
     strategy.decode, strategy.step_done = timed_decode, timed_step_done
     medians: dict[str, float] = {}
@@ -194,9 +195,9 @@ def step_timer(engine: Engine, batch_size: int) -> Iterator[dict[str, float]]:
 
 @contextlib.contextmanager
 def chooser_trace(engine: Engine, path: str | None, label: str) -> Iterator[None]:
-    """With ``path``, appends one JSON line per step the auto chooser records: its batch
-    bucket, requests, draft steps, milliseconds, mean accepted drafts, and the tokens and
-    seconds by step count it last weighed (to replay its choices off the device)."""
+    """With ``path``, appends one JSON line per step the auto chooser records: the cell,
+    its batch bucket, draft steps, milliseconds, mean accepted drafts, and the tokens and
+    milliseconds by step count it last weighed (to replay its choices off the device)."""
     chooser = getattr(engine.strategy, "chooser", None)
     if path is None or chooser is None:
         yield

@@ -185,20 +185,21 @@ class DraftChooser:
             running = {r.rid for r in reqs}
             self._requests = {rid: a for rid, a in self._requests.items() if rid in running}
         size = self._buckets.setdefault(bucket, _Bucket())
-        if size.seconds.get(0) and size.seconds.get(self.max_steps):
-            pass  # both ends measured here (the usual case: no other bucket to look up)
-        elif self._donor(bucket) is None:  # the first bucket: each end measured first
-            for steps in (self.max_steps, 0):  # (their first step left out)
-                if not size.seconds.get(steps) and steps not in refused:
-                    return steps
-        elif not size.seconds.get(0):
-            # Any later bucket measures its own plain step (two: the first is left out).
-            # Rounds and plain steps scale differently with the batch (verify's rows
-            # grow, a plain step's barely), so the donor's plain time scaled by rounds'
-            # ratios is wrong, and plain steps, never the runner-up, were never looked
-            # at: on an H200 auto kept drafting at batches 8 and 64 where plain steps
-            # were 1.4x faster.
-            return 0
+        # Both ends measured here is the usual case (start-up timed them): no other
+        # bucket to look up.
+        if not (size.seconds.get(0) and size.seconds.get(self.max_steps)):
+            if self._donor(bucket) is None:  # the first bucket: each end measured first
+                for steps in (self.max_steps, 0):  # (their first step left out)
+                    if not size.seconds.get(steps) and steps not in refused:
+                        return steps
+            elif not size.seconds.get(0):
+                # Any later bucket measures its own plain step (two: the first is left
+                # out). Rounds and plain steps scale differently with the batch (verify's
+                # rows grow, a plain step's barely), so the donor's plain time scaled by
+                # rounds' ratios is wrong, and plain steps, never the runner-up, were
+                # never looked at: on an H200 auto kept drafting at batches 8 and 64
+                # where plain steps were 1.4x faster.
+                return 0
         if not self.engine_rates.seen[0] and self._may_pay(bucket, refused):
             if self._worth_a_look(reqs):
                 return self.max_steps  # no round ran yet: this one measures every position
@@ -343,9 +344,9 @@ class DraftChooser:
                 # an interrupt, only adds time: a plain step timed at 19.5 ms, not 5.5,
                 # once kept rounds running for good), and stands until a real step of
                 # the kind replaces it.
-                times.append(min([seconds, *times]))
-                if len(times) > 1:
-                    times.popleft()
+                fastest = min([seconds, *times])  # start-up runs before any real step
+                times.clear()
+                times.append(fastest)
                 size.from_start_up.add(steps)
             else:
                 if steps in size.from_start_up:
