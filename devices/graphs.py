@@ -74,7 +74,11 @@ class StreamGraphBackend(ExecutionBackend):
             self._parked.append(graph)  # see the HAZARD in __init__
             raise
         self._graphs[key] = graph
+        self._after_capture(graph)
         return outputs  # every replay writes into these; the runner keeps them
+
+    def _after_capture(self, graph: Any) -> None:
+        """A captured graph, before its first replay (a device may prepare it there)."""
 
     def _warm_up(self, run_once: Callable[[], Any], hook: Callable[[], None] | None) -> None:
         self._stream.wait_stream(self.module.current_stream())
@@ -153,6 +157,7 @@ class BreakableStreamGraphBackend(StreamGraphBackend):
 
         def end() -> None:
             segments[-1].capture_end()
+            self._after_capture(segments[-1])
             steps.append(segments[-1].replay)
 
         def on_break(fn: Callable[..., Any], *args: Any) -> Any:

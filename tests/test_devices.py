@@ -325,3 +325,43 @@ def test_cpu_offers_compiled_graphs_only_with_a_cxx_compiler(monkeypatch):
     assert CpuDevice().graph_backends() == ()  # the CLI then defaults to --runner eager
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
     assert CpuDevice().graph_backends() == ("compile",)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["full", "breakable"])
+def test_cuda_graphs_go_to_the_device_as_they_are_captured(monkeypatch, kind):
+    """Each captured graph (each segment of a breakable one) is uploaded at capture
+    (cuGraphUpload), so its first replay does not pay for it, and replays right."""
+    from graphrt.core.graph_breaks import run_breakable
+    from graphrt.core.runners.backend import ShapeKey
+    from graphrt.devices.cuda import graph as cuda_graph
+
+    uploaded = []
+    upload = cuda_graph.upload_graph
+
+    def counted(graph, stream):
+        uploaded.append(graph)
+        upload(graph, stream)
+
+    monkeypatch.setattr(cuda_graph, "upload_graph", counted)
+    backend = {
+        "full": cuda_graph.CudaFullGraphBackend,
+        "breakable": cuda_graph.CudaBreakableGraphBackend,
+    }[kind]()
+    x = torch.zeros(8, device="cuda")
+
+    def run_once():
+        x.add_(1.0)
+        y = run_breakable(torch.mul, x, 2.0) if kind == "breakable" else x * 2.0
+        return y + 1.0
+
+    key = ShapeKey(size=1)
+    with backend.capture_session():
+        out = backend.capture_one(key, run_once)
+    assert len(uploaded) == (2 if kind == "breakable" else 1)
+    x.zero_()
+    with backend.replay_session():
+        backend.replay(key)
+    torch.cuda.synchronize()
+    assert out.tolist() == [3.0] * 8  # (0 + 1) * 2 + 1
+    backend.cleanup()

@@ -1,0 +1,151 @@
+"""Where a decode step's or round's host time goes: plain, auto and fixed-length engines.
+
+The embedded pair, one request, in a plain engine, an auto engine, and one forced to
+rounds of 4 draft steps (engines sized as bench/spec_matrix.py sizes them). Each
+engine decodes ``tokens`` tokens ``reps`` times, engines in turn; per step, the host
+time of each phase (the decode batch, the forward's launch, sampling with its one read,
+the engine's settling, the strategy's bookkeeping) and the whole step, medians in us.
+With PROFILE=1, then the host operators of 20 steps of each.
+
+Run: python bench/step_phases.py [tokens, default 128] [device, default cuda] [reps, 3]
+[slots: request slots of the engines, default 1,64]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from tokenizers import Tokenizer
+
+from graphrt import devices
+from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+from graphrt.core.engine import strategy as strategy_module
+from graphrt.core.models import load_model
+from graphrt.core.pretrained import ASSISTANT_DIR, TARGET_DIR
+from graphrt.spec import MTPDecoding, SpecConfig
+from graphrt.spec import strategy as spec_strategy_module
+
+PROMPT = "def fibonacci(n):"
+
+
+@contextlib.contextmanager
+def phases(engine: Engine):
+    """Times the phases of ``engine``'s decode steps: -> {step kind: {phase: [seconds]}},
+    the kind "plain" or "round <draft steps>"."""
+    times: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    step: dict[str, float] = {}
+    saved = []
+
+    def wrap(owner, name, label):
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                step[label] = step.get(label, 0.0) + time.perf_counter() - start
+            if label == "strategy.decode":
+                step["kind"] = f"round {result.rounds[0].num_steps}" if result.rounds else "plain"
+            if label == "whole step" and "kind" in step:
+                kind = step.pop("kind")
+                for key, value in step.items():
+                    times[kind][key].append(value)
+            if label in ("whole step", "prefill"):
+                step.clear()
+            return result
+
+        saved.append((owner, name, original))
+        setattr(owner, name, timed)
+
+    ctx = engine.ctx
+    wrap(type(ctx), "decode_batch", "decode_batch")
+    wrap(type(ctx), "forward", "forward")
+    wrap(strategy_module, "sample_requests", "sample+read")
+    wrap(engine, "_apply", "apply")
+    wrap(engine, "_emit", "emit")
+    wrap(engine.strategy, "decode", "strategy.decode")
+    wrap(engine.strategy, "step_done", "step_done")
+    wrap(engine, "_capture_needed", "capture_needed(plan)")
+    if isinstance(engine.strategy, MTPDecoding):  # a round's pieces
+        for name in ("round_inputs", "draft", "verify", "settle"):
+            wrap(engine.strategy, name, f"round.{name}")
+        wrap(engine.ledger, "hold", "round.hold")
+        wrap(spec_strategy_module, "read_host", "round.read_host")
+        if engine.strategy.plain.graph_runner is not None:
+            wrap(type(engine.strategy.plain.graph_runner), "execute", "graph.execute")
+    wrap(engine, "_decode_step", "whole step")
+    try:
+        yield times
+    finally:
+        for owner, name, original in reversed(saved):
+            if owner in (engine, engine.strategy, engine.ledger):
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+def main() -> None:
+    tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 128
+    device = devices.current(sys.argv[2] if len(sys.argv) > 2 else "cuda")
+    reps = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    slots = [int(s) for s in (sys.argv[4] if len(sys.argv) > 4 else "1,64").split(",")]
+    dtype = torch.bfloat16 if device.name == "cuda" else torch.float32
+    target = load_model(str(TARGET_DIR), device, dtype)
+    drafter = load_model(str(ASSISTANT_DIR), device, dtype)
+    prompt = Tokenizer.from_file(str(TARGET_DIR / "tokenizer.json")).encode(PROMPT).ids
+    engines = {}
+    for n in slots:
+        # As bench/spec_matrix.py builds them: the context and pool sized to the work.
+        context = len(prompt) + tokens + 18
+        cfg = EngineConfig(
+            max_running_requests=n, max_context_len=context, kv_pool_tokens=n * context
+        )
+        engines[f"plain/{n}"] = Engine(target, cfg, device)
+        for name in ("round4", "auto"):
+            spec = MTPDecoding(drafter, SpecConfig(5, adaptive=True))
+            engines[f"{name}/{n}"] = Engine(target, cfg, device, spec)
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    for name, engine in engines.items():
+        engine.generate([prompt], params)  # warm (the auto engines draft as they choose)
+        if name.startswith("round4"):
+            engine.strategy.force_step(4)  # rounds of 4 from here on
+    results: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for _ in range(reps):
+        for name, engine in engines.items():
+            with phases(engine) as times:
+                engine.generate([prompt], params)
+            for kind, by_phase in times.items():
+                for label, values in by_phase.items():
+                    results[f"{name} {kind}"][label] += values
+    columns = sorted(results)
+    labels = list(dict.fromkeys(label for c in columns for label in results[c]))
+    print(f"{device.name}, {dtype}, {tokens} tokens x {reps}: median us a decode step (steps)")
+    print(f"{'phase':<22}" + "".join(f"{c:>20}" for c in columns))
+    for label in labels + ["steps"]:
+        cells = [results[c].get(label if label != "steps" else "whole step") for c in columns]
+        if label == "steps":
+            row = "".join(f"{len(c):20d}" for c in cells)
+        else:
+            row = "".join(
+                f"{statistics.median(c) * 1e6:20.1f}" if c else f"{'-':>20}" for c in cells
+            )
+        print(f"{label:<22}{row}")
+    if os.environ.get("PROFILE") == "1" and device.name == "cuda":
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        for name, engine in engines.items():
+            with torch.profiler.profile(activities=acts) as prof:
+                engine.generate([prompt], SamplingParams(max_new_tokens=21, ignore_eos=True))
+                torch.cuda.synchronize()
+            print(f"---- {name}: host operators over 20 steps")
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=45))
+
+
+if __name__ == "__main__":
+    main()
