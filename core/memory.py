@@ -118,12 +118,12 @@ class TokenKVPool:
 
     def free(self, slots: torch.Tensor) -> None:
         # A device tensor is read back here (a sync); the engine frees host copies.
-        slots = slots.to("cpu", torch.int64).flatten()
-        n = slots.numel()
-        assert not bool((slots == PADDING_SLOT).any()), "slot 0 is reserved for padding"
+        slots = slots.to("cpu", torch.int64).flatten().numpy()  # numpy: a us, not several
+        n = slots.size
+        assert not (slots == PADDING_SLOT).any(), "slot 0 is reserved for padding"
         # Cheap guard against a double free corrupting every later allocation.
         assert self._num_free + n <= self.num_slots, "KV slots freed twice"
-        self._stack[self._num_free : self._num_free + n] = slots
+        self._stack.numpy()[self._num_free : self._num_free + n] = slots
         self._num_free += n
 
     def keep_only(self, held: torch.Tensor) -> None:

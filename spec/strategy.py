@@ -72,6 +72,7 @@ class RoundInputs:
     req_slots: torch.Tensor  # (B,)
     kv_lens: torch.Tensor  # (B,) int32: cached tokens = the root's position
     kv_lens_cpu: list[int]
+    held: HeldSlots | None = None  # (B * nodes,) the tree's KV slots, node-major
 
 
 @dataclass
@@ -346,13 +347,15 @@ class MTPDecoding(DecodeStrategy):
         """One speculative round over ``reqs``, of ``num_steps`` draft steps (default: the
         configured length)."""
         variant = self.variants[num_steps or self.cfg.num_steps]
-        inputs = self.round_inputs(reqs)
+        # The tree's node slots come with the inputs, in their one copy: the host settles
+        # the rejected ones without reading back.
+        inputs = self.round_inputs(reqs, nodes=variant.cfg.num_draft_tokens)
+        held = inputs.held
         tree, drafted_on_graph = self.draft(inputs, variant=variant)
+        assert tree.num_nodes * len(reqs) == held.host.numel(), "the tree's width is the config's"
         if not all(r.params.speculate for r in reqs):  # opted out: no draft can be accepted
             speculate = [[r.params.speculate] for r in reqs]
             tree.valid &= to_device(speculate, self.ctx.device, torch.bool)  # (B, 1)
-        # Node slots on both sides: the host settles the rejected ones without reading back.
-        held = self.ctx.ledger.hold(len(reqs) * tree.num_nodes, self.ctx.device)  # node-major
         packed, verified_on_graph = self.verify(inputs, tree, held.device, variant=variant)
         outcome = self.settle(reqs, packed, held, variant.cfg.num_steps)
         outcome.graph_forwards = int(verified_on_graph)
@@ -360,13 +363,19 @@ class MTPDecoding(DecodeStrategy):
         outcome.graph_rounds = len(reqs) if drafted_on_graph and verified_on_graph else 0
         return outcome
 
-    def round_inputs(self, reqs: list[Request]) -> RoundInputs:
-        kv_lens_cpu = [r.kv_len for r in reqs]
-        # One pinned copy for all three per-request rows.
-        root, req_slots, kv_lens = to_device(
-            [[r.output_ids[-1] for r in reqs], [r.req_slot for r in reqs], kv_lens_cpu],
-            self.ctx.device,
-        )  # (3, B) -> three (B,) rows
+    def round_inputs(self, reqs: list[Request], nodes: int = 0) -> RoundInputs:
+        """Each request's root token, request slot and cached length on the device, and
+        with ``nodes``, ``nodes`` held KV slots a request for its tree (node-major), all in
+        one pinned copy."""
+        bs, kv_lens_cpu = len(reqs), [r.kv_len for r in reqs]
+        rows = [r.output_ids[-1] for r in reqs] + [r.req_slot for r in reqs] + kv_lens_cpu
+        held_host = self.ctx.ledger.hold_host(bs * nodes) if nodes else None
+        host = torch.tensor(rows, dtype=torch.int64)
+        on_device = to_device(
+            host if held_host is None else torch.cat([host, held_host]), self.ctx.device
+        )
+        root, req_slots, kv_lens = on_device[: 3 * bs].view(3, bs)  # three (B,) rows
+        held = None if held_host is None else HeldSlots(held_host, on_device[3 * bs :])
         return RoundInputs(
             reqs=list(reqs),
             root=root,
@@ -374,6 +383,7 @@ class MTPDecoding(DecodeStrategy):
             req_slots=req_slots,
             kv_lens=kv_lens.to(torch.int32),
             kv_lens_cpu=kv_lens_cpu,
+            held=held,
         )
 
     def draft(
