@@ -8,12 +8,15 @@ the engine's settling, the strategy's bookkeeping) and the whole step, medians i
 With PROFILE=1, then the host operators of 20 steps of each.
 
 Run: python bench/step_phases.py [tokens, default 128] [device, default cuda] [reps, 3]
-[slots: request slots of the engines, default 1,64]
+[slots: request slots of the engines, default 1,64]; env BATCH: requests a run (default 1);
+ENGINES: plain, plain-seeds (a plain engine whose graph writes auto's seeds), round4,
+auto, auto-plain (auto forced to plain steps), auto-plain-nogc (and no collections)
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -26,6 +29,7 @@ from tokenizers import Tokenizer
 from graphrt import devices
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.engine import strategy as strategy_module
+from graphrt.core.engine.strategy import PlainDecode
 from graphrt.core.models import load_model
 from graphrt.core.pretrained import ASSISTANT_DIR, TARGET_DIR
 from graphrt.spec import MTPDecoding, SpecConfig
@@ -100,6 +104,8 @@ def main() -> None:
     target = load_model(str(TARGET_DIR), device, dtype)
     drafter = load_model(str(ASSISTANT_DIR), device, dtype)
     prompt = Tokenizer.from_file(str(TARGET_DIR / "tokenizer.json")).encode(PROMPT).ids
+    batch = int(os.environ.get("BATCH", "1"))  # requests a generate (<= the slots)
+    kinds = os.environ.get("ENGINES", "plain,round4,auto").split(",")
     engines = {}
     for n in slots:
         # As bench/spec_matrix.py builds them: the context and pool sized to the work.
@@ -107,20 +113,38 @@ def main() -> None:
         cfg = EngineConfig(
             max_running_requests=n, max_context_len=context, kv_pool_tokens=n * context
         )
-        engines[f"plain/{n}"] = Engine(target, cfg, device)
-        for name in ("round4", "auto"):
-            spec = MTPDecoding(drafter, SpecConfig(5, adaptive=True))
-            engines[f"{name}/{n}"] = Engine(target, cfg, device, spec)
+        for kind in kinds:
+            if kind == "plain":
+                strategy = None
+            elif kind == "plain-seeds":  # a plain engine whose graph writes seeds as auto's
+                table = torch.zeros(n + 1, target.model.config.hidden_size, dtype=dtype)
+                table = table.to(device.torch_device())
+
+                def write_seeds(batch_, out, table=table):
+                    table[batch_.req_pool_indices] = out.hidden.to(table.dtype)
+
+                strategy = PlainDecode(after_forward=write_seeds)
+            else:  # round4, auto, auto-plain, auto-plain-nogc
+                strategy = MTPDecoding(drafter, SpecConfig(5, adaptive=True))
+            engines[f"{kind}/{n}"] = Engine(target, cfg, device, strategy)
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    prompts = [prompt] * batch
     for name, engine in engines.items():
-        engine.generate([prompt], params)  # warm (the auto engines draft as they choose)
+        engine.generate(prompts, params)  # warm (the auto engines draft as they choose)
         if name.startswith("round4"):
             engine.strategy.force_step(4)  # rounds of 4 from here on
+        if name.startswith("auto-plain"):
+            engine.strategy.force_step(0)  # plain steps in a drafting engine
     results: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for _ in range(reps):
         for name, engine in engines.items():
+            collecting = gc.isenabled()
+            if "nogc" in name:
+                gc.disable()
             with phases(engine) as times:
-                engine.generate([prompt], params)
+                engine.generate(prompts, params)
+            if collecting:
+                gc.enable()
             for kind, by_phase in times.items():
                 for label, values in by_phase.items():
                     results[f"{name} {kind}"][label] += values
@@ -141,7 +165,7 @@ def main() -> None:
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         for name, engine in engines.items():
             with torch.profiler.profile(activities=acts) as prof:
-                engine.generate([prompt], SamplingParams(max_new_tokens=21, ignore_eos=True))
+                engine.generate(prompts, SamplingParams(max_new_tokens=21, ignore_eos=True))
                 torch.cuda.synchronize()
             print(f"---- {name}: host operators over 20 steps")
             print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=45))

@@ -34,6 +34,7 @@ has ``LOOK_HORIZON`` tokens or more left to pay them back.
 from __future__ import annotations
 
 import math
+import operator
 import statistics
 from collections import Counter, deque
 from collections.abc import Sequence, Set
@@ -70,6 +71,7 @@ PRIOR_WEIGHT = 1.0  # observations a position's prior is worth
 # position before reach it, a few at first: without the decline one lucky round made
 # the deepest positions look certain).
 DEPTH_DECLINE = 0.9
+_RID = operator.attrgetter("rid")  # a batch's request ids, each step: map, not a generator
 
 
 @dataclass
@@ -206,7 +208,7 @@ class DraftChooser:
         # The ranking is redone every REDECIDE steps, or when the batch changes: it moves
         # slowly, and weighing it costs tens of microseconds (a plain step of a small
         # model is a few hundred).
-        batch = tuple(r.rid for r in reqs)
+        batch = tuple(map(_RID, reqs))
         if size.ranked is None or size.ranked_for != batch or size.ranked_age >= REDECIDE:
             rates = self.rates(bucket, reqs)
             size.ranked = sorted(range(self.max_steps + 1), key=lambda k: rates[k], reverse=True)

@@ -292,7 +292,9 @@ class MTPDecoding(DecodeStrategy):
     def captures_before(self, reqs: list[Request]) -> Sequence[GraphRunner]:
         steps = self.plan(reqs)
         self._planned = (reqs, steps)
-        needs = self._needs(steps, all(r.params.greedy for r in reqs))
+        if not self._later:  # everything captured: the usual step (an O(batch) scan less)
+            return ()
+        needs = self._needs(steps, steps == 0 or all(r.params.greedy for r in reqs))
         now = [r for r in needs if r in self._later]
         self._later = [r for r in self._later if r not in now]
         return now
