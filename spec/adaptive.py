@@ -186,7 +186,7 @@ class DraftChooser:
         if len(self._requests) > 2 * len(reqs) + 16:  # finished requests' rates go
             running = {r.rid for r in reqs}
             self._requests = {rid: a for rid, a in self._requests.items() if rid in running}
-        size = self._buckets.setdefault(bucket, _Bucket())
+        size = self._bucket(bucket)
         # Both ends measured here is the usual case (start-up timed them): no other
         # bucket to look up.
         if not (size.seconds.get(0) and size.seconds.get(self.max_steps)):
@@ -236,6 +236,14 @@ class DraftChooser:
                 return longest
             return runner_up
         return winner
+
+    def _bucket(self, bucket: int) -> _Bucket:
+        """What is known at ``bucket`` (a new one is made only once: ``setdefault`` would
+        build a throwaway ``_Bucket`` every step, a few us of a step's choice)."""
+        size = self._buckets.get(bucket)
+        if size is None:
+            size = self._buckets[bucket] = _Bucket()
+        return size
 
     def _worth_a_look(self, reqs: Sequence[Request]) -> bool:
         """Has the batch enough tokens left to pay a look back (``LOOK_HORIZON``)?"""
@@ -337,7 +345,7 @@ class DraftChooser:
         engine's settling of it included: ``DecodeStrategy.step_done``)
         and, for a round, the drafts each drafting request accepted. ``timing``: a start-up
         step timing that kind on throwaway requests: its time counts, nothing else."""
-        size = self._buckets.setdefault(bucket, _Bucket())
+        size = self._bucket(bucket)
         size.seen[steps] = size.seen.get(steps, 0) + 1
         if size.seen[steps] > 1:
             times = size.seconds.setdefault(steps, deque(maxlen=WINDOW))

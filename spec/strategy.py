@@ -27,6 +27,7 @@ target's token, as a plain step would.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -60,6 +61,8 @@ from graphrt.spec.verify import (
     verify_round,
     verify_shape,
 )
+
+_SPECULATES = operator.attrgetter("params.speculate")  # scanned every step: map, no generator
 
 
 @dataclass
@@ -270,7 +273,7 @@ class MTPDecoding(DecodeStrategy):
         """The draft steps of the next step of ``reqs`` (0: a plain step)."""
         if self._forced is not None:
             return self._forced
-        if not any(r.params.speculate for r in reqs):
+        if not any(map(_SPECULATES, reqs)):
             return 0  # nothing to draft for
         if self.chooser is None:
             return self.cfg.num_steps
