@@ -93,8 +93,8 @@ class Ledger:
         """One new slot per request at position ``kv_len``, in both tables; each
         ``kv_len`` grows by one. -> (4, B) device rows: slot, request slot, position,
         last token (one copy)."""
-        # Built and scattered in numpy: a step's host bookkeeping in torch ops (a few
-        # us each) cost more than the graph's launch at batch 1 on the H200.
+        # Built and scattered in numpy: torch ops on a few ints cost microseconds each
+        # (this took 13.7 us in torch, 5.9 in numpy, batch 1 on a 2-core CPU host).
         rows = np.empty((4, len(reqs)), dtype=np.int64)
         rows[0] = self.kv_pool.alloc_host(len(reqs)).numpy()
         rows[1] = [r.req_slot for r in reqs]

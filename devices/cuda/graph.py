@@ -30,8 +30,9 @@ class _UploadsGraphs:
     CUDA uploads an instantiated graph's work to the device at its first launch unless
     told to earlier (``cuGraphUpload``). Measured on the H200 (bench/graph_upload.py): a
     400-kernel graph's first replay took 0.99 ms against 0.46 ms for the next; uploaded
-    at capture, 0.47 ms. A draft length auto captures lazily paid that inside a decoding
-    step; now it lands in capture time, where start-up and lazy captures are counted."""
+    at capture, 0.47 ms. A draft length auto captures lazily paid that inside its first
+    round; now it lands in capture time, where start-up and lazy captures are counted.
+    (That first round still costs more than later ones, for reasons not found yet.)"""
 
     module: Any
     _stream: Any
