@@ -143,6 +143,8 @@ class MTPDecoding(DecodeStrategy):
         self.ctx = ctx
         if self.chooser is not None:  # a look pays back only within the context
             self.chooser.context_len = ctx.max_context_len
+            # Ranks agree on every step's length (TPGroup.agree): no step skips choosing.
+            self.chooser.streaks = ctx.loaded.model.tp.is_single
         target, drafter = ctx.loaded.model, self.drafter.model
         if not hasattr(drafter, "bind_target"):
             raise UsageError(
@@ -273,6 +275,8 @@ class MTPDecoding(DecodeStrategy):
         """The draft steps of the next step of ``reqs`` (0: a plain step)."""
         if self._forced is not None:
             return self._forced
+        if self.chooser is not None and self.chooser.stays_plain(reqs):
+            return 0  # a plain winner's ranking, reused: nothing to weigh (O(1))
         if not any(map(_SPECULATES, reqs)):
             return 0  # nothing to draft for
         if self.chooser is None:

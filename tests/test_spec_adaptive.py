@@ -8,6 +8,7 @@ request's acceptance, and must go on looking at the runner-up now and then.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -332,6 +333,42 @@ def test_a_new_bucket_measures_its_own_plain_step():
         chooser.record(k, 8, eight(k), [(ONE_REQUEST[0], k)] if k else [])
     assert chosen[:2] == [0, 0]  # measured (the first of a kind is left out)
     assert chosen[-50:].count(0) >= 45  # plain steps pay here, now and then a look
+
+
+def test_a_plain_winner_stays_without_weighing_and_no_choice_changes():
+    """After a plain step wins, the steps that would reuse its ranking and take no look are
+    plain without weighing anything (``stays_plain``, what MTPDecoding.plan asks first):
+    the choices, the looks included, are the ones weighing every step makes, in far fewer
+    weighings. A batch that changes ends the streak; with streaks off (tensor
+    parallelism) every step is weighed."""
+
+    def run(streaks: bool, steps: int = 400):
+        chooser = DraftChooser(5)
+        chooser.streaks = streaks
+        _timed_at_start_up(chooser, 1, plain_ms=1.0, round_ms=4.0)
+        reqs = [_Req(0), _Req(1)]
+        chosen, weighed, rng = [], [], random.Random(0)
+        for step in range(steps):
+            if step == 200:
+                reqs = [_Req(0), _Req(2)]  # one request left, another came: same size
+            if chooser.stays_plain(reqs):
+                k = 0
+            else:
+                k = chooser.choose(1, reqs)
+                weighed.append(step)
+            chosen.append(k)
+            # Rounds cost 3.5 + 0.1 k ms and accept little: plain steps pay, with looks.
+            accepted = [(r, sum(rng.random() < 0.3 for _ in range(k))) for r in reqs] if k else []
+            chooser.record(k, 1, linear(3.5, 0.1)(k), accepted)
+        return chosen, weighed
+
+    every, weighed_every = run(streaks=False)
+    streaked, weighed_streaked = run(streaks=True)
+    assert streaked == every
+    assert every.count(0) > 300 and 0 < every.count(5)  # plain steps pay; looks still run
+    assert len(weighed_every) == 400
+    assert len(weighed_streaked) < 0.4 * 400, len(weighed_streaked)
+    assert 200 in weighed_streaked  # the new batch is weighed at once
 
 
 def _timed_at_start_up(chooser, bucket, plain_ms, round_ms):
