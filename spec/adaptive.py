@@ -265,7 +265,10 @@ class DraftChooser:
         if winner == 0 and self.streaks:
             # The next steps that would reuse this ranking and take no look: plain
             # whatever choose computes (see stays_plain, which counts them as choose would).
-            streak = min(REDECIDE - size.ranked_age, size.explore_every - 1 - size.since_explore)
+            to_look = size.explore_every - 1 - size.since_explore
+            if to_look <= 0 and not self._worth_a_look(reqs):
+                to_look = REDECIDE  # no look can come: a batch's tokens left only shrink
+            streak = min(REDECIDE - size.ranked_age, to_look)
             if streak > 0:
                 self._streak = [len(reqs), reqs[0].rid, reqs[-1].rid, streak, size]
         return winner

@@ -342,6 +342,8 @@ def test_a_plain_winner_stays_without_weighing_and_no_choice_changes():
     weighings. A batch that changes ends the streak; with streaks off (tensor
     parallelism) every step is weighed."""
 
+    short = SamplingParams(max_new_tokens=LOOK_HORIZON - 1, ignore_eos=True)
+
     def run(streaks: bool, steps: int = 400):
         chooser = DraftChooser(5)
         chooser.streaks = streaks
@@ -351,6 +353,8 @@ def test_a_plain_winner_stays_without_weighing_and_no_choice_changes():
         for step in range(steps):
             if step == 200:
                 reqs = [_Req(0), _Req(2)]  # one request left, another came: same size
+            if step == 300:  # too few tokens left for any look
+                reqs = [_Req(3, short), _Req(4, short)]
             if chooser.stays_plain(reqs):
                 k = 0
             else:
@@ -369,6 +373,8 @@ def test_a_plain_winner_stays_without_weighing_and_no_choice_changes():
     assert len(weighed_every) == 400
     assert len(weighed_streaked) < 0.4 * 400, len(weighed_streaked)
     assert 200 in weighed_streaked  # the new batch is weighed at once
+    late = [step for step in weighed_streaked if step > 300]
+    assert len(late) < 40, late  # with no look to come, streaks run on
 
 
 def _timed_at_start_up(chooser, bucket, plain_ms, round_ms):
