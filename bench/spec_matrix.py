@@ -16,6 +16,7 @@ tokens/s counts decode steps and rounds only (prefill and captures apart), as th
 Run on the device: python bench/spec_matrix.py [--batch-sizes 1,8,32,64] [--rates
 0.5,0.7,0.9] [--modes plain,1,2,3,4,5,auto] [--tokens 64] [--out matrix.json] [--trace
 steps.jsonl] (the auto chooser's every step: kind, time, acceptance, what it weighed)
+[--one-graph] (rounds on one graph each: spec.round_graph)
 """
 
 from __future__ import annotations
@@ -82,11 +83,14 @@ class CoinAcceptance:
         return self.real_accept(tree, forced, max_accept)
 
 
-def engine_for(mode: str, target, drafter, device, cfg: EngineConfig, oracle=None) -> Engine:
+def engine_for(
+    mode: str, target, drafter, device, cfg: EngineConfig, oracle=None, one_graph=False
+) -> Engine:
     if mode == "plain":
         return Engine(target, cfg, device)
     spec = SpecConfig(MAX_STEPS, adaptive=True) if mode == "auto" else SpecConfig(int(mode))
-    return Engine(target, cfg, device, MTPDecoding(drafter, spec, oracle or accept))
+    strategy = MTPDecoding(drafter, spec, oracle or accept, one_graph=one_graph)
+    return Engine(target, cfg, device, strategy)
 
 
 @dataclass
@@ -122,7 +126,7 @@ def run_mode(subject: Subject, mode: str, args, device, cfg: EngineConfig, resul
     warm = SamplingParams(max_new_tokens=16, ignore_eos=True)
     oracle = subject.oracle
     start = time.perf_counter()
-    engine = engine_for(mode, subject.target, subject.drafter, device, cfg, oracle)
+    engine = engine_for(mode, subject.target, subject.drafter, device, cfg, oracle, args.one_graph)
     built = time.perf_counter() - start
     s = engine.stats
     for bs in args.batch_sizes:
@@ -260,6 +264,9 @@ def main() -> None:
     parser.add_argument("--oracle-draft", default="random:gemma4-e2b-assistant")
     parser.add_argument("--out", default="spec-matrix.json")
     parser.add_argument("--trace", help="append the auto chooser's steps here (JSON lines)")
+    parser.add_argument(
+        "--one-graph", action="store_true", help="each round on one graph (spec.round_graph)"
+    )
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.modes = args.modes.split(",")

@@ -10,7 +10,8 @@ With PROFILE=1, then the host operators of 20 steps of each.
 Run: python bench/step_phases.py [tokens, default 128] [device, default cuda] [reps, 3]
 [slots: request slots of the engines, default 1,64]; env BATCH: requests a run (default 1);
 ENGINES: plain, plain-seeds (a plain engine whose graph writes auto's seeds), round4,
-auto, auto-plain (auto forced to plain steps), auto-plain-nogc (and no collections)
+auto, auto-plain (auto forced to plain steps), auto-plain-nogc (and no collections);
+ONE_GRAPH=1: drafting engines run each round on one graph (spec.round_graph)
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def phases(engine: Engine):
     wrap(engine.strategy, "step_done", "step_done")
     wrap(engine, "_capture_needed", "capture_needed(plan)")
     if isinstance(engine.strategy, MTPDecoding):  # a round's pieces
-        for name in ("round_inputs", "draft", "verify", "settle"):
+        for name in ("round_inputs", "one_graph_round", "draft", "verify", "settle"):
             wrap(engine.strategy, name, f"round.{name}")
         wrap(engine.ledger, "hold", "round.hold")
         wrap(spec_strategy_module, "read_host", "round.read_host")
@@ -125,7 +126,8 @@ def main() -> None:
 
                 strategy = PlainDecode(after_forward=write_seeds)
             else:  # round4, auto, auto-plain, auto-plain-nogc
-                strategy = MTPDecoding(drafter, SpecConfig(5, adaptive=True))
+                one_graph = os.environ.get("ONE_GRAPH") == "1"
+                strategy = MTPDecoding(drafter, SpecConfig(5, adaptive=True), one_graph=one_graph)
             engines[f"{kind}/{n}"] = Engine(target, cfg, device, strategy)
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     prompts = [prompt] * batch

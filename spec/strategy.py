@@ -31,8 +31,10 @@ import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.engine.ledger import HeldSlots
 from graphrt.core.engine.request import Request
 from graphrt.core.engine.sampling import request_rows
@@ -52,6 +54,7 @@ from graphrt.spec.accept import accept
 from graphrt.spec.adaptive import DraftChooser
 from graphrt.spec.config import SpecConfig
 from graphrt.spec.draft import captured_draft_loop, draft_batch, draft_shape, draft_verify_tree
+from graphrt.spec.round_graph import RoundInput, captured_round, round_shape
 from graphrt.spec.tree import VerifyTree
 from graphrt.spec.verify import (
     AcceptRule,
@@ -86,10 +89,14 @@ class RoundGraphs:
     draft: GraphRunner | None = None  # the draft loop and its tree
     verify: GraphRunner | None = None  # verify and the round's tail: greedy rounds
     sampled_verify: GraphRunner | None = None  # the same with a sampled request
+    # One-graph rounds (spec.round_graph): draft, verify and tail in one graph.
+    round: GraphRunner | None = None
+    sampled_round: GraphRunner | None = None
 
     def runners(self) -> tuple[GraphRunner, ...]:
         """(Lengths whose trees have one width share their verify runners.)"""
-        return tuple(r for r in (self.verify, self.sampled_verify, self.draft) if r is not None)
+        every = (self.round, self.sampled_round, self.verify, self.sampled_verify, self.draft)
+        return tuple(r for r in every if r is not None)
 
 
 class MTPDecoding(DecodeStrategy):
@@ -100,10 +107,14 @@ class MTPDecoding(DecodeStrategy):
         drafter: LoadedModel,
         config: SpecConfig | None = None,
         accept_rule: AcceptRule = accept,
+        one_graph: bool = False,
     ):
         self.drafter = drafter
         self.cfg = config or SpecConfig()
         self.accept_rule = accept_rule  # spec.accept.accept; an oracle in benchmarks
+        # Each round on one graph (spec.round_graph) where attention is capture-safe;
+        # otherwise the draft loop's graph and verify's.
+        self.one_graph = one_graph
         lengths = range(1, self.cfg.num_steps + 1) if self.cfg.adaptive else (self.cfg.num_steps,)
         self.variants = {k: RoundGraphs(self.cfg.for_steps(k)) for k in lengths}
         self.chooser = DraftChooser(self.cfg.num_steps) if self.cfg.adaptive else None
@@ -177,6 +188,8 @@ class MTPDecoding(DecodeStrategy):
         if ctx.graph_backend is None:
             return ()
         args = (ctx.graph_backend, ctx.graph_config, ctx.device)
+        if self.one_graph and ctx.attn_backend.capture_safe:
+            return self._setup_one_graph(ctx, args, plain_runners)
         verify = verify_round(
             target, ctx.attn_backend, self.tables(), ctx.max_context_len, self.accept_rule
         )
@@ -203,6 +216,36 @@ class MTPDecoding(DecodeStrategy):
         now += (self.longest.draft,) if self.longest.draft is not None else ()
         every = [r for v in self.variants.values() for r in v.runners()] + list(plain_runners)
         self._later = [r for i, r in enumerate(every) if r not in now and r not in every[:i]]
+        return now
+
+    def _setup_one_graph(self, ctx: StepContext, args, plain_runners) -> Sequence[GraphRunner]:
+        """One graph per length, batch bucket and kind (greedy, sampled) for whole rounds:
+        the longest greedy rounds' (and plain steps', with auto lengths) at start-up."""
+        target, drafter = ctx.loaded.model, self.drafter.model
+        for variant in self.variants.values():
+            cfg = variant.cfg
+            forward = captured_round(
+                target,
+                drafter,
+                ctx.attn_backend,
+                cfg,
+                self.tables(),
+                ctx.max_context_len,
+                self.accept_rule,
+            )
+            variant.round, variant.sampled_round = (
+                GraphRunner(
+                    target,
+                    ctx.attn_backend,
+                    *args,
+                    round_shape(cfg.num_draft_tokens, cfg.num_steps, sampled),
+                    forward=forward,
+                )
+                for sampled in (False, True)
+            )
+        now = (self.longest.round,) + (plain_runners if self.chooser is not None else ())
+        every = [r for v in self.variants.values() for r in v.runners()] + list(plain_runners)
+        self._later = [r for r in every if r not in now]
         return now
 
     def after_prefill(self, reqs: list[Request], out: RunnerOutput) -> None:
@@ -264,7 +307,7 @@ class MTPDecoding(DecodeStrategy):
         kinds = ends * 3
         if self.plain_graph is None:
             return (1,), kinds
-        graphs = [self.plain_graph, self.longest.verify, self.longest.draft]
+        graphs = [self.plain_graph, self.longest.verify, self.longest.draft, self.longest.round]
         sizes = set.intersection(*(set(g.captured_sizes) for g in graphs if g is not None))
         return sorted(sizes), kinds
 
@@ -294,6 +337,8 @@ class MTPDecoding(DecodeStrategy):
         if steps == 0:
             return (self.plain_graph,)
         variant = self.variants[steps]
+        if variant.round is not None:
+            return (variant.round if greedy else variant.sampled_round,)
         return (variant.verify if greedy else variant.sampled_verify, variant.draft)
 
     def captures_before(self, reqs: list[Request]) -> Sequence[GraphRunner]:
@@ -356,6 +401,10 @@ class MTPDecoding(DecodeStrategy):
         """One speculative round over ``reqs``, of ``num_steps`` draft steps (default: the
         configured length)."""
         variant = self.variants[num_steps or self.cfg.num_steps]
+        if variant.round is not None:
+            outcome = self.one_graph_round(reqs, variant)
+            if outcome is not None:
+                return outcome
         # The tree's node slots come with the inputs, in their one copy: the host settles
         # the rejected ones without reading back.
         inputs = self.round_inputs(reqs, nodes=variant.cfg.num_draft_tokens)
@@ -370,6 +419,54 @@ class MTPDecoding(DecodeStrategy):
         outcome.graph_forwards = int(verified_on_graph)
         outcome.eager_forwards = int(not verified_on_graph)
         outcome.graph_rounds = len(reqs) if drafted_on_graph and verified_on_graph else 0
+        return outcome
+
+    def one_graph_round(self, reqs: list[Request], variant: RoundGraphs) -> StepOutcome | None:
+        """The round on ``variant``'s one graph (spec.round_graph) where one can run this
+        batch, else None (the two-graph path runs it). Its batch is built on the host (in
+        numpy) and sent in one pinned copy: each request's root token at every node (the
+        graph reads the first), a chain's node positions, the tree's held KV slots, request
+        slots, lengths after the round, whether it drafts; no device op before the launch."""
+        bs, n = len(reqs), variant.cfg.num_draft_tokens
+        rows = request_rows(reqs, self.ctx.device)  # no copy for greedy rows
+        graph = variant.round if rows.greedy else variant.sampled_round
+        held_host = self.ctx.ledger.hold_host(bs * n)
+        kv_lens = np.array([r.kv_len for r in reqs], dtype=np.int64)
+        host = np.empty(3 * bs * n + 3 * bs, dtype=np.int64)
+        per_node = host[: 3 * bs * n].reshape(3, bs, n)  # tokens, positions, slots
+        per_node[0] = np.array([r.output_ids[-1] for r in reqs])[:, None]
+        per_node[1] = kv_lens[:, None] + np.arange(n)
+        per_node[2] = held_host.numpy().reshape(bs, n)
+        per_request = host[3 * bs * n :].reshape(3, bs)
+        per_request[0] = [r.req_slot for r in reqs]
+        per_request[1] = kv_lens + n  # (the static buffer is int32: its copy casts)
+        per_request[2] = [r.params.speculate for r in reqs]
+        on_device = to_device(torch.from_numpy(host), self.ctx.device)
+        tokens, positions, slots = on_device[: 3 * bs * n].view(3, bs * n)
+        req_slots, seq_lens, speculate = on_device[3 * bs * n :].view(3, bs)
+        sampling = {}
+        if not rows.greedy:
+            names = ("temperature", "top_k", "top_p", "seed", "offset")
+            sampling = {name: getattr(rows, name) for name in names}
+        batch = ForwardBatch(
+            mode=ForwardMode.TARGET_VERIFY,
+            input_ids=tokens,
+            positions=positions,
+            req_pool_indices=req_slots,
+            seq_lens=seq_lens,
+            out_cache_loc=slots,
+            seq_lens_cpu=(kv_lens + n).tolist(),
+            extend_lens_cpu=[n] * bs,
+            spec_info=RoundInput(speculate=speculate, **sampling),
+        )
+        if graph is None or not graph.can_run_graph(batch):
+            self.ctx.ledger.free(held_host)  # the two-graph path holds its own
+            return None
+        for req in reqs:  # every node draws from its request's stream (see verify)
+            req.draws += n
+        (packed,) = graph.execute(batch)
+        outcome = self.settle(reqs, packed, HeldSlots(held_host, slots), variant.cfg.num_steps)
+        outcome.graph_forwards, outcome.graph_rounds = 1, bs
         return outcome
 
     def round_inputs(self, reqs: list[Request], nodes: int = 0) -> RoundInputs:

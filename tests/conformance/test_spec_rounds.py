@@ -26,6 +26,7 @@ from helpers import OracleDraftRunner, cycling_chooser, random_prompts, rel_err
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.models import load_model
 from graphrt.spec import MTPDecoding, SpecConfig
+from graphrt.spec.accept import accept
 
 SPEC_CASES = [c for c in CASES if c.dtype == torch.float32]
 pytestmark = pytest.mark.graphs
@@ -273,3 +274,95 @@ def test_auto_lengths_change_between_rounds_and_graph_rounds_equal_eager_rounds(
         assert sum(graph.strategy.variants[k].verify.replays_per_size().values()) > 0, k
     for r, p in zip(reqs, prompts):
         assert r.output_ids == truth[tuple(p)][len(p) : len(p) + len(r.output_ids)]
+
+
+def _accept_some(tree, target_tokens, max_accept):
+    """An acceptance rule (it runs inside the round's graph) under which a draft counts as
+    the target's own token unless its id is a multiple of 3: a random target accepts
+    next to nothing, and this gives every accept length, the same in both engines."""
+    forced = target_tokens.clone()
+    keep = tree.tokens[:, 1:] % 3 != 0
+    forced[:, :-1] = torch.where(keep, tree.tokens[:, 1:], target_tokens[:, :-1])
+    return accept(tree, forced, max_accept)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "auto"])
+def test_one_graph_rounds_equal_eager_rounds(
+    spec_case, gemma4_tiny, gemma4_assistant, session_cache, mode
+):
+    """``MTPDecoding(one_graph=True)``: each round replays one graph (the draft loop, the
+    verify batch of its tree, verify and the round's tail) and equals an eager round in
+    drafts, accepted and emitted tokens, token table and KV, as the batch shrinks (padded
+    replays), greedy, sampled, and with auto lengths changing between rounds (each
+    length's graphs captured before the first step that chooses it), with one request
+    opted out of drafting. Attention that is not capture-safe keeps the two-graph round."""
+    if spec_case.id == "cpu-compile":
+        pytest.skip(
+            "inductor compiles the round's graph: minutes on 2 cores (the stand-ins run it)"
+        )
+    models = ("spec-models", spec_case.device)
+    if models not in session_cache:
+        session_cache[models] = tuple(
+            load_model(str(c.path), spec_case.device, spec_case.dtype)
+            for c in (gemma4_tiny, gemma4_assistant)
+        )
+    target, drafter = session_cache[models]
+    engines = []
+    for graphs in (True, False):
+        spec = SpecConfig(num_steps=3, adaptive=mode == "auto")
+        strategy = MTPDecoding(drafter, spec, _accept_some, one_graph=True)
+        if mode == "auto":
+            strategy.chooser = cycling_chooser(3, (3, 1, 0, 2, 1, 3, 0, 2, 2))
+        config = EngineConfig(
+            max_running_requests=4,
+            max_context_len=64,
+            runner="graph" if graphs else "eager",
+            graph_buckets=buckets_for(spec_case),
+        )
+        engines.append(Engine(target, config, case_device(spec_case), strategy))
+    graph, eager = engines
+    kind = "sampled_round" if mode == "sampled" else "round"
+
+    def replays() -> dict[int, int]:  # round-graph replays by draft length
+        variants = graph.strategy.variants.items()
+        runners = {k: getattr(v, kind) for k, v in variants if getattr(v, kind) is not None}
+        return {k: sum(r.replays_per_size().values()) for k, r in runners.items()}
+
+    replays0 = replays()  # auto lengths' start-up step timing replays rounds too
+    prompts = random_prompts(PROMPT_LENS, seed=9, vocab=target.model.vocab_size)
+    temperature = 0.8 if mode == "sampled" else 0.0
+    params = [
+        SamplingParams(
+            max_new_tokens=n, ignore_eos=True, temperature=temperature, seed=i, speculate=i != 1
+        )
+        for i, n in enumerate(LIMITS)
+    ]
+    pairs = [(graph.add_request(p, s), eager.add_request(p, s)) for p, s in zip(prompts, params)]
+    while graph.has_work or eager.has_work:
+        graph.step()
+        eager.step()
+        _assert_same_state(graph, eager, pairs, spec_case.rtol)
+    assert graph.kv_pool.available() == graph.kv_pool.num_slots
+    accepted = [len(rnd["accepted_tokens"]) for r, _ in pairs for rnd in r.spec_rounds]
+    assert len(set(accepted)) > 2, accepted  # mixed accept lengths
+    assert all(len(rnd["accepted_tokens"]) == 0 for rnd in pairs[1][0].spec_rounds)
+    strategy = graph.strategy
+    one_graph = graph.attn_backend.capture_safe
+    rounds = graph.stats.spec_rounds
+    assert rounds > 0
+    if not one_graph:  # a breakable backend: the draft loop eagerly, verify on its graph
+        assert strategy.longest.round is None and strategy.verify_graph is not None
+        return
+    assert strategy.draft_graph is None and strategy.verify_graph is None
+    ran = {k: n - replays0.get(k, 0) for k, n in replays().items()}
+    if mode == "auto":
+        assert set(graph.stats.rounds_by_steps) == {1, 2, 3} and graph.stats.spec_plain_steps
+        assert all(ran[k] > 0 for k in (1, 2, 3)), ran
+    else:
+        sizes = getattr(strategy.longest, kind).replays_per_size()
+        assert set(sizes) == set(buckets_for(spec_case))
+    # One replay a round step (the longest request ran in every one), and every request's
+    # every round on the one graph.
+    assert sum(ran.values()) == len(pairs[-1][0].spec_rounds)
+    assert graph.stats.graph_rounds == sum(len(r.spec_rounds) for r, _ in pairs)
+    assert eager.stats.graph_rounds == 0

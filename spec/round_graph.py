@@ -1,0 +1,119 @@
+"""A whole speculative round as one captured graph (``MTPDecoding(one_graph=True)``).
+
+The two-graph round (spec.draft's loop, then spec.verify's forward and tail) launches two
+graphs and runs host work between them: the draft graph's outputs cloned, the held slots
+copied, the verify batch built and loaded (on the H200 the embedded pair's round of 4 spent
+473 us of host work before verify's launch, against 165 us of kernels in a plain step).
+Here one graph per batch bucket and draft length runs the draft loop, builds the verify
+tree's batch on the device and runs verify with the round's tail: the host loads one
+batch (its rows in one pinned copy: ``MTPDecoding.one_graph_round``) and launches once.
+
+Only for capture-safe attention: its metadata is a per-batch host object over the batch's
+own tensors, so the draft steps inside the graph leave verify's alone, and verify's
+kernels derive their schedule on the device. The static batch is the verify batch
+(TARGET_VERIFY, ``n`` tokens a request): each request's root token at all ``n`` places
+(the first is read), its cached length as ``seq_lens - n``, its tree's held KV slots, and
+per request whether it drafts and, in the sampled variant, its sampling state. The seed
+hidden comes from the seed table by request slot, inside the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from graphrt.core.attention.base import AttentionBackend
+from graphrt.core.batch import ForwardBatch, ForwardMode
+from graphrt.core.runners import GraphShape, StaticField
+from graphrt.core.runners.base import RunnerOutput, forward_model
+from graphrt.spec.config import SpecConfig
+from graphrt.spec.draft import draft_verify_tree
+from graphrt.spec.verify import SAMPLING_FIELDS, AcceptRule, RoundTables, VerifyInput, round_tail
+
+
+@dataclass
+class RoundInput:
+    """``spec_info`` of a one-graph round's batch: per request, whether it drafts (an
+    opted-out request accepts no draft), and a sampled round's sampling state."""
+
+    speculate: torch.Tensor  # (B,) bool
+    temperature: torch.Tensor | None = None  # (B,) float32 (see VerifyInput)
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    seed: torch.Tensor | None = None
+    offset: torch.Tensor | None = None  # (B,) int64: the root node's draw
+
+
+def round_shape(num_nodes: int, num_steps: int, sampled: bool) -> GraphShape:
+    """What a one-graph round takes (see the module docstring); padding rows draft
+    nothing (``speculate`` pads False) and accept nothing."""
+    speculate = StaticField("speculate", (), torch.bool, pad=False)
+    kind = "sampled" if sampled else "greedy"
+    return GraphShape(
+        mode=ForwardMode.TARGET_VERIFY,
+        width=num_nodes,
+        spec_info=RoundInput,
+        fields=(speculate,) + (SAMPLING_FIELDS if sampled else ()),
+        variant=f"round-{num_steps}-{kind}",
+    )
+
+
+def captured_round(
+    target,
+    drafter,
+    attn: AttentionBackend,
+    cfg: SpecConfig,
+    tables: RoundTables,
+    max_context_len: int,
+    accept_rule: AcceptRule,
+):
+    """The function a one-graph round computes from its static batch: the draft loop
+    (as spec.draft's captured loop), the verify batch of its tree, verify and the tail
+    (as spec.verify's round); -> (packed,), what the host reads."""
+
+    def run_step(step: ForwardBatch) -> RunnerOutput:
+        attn.init_metadata_for_capture(step)  # capture-safe: device tensors only
+        return forward_model(drafter, attn, step)
+
+    def forward(static: ForwardBatch) -> tuple[torch.Tensor]:
+        info: RoundInput = static.spec_info
+        bs, n = static.req_pool_indices.shape[0], cfg.num_draft_tokens
+        kv_lens = static.seq_lens - n  # (B,) int32: the root's position
+        root = static.input_ids.view(bs, n)[:, 0]
+        seed_hidden = tables.seeds[static.req_pool_indices]  # (B, H)
+        # Padding rows have no cached token (kv_len 0): the draft reads one, slot 0's. The
+        # draft steps' host lengths are placeholders: capture-safe attention reads the
+        # device's, and compiled code (CPU) would specialise on host values computed here,
+        # recompiling every round until its limit.
+        tree = draft_verify_tree(
+            run_step,
+            cfg,
+            root,
+            seed_hidden,
+            static.req_pool_indices,
+            kv_lens.clamp(min=1),
+            [1] * len(static.seq_lens_cpu),
+        )
+        positions = tree.positions(kv_lens.long()).clamp(max=max_context_len - 1)  # (B, n)
+        sampling = {name: getattr(info, name) for name in ("temperature", "top_k", "top_p")}
+        sampling.update(seed=info.seed, offset=info.offset)
+        verify_info = VerifyInput(
+            tree_mask=tree.mask,
+            parents=tree.parents,
+            depth=tree.depth,
+            valid=tree.valid & info.speculate.unsqueeze(1),
+            **sampling,
+        )
+        batch = dataclasses.replace(
+            static,
+            input_ids=tree.tokens.flatten(),
+            positions=positions.flatten(),
+            spec_info=verify_info,
+        )
+        attn.init_metadata_for_capture(batch)
+        out = forward_model(target, attn, batch)
+        return (round_tail(out.logits, out.hidden, batch, tables, max_context_len, accept_rule),)
+
+    return forward
