@@ -91,6 +91,24 @@ def engines(spec_case, gemma4_tiny, gemma4_assistant, session_cache):
     return get
 
 
+AUTO_ORDER = (3, 1, 0, 2, 1, 3, 0, 2, 2)  # auto lengths' scripted choices (0: a plain step)
+
+
+def _engine_pair(case, target, strategy_for) -> tuple[Engine, Engine]:
+    """A graph engine and an eager one over ``target`` for the lockstep tests, each with a
+    strategy of its own from ``strategy_for()``."""
+    pair = []
+    for graphs in (True, False):
+        config = EngineConfig(
+            max_running_requests=4,
+            max_context_len=64,
+            runner="graph" if graphs else "eager",
+            graph_buckets=buckets_for(case),
+        )
+        pair.append(Engine(target, config, case_device(case), strategy_for()))
+    return pair[0], pair[1]
+
+
 def _assert_same_state(graph: Engine, eager: Engine, pairs, rtol: float) -> None:
     for g, e in pairs:
         assert g.output_ids == e.output_ids
@@ -235,18 +253,13 @@ def test_auto_lengths_change_between_rounds_and_graph_rounds_equal_eager_rounds(
         load_model(str(c.path), spec_case.device, spec_case.dtype)
         for c in (gemma4_tiny, gemma4_assistant)
     )
-    pair = []
-    for graphs in (True, False):
-        strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
-        strategy.chooser = cycling_chooser(3, (3, 1, 0, 2, 1, 3, 0, 2, 2))
-        config = EngineConfig(
-            max_running_requests=4,
-            max_context_len=64,
-            runner="graph" if graphs else "eager",
-            graph_buckets=buckets_for(spec_case),
-        )
-        pair.append(Engine(target, config, case_device(spec_case), strategy))
-    graph, eager = pair
+
+    def strategy():
+        scripted = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
+        scripted.chooser = cycling_chooser(3, AUTO_ORDER)
+        return scripted
+
+    graph, eager = _engine_pair(spec_case, target, strategy)
     prompts = random_prompts(PROMPT_LENS, seed=8, vocab=target.model.vocab_size)
     plain = Engine(target, EngineConfig(runner="eager"), case_device(spec_case))
     truth = {
@@ -307,20 +320,15 @@ def test_one_graph_rounds_equal_eager_rounds(
             for c in (gemma4_tiny, gemma4_assistant)
         )
     target, drafter = session_cache[models]
-    engines = []
-    for graphs in (True, False):
+
+    def strategy():
         spec = SpecConfig(num_steps=3, adaptive=mode == "auto")
-        strategy = MTPDecoding(drafter, spec, _accept_some, one_graph=True)
+        one_graph = MTPDecoding(drafter, spec, _accept_some, one_graph=True)
         if mode == "auto":
-            strategy.chooser = cycling_chooser(3, (3, 1, 0, 2, 1, 3, 0, 2, 2))
-        config = EngineConfig(
-            max_running_requests=4,
-            max_context_len=64,
-            runner="graph" if graphs else "eager",
-            graph_buckets=buckets_for(spec_case),
-        )
-        engines.append(Engine(target, config, case_device(spec_case), strategy))
-    graph, eager = engines
+            one_graph.chooser = cycling_chooser(3, AUTO_ORDER)
+        return one_graph
+
+    graph, eager = _engine_pair(spec_case, target, strategy)
     kind = "sampled_round" if mode == "sampled" else "round"
 
     def replays() -> dict[int, int]:  # round-graph replays by draft length
