@@ -96,6 +96,16 @@ class _Bucket:
         return statistics.median(times) if times else None
 
 
+@dataclass
+class _Streak:
+    """Plain steps ``choose`` is known to pick next, for one batch (``stays_plain``)."""
+
+    size: int  # the batch's request count
+    ends: tuple[int, int]  # its first and last request ids (new requests join at the end)
+    left: int  # steps still known plain
+    bucket: _Bucket  # whose counts those steps advance
+
+
 class Acceptance:
     """Acceptance by draft position (1-based), given the position before was accepted.
 
@@ -170,11 +180,10 @@ class DraftChooser:
         self._requests: dict[int, Acceptance] = {}  # by request id, while it runs
         self.steps_by_count = [0] * (max_steps + 1)  # [k] = steps run with k draft steps
         self.last: tuple[int, list[float], list[float]] | None = None  # what explain() says
-        # Steps a plain winner is known to stay (see ``stays_plain``): [batch size, first
-        # and last request ids, steps left, the bucket's record]. Off under tensor
+        # Steps a plain winner is known to stay (see ``stays_plain``). Off under tensor
         # parallelism, whose ranks must agree on every step.
         self.streaks = True
-        self._streak: list | None = None
+        self._streak: _Streak | None = None
 
     @property
     def rounds(self) -> int:
@@ -196,11 +205,11 @@ class DraftChooser:
         streak = self._streak
         if streak is None:
             return False
-        size, first, last, left, bucket = streak
-        if left > 0 and len(reqs) == size and reqs[0].rid == first and reqs[-1].rid == last:
-            streak[3] -= 1
-            bucket.ranked_age += 1  # what choose would count for this step
-            bucket.since_explore += 1
+        same = len(reqs) == streak.size and (reqs[0].rid, reqs[-1].rid) == streak.ends
+        if streak.left > 0 and same:
+            streak.left -= 1
+            streak.bucket.ranked_age += 1  # what choose would count for this step
+            streak.bucket.since_explore += 1
             return True
         self._streak = None
         return False
@@ -262,15 +271,17 @@ class DraftChooser:
             if size.explored % 2 == 0 and winner != longest:
                 return longest
             return runner_up
-        if winner == 0 and self.streaks:
-            # The next steps that would reuse this ranking and take no look: plain
-            # whatever choose computes (see stays_plain, which counts them as choose would).
+        # The next steps that would reuse this ranking and take no look: plain whatever
+        # choose computes (see stays_plain, which counts them as choose would). Not before
+        # a round ran: then each step asks again whether a first round may pay, on plain
+        # steps' times that the streak's own steps move.
+        if winner == 0 and self.streaks and self.engine_rates.seen[0]:
             to_look = size.explore_every - 1 - size.since_explore
             if to_look <= 0 and not self._worth_a_look(reqs):
                 to_look = REDECIDE  # no look can come: a batch's tokens left only shrink
-            streak = min(REDECIDE - size.ranked_age, to_look)
-            if streak > 0:
-                self._streak = [len(reqs), reqs[0].rid, reqs[-1].rid, streak, size]
+            left = min(REDECIDE - size.ranked_age, to_look)
+            if left > 0:
+                self._streak = _Streak(len(reqs), (reqs[0].rid, reqs[-1].rid), left, size)
         return winner
 
     def _bucket(self, bucket: int) -> _Bucket:

@@ -6,7 +6,7 @@ copied, the verify batch built and loaded (on the H200 the embedded pair's round
 473 us of host work before verify's launch, against 165 us of kernels in a plain step).
 Here one graph per batch bucket and draft length runs the draft loop, builds the verify
 tree's batch on the device and runs verify with the round's tail: the host loads one
-batch (its rows in one pinned copy: ``MTPDecoding.one_graph_round``) and launches once.
+batch (its rows in one pinned copy: ``round_batch``) and launches once.
 
 Only for capture-safe attention: its metadata is a per-batch host object over the batch's
 own tensors, so the draft steps inside the graph leave verify's alone, and verify's
@@ -22,10 +22,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from graphrt.core.attention.base import AttentionBackend
 from graphrt.core.batch import ForwardBatch, ForwardMode
+from graphrt.core.engine.request import Request
+from graphrt.core.engine.sampling import SamplingRows
+from graphrt.core.host import to_device
 from graphrt.core.runners import GraphShape, StaticField
 from graphrt.core.runners.base import RunnerOutput, forward_model
 from graphrt.spec.config import SpecConfig
@@ -57,6 +61,51 @@ def round_shape(num_nodes: int, num_steps: int, sampled: bool) -> GraphShape:
         spec_info=RoundInput,
         fields=(speculate,) + (SAMPLING_FIELDS if sampled else ()),
         variant=f"round-{num_steps}-{kind}",
+    )
+
+
+def round_batch(
+    reqs: list[Request],
+    num_nodes: int,
+    held_host: torch.Tensor,
+    sampling: SamplingRows,
+    max_context_len: int,
+    device: torch.device,
+) -> ForwardBatch:
+    """A one-graph round's batch for ``reqs``, built on the host (numpy) and sent in one
+    pinned copy, so no device op comes before the launch: per node the request's root
+    token (the graph reads the first), a chain's positions (placeholders: the graph derives
+    them from the tree's depths) and the held KV slots ``held_host`` ((B * n,) host ids,
+    request by request, as ``settle`` reads them); per request its slot, its length after
+    the round, whether it drafts; the sampling state of a sampled round (``sampling``)."""
+    bs, n = len(reqs), num_nodes
+    kv_lens = np.array([r.kv_len for r in reqs], dtype=np.int64)
+    host = np.empty(3 * bs * n + 3 * bs, dtype=np.int64)
+    per_node = host[: 3 * bs * n].reshape(3, bs, n)  # tokens, positions, slots
+    per_node[0] = np.array([r.output_ids[-1] for r in reqs])[:, None]
+    per_node[1] = np.minimum(kv_lens[:, None] + np.arange(n), max_context_len - 1)
+    per_node[2] = held_host.numpy().reshape(bs, n)
+    per_request = host[3 * bs * n :].reshape(3, bs)
+    per_request[0] = [r.req_slot for r in reqs]
+    per_request[1] = kv_lens + n  # (the static buffer is int32: its copy casts)
+    per_request[2] = [r.params.speculate for r in reqs]
+    on_device = to_device(torch.from_numpy(host), device)
+    tokens, positions, slots = on_device[: 3 * bs * n].view(3, bs * n)
+    req_slots, seq_lens, speculate = on_device[3 * bs * n :].view(3, bs)
+    state = {}
+    if not sampling.greedy:
+        names = ("temperature", "top_k", "top_p", "seed", "offset")
+        state = {name: getattr(sampling, name) for name in names}
+    return ForwardBatch(
+        mode=ForwardMode.TARGET_VERIFY,
+        input_ids=tokens,
+        positions=positions,
+        req_pool_indices=req_slots,
+        seq_lens=seq_lens,
+        out_cache_loc=slots,
+        seq_lens_cpu=(kv_lens + n).tolist(),
+        extend_lens_cpu=[n] * bs,
+        spec_info=RoundInput(speculate=speculate, **state),
     )
 
 

@@ -31,10 +31,8 @@ import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.engine.ledger import HeldSlots
 from graphrt.core.engine.request import Request
 from graphrt.core.engine.sampling import request_rows
@@ -54,7 +52,7 @@ from graphrt.spec.accept import accept
 from graphrt.spec.adaptive import DraftChooser
 from graphrt.spec.config import SpecConfig
 from graphrt.spec.draft import captured_draft_loop, draft_batch, draft_shape, draft_verify_tree
-from graphrt.spec.round_graph import RoundInput, captured_round, round_shape
+from graphrt.spec.round_graph import captured_round, round_batch, round_shape
 from graphrt.spec.tree import VerifyTree
 from graphrt.spec.verify import (
     AcceptRule,
@@ -422,51 +420,22 @@ class MTPDecoding(DecodeStrategy):
         return outcome
 
     def one_graph_round(self, reqs: list[Request], variant: RoundGraphs) -> StepOutcome | None:
-        """The round on ``variant``'s one graph (spec.round_graph) where one can run this
-        batch, else None (the two-graph path runs it). Its batch is built on the host (in
-        numpy) and sent in one pinned copy: each request's root token at every node (the
-        graph reads the first), a chain's node positions, the tree's held KV slots, request
-        slots, lengths after the round, whether it drafts; no device op before the launch."""
-        bs, n = len(reqs), variant.cfg.num_draft_tokens
+        """The round on ``variant``'s one graph (spec.round_graph) where one serves this
+        many requests, else None (the round runs on the two-graph path: eagerly, in a
+        one-graph engine)."""
         rows = request_rows(reqs, self.ctx.device)  # no copy for greedy rows
         graph = variant.round if rows.greedy else variant.sampled_round
-        held_host = self.ctx.ledger.hold_host(bs * n)
-        kv_lens = np.array([r.kv_len for r in reqs], dtype=np.int64)
-        host = np.empty(3 * bs * n + 3 * bs, dtype=np.int64)
-        per_node = host[: 3 * bs * n].reshape(3, bs, n)  # tokens, positions, slots
-        per_node[0] = np.array([r.output_ids[-1] for r in reqs])[:, None]
-        per_node[1] = kv_lens[:, None] + np.arange(n)
-        per_node[2] = held_host.numpy().reshape(bs, n)
-        per_request = host[3 * bs * n :].reshape(3, bs)
-        per_request[0] = [r.req_slot for r in reqs]
-        per_request[1] = kv_lens + n  # (the static buffer is int32: its copy casts)
-        per_request[2] = [r.params.speculate for r in reqs]
-        on_device = to_device(torch.from_numpy(host), self.ctx.device)
-        tokens, positions, slots = on_device[: 3 * bs * n].view(3, bs * n)
-        req_slots, seq_lens, speculate = on_device[3 * bs * n :].view(3, bs)
-        sampling = {}
-        if not rows.greedy:
-            names = ("temperature", "top_k", "top_p", "seed", "offset")
-            sampling = {name: getattr(rows, name) for name in names}
-        batch = ForwardBatch(
-            mode=ForwardMode.TARGET_VERIFY,
-            input_ids=tokens,
-            positions=positions,
-            req_pool_indices=req_slots,
-            seq_lens=seq_lens,
-            out_cache_loc=slots,
-            seq_lens_cpu=(kv_lens + n).tolist(),
-            extend_lens_cpu=[n] * bs,
-            spec_info=RoundInput(speculate=speculate, **sampling),
-        )
-        if graph is None or not graph.can_run_graph(batch):
-            self.ctx.ledger.free(held_host)  # the two-graph path holds its own
+        if graph is None or not graph.serves(len(reqs)):
             return None
+        n = variant.cfg.num_draft_tokens
+        held_host = self.ctx.ledger.hold_host(len(reqs) * n)
+        batch = round_batch(reqs, n, held_host, rows, self.ctx.max_context_len, self.ctx.device)
         for req in reqs:  # every node draws from its request's stream (see verify)
             req.draws += n
         (packed,) = graph.execute(batch)
-        outcome = self.settle(reqs, packed, HeldSlots(held_host, slots), variant.cfg.num_steps)
-        outcome.graph_forwards, outcome.graph_rounds = 1, bs
+        held = HeldSlots(held_host, batch.out_cache_loc)
+        outcome = self.settle(reqs, packed, held, variant.cfg.num_steps)
+        outcome.graph_forwards, outcome.graph_rounds = 1, len(reqs)
         return outcome
 
     def round_inputs(self, reqs: list[Request], nodes: int = 0) -> RoundInputs:

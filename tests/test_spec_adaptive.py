@@ -376,6 +376,24 @@ def test_a_plain_winner_stays_without_weighing_and_no_choice_changes():
     late = [step for step in weighed_streaked if step > 300]
     assert len(late) < 40, late  # with no look to come, streaks run on
 
+    # Before any round ran, every step asks whether a first round may pay, on plain
+    # steps' times: no streak there (here plain steps slow from 1 to 5 ms; rounds of 5
+    # take 5 ms, and may pay at an optimistic acceptance once plain steps pass 1.07).
+    def slowing(streaks: bool) -> list[int]:
+        chooser = DraftChooser(5)
+        chooser.streaks = streaks
+        _timed_at_start_up(chooser, 1, plain_ms=1.0, round_ms=5.0)
+        chosen = []
+        for step in range(12):
+            k = 0 if chooser.stays_plain(ONE_REQUEST) else chooser.choose(1, ONE_REQUEST)
+            chosen.append(k)
+            seconds = min(1.0 + 0.1 * step, 5.0) * 1e-3 if k == 0 else 5e-3
+            chooser.record(k, 1, seconds, [(ONE_REQUEST[0], 0)] if k else [])
+        return chosen
+
+    assert slowing(streaks=True) == slowing(streaks=False)
+    assert 5 in slowing(streaks=False)
+
 
 def _timed_at_start_up(chooser, bucket, plain_ms, round_ms):
     """What the engine's start-up timing records at ``bucket``: each end three times."""

@@ -212,7 +212,12 @@ class GraphRunner(BaseRunner):
             return False
         if batch.num_tokens != batch.batch_size * self.shape.width:
             return False
-        size = self._pad_to_bucket(batch.batch_size)
+        return self.serves(batch.batch_size)
+
+    def serves(self, batch_size: int) -> bool:
+        """Does a captured graph serve ``batch_size`` requests of this runner's shape? (What
+        ``can_run_graph`` asks of a batch's size: a caller may ask before building one.)"""
+        size = self._pad_to_bucket(batch_size)
         return size is not None and self.backend.can_run(self._make_graph_key(size))
 
     def load_batch(self, batch: ForwardBatch) -> None:

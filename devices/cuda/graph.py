@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from graphrt.devices.graphs import BreakableStreamGraphBackend, StreamGraphBackend
+
+log = logging.getLogger(__name__)
 
 
 class _CompilesTritonAhead:
@@ -38,10 +41,19 @@ class _UploadsGraphs:
     _stream: Any
 
     def _after_capture(self, graph: Any) -> None:
+        super()._after_capture(graph)
         if self.module is not torch.cuda:  # a stand-in (CPU tests): nothing to upload
             return
-        if _driver() is not None and hasattr(graph, "raw_cuda_graph_exec"):
-            upload_graph(graph, self._stream)  # else: uploaded at the first replay
+        if _driver() is None or not hasattr(graph, "raw_cuda_graph_exec"):
+            return  # uploaded at its first replay, as before
+        try:
+            upload_graph(graph, self._stream)
+        except Exception as e:  # noqa: BLE001 (a speed-up only: never lose the graph to it)
+            # HAZARD: raising here would drop a captured graph (or a breakable key's
+            # segments) mid-capture; the graph uploads at its first replay anyway.
+            _warn_once(
+                f"uploading CUDA graphs at capture failed ({e}); they upload at first replay"
+            )
 
 
 def upload_graph(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
@@ -55,13 +67,24 @@ def upload_graph(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None
 
 @functools.cache
 def _driver() -> ctypes.CDLL | None:
+    """The CUDA driver library with ``cuGraphUpload`` (None: graphs upload at their first
+    replay): not on a ROCm build of torch (its handles are HIP's), nor without Linux's
+    driver library, nor on a driver older than CUDA 11.1."""
+    if torch.version.cuda is None:
+        return None
     try:
         driver = ctypes.CDLL("libcuda.so.1")  # loaded already by torch's CUDA context
-    except OSError:  # not Linux's driver library: graphs upload at their first replay
+        upload = driver.cuGraphUpload
+    except (OSError, AttributeError):
         return None
-    driver.cuGraphUpload.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    driver.cuGraphUpload.restype = ctypes.c_int
+    upload.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    upload.restype = ctypes.c_int
     return driver
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
 
 
 class CudaFullGraphBackend(_UploadsGraphs, _CompilesTritonAhead, StreamGraphBackend):
