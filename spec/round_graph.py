@@ -15,6 +15,11 @@ kernels derive their schedule on the device. The static batch is the verify batc
 (the first is read), its cached length as ``seq_lens - n``, its tree's held KV slots, and
 per request whether it drafts and, in the sampled variant, its sampling state. The seed
 hidden comes from the seed table by request slot, inside the graph.
+
+HAZARD (not verified on hardware): an NPU graph backend with updatable attention ops
+(devices/npu/graph.py) pushes one host length list to every updatable op before replay;
+here the draft's ops need the cached lengths and verify's those plus ``n``, so such a
+backend needs per-op lengths before it runs one-graph rounds.
 """
 
 from __future__ import annotations
