@@ -84,7 +84,8 @@ def round_batch(
     request by request, as ``settle`` reads them); per request its slot, its length after
     the round, whether it drafts; the sampling state of a sampled round (``sampling``)."""
     bs, n = len(reqs), num_nodes
-    kv_lens = np.array([r.kv_len for r in reqs], dtype=np.int64)
+    after = [r.kv_len + n for r in reqs]  # each request's length after the round
+    kv_lens = np.array(after, dtype=np.int64) - n
     host = np.empty(3 * bs * n + 3 * bs, dtype=np.int64)
     per_node = host[: 3 * bs * n].reshape(3, bs, n)  # tokens, positions, slots
     per_node[0] = np.array([r.output_ids[-1] for r in reqs])[:, None]
@@ -108,7 +109,7 @@ def round_batch(
         req_pool_indices=req_slots,
         seq_lens=seq_lens,
         out_cache_loc=slots,
-        seq_lens_cpu=(kv_lens + n).tolist(),
+        seq_lens_cpu=after,
         extend_lens_cpu=[n] * bs,
         spec_info=RoundInput(speculate=speculate, **state),
     )

@@ -208,10 +208,15 @@ class MTPDecoding(DecodeStrategy):
                 loop = captured_draft_loop(drafter, ctx.attn_backend, variant.cfg)
                 shape = draft_shape(target.config.hidden_size, dtype, steps)
                 variant.draft = GraphRunner(drafter, ctx.attn_backend, *args, shape, forward=loop)
-        # One backend, one pool: the longest rounds' verify graphs (the larger) first, then
-        # plain decode graphs where steps may be plain, then the draft loops.
-        now = (self.longest.verify,) + (plain_runners if self.chooser is not None else ())
-        now += (self.longest.draft,) if self.longest.draft is not None else ()
+        # The longest rounds' verify graphs (the larger) first, the draft loops last.
+        draft = (self.longest.draft,) if self.longest.draft is not None else ()
+        return self._captured_now((self.longest.verify,), plain_runners, draft)
+
+    def _captured_now(self, first, plain_runners, last=()) -> tuple[GraphRunner, ...]:
+        """The runners start-up captures, in order (one backend, one pool: the largest
+        first), ``first``, plain decode's where steps may be plain, ``last``; every other
+        runner waits in ``_later`` (once: lengths of one width share verify runners)."""
+        now = tuple(first) + (tuple(plain_runners) if self.chooser is not None else ()) + last
         every = [r for v in self.variants.values() for r in v.runners()] + list(plain_runners)
         self._later = [r for i, r in enumerate(every) if r not in now and r not in every[:i]]
         return now
@@ -241,10 +246,7 @@ class MTPDecoding(DecodeStrategy):
                 )
                 for sampled in (False, True)
             )
-        now = (self.longest.round,) + (plain_runners if self.chooser is not None else ())
-        every = [r for v in self.variants.values() for r in v.runners()] + list(plain_runners)
-        self._later = [r for r in every if r not in now]
-        return now
+        return self._captured_now((self.longest.round,), plain_runners)
 
     def after_prefill(self, reqs: list[Request], out: RunnerOutput) -> None:
         # The hidden that produced each first token: the first seed (one scatter).
