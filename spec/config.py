@@ -23,14 +23,21 @@ class SpecConfig:
     # True (``--spec-steps auto``): each step is a round or a plain decode step, whichever
     # the measured costs and acceptance say emits more tokens a second (spec.adaptive).
     adaptive: bool = False
+    # True: each round on one captured graph (spec.round_graph) where attention is
+    # capture-safe; False (``--round-graphs two``), and always on a breakable backend: the
+    # draft loop's graph, then verify's. On the H200 one graph made the embedded pair's
+    # rounds of 4 20% faster at batch 1, 7% at 64 (BENCHMARKS.md, stop 43).
+    one_graph: bool = True
 
     def __post_init__(self):
         for name in ("num_steps", "topk", "num_draft_tokens"):
             value = getattr(self, name)
             if value is not None and not is_int(value):
                 raise UsageError(f"SpecConfig.{name} must be an integer, got {value!r}")
-        if not isinstance(self.adaptive, bool):
-            raise UsageError(f"SpecConfig.adaptive must be True or False, got {self.adaptive!r}")
+        for name in ("adaptive", "one_graph"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise UsageError(f"SpecConfig.{name} must be True or False, got {value!r}")
         if self.num_steps < 1:
             raise UsageError(f"--spec-steps must be >= 1, got {self.num_steps}")
         if self.topk < 1:
@@ -59,6 +66,7 @@ class SpecConfig:
             num_steps=num_steps,
             topk=self.topk,
             num_draft_tokens=min(self.num_draft_tokens, default),
+            one_graph=self.one_graph,
         )
 
     @property

@@ -90,14 +90,16 @@ def test_plain_decode_buckets_run_dry_before_capture_and_leave_no_trace(events, 
 
 
 @pytest.mark.graphs
+@pytest.mark.parametrize("one_graph", [True, False], ids=["one-graph", "two-graph"])
 def test_speculative_runners_run_dry_together_and_lazy_ones_before_their_capture(
-    events, gemma4_tiny, gemma4_assistant
+    events, gemma4_tiny, gemma4_assistant, one_graph
 ):
     target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
     drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
-    engine = _engine(target, MTPDecoding(drafter, SpecConfig(2, 1)))
+    engine = _engine(target, MTPDecoding(drafter, SpecConfig(2, 1, one_graph=one_graph)))
     setup = _assert_compiled_before_captured(events)
-    assert len(setup) >= 2  # the target's verify and the draft loop, at least
+    # The round's graph; or the target's verify and the draft loop.
+    assert len(setup) == (1 if one_graph else 2)
     first_capture = next(i for i, e in enumerate(events) if e[0] == "capture")
     assert {e[1] for e in events[:first_capture]} == set(setup)  # all dry, then captures
     # A sampled request needs graphs start-up left uncaptured: they run dry first too.

@@ -101,10 +101,14 @@ def test_plain_decode_on_graphs_padded_and_exact_equals_eager(llama):
     assert result.graph_steps["eager"] == 0
 
 
-def spec_engines(target, drafter, steps: int, topk: int):
-    """(eager, graph) engines with frozen-KV MTP drafting, on 1 to 4 requests."""
+def spec_engines(target, drafter, steps: int, topk: int, one_graph: bool = True):
+    """(eager, graph) engines with frozen-KV MTP drafting, on 1 to 4 requests; the graph
+    engine's rounds on one graph each, or (``one_graph=False``) the draft loop's and
+    verify's."""
     config = dict(graph_buckets=(1, 2, 4), max_running_requests=4)
-    strategies = [MTPDecoding(drafter, SpecConfig(steps, topk)) for _ in range(2)]
+    strategies = [
+        MTPDecoding(drafter, SpecConfig(steps, topk, one_graph=one_graph)) for _ in range(2)
+    ]
     return {
         "eager": cpu_engine(target, strategies[0], **engine_config(**config)),
         "cuda-full": graph_engine(target, "cuda-full", strategies[1], **config),
@@ -126,7 +130,7 @@ def spec_schedule(seed: int, vocab: int, requests: int):
 
 @pytest.mark.graphs
 def test_speculative_rounds_on_graphs_equal_eager(gemma4_pair):
-    """The drafter's loop and the verify forward on graphs, batches of 1 to 4 (3 padded)."""
+    """Each round on one graph (draft loop, verify and tail), batches of 1 to 4 (3 padded)."""
     target, drafter = gemma4_pair
     engines = spec_engines(target, drafter, steps=3, topk=2)
     sched = spec_schedule(27, target.model.vocab_size, requests=12)
@@ -134,12 +138,12 @@ def test_speculative_rounds_on_graphs_equal_eager(gemma4_pair):
     assert_no_mismatch(result)
     assert {1, 3, 4} <= set(result.batch_sizes), result.batch_sizes
     graph = engines["cuda-full"]
-    # Every round replayed both graphs, the sampled variant's too: it was captured just
+    # Every round replayed its graph, the sampled variant's too: it was captured just
     # before the first round with a sampled request (MTPDecoding.captures_before).
     assert graph.stats.eager_steps == result.steps - result.decode_steps  # the prefills
     assert graph.stats.spec_rounds == graph.stats.graph_rounds > 0
     assert graph.stats.lazy_capture_s > 0
-    assert sum(graph.strategy.sampled_verify_graph.replays_per_size().values()) > 0
+    assert sum(graph.strategy.longest.sampled_round.replays_per_size().values()) > 0
     assert result.sampled_requests and result.finish_reasons["stop"]
     assert result.finish_reasons["context"]  # rounds capped at the context's end
 
@@ -155,7 +159,8 @@ def test_speculative_rounds_with_oracle_accept_lengths_equal_eager(gemma4_pair):
     reference = differential.run_schedule(
         plain, spec_schedule(seed, target.model.vocab_size, requests), 10**6, record_outputs=True
     )
-    engines = spec_engines(target, drafter, steps=steps, topk=1)
+    # The oracle drafts eagerly (draft_eager below): rounds of two graphs, verify's replayed.
+    engines = spec_engines(target, drafter, steps=steps, topk=1, one_graph=False)
     oracle_drafts = engines["cuda-full"].strategy.longest
     oracle_drafts.draft = None  # the oracle drafts eagerly; verify on graphs
     truths = {}

@@ -148,10 +148,10 @@ def test_a_dropped_engine_and_its_graphs_are_freed_without_the_cycle_collector(
         backend = weakref.ref(engine.graph_backend)
         owned = (engine.graph_runner,)
         if spec is not None:  # every runner it built, captured or not
-            owned += (spec.plain_graph, spec.draft_graph, spec.verify_graph)
-            owned += (spec.sampled_verify_graph,)
+            owned += (spec.plain_graph, *spec.longest.runners())
         runners = [weakref.ref(r) for r in owned if r is not None]
-        assert len(runners) == (1 if spec is None else 4)
+        # Plain steps', and the greedy and sampled rounds' (one graph a round).
+        assert len(runners) == (1 if spec is None else 3)
         dropped = weakref.ref(engine)
         del engine, spec, owned
         assert dropped() is None and backend() is None

@@ -29,11 +29,15 @@ NEW_TOKENS = 24
 SAMPLING_TEMPERATURE = 0.3
 
 
-def spec_engine(target, drafter, steps: int, topk: int, device=None, **config) -> Engine:
-    """An Engine with frozen-KV MTP drafting, eager unless ``device`` brings graphs."""
+def spec_engine(
+    target, drafter, steps: int, topk: int, device=None, one_graph: bool = True, **config
+) -> Engine:
+    """An Engine with frozen-KV MTP drafting, eager unless ``device`` brings graphs;
+    ``one_graph``: each round on one graph (the default) or the draft loop's and verify's."""
     loaded = load_model(str(target.path), CPU, torch.float32)
     draft = load_model(str(drafter.path), CPU, torch.float32)
-    strategy = MTPDecoding(draft, SpecConfig(num_steps=steps, topk=topk))
+    spec = SpecConfig(num_steps=steps, topk=topk, one_graph=one_graph)
+    strategy = MTPDecoding(draft, spec)
     runner = "graph" if device is not None else "eager"
     return cpu_engine(
         loaded, strategy, device, **{"max_context_len": 128, "runner": runner, **config}
@@ -363,22 +367,29 @@ def graph_device(backend: str):
 
 @pytest.mark.graphs
 @pytest.mark.parametrize(("steps", "topk"), [(3, 1), (2, 3)])
-@pytest.mark.parametrize("backend", ["standin-cuda-full"])
+@pytest.mark.parametrize("rounds", ["one-graph", "two-graph"])
 def test_rounds_on_graphs_per_request_batch_size(
-    backend, steps, topk, gemma4_tiny, gemma4_assistant, hf_reference
+    rounds, steps, topk, gemma4_tiny, gemma4_assistant, hf_reference
 ):
-    """The draft loop and the verify forward captured per request batch size: padded and
-    exact sizes replay them, every round runs on graphs, the output stays lossless and the
-    graph drafts equal the eager loop's. (Every backend, CPU compile included, runs the
-    lockstep graph-vs-eager rounds of tests/conformance/test_spec_rounds.py.)"""
+    """Rounds captured per request batch size, on the stand-in CUDA backend: one graph a
+    round (the default), or the draft loop's and the verify forward's. Padded and exact
+    sizes replay them, every round runs on graphs, the output stays lossless (equal to
+    transformers' greedy, chains and trees) and two-graph drafts equal the eager loop's.
+    (Every backend, CPU compile included, runs the lockstep graph-vs-eager rounds of
+    tests/conformance/test_spec_rounds.py.)"""
     prompts, expected = hf_reference
+    one_graph = rounds == "one-graph"
     engine = spec_engine(
-        gemma4_tiny, gemma4_assistant, steps, topk, device=graph_device(backend),
-        graph_buckets=(2, 4), max_running_requests=4,
+        gemma4_tiny, gemma4_assistant, steps, topk, device=graph_device("standin-cuda-full"),
+        one_graph=one_graph, graph_buckets=(2, 4), max_running_requests=4,
     )  # fmt: skip
     strategy = engine.strategy
-    assert strategy.draft_graph.captured_sizes == [2, 4] and engine.graph_runner is None
-    assert strategy.verify_graph.captured_sizes == [2, 4]
+    assert engine.graph_runner is None
+    on_graphs = (strategy.longest.round,) if one_graph else (
+        strategy.draft_graph, strategy.verify_graph
+    )  # fmt: skip
+    assert all(g.captured_sizes == [2, 4] for g in on_graphs)
+    assert (strategy.draft_graph is None) is one_graph
     # Three requests (padded to 4), then fewer as they finish at different lengths.
     lengths = [NEW_TOKENS, NEW_TOKENS - 9, NEW_TOKENS - 17]
     reqs = [
@@ -386,18 +397,20 @@ def test_rounds_on_graphs_per_request_batch_size(
         for p, n in zip(prompts, lengths)
     ]
     engine.step()  # prefill
-    # Same state, both loops: graph drafts equal eager drafts.
-    inputs = strategy.round_inputs(reqs)
-    (eager, on_graph), (graph, replayed) = (strategy.draft(inputs, g) for g in (False, True))
-    assert (on_graph, replayed) == (False, True)
-    for name in ("tokens", "parents", "mask", "valid"):
-        assert torch.equal(getattr(eager, name), getattr(graph, name)), name
+    if not one_graph:  # same state, both loops: graph drafts equal eager drafts
+        inputs = strategy.round_inputs(reqs)
+        (eager, on_graph), (graph, replayed) = (strategy.draft(inputs, g) for g in (False, True))
+        assert (on_graph, replayed) == (False, True)
+        for name in ("tokens", "parents", "mask", "valid"):
+            assert torch.equal(getattr(eager, name), getattr(graph, name)), name
     while engine.has_work:
         engine.step()
     assert [r.output_ids for r in reqs] == [exp[:n] for exp, n in zip(expected, lengths)]
     stats = engine.stats
     assert stats.graph_rounds == stats.spec_rounds > 0 and stats.graph_steps > 0
     assert stats.eager_steps == 1  # the prefill; every verify forward replayed a graph
+    for graph in on_graphs:  # 3 requests padded to 4, then 2 and 1 (padded to 2)
+        assert set(graph.replays_per_size()) == {2, 4}
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
 
 

@@ -164,19 +164,19 @@ def test_greedy_output_is_plain_decodings_whatever_mix_of_lengths_and_plain_step
         assert stats.graph_rounds == stats.spec_rounds and stats.eager_steps == 1  # prefill
         if len(stats.rounds_by_steps) > 1:  # a shorter length was captured while running
             assert stats.lazy_capture_s > 0
-        for k in stats.rounds_by_steps:
+        for k in stats.rounds_by_steps:  # one graph a round (the default)
             variant = strategy.variants[k]
-            assert variant.draft.captured_sizes == variant.verify.captured_sizes == [1, 2, 4]
-            assert sum(variant.draft.replays_per_size().values()) > 0, k
+            assert variant.round.captured_sizes == [1, 2, 4]
+            assert sum(variant.round.replays_per_size().values()) > 0, k
         for k in set(strategy.variants) - set(stats.rounds_by_steps):  # never chosen
-            assert strategy.variants[k].draft.captured_sizes == []
+            assert strategy.variants[k].round.captured_sizes == []
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
 
 
 @pytest.mark.graphs
 def test_capture_all_graphs_captures_every_length_at_start_up(gemma4_tiny, gemma4_assistant):
-    """A server's engine (capture_all_graphs): every length's draft loop and both verify
-    graphs are captured before the first step, and no step captures while running."""
+    """A server's engine (capture_all_graphs): every length's round graphs (greedy and
+    sampled) are captured before the first step, and no step captures while running."""
     target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
     drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
     prompts = random_prompts((5, 11, 7), seed=31, vocab=target.model.vocab_size)
@@ -188,7 +188,8 @@ def test_capture_all_graphs_captures_every_length_at_start_up(gemma4_tiny, gemma
         graph_buckets=(1, 2, 4), capture_all_graphs=True,
     )  # fmt: skip
     for variant in strategy.variants.values():
-        for runner in (variant.draft, variant.verify, variant.sampled_verify):
+        assert variant.draft is variant.verify is None  # one graph a round
+        for runner in (variant.round, variant.sampled_round):
             assert runner.captured_sizes == [1, 2, 4]
     reqs = engine.generate(prompts, GREEDY)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
@@ -217,25 +218,25 @@ def test_graph_memory_cap_leaves_lengths_uncaptured_and_never_drafts_them(
     plain = cpu_engine(target, max_context_len=64).generate(prompts, GREEDY)
     strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
     strategy.chooser = cycling_chooser(3, (3, 1, 0, 2, 3, 0))
-    # Start-up: the longest rounds' verify and draft graphs and the plain decode graphs,
-    # 2 buckets each: 6 MiB, the cap; any further capture would pass it.
+    # Start-up: the longest rounds' graphs and the plain decode graphs, 2 buckets each:
+    # 4 MiB, the cap; any further capture would pass it.
     engine = cpu_engine(
         target, strategy, standin_device(), runner="graph", max_context_len=64,
-        graph_buckets=(1, 2), max_graph_memory_bytes=6 << 20, capture_all_graphs=capture_all,
+        graph_buckets=(1, 2), max_graph_memory_bytes=4 << 20, capture_all_graphs=capture_all,
     )  # fmt: skip
-    assert engine.stats.graph_memory_bytes == 6 << 20
-    if capture_all:  # refused: lengths 1 and 2's draft, verify and sampled verify, and
-        assert engine.stats.refused_captures == 7  # length 3's sampled verify
+    assert engine.stats.graph_memory_bytes == 4 << 20
+    if capture_all:  # refused: lengths 1 and 2's greedy and sampled round graphs, and
+        assert engine.stats.refused_captures == 5  # length 3's sampled one
     reqs = engine.generate(prompts, GREEDY)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
     stats = engine.stats
-    assert stats.refused_captures >= 2 and stats.graph_memory_bytes == 6 << 20
+    assert stats.refused_captures >= 2 and stats.graph_memory_bytes == 4 << 20
     if capture_all:
         assert stats.lazy_capture_s == 0  # nothing captured while running
     assert set(stats.rounds_by_steps) == {3} and stats.spec_plain_steps > 0
     assert stats.graph_rounds == stats.spec_rounds and stats.eager_steps == 1  # the prefill
     for k in (1, 2):
-        assert strategy.variants[k].draft.captured_sizes == []
+        assert strategy.variants[k].round.captured_sizes == []
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
 
 

@@ -211,6 +211,7 @@ def spec_config_args(args: argparse.Namespace) -> dict:
         topk=args.spec_topk,
         num_draft_tokens=args.spec_draft_tokens,
         adaptive=auto,
+        one_graph=args.round_graphs == "one",
     )
 
 
@@ -294,6 +295,14 @@ def _add_spec_flags(p: argparse.ArgumentParser, no_draft: bool = False) -> None:
         type=_positive,
         default=None,
         help="tokens verified per round, the root included (default: steps + 1 for topk 1)",
+    )
+    p.add_argument(
+        "--round-graphs",
+        choices=["one", "two"],
+        default="one",
+        help="one: each round (draft loop, verify, acceptance) one captured graph; two: the "
+        "draft loop's graph, then verify's (the round bench then times them apart); "
+        "breakable graph backends always run two (default: %(default)s)",
     )
     if no_draft:  # generate and serve draft by default with the embedded model
         p.add_argument(

@@ -1,8 +1,10 @@
 """Speculative rounds on every graph backend: a graph round equals an eager round.
 
 Two engines over the same Gemma 4 target and MTP assistant (made by transformers),
-one capturing the draft loop and the verify forward as graphs, one eager, step in
-lockstep. After every step they must agree on the drafts, the accepted and emitted
+one capturing rounds as graphs, one eager, step in lockstep. Rounds are captured as the
+draft loop's graph and the verify forward's (``SpecConfig(one_graph=False)``, and every
+round on a breakable backend) in the first tests, as one graph a round (the default
+where attention is capture-safe: spec.round_graph) in the last ones. After every step they must agree on the drafts, the accepted and emitted
 tokens, each live request's token-table entries (device and host copies) and the KV
 stored at them. Cases: batches that shrink between rounds (padded replays), mixed
 accept lengths driven by an oracle drafter (the verify graph, acceptance and commit
@@ -53,7 +55,8 @@ def _engine(case, target, drafter, graphs: bool, topk: int, **overrides) -> Engi
     # the tree's nodes when topk > 1), so both topks replay one compiled verify graph.
     draft_tokens = 4 if case.id == "cpu-compile" else None
     strategy = MTPDecoding(
-        drafter, SpecConfig(num_steps=3, topk=topk, num_draft_tokens=draft_tokens)
+        drafter,
+        SpecConfig(num_steps=3, topk=topk, num_draft_tokens=draft_tokens, one_graph=False),
     )
     config = EngineConfig(
         max_running_requests=4,
@@ -268,7 +271,8 @@ def test_auto_lengths_change_between_rounds_and_graph_rounds_equal_eager_rounds(
     )
 
     def strategy():
-        scripted = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
+        spec = SpecConfig(num_steps=3, adaptive=True, one_graph=False)
+        scripted = MTPDecoding(drafter, spec)
         scripted.chooser = cycling_chooser(3, AUTO_ORDER)
         return scripted
 
@@ -304,20 +308,28 @@ def test_auto_lengths_change_between_rounds_and_graph_rounds_equal_eager_rounds(
 
 def _accept_some(tree, target_tokens, max_accept):
     """An acceptance rule (it runs inside the round's graph) under which a draft counts as
-    the target's own token unless its id is a multiple of 3: a random target accepts
-    next to nothing, and this gives every accept length, the same in both engines."""
+    the target's own token at its parent unless its id is a multiple of 3: a random target
+    accepts next to nothing, and this gives every accept length, the same in both engines.
+    In a tree, of a parent's children the last that counts does (node order: the same in
+    both engines)."""
     forced = target_tokens.clone()
-    keep = tree.tokens[:, 1:] % 3 != 0
-    forced[:, :-1] = torch.where(keep, tree.tokens[:, 1:], target_tokens[:, :-1])
+    parent = tree.parents.clamp(min=0)
+    counts = tree.valid & (tree.parents >= 0) & (tree.tokens % 3 != 0)
+    for j in range(1, tree.tokens.shape[1]):  # children in node order, a fixed count
+        at = parent[:, j : j + 1]
+        child = torch.where(counts[:, j : j + 1], tree.tokens[:, j : j + 1], forced.gather(1, at))
+        forced.scatter_(1, at, child)
     return accept(tree, forced, max_accept)
 
 
-@pytest.mark.parametrize("mode", ["greedy", "sampled", "auto"])
-def test_one_graph_rounds_equal_eager_rounds(spec_case, spec_models, mode):
-    """``MTPDecoding(one_graph=True)``: each round replays one graph (the draft loop, the
+@pytest.mark.parametrize(
+    ("mode", "topk"), [("greedy", 1), ("sampled", 1), ("auto", 1), ("greedy", 2), ("sampled", 3)]
+)
+def test_one_graph_rounds_equal_eager_rounds(spec_case, spec_models, mode, topk):
+    """One graph a round (the default): each round replays one graph (the draft loop, the
     verify batch of its tree, verify and the round's tail) and equals an eager round in
     drafts, accepted and emitted tokens, token table and KV, as the batch shrinks (padded
-    replays), greedy, sampled, and with auto lengths changing between rounds (each
+    replays), greedy, sampled, chains and trees (topk 2 and 3), and with auto lengths changing between rounds (each
     length's graphs captured before the first step that chooses it), with one request
     opted out of drafting. Attention that is not capture-safe keeps the two-graph round."""
     if spec_case.id == "cpu-compile":
@@ -327,8 +339,8 @@ def test_one_graph_rounds_equal_eager_rounds(spec_case, spec_models, mode):
     target, drafter = spec_models()
 
     def strategy():
-        spec = SpecConfig(num_steps=3, adaptive=mode == "auto")
-        one_graph = MTPDecoding(drafter, spec, _accept_some, one_graph=True)
+        spec = SpecConfig(num_steps=3, topk=topk, adaptive=mode == "auto")
+        one_graph = MTPDecoding(drafter, spec, _accept_some)
         if mode == "auto":
             one_graph.chooser = cycling_chooser(3, AUTO_ORDER)
         return one_graph
@@ -388,7 +400,7 @@ def test_one_graph_rounds_fall_back_where_no_graph_serves_the_batch(spec_case, s
     graph, eager = _engine_pair(
         spec_case,
         target,
-        lambda: MTPDecoding(drafter, SpecConfig(num_steps=3), _accept_some, one_graph=True),
+        lambda: MTPDecoding(drafter, SpecConfig(num_steps=3), _accept_some),
         graph_padding=False,
     )
     sizes, decode = [], graph.strategy.decode
