@@ -15,6 +15,9 @@
 #   bash bench/h200.sh auto [tokens]: the README's command with and without drafting, and
 #     bench/profile_auto.py (auto vs --no-draft vs rounds of 5, side by side in one process)
 #   bash bench/h200.sh matrix ["spec_matrix.py flags"]: the speculative speed matrix (issue 20)
+#   bash bench/h200.sh onegraph [batch sizes]: one graph a round (spec.round_graph, the
+#     default) against two-graph rounds: the one-graph conformance tests on CUDA,
+#     step_phases side by side at batch 1 and 64, the pair's matrix with both kinds of round
 #   bash bench/h200.sh invariant [eval configs]: batch-invariant kernels' tests, bf16 spec ==
 #     plain on the embedded pair with and without --batch-invariant, its decode cost
 #   bash bench/h200.sh pair ["train flags"]: train the embedded Gemma 4 pair, eval on cuda
@@ -103,6 +106,22 @@ if [[ $what == matrix ]]; then
         | grep -v Warning > "$OUT/spec-matrix.log"
     echo "matrix exit $?"; grep -v '^{' "$OUT/spec-matrix.log" | tail -n 40
     python bench/profile_auto.py 400 cuda 5 2>&1 | grep -v Warning | tail -n 7
+fi
+
+if [[ $what == onegraph ]]; then
+    # Issue 20: one graph a round against two, side by side in one process each.
+    timeout 200 python -m pytest tests/conformance/test_spec_rounds.py -m cuda -q -ra \
+        -p no:cacheprovider -k one_graph 2>&1 | tail -n 6
+    for bs in 1 64; do
+        BATCH=$bs ENGINES=plain,round4,round4+2g,auto,auto+2g timeout 170 \
+            python bench/step_phases.py 128 cuda 3 $bs 2>&1 | grep -v Warning \
+            > "$OUT/phases-bs$bs.log"
+        echo "phases bs$bs exit $?"; tail -n 22 "$OUT/phases-bs$bs.log"
+    done
+    timeout 260 python bench/spec_matrix.py --models pair --batch-sizes ${2:-1,8,64} \
+        --modes plain,4,4+2g,auto,auto+2g --tokens 128 --out "$OUT/spec-matrix.json" 2>&1 \
+        | grep -v Warning > "$OUT/spec-matrix.log"
+    echo "matrix exit $?"; grep -v '^{' "$OUT/spec-matrix.log" | tail -n 12
 fi
 
 if [[ $what == invariant ]]; then

@@ -9,14 +9,18 @@ Rows: models x batch sizes; columns: plain decoding, rounds of 1 to 5 draft step
   the verify graph run as ever (their cost is real), and each drafted node counts as the
   target's own token with probability ``rate``.
 
-Each cell: one engine per mode (graphs captured once, reused across cells), its requests
-of ``--tokens`` new tokens each, after one warm-up generate at that batch size; decoding
-tokens/s counts decode steps and rounds only (prefill and captures apart), as the CLI.
+Each cell: one engine per mode (all built first, graphs captured once, reused across
+cells), its requests of ``--tokens`` new tokens each, after one warm-up generate at that
+batch size, the modes in turn ``--reps`` times (order reversed each time), each mode's
+median kept; decoding tokens/s counts decode steps and rounds only (prefill and captures
+apart), as the CLI.
 
 Run on the device: python bench/spec_matrix.py [--batch-sizes 1,8,32,64] [--rates
-0.5,0.7,0.9] [--modes plain,1,2,3,4,5,auto] [--tokens 64] [--out matrix.json] [--trace
+0.5,0.7,0.9] [--modes plain,1,2,3,4,5,auto] [--tokens 64] [--reps 3] [--out matrix.json] [--trace
 steps.jsonl] (the auto chooser's every step: kind, time, acceptance, what it weighed)
-[--one-graph] (rounds on one graph each: spec.round_graph)
+[--two-graph] (rounds of two graphs each, the draft loop's and verify's, instead of one:
+spec.round_graph); a mode with the suffix "+2g" ("4+2g", "auto+2g") runs that mode on two
+graphs a round, beside the one-graph mode
 """
 
 from __future__ import annotations
@@ -83,13 +87,19 @@ class CoinAcceptance:
         return self.real_accept(tree, forced, max_accept)
 
 
+TWO_GRAPHS = "+2g"  # a mode's suffix: its rounds on two graphs each (draft loop, verify)
+
+
 def engine_for(
-    mode: str, target, drafter, device, cfg: EngineConfig, oracle=None, one_graph=False
+    mode: str, target, drafter, device, cfg: EngineConfig, oracle=None, one_graph=True
 ) -> Engine:
     if mode == "plain":
         return Engine(target, cfg, device)
-    spec = SpecConfig(MAX_STEPS, adaptive=True) if mode == "auto" else SpecConfig(int(mode))
-    strategy = MTPDecoding(drafter, spec, oracle or accept, one_graph=one_graph)
+    if mode.endswith(TWO_GRAPHS):  # "4+2g", "auto+2g": that mode, rounds on two graphs
+        mode, one_graph = mode.removesuffix(TWO_GRAPHS), False
+    steps, adaptive = (MAX_STEPS, True) if mode == "auto" else (int(mode), False)
+    spec = SpecConfig(steps, adaptive=adaptive, one_graph=one_graph)
+    strategy = MTPDecoding(drafter, spec, oracle or accept)
     return Engine(target, cfg, device, strategy)
 
 
@@ -106,7 +116,12 @@ class Subject:
 
 
 def run_model(subject: Subject, args, device, results) -> None:
-    """Every mode x batch size (x oracle rate) of one subject; cells into ``results``."""
+    """Every mode x batch size (x oracle rate) of one subject; cells into ``results``.
+
+    Every mode's engine is built first, then each cell measures the modes in turn,
+    ``--reps`` times, the order reversed each repetition, and keeps each mode's median:
+    modes measured one after another drift with the host (the first engine's plain steps
+    ran 0.47 ms, the last's 0.36, on one H200 start)."""
     max_bs = max(args.batch_sizes)
     prompt_len = max(len(p) for p in subject.prompts_for(max_bs))
     tokens = prompt_len + args.tokens + 2 * MAX_STEPS + 8
@@ -116,55 +131,73 @@ def run_model(subject: Subject, args, device, results) -> None:
     if subject.rates != (None,):  # acceptance by coin, in every engine's verify graph
         subject.oracle = CoinAcceptance(accept, device.torch_device())
         subject.oracle.max_context_len = min(subject.target.model.max_context_len, tokens)
+    engines = {}
     for mode in args.modes:
-        run_mode(subject, mode, args, device, cfg, results)
-
-
-def run_mode(subject: Subject, mode: str, args, device, cfg: EngineConfig, results) -> None:
-    """One engine of ``mode``, every batch size (and oracle rate) on it."""
-    params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
-    warm = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    oracle = subject.oracle
-    start = time.perf_counter()
-    engine = engine_for(mode, subject.target, subject.drafter, device, cfg, oracle, args.one_graph)
-    built = time.perf_counter() - start
-    s = engine.stats
+        start = time.perf_counter()
+        engines[mode] = engine_for(
+            mode, subject.target, subject.drafter, device, cfg, subject.oracle, not args.two_graph
+        )
+        print(f"# {subject.name} {mode}: engine built in {time.perf_counter() - start:.1f} s")
     for bs in args.batch_sizes:
-        prompts = subject.prompts_for(bs)
         for rate in subject.rates:
-            if oracle is not None:
-                oracle.rate.fill_(rate)
-            label = f"{subject.name if rate is None else f'{subject.name}-{rate}'} bs{bs}"
-            with chooser_trace(engine, args.trace, label + " warm"):
-                engine.generate(prompts, warm)  # this batch size's graphs, auto's first looks
-            hist0 = list(s.accept_histogram)
-            with step_timer(engine, bs) as step_ms, chooser_trace(engine, args.trace, label):
-                tps = generate_tokens_per_s(engine, prompts, params)
-            hist = [
-                n - (hist0[i] if i < len(hist0) else 0) for i, n in enumerate(s.accept_histogram)
-            ]
-            rounds = sum(hist)
-            cell = {
-                "model": subject.name if rate is None else f"{subject.name}-{rate}",
-                "batch_size": bs,
-                "mode": mode,
-                "tokens_per_s": round(tps, 1),
-                "rounds": rounds,
-                "accept_length": round(sum((k + 1) * n for k, n in enumerate(hist)) / rounds, 3)
-                if rounds
-                else None,
-            }
-            cell["step_ms"] = step_ms  # what a step of each kind took, at the full batch
-            if mode == "auto":
-                cell["steps_by_count"] = list(engine.strategy.chooser.steps_by_count)
-                cell["why"] = engine.strategy.chooser.explain()
-            results.append(cell)
-            print(json.dumps(cell), flush=True)
-    print(f"# {subject.name} {mode}: engine built in {built:.1f} s", flush=True)
-    engine.cleanup()
-    del engine
+            if subject.oracle is not None:
+                subject.oracle.rate.fill_(rate)
+            model = subject.name if rate is None else f"{subject.name}-{rate}"
+            cells: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+            for rep in range(args.reps):
+                order = args.modes if rep % 2 == 0 else args.modes[::-1]
+                for mode in order:
+                    cells[mode].append(measure(engines[mode], subject, bs, model, mode, args))
+            for mode in args.modes:
+                cell = median_cell(cells[mode])
+                results.append(cell)
+                print(json.dumps(cell), flush=True)
+    for engine in engines.values():
+        engine.cleanup()
+    engines.clear()
     if device.name == "cuda":
         torch.cuda.empty_cache()
+
+
+def measure(engine: Engine, subject: Subject, bs: int, model: str, mode: str, args) -> dict:
+    """One measurement of one cell: a warm-up generate at this batch size (its graphs,
+    auto's first looks), then the timed one."""
+    params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
+    warm = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    prompts = subject.prompts_for(bs)
+    s = engine.stats
+    label = f"{model} bs{bs}"
+    with chooser_trace(engine, args.trace, label + " warm"):
+        engine.generate(prompts, warm)
+    hist0 = list(s.accept_histogram)
+    with step_timer(engine, bs) as step_ms, chooser_trace(engine, args.trace, label):
+        tps = generate_tokens_per_s(engine, prompts, params)
+    hist = [n - (hist0[i] if i < len(hist0) else 0) for i, n in enumerate(s.accept_histogram)]
+    rounds = sum(hist)
+    cell = {
+        "model": model,
+        "batch_size": bs,
+        "mode": mode,
+        "tokens_per_s": round(tps, 1),
+        "rounds": rounds,
+        "accept_length": round(sum((k + 1) * n for k, n in enumerate(hist)) / rounds, 3)
+        if rounds
+        else None,
+    }
+    cell["step_ms"] = step_ms  # what a step of each kind took, at the full batch
+    if mode.startswith("auto"):
+        cell["steps_by_count"] = list(engine.strategy.chooser.steps_by_count)
+        cell["why"] = engine.strategy.chooser.explain()
+    return cell
+
+
+def median_cell(measured: list[dict]) -> dict:
+    """The measurement of median tokens/s (the lower middle one of an even count), with
+    every repetition's tokens/s beside it."""
+    ranked = sorted(measured, key=lambda c: c["tokens_per_s"])
+    cell = dict(ranked[(len(ranked) - 1) // 2])
+    cell["tokens_per_s_reps"] = [c["tokens_per_s"] for c in measured]
+    return cell
 
 
 @contextlib.contextmanager
@@ -243,9 +276,10 @@ def table(results: list[dict], modes: list[str]) -> list[str]:
     lines = [head]
     for (model, bs), cells in rows.items():
         values = {m: cells[m]["tokens_per_s"] for m in modes if m in cells}
-        fixed = {m: v for m, v in values.items() if m != "auto"}
+        fixed = {m: v for m, v in values.items() if not m.startswith("auto")}
         best = max(fixed, key=fixed.get, default="-")  # none: auto ran alone
-        ratio = values.get("auto", 0) / fixed[best] if fixed.get(best) else 0
+        auto = values.get("auto", values.get("auto" + TWO_GRAPHS, 0))
+        ratio = auto / fixed[best] if fixed.get(best) else 0
         cols = " ".join(f"{values.get(m, 0):7.0f}" for m in modes)
         lines.append(f"{model:<12} {bs:>3} {cols}  {ratio:9.2f}  {best}")
     return lines
@@ -259,13 +293,16 @@ def main() -> None:
     parser.add_argument("--modes", default="plain,1,2,3,4,5,auto")
     parser.add_argument("--models", default="pair,oracle")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3, help="measurements a cell, per mode")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--oracle-model", default="random:gemma4-e2b")
     parser.add_argument("--oracle-draft", default="random:gemma4-e2b-assistant")
     parser.add_argument("--out", default="spec-matrix.json")
     parser.add_argument("--trace", help="append the auto chooser's steps here (JSON lines)")
     parser.add_argument(
-        "--one-graph", action="store_true", help="each round on one graph (spec.round_graph)"
+        "--two-graph",
+        action="store_true",
+        help="each round on two graphs, the draft loop's and verify's (default: one graph)",
     )
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -11,7 +11,9 @@ Run: python bench/step_phases.py [tokens, default 128] [device, default cuda] [r
 [slots: request slots of the engines, default 1,64]; env BATCH: requests a run (default 1);
 ENGINES: plain, plain-seeds (a plain engine whose graph writes auto's seeds), round4,
 auto, auto-plain (auto forced to plain steps), auto-plain-nogc (and no collections);
-ONE_GRAPH=1: drafting engines run each round on one graph (spec.round_graph)
+TWO_GRAPH=1: drafting engines run each round on two graphs (the draft loop's and
+verify's), not one (spec.round_graph); a kind with the suffix "+2g" (round4+2g, auto+2g)
+does alone, beside the one-graph kinds
 """
 
 from __future__ import annotations
@@ -126,8 +128,9 @@ def main() -> None:
 
                 strategy = PlainDecode(after_forward=write_seeds)
             else:  # round4, auto, auto-plain, auto-plain-nogc
-                one_graph = os.environ.get("ONE_GRAPH") == "1"
-                strategy = MTPDecoding(drafter, SpecConfig(5, adaptive=True), one_graph=one_graph)
+                one_graph = os.environ.get("TWO_GRAPH") != "1" and not kind.endswith("+2g")
+                spec = SpecConfig(5, adaptive=True, one_graph=one_graph)
+                strategy = MTPDecoding(drafter, spec)
             engines[f"{kind}/{n}"] = Engine(target, cfg, device, strategy)
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     prompts = [prompt] * batch
