@@ -59,6 +59,15 @@ def compare(ops, dtype, device, shapes) -> list[dict]:
         scores = scores.to(device)
         top_want = TORCH_OPS.topk_set(scores, k)
         top_got = topk_set(scores, k)
+        # NaN hiddens (a whole row; one column, which leaves +-inf and NaN logits): the
+        # first NaN's id, as torch's argmax over the row, never an id past the vocabulary.
+        h_nan = h.clone()
+        h_nan[0] = float("nan")
+        h_nan[-1, 0] = float("inf")
+        nan_want = TORCH_OPS.selected_argmax(h_nan, weight, clusters, top)
+        nan_got = selected_argmax(h_nan, weight, clusters, top)
+        nan_logits = h_nan.float().unsqueeze(1) @ weight.float()[tokens].transpose(1, 2)
+        first_nan = torch.where(nan_logits.squeeze(1).isnan(), tokens, vocab).amin(-1)
         results.append(
             {
                 "shape": [rows, vocab, hidden, cluster, k],
@@ -66,6 +75,11 @@ def compare(ops, dtype, device, shapes) -> list[dict]:
                 "int64": got.dtype == top_got.dtype == torch.int64,
                 "tied_rows": ties,
                 "topk_equal": bool(torch.equal(top_got, top_want)),
+                "nan_equal": bool(torch.equal(nan_got, nan_want)),
+                "nan_first": bool(
+                    torch.equal(nan_want[first_nan < vocab], first_nan[first_nan < vocab])
+                ),
+                "nan_rows": int((first_nan < vocab).sum()),
             }  # fmt: skip
         )
     return results
@@ -87,6 +101,7 @@ def interpreter_results() -> list[dict]:
 def check(results: list[dict]) -> None:
     for r in results:
         assert r["argmax_equal"] and r["topk_equal"] and r["int64"], r
+        assert r["nan_equal"] and r["nan_first"] and r["nan_rows"] >= 1, r
     assert all(r["tied_rows"] == r["shape"][0] for r in results)  # every maximum tied
 
 

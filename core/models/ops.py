@@ -207,9 +207,13 @@ def torch_selected_argmax(
 
 def smallest_token_at_max(logits: torch.Tensor, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     """(N,): of each row's ``tokens`` (N, S) those whose ``logits`` (N, S) are largest, the
-    smallest id: the first maximum of a full vocabulary row, whatever order S lists them."""
-    best = logits.amax(dim=-1, keepdim=True)  # (N, 1)
-    return torch.where(logits == best, tokens, vocab).amin(dim=-1)
+    smallest id: the first maximum of a full vocabulary row, whatever order S lists them.
+    A NaN is the maximum, as torch's argmax has it: the id stays in the vocabulary (a draft
+    step embeds it next)."""
+    nan = logits.isnan()
+    best = logits.amax(dim=-1, keepdim=True)  # (N, 1): NaN where the row holds one
+    at_max = torch.where(nan.any(dim=-1, keepdim=True), nan, logits == best)
+    return torch.where(at_max, tokens, vocab).amin(dim=-1)
 
 
 ACTIVATIONS = {

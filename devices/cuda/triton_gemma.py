@@ -337,7 +337,9 @@ def _selected_max_kernel(
 ):
     """BLOCK_S of one row's selected tokens (token s: entry s % W of cluster top[s // W]):
     logits hidden . weight[token] (float32 sums, rounded to the weight's dtype as the
-    matmul's output is), their maximum and the smallest token id holding it."""
+    matmul's output is), their maximum and the smallest token id holding it. A NaN is the
+    maximum (as torch's argmax): a NaN hidden must still draft an id in the vocabulary,
+    which the next draft step embeds (an id past it ended a process in a device assert)."""
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     offs_s = block * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -357,8 +359,12 @@ def _selected_max_kernel(
         logits += tl.sum(w * h[None, :], axis=1)
     logits = logits.to(Weight.dtype.element_ty).to(tl.float32)
     logits = tl.where(mask_s, logits, float("-inf"))
-    best = tl.max(logits, axis=0)
-    token = tl.min(tl.where(mask_s & (logits == best), tokens, vocab), axis=0)
+    nan = logits != logits
+    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+    best = tl.max(tl.where(nan, float("-inf"), logits), axis=0)
+    at_best = tl.where(any_nan, nan, mask_s & (logits == best))
+    token = tl.min(tl.where(at_best, tokens, vocab), axis=0)
+    best = tl.where(any_nan, float("nan"), best)
     tl.store(PartialMax + row * blocks + block, best)
     tl.store(PartialToken + row * blocks + block, token)
 
@@ -372,14 +378,18 @@ def _selected_argmax_kernel(
     vocab,
     BLOCK_P: tl.constexpr,
 ):
-    """The row's maximum over its blocks' and the smallest token id holding it."""
+    """The row's maximum over its blocks' and the smallest token id holding it (a NaN
+    block's first, where one holds a NaN)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_P)
     mask = offs < blocks
     best = tl.load(PartialMax + row * blocks + offs, mask=mask, other=float("-inf"))
     tokens = tl.load(PartialToken + row * blocks + offs, mask=mask, other=vocab)
-    top = tl.max(best, axis=0)
-    tl.store(Out + row, tl.min(tl.where(mask & (best == top), tokens, vocab), axis=0))
+    nan = mask & (best != best)
+    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+    top = tl.max(tl.where(nan, float("-inf"), best), axis=0)
+    at_top = tl.where(any_nan, nan, mask & (best == top))
+    tl.store(Out + row, tl.min(tl.where(at_top, tokens, vocab), axis=0))
 
 
 def selected_argmax(
