@@ -475,17 +475,19 @@ def cuda_spec_engine(target, drafter, steps: int, topk: int, **config) -> Engine
 def test_cuda_greedy_with_drafter_on_graphs_equals_transformers(
     topk, ordered, gemma4_tiny, gemma4_assistant, gemma4_assistant_ordered, hf_reference
 ):
-    """Graph rounds give transformers' greedy tokens; with the centroid head (its Triton
-    top-k and argmax in the draft graph) they draft what eager rounds of the same kernels
-    draft, round by round."""
+    """Graph rounds (one graph each, the default) give transformers' greedy tokens; with the
+    centroid head (its Triton top-k and argmax in the round's graph) they draft what eager
+    rounds of the same kernels draft, round by round."""
     prompts, expected = hf_reference
     drafter = gemma4_assistant_ordered if ordered else gemma4_assistant
     engine = cuda_spec_engine(gemma4_tiny, drafter, 4, topk)
-    assert engine.attn_backend.name == "triton" and engine.strategy.verify_graph is not None
+    round_graph = engine.strategy.longest.round
+    assert engine.attn_backend.name == "triton" and round_graph is not None
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     reqs = engine.generate(prompts, params)
     assert [r.output_ids for r in reqs] == expected
     assert engine.stats.graph_rounds == engine.stats.spec_rounds > 0
+    assert sum(round_graph.replays_per_size().values()) > 0
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
     if ordered:
         eager = cuda_spec_engine(gemma4_tiny, drafter, 4, topk, runner="eager")
