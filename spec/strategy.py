@@ -296,11 +296,10 @@ class MTPDecoding(DecodeStrategy):
         keeps the faster of the other two: a stall only adds time; in a row, as a winner
         runs. HAZARD: on the H200 start-up's figures still ran 1.04-1.53x the same steps
         in use, in a row or interleaved, cause not found: BENCHMARKS.md, stop 43), at
-        every batch
-        bucket whose graphs start-up captured, or at batch 1 when eager. Two lengths of
-        rounds give the chooser the line ``a + b k`` of a round's time (verify's share, a
-        draft step's); with the longest alone, shorter rounds are modelled between it and a
-        plain step until they run. A few steps a bucket: about 20 ms at batch 1 for
+        every batch bucket whose graphs start-up captured, or at batch 1 when eager. Two
+        lengths of rounds give the chooser the line ``a + b k`` of a round's time (verify's
+        share, a draft step's); with the longest alone, shorter rounds are modelled between
+        it and a plain step until they run. A few steps a bucket: about 20 ms at batch 1 for
         random:gemma4-e2b on an H200."""
         if self.chooser is None:
             return (), ()
