@@ -294,8 +294,9 @@ class MTPDecoding(DecodeStrategy):
         without a capture (eagerly, or captured up front), and a plain step, three times
         each in a row (the chooser leaves each kind's first step out, first touches, and
         keeps the faster of the other two: a stall only adds time; in a row, as a winner
-        runs. HAZARD: on the H200 start-up's figures still ran 1.04-1.53x the same steps
-        in use, in a row or interleaved, cause not found: BENCHMARKS.md, stop 43), at
+        runs. HAZARD: the embedded pair's host-bound steps drift by a third between H200
+        starts and within a process: start-up's figures ran 0.7-1.5x the same steps in
+        use, in a row or interleaved; BENCHMARKS.md, stop 43), at
         every batch bucket whose graphs start-up captured, or at batch 1 when eager. Two
         lengths of rounds give the chooser the line ``a + b k`` of a round's time (verify's
         share, a draft step's); with the longest alone, shorter rounds are modelled between
