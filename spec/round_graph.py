@@ -16,10 +16,11 @@ kernels derive their schedule on the device. The static batch is the verify batc
 per request whether it drafts and, in the sampled variant, its sampling state. The seed
 hidden comes from the seed table by request slot, inside the graph.
 
-HAZARD (not verified on hardware): an NPU graph backend with updatable attention ops
-(devices/npu/graph.py) pushes one host length list to every updatable op before replay;
-here the draft's ops need the cached lengths and verify's those plus ``n``, so such a
-backend needs per-op lengths before it runs one-graph rounds.
+Not on a backend that pushes one host length list into every captured attention op
+(``ExecutionBackend.one_length_list``: an NPU graph with updatable ops,
+devices/npu/graph.py): here the draft's ops need the cached lengths and verify's those
+plus ``n``. Rounds there keep two graphs (``MTPDecoding.setup``); per-op lengths would
+lift that (not verified on hardware).
 """
 
 from __future__ import annotations

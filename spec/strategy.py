@@ -182,7 +182,13 @@ class MTPDecoding(DecodeStrategy):
         if ctx.graph_backend is None:
             return ()
         args = (ctx.graph_backend, ctx.graph_config, ctx.device)
-        if self.cfg.one_graph and ctx.attn_backend.capture_safe:
+        # One graph a round needs device lengths in every op (capture-safe attention) and a
+        # backend that rebinds no single host length list into all of them.
+        if (
+            self.cfg.one_graph
+            and ctx.attn_backend.capture_safe
+            and not ctx.graph_backend.one_length_list
+        ):
             return self._setup_one_graph(ctx, args, plain_runners)
         verify = verify_round(
             target, ctx.attn_backend, self.tables(), ctx.max_context_len, self.accept_rule
@@ -417,7 +423,9 @@ class MTPDecoding(DecodeStrategy):
         assert tree.num_nodes * len(reqs) == held.host.numel(), "the tree's width is the config's"
         if not all(r.params.speculate for r in reqs):  # opted out: no draft can be accepted
             speculate = [[r.params.speculate] for r in reqs]
-            tree.valid &= to_device(speculate, self.ctx.device, torch.bool)  # (B, 1)
+            # Out of place: a draft graph's outputs are inference tensors (captured under
+            # inference mode), which an in-place update outside it refuses.
+            tree.valid = tree.valid & to_device(speculate, self.ctx.device, torch.bool)  # (B, n)
         packed, verified_on_graph = self.verify(inputs, tree, held.device, variant=variant)
         outcome = self.settle(reqs, packed, held, variant.cfg.num_steps)
         outcome.graph_forwards = int(verified_on_graph)

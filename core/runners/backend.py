@@ -43,6 +43,14 @@ class ExecutionBackend(abc.ABC):
     # fresh outputs instead).
     replays_into_static_outputs: bool = False
 
+    @property
+    def one_length_list(self) -> bool:
+        """True where a replay pushes one host list of sequence lengths into every captured
+        attention op (an NPU graph with updatable ops): a graph whose ops need different
+        lengths, as a whole speculative round's (the draft's, then verify's), cannot run
+        on it."""
+        return False
+
     def __init__(self) -> None:
         # Replays per key. A failed capture degrades to eager steps and a warning, so tests
         # that mean to run graphs assert on these; benches read them too.

@@ -30,6 +30,10 @@ class NpuGraphBackend(StreamGraphBackend):
         super().__init__(module)
         self.updatable_ops = updatable_ops
 
+    @property
+    def one_length_list(self) -> bool:
+        return self.updatable_ops > 0  # update_inputs: the same list for every op
+
     def _graph_context(self, graph: Any) -> contextlib.AbstractContextManager:
         # auto_dispatch_capture=True is what makes NPUGraph.update possible later.
         return self.module.graph(
