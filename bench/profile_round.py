@@ -30,7 +30,7 @@ def main() -> None:
     target = load_model("random:gemma4-e2b", device, torch.bfloat16)
     drafter = load_model("random:gemma4-e2b-assistant", device, torch.bfloat16)
     cfg = RoundBenchConfig(batch_sizes=(bs,), steps=4)
-    strategy = MTPDecoding(drafter, SpecConfig(4, topk))
+    strategy = MTPDecoding(drafter, SpecConfig(4, topk, one_graph=False))  # its two graphs
     spec, plain = round_engines(target, strategy, device, cfg)
     for engine in (spec, plain):
         for _ in range(bs):

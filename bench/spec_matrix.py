@@ -93,10 +93,10 @@ TWO_GRAPHS = "+2g"  # a mode's suffix: its rounds on two graphs each (draft loop
 def engine_for(
     mode: str, target, drafter, device, cfg: EngineConfig, oracle=None, one_graph=True
 ) -> Engine:
-    if mode == "plain":
-        return Engine(target, cfg, device)
     if mode.endswith(TWO_GRAPHS):  # "4+2g", "auto+2g": that mode, rounds on two graphs
         mode, one_graph = mode.removesuffix(TWO_GRAPHS), False
+    if mode == "plain":  # (no rounds: "plain+2g" is plain decoding too)
+        return Engine(target, cfg, device)
     steps, adaptive = (MAX_STEPS, True) if mode == "auto" else (int(mode), False)
     spec = SpecConfig(steps, adaptive=adaptive, one_graph=one_graph)
     strategy = MTPDecoding(drafter, spec, oracle or accept)
@@ -121,7 +121,8 @@ def run_model(subject: Subject, args, device, results) -> None:
     Every mode's engine is built first, then each cell measures the modes in turn,
     ``--reps`` times, the order reversed each repetition, and keeps each mode's median:
     modes measured one after another drift with the host (the first engine's plain steps
-    ran 0.47 ms, the last's 0.36, on one H200 start)."""
+    ran 0.47 ms, the last's 0.36, on one H200 start). HAZARD: every mode's engine and its
+    graphs are alive at once; on a smaller device, pass fewer ``--modes`` a run."""
     max_bs = max(args.batch_sizes)
     prompt_len = max(len(p) for p in subject.prompts_for(max_bs))
     tokens = prompt_len + args.tokens + 2 * MAX_STEPS + 8
@@ -132,12 +133,25 @@ def run_model(subject: Subject, args, device, results) -> None:
         subject.oracle = CoinAcceptance(accept, device.torch_device())
         subject.oracle.max_context_len = min(subject.target.model.max_context_len, tokens)
     engines = {}
-    for mode in args.modes:
-        start = time.perf_counter()
-        engines[mode] = engine_for(
-            mode, subject.target, subject.drafter, device, cfg, subject.oracle, not args.two_graph
-        )
-        print(f"# {subject.name} {mode}: engine built in {time.perf_counter() - start:.1f} s")
+    try:
+        for mode in args.modes:
+            start = time.perf_counter()
+            engines[mode] = engine_for(
+                mode, subject.target, subject.drafter, device, cfg, subject.oracle,
+                not args.two_graph,
+            )  # fmt: skip
+            print(f"# {subject.name} {mode}: engine built in {time.perf_counter() - start:.1f} s")
+        run_cells(subject, engines, args, results)
+    finally:  # every mode's engine lives through the subject's cells: their graphs go here
+        for engine in engines.values():
+            engine.cleanup()
+        engines.clear()
+        if device.name == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run_cells(subject: Subject, engines: dict[str, Engine], args, results) -> None:
+    """Every batch size (x oracle rate) of a subject: the modes in turn, ``--reps`` times."""
     for bs in args.batch_sizes:
         for rate in subject.rates:
             if subject.oracle is not None:
@@ -152,11 +166,6 @@ def run_model(subject: Subject, args, device, results) -> None:
                 cell = median_cell(cells[mode])
                 results.append(cell)
                 print(json.dumps(cell), flush=True)
-    for engine in engines.values():
-        engine.cleanup()
-    engines.clear()
-    if device.name == "cuda":
-        torch.cuda.empty_cache()
 
 
 def measure(engine: Engine, subject: Subject, bs: int, model: str, mode: str, args) -> dict:

@@ -1,4 +1,4 @@
-"""A whole speculative round as one captured graph (``MTPDecoding(one_graph=True)``).
+"""A whole speculative round as one captured graph (``SpecConfig.one_graph``, the default).
 
 The two-graph round (spec.draft's loop, then spec.verify's forward and tail) launches two
 graphs and runs host work between them: the draft graph's outputs cloned, the held slots

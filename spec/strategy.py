@@ -1,11 +1,13 @@
 """Frozen-KV MTP decoding: every decode step of the engine becomes a speculative round.
 
-A round, device work end to end (gpt-fast's ``speculative_decode``, on graphs):
+A round, device work end to end (gpt-fast's ``speculative_decode``, on graphs). Steps
+1 to 4 are one captured graph per request batch size, draft length and kind (greedy or
+sampled) where attention is capture-safe (``SpecConfig.one_graph``, the default:
+spec.round_graph); otherwise, and with ``one_graph=False``, two: the draft loop's, then
+verify's with the tail:
 
-1. draft: the drafter's whole loop and the verify tree built from it, one captured
-   graph per request batch size;
-2. verify: the target scores every tree node in one TARGET_VERIFY forward, and in
-   the same graph (one per request batch size at the tree's width, greedy or sampled):
+1. draft: the drafter's whole loop and the verify tree built from it;
+2. verify: the target scores every tree node in one TARGET_VERIFY forward, and then:
 3. accept: the target's token at every node (argmax, or a draw from the request's
    stream), then the accepted path, as tensor operations over the fixed-size tree;
 4. commit: the path's KV slots written into each request's token table and
@@ -114,9 +116,10 @@ class MTPDecoding(DecodeStrategy):
         self.chooser = DraftChooser(self.cfg.num_steps) if self.cfg.adaptive else None
         self.plain: PlainDecode | None = None  # plain steps (auto's, or an opted-out batch's)
         # Runners built but not captured at start-up; the engine captures each before the
-        # first step that needs it (``captures_before``): the sampled verify graphs (their
-        # sampling intermediates make them several times the greedy graphs' memory: 6.1 GB
-        # with both for gemma4-e2b up to batch 64), the shorter lengths' graphs, and
+        # first step that needs it (``captures_before``): the sampled rounds' or verify
+        # graphs (their sampling intermediates make them several times the greedy graphs'
+        # memory: 6.1 GB with both for gemma4-e2b up to batch 64), the shorter lengths'
+        # graphs, and
         # fixed-length rounds' plain decode graphs (used only when a whole batch opted out).
         self._later: list[GraphRunner] = []
         self._planned: tuple[list[Request], int] | None = None  # (reqs, draft steps) next
@@ -270,8 +273,8 @@ class MTPDecoding(DecodeStrategy):
     def bench_pieces(self, reqs: list[Request]) -> Iterator[dict[str, Callable[[bool], bool]]]:
         """The longest round's draft loop and verify forward over ``reqs``, to time apart.
         Verify writes its nodes' KV into slots held for the bench and freed after it.
-        None where rounds run on one graph each: the bench's whole round is that graph
-        (``--round-graphs two`` times the pieces)."""
+        No pieces (``{}``) where rounds run on one graph each: the bench's whole round is
+        that graph (``--round-graphs two`` times the pieces)."""
         if self.longest.round is not None:
             yield {}
             return

@@ -308,6 +308,21 @@ def test_cli_draft_errors_are_one_line(capsys, extra, needle, gemma4_tiny, gemma
     assert needle in cli_error_line(err), err
 
 
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_cli_round_graphs_reach_the_spec_config(capsys, command):
+    """``--round-graphs one|two`` (default one) sets ``SpecConfig.one_graph`` in every
+    drafting command; another value is a usage error."""
+    from graphrt.core.cli.args import build_parser, spec_config_args
+
+    parser = build_parser()
+    for flag, one_graph in (([], True), (["--round-graphs", "two"], False)):
+        args = parser.parse_args([command, *flag])
+        assert SpecConfig(**spec_config_args(args)).one_graph is one_graph
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args([command, "--round-graphs", "three"])
+    assert exit_info.value.code == 2 and "--round-graphs" in capsys.readouterr().err
+
+
 def test_cli_draft_for_a_non_gemma_target_is_a_one_line_error(capsys, gemma4_assistant, llama_tied):
     from graphrt.core.cli.main import main
 

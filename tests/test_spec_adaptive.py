@@ -199,8 +199,9 @@ def test_capture_all_graphs_captures_every_length_at_start_up(gemma4_tiny, gemma
 
 @pytest.mark.graphs
 @pytest.mark.parametrize("capture_all", [False, True], ids=["lazy", "capture-all"])
+@pytest.mark.parametrize("one_graph", [True, False], ids=["one-graph", "two-graph"])
 def test_graph_memory_cap_leaves_lengths_uncaptured_and_never_drafts_them(
-    gemma4_tiny, gemma4_assistant, monkeypatch, capture_all
+    gemma4_tiny, gemma4_assistant, monkeypatch, capture_all, one_graph
 ):
     """max_graph_memory_bytes: once the graphs hold the cap, a length first needed is not
     captured and never chosen (the chooser asks for every length in turn); steps run the
@@ -216,27 +217,31 @@ def test_graph_memory_cap_leaves_lengths_uncaptured_and_never_drafts_them(
     drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
     prompts = random_prompts((5, 11), seed=33, vocab=target.model.vocab_size)
     plain = cpu_engine(target, max_context_len=64).generate(prompts, GREEDY)
-    strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
+    strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True, one_graph=one_graph))
     strategy.chooser = cycling_chooser(3, (3, 1, 0, 2, 3, 0))
-    # Start-up: the longest rounds' graphs and the plain decode graphs, 2 buckets each:
-    # 4 MiB, the cap; any further capture would pass it.
+    # Start-up: the longest rounds' graphs (one; or verify's and the draft loop's) and
+    # the plain decode graphs, 2 buckets each: the cap; any further capture would pass it.
+    cap = (4 if one_graph else 6) << 20
     engine = cpu_engine(
         target, strategy, standin_device(), runner="graph", max_context_len=64,
-        graph_buckets=(1, 2), max_graph_memory_bytes=4 << 20, capture_all_graphs=capture_all,
+        graph_buckets=(1, 2), max_graph_memory_bytes=cap, capture_all_graphs=capture_all,
     )  # fmt: skip
-    assert engine.stats.graph_memory_bytes == 4 << 20
-    if capture_all:  # refused: lengths 1 and 2's greedy and sampled round graphs, and
-        assert engine.stats.refused_captures == 5  # length 3's sampled one
+    assert engine.stats.graph_memory_bytes == cap
+    if capture_all:  # refused: lengths 1 and 2's greedy and sampled round graphs and length
+        # 3's sampled one; or lengths 1 and 2's draft loop, verify and sampled verify and
+        # length 3's sampled verify
+        assert engine.stats.refused_captures == (5 if one_graph else 7)
     reqs = engine.generate(prompts, GREEDY)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
     stats = engine.stats
-    assert stats.refused_captures >= 2 and stats.graph_memory_bytes == 4 << 20
+    assert stats.refused_captures >= 2 and stats.graph_memory_bytes == cap
     if capture_all:
         assert stats.lazy_capture_s == 0  # nothing captured while running
     assert set(stats.rounds_by_steps) == {3} and stats.spec_plain_steps > 0
     assert stats.graph_rounds == stats.spec_rounds and stats.eager_steps == 1  # the prefill
     for k in (1, 2):
-        assert strategy.variants[k].round.captured_sizes == []
+        variant = strategy.variants[k]
+        assert (variant.round if one_graph else variant.draft).captured_sizes == []
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
 
 

@@ -74,7 +74,9 @@ def _generate(
     loaded = load_model(target, CPU, torch.float32, tp=tp)
     strategy = None
     if drafter is not None:
-        spec = SpecConfig(num_steps=3, adaptive=True) if auto else SPEC
+        # Fixed rounds on one graph each (the default), auto lengths on two graphs.
+        auto_spec = SpecConfig(num_steps=3, adaptive=True, one_graph=False)
+        spec = auto_spec if auto else SPEC
         strategy = MTPDecoding(load_model(drafter, CPU, torch.float32, tp=tp), spec)
     if auto:
         strategy.chooser = cycling_chooser(3, AUTO_ORDER[:: 1 if tp.rank == 0 else -1])

@@ -1,13 +1,14 @@
 """Speculative-round benchmark (`graphrt bench --draft`): the pieces of a round, side by side.
 
 Per request batch size, on one target and a drafting strategy: a plain decode step
-(graph), every piece the strategy names (``DecodeStrategy.bench_pieces``; frozen-KV MTP:
-the draft loop and the verify forward) on graphs and eagerly, a whole round, the accept
-length those rounds reached, tokens/s with and without the drafter, and the tokens/s the
-measured round time would give at every accept length (round time does not depend on
-acceptance). Between the graphs of a round the device may idle while the host prepares
-the next: device events recorded around every replay (the backend's
-``replay_observer``) time that gap.
+(graph), every piece the strategy names (``DecodeStrategy.bench_pieces``; frozen-KV MTP
+with two graphs a round: the draft loop and the verify forward; with one, none) on graphs
+and eagerly, a whole round, the accept length those rounds reached, tokens/s with and
+without the drafter, and the tokens/s the measured round time would give at every accept
+length (round time does not depend on acceptance). Between the graphs of a two-graph
+round the device may idle while the host prepares the next: device events recorded
+around every replay (the backend's ``replay_observer``) time that gap (0 with one
+graph a round).
 
 The strategy offers its pieces through core's protocol, as it offers its rounds to the
 engine, so this bench imports nothing from spec/: the CLI, the composition root, builds
@@ -49,7 +50,7 @@ class RoundBatchResult:
     # Per piece of the strategy: "<name>" on graphs, "<name>_eager" (JSON: "<key>_ms").
     pieces_ms: dict[str, float | None] = field(default_factory=dict)
     round_ms: float | None = None
-    graph_gap_ms: float | None = None  # device idle between a round's graphs
+    graph_gap_ms: float | None = None  # device idle between a round's graphs (one: 0)
     accept_length_mean: float | None = None
     spec_tokens_per_s: float | None = None
     decode_tokens_per_s: float | None = None

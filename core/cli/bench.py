@@ -188,6 +188,8 @@ def _run_round_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> in
             )  # fmt: skip
 
     results = run_round_bench(spec_engine, plain_engine, cfg, device.synchronize, hf_peer, log)
+    # What ran: one graph a round, or two (asked for, or a breakable backend's).
+    round_graphs = "one" if drafting.longest.round is not None else "two"
     result = result_json(
         results,
         **header(args, device, dtype, cfg.prompt_len),
@@ -195,6 +197,7 @@ def _run_round_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> in
         spec_steps=spec.num_steps,
         spec_topk=spec.topk,
         spec_draft_tokens=spec.num_draft_tokens,
+        round_graphs=round_graphs,
         capture_time_s=round(spec_engine.stats.capture_time_s, 3),
         graph_memory_bytes=spec_engine.stats.graph_memory_bytes,
     )

@@ -133,7 +133,7 @@ class EngineStats:
     step_timing_s: float = 0.0  # start-up steps timing each kind of step (_time_steps)
     # Speculative rounds, one per request per verify forward.
     spec_rounds: int = 0
-    graph_rounds: int = 0  # request rounds whose draft loop and verify both replayed graphs
+    graph_rounds: int = 0  # request rounds on graphs (the round's one, or draft's and verify's)
     accept_histogram: list[int] = field(default_factory=list)  # [k] = rounds accepting k drafts
     spec_plain_steps: int = 0  # steps a speculative strategy ran without drafting
     rounds_by_steps: dict[int, int] = field(default_factory=dict)  # draft steps -> rounds

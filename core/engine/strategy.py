@@ -98,7 +98,7 @@ class StepOutcome:
     graph_forwards: int = 0  # target forwards replayed from a graph
     eager_forwards: int = 0
     rounds: list[RoundLog] | None = None  # a speculative step: each request's round
-    graph_rounds: int = 0  # request rounds whose draft loop and verify both replayed graphs
+    graph_rounds: int = 0  # request rounds on graphs (the round's one, or draft's and verify's)
     plain_steps: int = 0  # a speculative strategy's plain decode steps (spec.adaptive)
 
 

@@ -309,9 +309,9 @@ def test_auto_lengths_change_between_rounds_and_graph_rounds_equal_eager_rounds(
 def _accept_some(tree, target_tokens, max_accept):
     """An acceptance rule (it runs inside the round's graph) under which a draft counts as
     the target's own token at its parent unless its id is a multiple of 3: a random target
-    accepts next to nothing, and this gives every accept length, the same in both engines.
-    In a tree, of a parent's children the last that counts does (node order: the same in
-    both engines)."""
+    accepts next to nothing, and this gives a chain every accept length, the same in both
+    engines. In a tree, of a parent's children the last that counts does (node order: the
+    same in both engines); trees of topk 2 and 3 reach accept lengths 0 to 2."""
     forced = target_tokens.clone()
     parent = tree.parents.clamp(min=0)
     counts = tree.valid & (tree.parents >= 0) & (tree.tokens % 3 != 0)
