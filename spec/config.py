@@ -25,8 +25,9 @@ class SpecConfig:
     adaptive: bool = False
     # True: each round on one captured graph (spec.round_graph) where attention is
     # capture-safe; False (``--round-graphs two``), and always on a breakable backend: the
-    # draft loop's graph, then verify's. On the H200 one graph made the embedded pair's
-    # rounds of 4 20% faster at batch 1, 7% at 64 (BENCHMARKS.md, stop 43).
+    # draft loop's graph, then verify's. On the H200 the embedded pair's rounds of 4 on one
+    # graph decoded 1.23x the tokens/s of two at batch 1, 1.085x at 64 (BENCHMARKS.md,
+    # stop 43); random:gemma4-e2b's, device-bound, the same.
     one_graph: bool = True
 
     def __post_init__(self):

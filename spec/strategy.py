@@ -119,8 +119,8 @@ class MTPDecoding(DecodeStrategy):
         # first step that needs it (``captures_before``): the sampled rounds' or verify
         # graphs (their sampling intermediates make them several times the greedy graphs'
         # memory: 6.1 GB with both for gemma4-e2b up to batch 64), the shorter lengths'
-        # graphs, and
-        # fixed-length rounds' plain decode graphs (used only when a whole batch opted out).
+        # graphs, and fixed-length rounds' plain decode graphs (used only when a whole
+        # batch opted out).
         self._later: list[GraphRunner] = []
         self._planned: tuple[list[Request], int] | None = None  # (reqs, draft steps) next
         self._refused: list[GraphRunner] = []  # left uncaptured by the graph memory cap
@@ -305,12 +305,12 @@ class MTPDecoding(DecodeStrategy):
         keeps the faster of the other two: a stall only adds time; in a row, as a winner
         runs. HAZARD: the embedded pair's host-bound steps drift by a third between H200
         starts and within a process: start-up's figures ran 0.7-1.5x the same steps in
-        use, in a row or interleaved; BENCHMARKS.md, stop 43), at
-        every batch bucket whose graphs start-up captured, or at batch 1 when eager. Two
-        lengths of rounds give the chooser the line ``a + b k`` of a round's time (verify's
-        share, a draft step's); with the longest alone, shorter rounds are modelled between
-        it and a plain step until they run. A few steps a bucket: about 20 ms at batch 1 for
-        random:gemma4-e2b on an H200."""
+        use, in a row or interleaved; BENCHMARKS.md, stop 43), at every batch bucket whose
+        graphs start-up captured, or at batch 1 when eager. Two lengths of rounds give the
+        chooser the line ``a + b k`` of a round's time (verify's share, a draft step's);
+        with the longest alone, shorter rounds are modelled between it and a plain step
+        until they run. A few steps a bucket: about 20 ms at batch 1 for random:gemma4-e2b
+        on an H200."""
         if self.chooser is None:
             return (), ()
         shortest = self.variants[1]
