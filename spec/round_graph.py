@@ -40,7 +40,14 @@ from graphrt.core.runners import GraphShape, StaticField
 from graphrt.core.runners.base import RunnerOutput, forward_model
 from graphrt.spec.config import SpecConfig
 from graphrt.spec.draft import draft_verify_tree
-from graphrt.spec.verify import SAMPLING_FIELDS, AcceptRule, RoundTables, VerifyInput, round_tail
+from graphrt.spec.verify import (
+    SAMPLING_FIELDS,
+    SAMPLING_NAMES,
+    AcceptRule,
+    RoundTables,
+    VerifyInput,
+    round_tail,
+)
 
 
 @dataclass
@@ -99,10 +106,7 @@ def round_batch(
     on_device = to_device(torch.from_numpy(host), device)
     tokens, positions, slots = on_device[: 3 * bs * n].view(3, bs * n)
     req_slots, seq_lens, speculate = on_device[3 * bs * n :].view(3, bs)
-    state = {}
-    if not sampling.greedy:
-        names = ("temperature", "top_k", "top_p", "seed", "offset")
-        state = {name: getattr(sampling, name) for name in names}
+    state = {} if sampling.greedy else {name: getattr(sampling, name) for name in SAMPLING_NAMES}
     return ForwardBatch(
         mode=ForwardMode.TARGET_VERIFY,
         input_ids=tokens,
@@ -152,9 +156,11 @@ def captured_round(
             kv_lens.clamp(min=1),
             [1] * len(static.seq_lens_cpu),
         )
+        # The verify batch as spec.verify.verify_batch builds it, on the static batch's own
+        # lengths: verify_batch would derive host lengths from the static batch's values,
+        # on which compiled code (CPU) specialises.
         positions = tree.positions(kv_lens.long()).clamp(max=max_context_len - 1)  # (B, n)
-        sampling = {name: getattr(info, name) for name in ("temperature", "top_k", "top_p")}
-        sampling.update(seed=info.seed, offset=info.offset)
+        sampling = {name: getattr(info, name) for name in SAMPLING_NAMES}  # None: greedy
         verify_info = VerifyInput(
             tree_mask=tree.mask,
             parents=tree.parents,

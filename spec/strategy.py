@@ -440,10 +440,11 @@ class MTPDecoding(DecodeStrategy):
         """The round on ``variant``'s one graph (spec.round_graph) where one serves this
         many requests, else None (the round runs on the two-graph path: eagerly, in a
         one-graph engine)."""
-        rows = request_rows(reqs, self.ctx.device)  # no copy for greedy rows
-        graph = variant.round if rows.greedy else variant.sampled_round
+        greedy = all(r.params.greedy for r in reqs)  # (as request_rows decides)
+        graph = variant.round if greedy else variant.sampled_round
         if graph is None or not graph.serves(len(reqs)):
-            return None
+            return None  # before any copy: the two-graph path sends its own
+        rows = request_rows(reqs, self.ctx.device)  # no copy for greedy rows
         n = variant.cfg.num_draft_tokens
         held_host = self.ctx.ledger.hold_host(len(reqs) * n)
         batch = round_batch(reqs, n, held_host, rows, self.ctx.max_context_len, self.ctx.device)

@@ -32,6 +32,7 @@ SAMPLING_FIELDS = (
     StaticField("seed", (), torch.int64, pad=0),
     StaticField("offset", (), torch.int64, pad=0),
 )
+SAMPLING_NAMES = tuple(f.name for f in SAMPLING_FIELDS)  # a sampled round's state, by name
 
 
 @dataclass
@@ -91,7 +92,7 @@ def verify_batch(
         tree_mask=tree.mask, parents=tree.parents, depth=tree.depth, valid=tree.valid
     )
     if sampling is not None:
-        for name in ("temperature", "top_k", "top_p", "seed", "offset"):
+        for name in SAMPLING_NAMES:
             setattr(info, name, getattr(sampling, name))
     return ForwardBatch(
         mode=ForwardMode.TARGET_VERIFY,
