@@ -287,6 +287,7 @@ def test_round_bench_times_every_piece_of_a_round(
         issue_fields |= {"draft_ms", "draft_eager_ms", "verify_ms", "verify_eager_ms"}
     assert issue_fields <= set(out["batches"][0])
     engine = engines[0]
+    assert engine.stats.graph_rounds == engine.stats.spec_rounds > 0  # rounds on graphs
     assert engine.kv_pool.available() == engine.kv_pool.num_slots  # verify's slots freed
     png = tmp_path / "spec.png"
     if plot_spec_throughput(out, png):

@@ -356,12 +356,14 @@ def test_cuda_graphs_go_to_the_device_as_they_are_captured(monkeypatch, kind):
         return y + 1.0
 
     key = ShapeKey(size=1)
-    with backend.capture_session():
-        out = backend.capture_one(key, run_once)
-    assert len(uploaded) == (2 if kind == "breakable" else 1)
-    x.zero_()
-    with backend.replay_session():
-        backend.replay(key)
-    torch.cuda.synchronize()
-    assert out.tolist() == [3.0] * 8  # (0 + 1) * 2 + 1
-    backend.cleanup()
+    try:
+        with backend.capture_session():
+            out = backend.capture_one(key, run_once)
+        assert len(uploaded) == (2 if kind == "breakable" else 1)
+        x.fill_(4.0)  # a value no warm-up or capture run left: only a replay gives 11
+        with backend.replay_session():
+            backend.replay(key)
+        torch.cuda.synchronize()
+        assert out.tolist() == [11.0] * 8  # (4 + 1) * 2 + 1
+    finally:
+        backend.cleanup()

@@ -64,6 +64,7 @@ def test_an_engine_alive_at_anothers_freeze_is_still_freed_when_dropped(loaded, 
     device = standin_device() if runner == "graph" else None
     first = cpu_engine(loaded, device=device, runner=runner, graph_buckets=(1, 2))
     first.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+    assert (first.stats.graph_steps > 0) == (runner == "graph")
     gone, pool = weakref.ref(first), weakref.ref(first.kv_pool)
     cpu_engine(loaded)  # freezes the first engine with everything else alive
     assert not _walked(first)
