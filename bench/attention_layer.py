@@ -1,12 +1,16 @@
 """Decode and tree-verify attention, one layer: GPU time of the partial and combine
 kernels replayed from a CUDA graph (triton.testing.do_bench_cudagraph, median), for
 Gemma 4 E2B's shapes (8 query heads on 1 KV head, head_dim 256 and 512), prefix 512,
-decode at batch 1 and 64 and verify of 5-node chains over the same requests, with one
-node a program and with nodes packed two a program (``triton_verify.PACK_MIN_PROGRAMS``
-decides between them by batch); each verify's output is compared bit for bit with
-decode's rows for the same tokens.
+decode at batch 1 and 64 and verify of 5-node chains over the same requests: the
+width-invariant kernel (triton_verify) with one node a program and with nodes packed
+two a program (``triton_verify.PACK_MIN_PROGRAMS`` decides between them by batch),
+each output compared bit for bit with decode's rows for the same tokens; then the
+one-pass kernel (triton_verify_onepass, the default) at each ``--onepass`` setting
+(TARGET_PROGRAMS/MAX_TILE/SPLIT_BLOCKS, 0 blocks: by head_dim), its largest relative
+error against the width-invariant output beside it.
 
 Run on the device: python bench/attention_layer.py [--batch-sizes 1,2,4,...]
+[--onepass 256/16384/0,512/16384/2,...]
 """
 
 from __future__ import annotations
@@ -16,20 +20,24 @@ import argparse
 import torch
 import triton
 
-from graphrt.devices.cuda import triton_verify
+from graphrt.devices.cuda import triton_verify, triton_verify_onepass
 from graphrt.devices.cuda.triton_decode import (
     NUM_KV_SPLITS,
     allocate_decode_scratch,
     decode_attention,
 )
 from graphrt.devices.cuda.triton_verify import tree_verify_attention
+from graphrt.devices.cuda.triton_verify_onepass import onepass_verify_attention
 
 PREFIX, NODES, HEADS = 512, 5, 8
 
 
-def layer_us(bs: int, head_dim: int, packed: bool) -> tuple[float, float, bool]:
-    """(decode us, verify us, verify == decode bitwise) of one layer's attention over
-    ``bs`` requests."""
+def layer_us(
+    bs: int, head_dim: int, packed: bool, onepass: list[tuple[int, int, int]] = ()
+) -> tuple[float, float, bool, list[tuple[float, float]]]:
+    """(decode us, verify us, verify == decode bitwise, [(one-pass us, its largest
+    relative error against verify) per ``onepass`` setting]) of one layer's attention
+    over ``bs`` requests."""
     dev, dtype = torch.device("cuda"), torch.bfloat16
     ctx = PREFIX + NODES
     slots = 1 + torch.randperm(bs * ctx, device=dev)  # scattered, as a pool's are
@@ -70,27 +78,55 @@ def layer_us(bs: int, head_dim: int, packed: bool) -> tuple[float, float, bool]:
     decode_attention(
         qv, k, v, table, reqs.repeat_interleave(NODES), node_lens, want, *scratch, scale
     )
-    return times[0], times[1], torch.equal(outv, want)
+    onepass_results = []
+    for target, tile, split_blocks in onepass:
+        module = triton_verify_onepass
+        module.TARGET_PROGRAMS, module.MAX_TILE = target, tile
+        module.SPLIT_BLOCKS = split_blocks or None
+        fast = torch.empty_like(qv)
+
+        def verify_onepass(fast: torch.Tensor = fast) -> None:
+            onepass_verify_attention(
+                qv, k, v, table, reqs, vlens, pos, loc, mask, fast, *scratch, scale
+            )
+
+        torch.cuda.synchronize()
+        us = triton.testing.do_bench_cudagraph(verify_onepass, rep=50) * 1e3
+        verify_onepass()
+        err = ((fast.float() - outv.float()).abs().max() / outv.float().abs().max()).item()
+        onepass_results.append((us, err))
+    return times[0], times[1], torch.equal(outv, want), onepass_results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", default="1,64", help="comma list (default: 1,64)")
-    sizes = [int(s) for s in parser.parse_args().batch_sizes.split(",")]
+    parser.add_argument(
+        "--onepass",
+        default="256/16384/0",
+        help="one-pass settings TARGET_PROGRAMS/MAX_TILE/SPLIT_BLOCKS, comma list",
+    )
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    onepass = [tuple(int(x) for x in c.split("/")) for c in args.onepass.split(",") if c]
     print(
         f"{'bs':>3} {'D':>4} {'packed':>6} {'programs':>8} {'decode us':>10} {'verify us':>10}"
-        f" {'ratio':>6} bitwise"
+        f" {'ratio':>6} bitwise  one-pass us (ratio, rel err) at "
+        + ", ".join("/".join(map(str, c)) for c in onepass)
     )
     for head_dim in (256, 512):
         for bs in sizes:
             for packed in (False, True):
-                decode, verify, same = layer_us(bs, head_dim, packed)
+                decode, verify, same, fast = layer_us(
+                    bs, head_dim, packed, onepass if packed else ()
+                )
                 # What PACK_MIN_PROGRAMS is compared with: one-node programs (rows x KV
                 # heads x decode's splits).
                 programs = bs * NODES * NUM_KV_SPLITS
+                cells = "  ".join(f"{us:.1f} ({us / decode:.2f}, {err:.1e})" for us, err in fast)
                 print(
                     f"{bs:>3} {head_dim:>4} {packed!s:>6} {programs:>8} {decode:>10.1f}"
-                    f" {verify:>10.1f} {verify / decode:>6.2f} {same}"
+                    f" {verify:>10.1f} {verify / decode:>6.2f} {same!s:>7}  {cells}"
                 )
 
 

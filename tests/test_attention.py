@@ -195,3 +195,22 @@ def test_padding_row_is_finite_and_writes_only_slot_0(window):
     changed |= (cache.kv_pool.v_buffers[0] != before_v).flatten(1).any(1)
     assert changed.nonzero().flatten().tolist() == [PADDING_SLOT]
     assert cache.req_pool.req_to_token[PADDING_SLOT].eq(PADDING_SLOT).all()
+
+
+@pytest.mark.parametrize("source", ["random:llama-tiny", "gemma4_tiny", "gemma4_assistant"])
+def test_width_invariant_ops_reach_every_attention_layer(source, request):
+    """A model's ops say whether its rows are width-invariant (``--batch-invariant``);
+    every attention layer hands that to the backend (``AttentionSpec``), which verifies
+    on decode's split schedule then, in one pass a request otherwise."""
+    import dataclasses
+
+    from graphrt.core.bench.timing import attention_specs
+    from graphrt.core.models import TORCH_OPS, load_model
+
+    if not source.startswith("random:"):
+        source = str(request.getfixturevalue(source).path)
+    for invariant in (False, True):
+        ops = dataclasses.replace(TORCH_OPS, width_invariant=invariant)
+        loaded = load_model(source, CPU, torch.float32, ops=ops)
+        specs = list(attention_specs(loaded.model))
+        assert specs and all(spec.width_invariant is invariant for spec in specs)

@@ -69,10 +69,12 @@ def _draft_batch(inp, reps: int) -> ForwardBatch:
 
 
 def compare(
-    prefix_lens, n, heads, kv_heads, head_dim, window, dtype, device, seed, splits=None
-) -> dict:
+    prefix_lens, n, heads, kv_heads, head_dim, window, dtype, device, seed, splits=None,
+    width_invariant=False,
+) -> dict:  # fmt: skip
     """Triton vs the torch reference: verify outputs and stored K/V, draft outputs.
-    ``splits``: the Triton backend's KV splits (None: its default)."""
+    ``splits``: the Triton backend's KV splits (None: its default); ``width_invariant``:
+    the layers' (verify on decode's schedule, else in one pass a request)."""
     from graphrt.devices.cuda.attention import TritonAttentionBackend
 
     inp = make_inputs(
@@ -85,7 +87,9 @@ def compare(
     )
     results = {}
     for mode, writes in (("verify", True), ("draft", False)):
-        spec = AttentionSpec(heads, kv_heads, head_dim, inp.sm_scale, 0, window, writes)
+        spec = AttentionSpec(
+            heads, kv_heads, head_dim, inp.sm_scale, 0, window, writes, width_invariant
+        )
         batch = _verify_batch(inp) if mode == "verify" else _draft_batch(inp, reps=3)
         q = inp.q
         if mode == "draft":  # one set of queries for both backends
@@ -118,9 +122,14 @@ def interpreter_results() -> dict:
     errors = {}
     for i, case in enumerate(CPU_CASES):
         # 4 KV splits: a quarter of the interpreted programs (prefixes of 40 keys fill
-        # at most 3 blocks); the 16-split schedule is test_triton_verify's.
-        for name, err in compare(*case, torch.float32, "cpu", seed=i, splits=4).items():
-            errors[f"{i}/{name}"] = err
+        # at most 3 blocks); the 16-split schedule is test_triton_verify's. Verify both
+        # ways: one pass a request (the default), decode's schedule (width-invariant).
+        for invariant in (False, True):
+            results = compare(
+                *case, torch.float32, "cpu", seed=i, splits=4, width_invariant=invariant
+            )
+            for name, err in results.items():
+                errors[f"{i}/invariant{invariant}/{name}"] = err
     return errors
 
 
@@ -128,7 +137,7 @@ def interpreter_results() -> dict:
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_triton_backend_matches_reference_in_speculative_modes_under_interpreter():
     errors = run_under_triton_interpreter(__file__)
-    assert len(errors) == 3 * len(CPU_CASES)
+    assert len(errors) == 2 * 3 * len(CPU_CASES)
     too_far = {name: err for name, err in errors.items() if not err <= 1e-5}
     assert not too_far, too_far
 
@@ -136,15 +145,19 @@ def test_triton_backend_matches_reference_in_speculative_modes_under_interpreter
 @pytest.mark.cuda
 @needs_gpu
 @needs_triton
+@pytest.mark.parametrize("invariant", [False, True], ids=["onepass", "width-invariant"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize(
     ("head_dim", "heads", "kv_heads", "window"),
     [(512, 8, 1, None), (256, 8, 1, 512), (64, 8, 2, 5)],
 )
 def test_cuda_triton_backend_matches_reference_in_speculative_modes(
-    dtype, head_dim, heads, kv_heads, window
+    dtype, head_dim, heads, kv_heads, window, invariant
 ):
-    errors = compare([7, 300, 700], 5, heads, kv_heads, head_dim, window, dtype, "cuda", seed=1)
+    errors = compare(
+        [7, 300, 700], 5, heads, kv_heads, head_dim, window, dtype, "cuda", seed=1,
+        width_invariant=invariant,
+    )  # fmt: skip
     limit = 2e-5 if dtype == torch.float32 else 2e-2
     too_far = {name: err for name, err in errors.items() if not err <= limit}
     assert not too_far, too_far

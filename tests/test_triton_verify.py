@@ -488,12 +488,17 @@ def test_cuda_long_rows_take_more_splits_and_verify_still_equals_decode():
 @pytest.mark.cuda
 @needs_gpu
 @needs_triton
+@pytest.mark.parametrize("kernel", ["width-invariant", "onepass"])
 @pytest.mark.parametrize("dtype", list(CUDA_TOLERANCES), ids=str)
-def test_cuda_graph_replay_matches_eager_bitwise(dtype):
+def test_cuda_graph_replay_matches_eager_bitwise(dtype, kernel):
     """Captured once (a full and a windowed launch on one scratch), replayed after every
-    input is rewritten in place: new trees, prefixes, positions, slots, q and KV."""
+    input is rewritten in place: new trees, prefixes, positions, slots, q and KV. Both
+    verify kernels: this file's and the one-pass default (triton_verify_onepass)."""
     from graphrt.devices.cuda.triton_decode import NUM_KV_SPLITS, allocate_decode_scratch
     from graphrt.devices.cuda.triton_verify import tree_verify_attention
+    from graphrt.devices.cuda.triton_verify_onepass import onepass_verify_attention
+
+    attention = tree_verify_attention if kernel == "width-invariant" else onepass_verify_attention
 
     bs, num_nodes, num_heads, num_kv_heads, head_dim, context = 4, 5, 8, 1, 256, 700
     windows = [None, 512]
@@ -512,9 +517,7 @@ def test_cuda_graph_replay_matches_eager_bitwise(dtype):
 
     def forward(inp: VerifyInputs, outs: list[torch.Tensor]) -> None:
         for window, out in zip(windows, outs):
-            tree_verify_attention(
-                *inp.tensors(), out, *scratch, inp.sm_scale, sliding_window=window
-            )
+            attention(*inp.tensors(), out, *scratch, inp.sm_scale, sliding_window=window)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

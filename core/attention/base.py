@@ -28,6 +28,9 @@ class AttentionSpec:
     cache_index: int  # KV buffer this layer reads (and writes, if writes_kv)
     sliding_window: int | None = None  # key j visible to query p iff j > p - window
     writes_kv: bool = True  # False for KV-sharing consumers and the frozen-KV drafter
+    # Verify rows must round as decode rows do (the model's matmuls are width-invariant:
+    # ``ModelOps.width_invariant``); otherwise a backend may verify on a faster schedule.
+    width_invariant: bool = False
 
 
 @dataclass(frozen=True)

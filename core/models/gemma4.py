@@ -152,6 +152,7 @@ class Gemma4Attention(nn.Module):
             cache_index=-1 if reads_target_kv else src,
             sliding_window=c.sliding_window if c.layer_types[layer_id] == SLIDING else None,
             writes_kv=not self.shares_kv,
+            width_invariant=ops.width_invariant,
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:

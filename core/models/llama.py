@@ -69,6 +69,7 @@ class LlamaAttention(nn.Module):
             scaling=c.head_dim**-0.5,
             cache_index=layer_id,
             sliding_window=c.layer_windows[layer_id],
+            width_invariant=ops.width_invariant,
         )
 
     def forward(

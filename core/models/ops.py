@@ -77,6 +77,9 @@ class ModelOps:
     # weight[token] (rounded to the weight's dtype), the smallest id among equal ones:
     # the centroid-masked head's greedy draft token.
     selected_argmax: Callable[..., torch.Tensor]
+    # Every row's result independent of the rows beside it (``--batch-invariant``): the
+    # model's attention layers then ask verify to round as decode (AttentionSpec).
+    width_invariant: bool = False
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

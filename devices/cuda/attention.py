@@ -5,9 +5,11 @@ k and v), unless the model's rope kernel already wrote them where
 ``kv_write_target`` pointed it, and runs ``triton_decode.decode_attention``. DRAFT rows (the MTP
 drafter's query-only steps over the target's KV) run the same decode kernel
 and store nothing: it reads each row's live prefix only. TARGET_VERIFY stores
-the tree nodes' K/V, then runs ``triton_verify.tree_verify_attention`` (each
-node over its request's prefix plus its ancestors). EXTEND (prefill, eager)
-is ``triton_extend.extend_attention``: every request's chunk in one launch a layer,
+the tree nodes' K/V, then runs each node over its request's prefix plus its
+ancestors: ``triton_verify_onepass`` (one pass over a request's prefix for all
+its nodes), or for width-invariant models (``AttentionSpec.width_invariant``,
+``--batch-invariant``) ``triton_verify``, whose nodes round as decode's rows.
+EXTEND (prefill, eager) is ``triton_extend.extend_attention``: every request's chunk in one launch a layer,
 keys through the token table (the new K/V stored first). A chunk of ``SDPA_MIN_CHUNK``
 tokens or more in a full-attention layer goes to the reference's SDPA instead (cuDNN's
 flash kernel runs one long prompt 1.7x faster than the extend kernel); the choice
@@ -42,6 +44,7 @@ from graphrt.devices.cuda.triton_decode import (
 )
 from graphrt.devices.cuda.triton_extend import extend_attention, extend_metadata
 from graphrt.devices.cuda.triton_verify import tree_verify_attention
+from graphrt.devices.cuda.triton_verify_onepass import onepass_verify_attention
 
 # Chunks this long (tokens) of full-attention layers run through SDPA, one call a request
 # (H200, bf16, bench/extend_blocks.py: SDPA 814 us a layer against the kernel's 1,402 at
@@ -186,9 +189,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
             for i in to_sdpa:
                 self._extend_request(q, out, spec, batch, i, meta.extend_starts_cpu[i])
         elif batch.mode is ForwardMode.TARGET_VERIFY:
-            # Decode's splits and blocks: a node's output equals decode's for that token.
             scratch = self._scratch_for(spec.num_heads, spec.head_dim, self._splits(spec), q)
-            tree_verify_attention(
+            args = (
                 q,
                 k_buffer,
                 v_buffer,
@@ -202,8 +204,11 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 *scratch,
                 spec.scaling,
                 spec.sliding_window,
-                short_splits=self.num_kv_splits,
             )
+            if spec.width_invariant:  # decode's splits and blocks: a node rounds as decode
+                tree_verify_attention(*args, short_splits=self.num_kv_splits)
+            else:
+                onepass_verify_attention(*args)
         else:  # DECODE, and DRAFT rows (which wrote nothing above)
             scratch = self._scratch_for(spec.num_heads, spec.head_dim, self._splits(spec), q)
             decode_attention(

@@ -208,10 +208,12 @@ TRITON_OPS = ModelOps(
 
 # Batch-invariant (``--batch-invariant``): a row's logits do not depend on how many rows
 # run beside it, so speculative greedy output equals plain greedy output in 16-bit, as
-# with float32. Attention is invariant in both tables (triton_verify walks decode's splits).
+# with float32. Its models' attention layers say so (``width_invariant``), and verify
+# attention then walks decode's splits (triton_verify) instead of one pass a request.
 INVARIANT_OPS = dataclasses.replace(
     TRITON_OPS,
     name="triton-batch-invariant",
+    width_invariant=True,
     linear=invariant_linear,
     linear_act_mul=invariant_linear_act_mul,
 )

@@ -280,6 +280,37 @@ def program_shape(group: int, num_nodes: int, programs: int) -> tuple[int, int]:
     return max(1, min(block_g // group, num_nodes)), block_g
 
 
+def check_tree_inputs(
+    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, positions, out_cache_loc,
+    tree_mask, out, partial_out, partial_lse, partial_splits,
+) -> None:  # fmt: skip
+    """Host-side checks of a TARGET_VERIFY launch (no sync): B trees of n nodes, their
+    B * n query rows, the paged inputs and the per-split scratch."""
+    bs, num_nodes = tree_mask.shape[:2]
+    num_rows = q.shape[0]
+    assert tree_mask.shape == (bs, num_nodes, num_nodes) and tree_mask.dtype == torch.bool
+    assert num_rows == bs * num_nodes, f"{num_rows} query rows for {bs} trees of {num_nodes}"
+    assert req_pool_indices.shape == seq_lens.shape == (bs,)
+    assert positions.shape == out_cache_loc.shape == (num_rows,)
+    check_paged_inputs(q, k_buffer, v_buffer, req_to_token, out, partial_out, partial_lse,
+                       partial_splits)  # fmt: skip
+    assert tree_mask.stride(2) == 1
+    for t in (req_pool_indices, seq_lens, positions, out_cache_loc):
+        assert t.stride(0) == 1
+
+
+def block_and_window(
+    head_dim: int, k_buffer: torch.Tensor, block_n: int | None, sliding_window: int | None
+) -> tuple[int, int]:
+    """(keys a loop step: ``block_n`` or decode's default, the window: 0 for none)."""
+    if block_n is None:
+        block_n = default_block_n(head_dim, k_buffer.element_size())
+    assert block_n >= MIN_DOT and block_n == triton.next_power_of_2(block_n), block_n
+    window = 0 if sliding_window is None else int(sliding_window)
+    assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
+    return block_n, window
+
+
 def tree_verify_attention(
     q: torch.Tensor,  # (B*n, H, D), any float dtype
     k_buffer: torch.Tensor,  # (num_slots + 1, Hkv, D)
@@ -310,24 +341,15 @@ def tree_verify_attention(
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     max_splits = partial_out.shape[2]
-    assert tree_mask.shape == (bs, num_nodes, num_nodes) and tree_mask.dtype == torch.bool
-    assert num_rows == bs * num_nodes, f"{num_rows} query rows for {bs} trees of {num_nodes}"
-    assert req_pool_indices.shape == seq_lens.shape == (bs,)
-    assert positions.shape == out_cache_loc.shape == (num_rows,)
-    check_paged_inputs(q, k_buffer, v_buffer, req_to_token, out, partial_out, partial_lse,
-                       partial_splits)  # fmt: skip
-    assert tree_mask.stride(2) == 1
-    for t in (req_pool_indices, seq_lens, positions, out_cache_loc):
-        assert t.stride(0) == 1
+    check_tree_inputs(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, positions,
+        out_cache_loc, tree_mask, out, partial_out, partial_lse, partial_splits,
+    )  # fmt: skip
     if num_rows == 0:
         return out
 
     block_d = max(triton.next_power_of_2(head_dim), MIN_DOT)
-    if block_n is None:
-        block_n = default_block_n(head_dim, k_buffer.element_size())
-    assert block_n >= MIN_DOT and block_n == triton.next_power_of_2(block_n), block_n
-    window = 0 if sliding_window is None else int(sliding_window)
-    assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
+    block_n, window = block_and_window(head_dim, k_buffer, block_n, sliding_window)
     group = num_heads // num_kv_heads
     # Packing is decided at a short row's split count, as measured (PACK_MIN_PROGRAMS).
     nodes, block_g = program_shape(

@@ -1,0 +1,288 @@
+"""Tree-masked verify attention, one pass over each request's prefix: the default kernel.
+
+The same semantics as triton_verify.py (TARGET_VERIFY: node i of request b attends to
+the request's cached prefix, positions 0 .. seq_len - n - 1 through ``req_to_token``,
+and to the tree nodes ``tree_mask[b, i]`` marks, each key subject to the sliding window
+``k_pos > q_pos - window``, in one softmax), without its width invariance: that kernel
+walks decode's split schedule for every node, so that a verify row rounds as a decode
+row, which only pays where the matmuls are width-invariant too (``--batch-invariant``,
+``AttentionSpec.width_invariant``). With the default matmuls a verify row's logits
+differ from decode's in the last bits anyway, and decode's schedule costs verify dearly:
+16 splits of a 512-key prefix for every node's partial (at 64 requests x 5 nodes, 42 MB
+of partials a layer written and read back against 33 MB of K/V), the prefix read again
+for every two nodes, and one online-softmax step per node for the blocks holding the
+tree (H200, bench/attention_layer.py: 111 us a layer against decode's 18 at 64 requests).
+
+Here a program serves up to NODES tree nodes of one request (their G heads each:
+``BLOCK_G`` = NODES x G rows, up to ``MAX_TILE`` float32 accumulators, so one program
+takes a whole 5-node chain of Gemma 4's 8 heads at head_dim 256 and four of them at
+512), walks its share of the prefix once for all of them, and the tree's n keys as one
+more block whose visibility per row is the tree mask. A request's prefix is cut into
+contiguous splits of at least ``split_blocks`` blocks, as many as the launch's programs
+along the splits allow (chosen from the batch's shape: enough programs to fill the
+GPU, ``TARGET_PROGRAMS``); the tree block goes to the last split. Each split's partial
+and log-sum-exp go to decode's scratch and decode's combine (triton_decode.py) merges
+them, one row's count in ``partial_splits``.
+
+Capture-safe: the launches read only device tensors and host shapes, never sync,
+allocate nothing, and their grids depend on B, n, the head counts and the scratch's
+shape alone; a request's split count comes from its own prefix on the device. So an
+eager run and a graph replay of the same inputs are bitwise equal, and a request's
+output does not depend on its neighbours (only on the launch's shape).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from graphrt.devices.cuda.triton_decode import (
+    MIN_DOT,
+    _attend_block,
+    _load_kv_block,
+    _store_partial,
+    combine_splits,
+    dot_precision,
+)
+from graphrt.devices.cuda.triton_verify import block_and_window, check_tree_inputs
+
+# Measured on the H200 (bench/attention_layer.py: Gemma 4's 8 heads on one KV head,
+# prefix 512, 5-node chains, one layer; 2026-12-04), us at 1 / 8 / 64 requests, head_dim
+# 256: 11.8-13.6 / 12.2-14.0 / 42-78 against the width-invariant kernel's 12.8 / 21.3 /
+# 133 and decode's 8.7 / 9.2 / 23.6; head_dim 512: 15.9-21.5 / 26-36 / 135-174 against
+# 18.5 / 43.8 / 270 and decode's 11.9 / 12.5 / 49.3. The settings below were the best.
+#
+# The most float32 accumulators (rows x padded head_dim) a program holds: 64 rows at
+# head_dim 256 (a 5-node chain of 8 heads in one program), 32 at 512.
+MAX_TILE = 16384
+# Programs a launch aims at (requests x node groups x KV heads x splits); an H200 has
+# 132 SMs. More split 64 requests' 512-key prefixes finer than pays: at 1,024, 77 us a
+# layer against 42 at 256 (head_dim 256), the partials' traffic growing with the splits.
+TARGET_PROGRAMS = 256
+# A split's fewest prefix blocks (None: by head_dim, ``split_blocks``).
+SPLIT_BLOCKS: int | None = None
+
+
+@triton.jit
+def _onepass_partial_kernel(
+    Q,  # (B*n, H, D)
+    K,  # (num_slots + 1, Hkv, D)
+    V,
+    ReqToToken,  # (max_reqs + 1, max_ctx)
+    ReqPoolIndices,  # (B,)
+    SeqLens,  # (B,) prefix + n
+    Positions,  # (B*n,)
+    OutCacheLoc,  # (B*n,) the tree nodes' slots
+    TreeMask,  # (B, n, n) uint8 view of the bool mask
+    PartialOut,  # (>= B*n, H, S, D) float32
+    PartialLse,  # (>= B*n, H, S) float32
+    PartialSplits,  # (>= B*n,) int32: each row's split count, for the combine
+    sm_scale,
+    window,  # 0 = no sliding window
+    num_nodes,  # n
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_req,
+    stride_mb,
+    stride_mi,
+    stride_pot,
+    stride_poh,
+    stride_pos,
+    stride_plt,
+    stride_plh,
+    KV_GROUP: tl.constexpr,  # query heads per KV head
+    NODES: tl.constexpr,  # tree nodes a program serves
+    BLOCK_G: tl.constexpr,  # NODES * KV_GROUP padded to a power of two >= MIN_DOT
+    SPLIT_BLOCKS: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # prefix keys a loop step
+    BLOCK_T: tl.constexpr,  # n padded to a power of two >= MIN_DOT
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= MIN_DOT
+    DOT_PRECISION: tl.constexpr,
+):
+    groups = tl.cdiv(num_nodes, NODES)
+    b = tl.program_id(0) // groups
+    first_node = (tl.program_id(0) % groups) * NODES
+    kv_h = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = tl.load(ReqPoolIndices + b).to(tl.int64)
+    # Padding rows may carry seq_len < n: their prefix is empty, not negative.
+    prefix = tl.maximum(tl.load(SeqLens + b).to(tl.int32) - num_nodes, 0)
+
+    # Row g of the program: head g % G of node first_node + g // G.
+    offs_g = tl.arange(0, BLOCK_G)
+    row_node = offs_g // KV_GROUP
+    node = first_node + row_node
+    mask_g = (row_node < NODES) & (node < num_nodes)
+    node = tl.minimum(node, num_nodes - 1)
+    rows = b * num_nodes + node  # (BLOCK_G,) query rows
+    heads = kv_h * KV_GROUP + offs_g % KV_GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    # Rows beyond the program's nodes are zero queries, never stored.
+    q = tl.load(
+        Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(K.dtype.element_ty)  # (BLOCK_G, BLOCK_D): native operands, float32 sums
+    q_pos = tl.load(Positions + rows, mask=mask_g, other=0).to(tl.int32)
+    # Key position k is visible to a row iff k >= row_lo (k > q_pos - window).
+    row_lo = tl.where(window > 0, tl.maximum(q_pos + 1 - window, 0), 0)
+    lo = tl.min(tl.where(mask_g, row_lo, 2147483647), 0)  # no row sees a key before it
+
+    # The request's splits: contiguous runs of at least SPLIT_BLOCKS prefix blocks, at
+    # most the launch's programs along the splits, one at least (it takes the tree).
+    first_block = tl.minimum(lo, prefix) // BLOCK_N
+    end_block = tl.cdiv(prefix, BLOCK_N)
+    blocks = tl.maximum(end_block - first_block, 0)
+    num_splits = tl.minimum(tl.maximum(tl.cdiv(blocks, SPLIT_BLOCKS), 1), tl.num_programs(2))
+    if (kv_h == 0) & (split == 0):
+        tl.store(PartialSplits + rows, num_splits, mask=mask_g)
+    if split < num_splits:
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each row's scores
+        l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        per_split = tl.cdiv(blocks, num_splits)
+        start = first_block + split * per_split
+        for j in range(start, tl.minimum(start + per_split, end_block)):
+            offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+            cached = (offs_n >= lo) & (offs_n < prefix)
+            slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=cached, other=0)
+            k, v = _load_kv_block(
+                K, V, slots.to(tl.int64), cached, kv_h, offs_d, mask_d, stride_kt, stride_kh,
+                stride_vt, stride_vh,
+            )  # fmt: skip
+            visible = cached[None, :] & (offs_n[None, :] >= row_lo[:, None])
+            m, l_sum, acc = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
+        if split == num_splits - 1:  # the tree's n keys: visible by the mask's row
+            offs_t = tl.arange(0, BLOCK_T)
+            mask_t = offs_t < num_nodes
+            tree_rows = b * num_nodes + offs_t
+            slots = tl.load(OutCacheLoc + tree_rows, mask=mask_t, other=0).to(tl.int64)
+            k_pos = tl.load(Positions + tree_rows, mask=mask_t, other=0).to(tl.int32)
+            k, v = _load_kv_block(
+                K, V, slots, mask_t, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt,
+                stride_vh,
+            )  # fmt: skip
+            marked = tl.load(
+                TreeMask + b * stride_mb + node[:, None] * stride_mi + offs_t[None, :],
+                mask=mask_g[:, None] & mask_t[None, :],
+                other=0,
+            )  # (BLOCK_G, BLOCK_T)
+            visible = (marked != 0) & (k_pos[None, :] >= row_lo[:, None])
+            m, l_sum, acc = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
+        _store_partial(
+            PartialOut, PartialLse, rows, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
+            stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
+        )  # fmt: skip
+
+
+def split_blocks(block_d: int) -> int:
+    """A split's fewest prefix blocks: one up to head_dim 256 (more splits fill the GPU at
+    small batches: 11.8 against 13.6 us at one request), two at 512, whose partials cost
+    twice as much to write and combine (26 against 36 us at 8 requests)."""
+    return SPLIT_BLOCKS or max(1, block_d // 256)
+
+
+def program_nodes(group: int, num_nodes: int, block_d: int) -> tuple[int, int]:
+    """(tree nodes a program serves, BLOCK_G) for KV groups of ``group`` query heads,
+    trees of ``num_nodes`` and head_dim padded to ``block_d``: as many nodes as fit in
+    ``MAX_TILE`` accumulators, one at least."""
+    nodes = max(1, min(num_nodes, MAX_TILE // block_d // group))
+    return nodes, max(triton.next_power_of_2(nodes * group), MIN_DOT)
+
+
+def onepass_verify_attention(
+    q: torch.Tensor,  # (B*n, H, D), any float dtype
+    k_buffer: torch.Tensor,  # (num_slots + 1, Hkv, D)
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,  # (max_reqs + 1, max_ctx) int64
+    req_pool_indices: torch.Tensor,  # (B,) int64
+    seq_lens: torch.Tensor,  # (B,) int32: prefix + n
+    positions: torch.Tensor,  # (B*n,) int64
+    out_cache_loc: torch.Tensor,  # (B*n,) int64, the nodes' K/V already stored there
+    tree_mask: torch.Tensor,  # (B, n, n) bool: node j is node i or its ancestor
+    out: torch.Tensor,  # (B*n, H, D), written, q's dtype
+    partial_out: torch.Tensor,  # (>= B*n, H, S, D) float32 scratch
+    partial_lse: torch.Tensor,  # (>= B*n, H, S) float32 scratch
+    partial_splits: torch.Tensor,  # (>= B*n,) int32 scratch
+    sm_scale: float,
+    sliding_window: int | None = None,
+    block_n: int | None = None,  # prefix keys a loop step (>= 16); None: decode's default
+    programs: int | None = None,  # programs along the splits (<= S); None: TARGET_PROGRAMS'
+) -> torch.Tensor:
+    """Each tree node's attention over its prefix and its tree ancestors; returns ``out``.
+    The scratch's third dimension S bounds a request's splits. Shapes are checked on the
+    host only (no device sync), so this may be captured."""
+    bs, num_nodes = tree_mask.shape[:2]
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    max_splits = partial_out.shape[2]
+    check_tree_inputs(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, positions,
+        out_cache_loc, tree_mask, out, partial_out, partial_lse, partial_splits,
+    )  # fmt: skip
+    if num_rows == 0:
+        return out
+
+    block_d = max(triton.next_power_of_2(head_dim), MIN_DOT)
+    block_n, window = block_and_window(head_dim, k_buffer, block_n, sliding_window)
+    group = num_heads // num_kv_heads
+    nodes, block_g = program_nodes(group, num_nodes, block_d)
+    node_programs = bs * triton.cdiv(num_nodes, nodes)
+    if programs is None:
+        wanted = triton.cdiv(TARGET_PROGRAMS, node_programs * num_kv_heads)
+        programs = triton.next_power_of_2(wanted)
+    programs = max(1, min(programs, max_splits))
+
+    _onepass_partial_kernel[(node_programs, num_kv_heads, programs)](
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        positions,
+        out_cache_loc,
+        tree_mask.view(torch.uint8),  # same bytes; sidesteps Triton's 1-bit pointers
+        partial_out,
+        partial_lse,
+        partial_splits,
+        float(sm_scale),
+        window,
+        num_nodes,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        req_to_token.stride(0),
+        tree_mask.stride(0),
+        tree_mask.stride(1),
+        partial_out.stride(0),
+        partial_out.stride(1),
+        partial_out.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
+        KV_GROUP=group,
+        NODES=nodes,
+        BLOCK_G=block_g,
+        SPLIT_BLOCKS=split_blocks(block_d),
+        BLOCK_N=block_n,
+        BLOCK_T=max(triton.next_power_of_2(num_nodes), MIN_DOT),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        DOT_PRECISION=dot_precision(k_buffer.dtype),
+        num_warps=8 if block_g * block_d >= MAX_TILE else 4,
+        num_stages=2,
+    )
+    # Every row's splits are its own count (one at least): the combine's short rows are
+    # rows of one split, the rest in chunks.
+    return combine_splits(partial_out, partial_lse, partial_splits, out, short_splits=1)

@@ -1,0 +1,179 @@
+"""The one-pass tree verify kernel (devices/cuda/triton_verify_onepass.py, verify's
+default attention) against naive float64 softmax attention and the masked-SDPA
+reference of test_triton_verify, on the same random trees over scattered pools.
+
+CPU lane: the kernels under Triton's interpreter, in a subprocess (see test_triton_verify),
+with several nodes a program and one, one program along the splits and several, the
+split count a request takes checked against its prefix. CUDA lane: real sizes in float32
+and bfloat16 (Gemma 4's head_dim 256 and 512, 8 query heads on one KV head) and long
+prefixes on a 128-split scratch; a CUDA graph replay against eager is test_triton_verify's,
+for both kernels.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import OLD_INTERPRETER, needs_gpu, needs_triton, rel_err, run_under_triton_interpreter
+from test_triton_verify import (
+    CPU_PREFIX_LENS,
+    CUDA_PREFIX_LENS,
+    CUDA_SHAPES,
+    CUDA_TOLERANCES,
+    INTERPRETER_CASES,
+    VerifyInputs,
+    make_inputs,
+    naive_verify,
+    sdpa_verify,
+)
+
+
+def run_onepass(
+    inp: VerifyInputs,
+    num_kv_splits: int = 16,
+    block_n: int | None = None,
+    programs: int | None = None,
+    q: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[int]]:
+    """The kernel into a NaN-filled ``out`` (NaN scratch too: the combine must read only
+    what stage 1 wrote) -> (out, each row's split count)."""
+    from graphrt.devices.cuda.triton_decode import allocate_decode_scratch
+    from graphrt.devices.cuda.triton_verify_onepass import onepass_verify_attention
+
+    q = inp.q if q is None else q
+    rows, num_heads, head_dim = q.shape
+    scratch = allocate_decode_scratch(rows + 3, num_heads, head_dim, q.device, num_kv_splits)
+    scratch[0].fill_(float("nan"))
+    scratch[1].fill_(float("nan"))
+    out = torch.full_like(inp.q, float("nan"))
+    result = onepass_verify_attention(
+        q, *inp.tensors()[1:], out, *scratch, inp.sm_scale, inp.window, block_n=block_n,
+        programs=programs,
+    )  # fmt: skip
+    assert result is out
+    return out, scratch[2][:rows].tolist()
+
+
+def expected_splits(inp: VerifyInputs, block_n: int, programs: int, split_blocks: int) -> list:
+    """Each row's split count as the kernel derives it from its request's prefix (the
+    blocks from the first any of the request's rows sees), one per row."""
+    n, window = inp.num_nodes, inp.window or 0
+    out = []
+    for b, prefix in enumerate(inp.prefix_lens):
+        q_pos = inp.positions[b * n : (b + 1) * n].tolist()
+        lo = min(max(p + 1 - window, 0) if window else 0 for p in q_pos)
+        blocks = max(-(-prefix // block_n) - min(lo, prefix) // block_n, 0)
+        out += [min(max(-(-blocks // split_blocks), 1), programs)] * n
+    return out
+
+
+# ---- CPU lane: under Triton's interpreter ---------------------------------------------
+
+
+def interpreter_results() -> dict:
+    """Runs in a TRITON_INTERPRET=1 subprocess: test_triton_verify's cases (head dims 16,
+    24, 64; KV groups 1, 2, 8; trees of 1 to 7 nodes; windows shorter than the tree,
+    within it and longer; positions by depth or gapped), each with the default programs
+    and with 1 and 3 along the splits; at MAX_TILE small enough that a program serves
+    one or two nodes, and large enough for every node of a request."""
+    from graphrt.devices.cuda import triton_verify_onepass as onepass
+
+    errors, flags = {}, {}
+    for i, case in enumerate(INTERPRETER_CASES):
+        head_dim, num_heads, num_kv_heads, n, window, gapped, chain, splits, block_n = case
+        name = f"D{head_dim}-G{num_heads // num_kv_heads}-n{n}-window{window}-gapped{gapped}"
+        inp = make_inputs(
+            CPU_PREFIX_LENS, n, num_heads, num_kv_heads, head_dim, torch.float32, "cpu",
+            seed=i, window=window, gapped=gapped, chain=chain,
+        )  # fmt: skip
+        q = inp.q
+        if i == 0:  # q with a row stride wider than H * D, as a slice of a fused projection
+            wide = torch.zeros(q.shape[0], num_heads, head_dim + 8)
+            wide[:, :, :head_dim] = q
+            q = wide[:, :, :head_dim]
+        naive = naive_verify(inp)
+        errors[f"{name}/sdpa_vs_naive"] = rel_err(sdpa_verify(inp), naive)
+        # Tiles of one node a program, two, or every node of a request.
+        block_d = max(16, 1 << (head_dim - 1).bit_length())
+        group = num_heads // num_kv_heads
+        onepass.MAX_TILE = block_d * group * (1, 2, n)[i % 3]
+        block = block_n or 16
+        for programs in (1, 3):
+            out, row_splits = run_onepass(inp, splits + 2, block, programs, q)
+            errors[f"{name}/P{programs}/vs_naive"] = rel_err(out, naive)
+            flags[f"{name}/P{programs}/written"] = bool(torch.isfinite(out).all())
+            want = expected_splits(inp, block, programs, onepass.split_blocks(block_d))
+            flags[f"{name}/P{programs}/splits"] = row_splits == want
+
+    # A padding request as a graph batch may hold one: request row 0, a seq_len short
+    # of n, slot 0 everywhere and no tree key visible. Its rows come out zeros.
+    inp = make_inputs([5, 0], 3, 2, 1, 16, torch.float32, "cpu", seed=9)
+    inp.req_pool_indices[1], inp.seq_lens[1] = 0, 1
+    inp.out_cache_loc[3:], inp.tree_mask[1] = 0, False
+    out, _ = run_onepass(inp, 3, 16)
+    errors["padding/vs_naive"] = rel_err(out, naive_verify(inp))
+    flags["padding/zeros"] = torch.equal(out[3:], torch.zeros_like(out[3:]))
+    return {"errors": errors, "flags": flags}
+
+
+@needs_triton
+@pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
+def test_onepass_kernel_under_interpreter_matches_naive():
+    results = run_under_triton_interpreter(__file__)
+    # Per case: the references' error, then per programs (1, 3) an error and 2 flags;
+    # then the padding request's error and flag.
+    assert len(results["errors"]) == 3 * len(INTERPRETER_CASES) + 1
+    assert len(results["flags"]) == 4 * len(INTERPRETER_CASES) + 1
+    too_far = {name: err for name, err in results["errors"].items() if not err <= 1e-5}
+    assert not too_far, too_far
+    failed = [name for name, ok in results["flags"].items() if not ok]
+    assert not failed, failed
+
+
+# ---- CUDA lane -----------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
+@pytest.mark.parametrize("window", [None, 512])
+@pytest.mark.parametrize("num_nodes", [5, 13])
+@pytest.mark.parametrize("shape", CUDA_SHAPES, ids=lambda s: f"D{s[0]}-G{s[1] // s[2]}")
+@pytest.mark.parametrize("dtype", list(CUDA_TOLERANCES), ids=str)
+def test_cuda_onepass_matches_naive(dtype, shape, num_nodes, window):
+    head_dim, num_heads, num_kv_heads = shape
+    inp = make_inputs(
+        CUDA_PREFIX_LENS, num_nodes, num_heads, num_kv_heads, head_dim, dtype, "cuda",
+        seed=head_dim + num_nodes, window=window, gapped=num_nodes == 13,
+    )  # fmt: skip
+    out, _ = run_onepass(inp)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel_err(out.cpu(), naive_verify(inp)) < CUDA_TOLERANCES[dtype]
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
+def test_cuda_onepass_long_prefixes_take_their_splits():
+    """Prefixes of 8,190 and 20,000 tokens on a scratch of 128 splits (a 32k context's),
+    bfloat16, Gemma 4's 8 heads on one KV head: each request's split count is its own
+    prefix's (capped by the launch's programs), and the rows match naive attention."""
+    from graphrt.devices.cuda import triton_verify_onepass as onepass
+    from graphrt.devices.cuda.triton_decode import max_kv_splits
+
+    inp = make_inputs([8190, 20000], 5, 8, 1, 256, torch.bfloat16, "cuda", seed=5, chain=True)
+    for programs in (None, 4):
+        out, splits = run_onepass(inp, max_kv_splits(32768), programs=programs)
+        assert rel_err(out.cpu(), naive_verify(inp)) < CUDA_TOLERANCES[torch.bfloat16]
+        # Default: TARGET_PROGRAMS over 2 requests' programs (a whole chain each), capped
+        # at the scratch's 128.
+        launched = programs or min(onepass.TARGET_PROGRAMS // 2, 128)
+        assert splits == expected_splits(inp, 32, launched, onepass.split_blocks(256))
+
+
+if __name__ == "__main__":
+    # The CPU lane's subprocess (TRITON_INTERPRET=1 is already in its environment).
+    torch.manual_seed(0)
+    print(json.dumps(interpreter_results()))
