@@ -6,11 +6,11 @@ width-invariant kernel (triton_verify) with one node a program and with nodes pa
 two a program (``triton_verify.PACK_MIN_PROGRAMS`` decides between them by batch),
 each output compared bit for bit with decode's rows for the same tokens; then the
 one-pass kernel (triton_verify_onepass, the default) at each ``--onepass`` setting
-(TARGET_PROGRAMS/MAX_TILE/SPLIT_BLOCKS, 0 blocks: by head_dim), its largest relative
+(TARGET_PROGRAMS/MAX_TILE/SPLIT_KEYS, 0: the module's own), its largest relative
 error against the width-invariant output beside it.
 
 Run on the device: python bench/attention_layer.py [--batch-sizes 1,2,4,...]
-[--onepass 256/16384/0,512/16384/2,...]
+[--onepass 0/0/0,256/16384/64,...]
 """
 
 from __future__ import annotations
@@ -79,10 +79,11 @@ def layer_us(
         qv, k, v, table, reqs.repeat_interleave(NODES), node_lens, want, *scratch, scale
     )
     onepass_results = []
-    for target, tile, split_blocks in onepass:
-        module = triton_verify_onepass
-        module.TARGET_PROGRAMS, module.MAX_TILE = target, tile
-        module.SPLIT_BLOCKS = split_blocks or None
+    module = triton_verify_onepass
+    defaults = module.TARGET_PROGRAMS, module.MAX_TILE, module.SPLIT_KEYS
+    for setting in onepass:
+        chosen = [value or default for value, default in zip(setting, defaults)]
+        module.TARGET_PROGRAMS, module.MAX_TILE, module.SPLIT_KEYS = chosen
         fast = torch.empty_like(qv)
 
         def verify_onepass(fast: torch.Tensor = fast) -> None:
@@ -95,6 +96,7 @@ def layer_us(
         verify_onepass()
         err = ((fast.float() - outv.float()).abs().max() / outv.float().abs().max()).item()
         onepass_results.append((us, err))
+    module.TARGET_PROGRAMS, module.MAX_TILE, module.SPLIT_KEYS = defaults
     return times[0], times[1], torch.equal(outv, want), onepass_results
 
 
@@ -103,8 +105,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,64", help="comma list (default: 1,64)")
     parser.add_argument(
         "--onepass",
-        default="256/16384/0",
-        help="one-pass settings TARGET_PROGRAMS/MAX_TILE/SPLIT_BLOCKS, comma list",
+        default="0/0/0",
+        help="one-pass settings TARGET_PROGRAMS/MAX_TILE/SPLIT_KEYS (0: the module's), comma list",
     )
     args = parser.parse_args()
     sizes = [int(s) for s in args.batch_sizes.split(",")]

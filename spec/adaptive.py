@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import operator
 import statistics
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 
@@ -47,10 +47,13 @@ TRUSTED_SAMPLES = 4  # a length measured fewer times takes the fitted line's tim
 REQUEST_WEIGHT = 0.1  # each engine step fades a request's own evidence by this share
 ENGINE_WEIGHT = 0.02  # and the engine-wide evidence by this one
 # Above this many requests in a step, the engine-wide rates stand for each request: per-
-# request estimates in Python cost about 6 us a request a round step (0.4 ms at batch 64,
-# 3% of a gemma4-e2b round), and over many requests the sum of their expectations is
-# close to the batch times the engine's.
-PER_REQUEST_MAX = 16
+# request estimates in Python cost about 8 us a request a round step (recorded, and
+# weighed every REDECIDE steps; 2-core CPU host, in an engine, whose forwards leave
+# Python's working set cold), and over many requests the sum of their expectations is
+# close to the batch times the engine's. At 16 the embedded pair's auto steps at batch 8
+# spent 60 us choosing and 65 recording (step times 0.4-0.9 ms on an H200), which kept
+# auto under plain decoding there (BENCHMARKS.md, stop 44).
+PER_REQUEST_MAX = 4
 REDECIDE = 4  # steps between two weighings of the same batch
 FIRST_EXPLORE = 16  # steps before the runner-up runs again, doubling up to
 MAX_EXPLORE = 64
@@ -131,18 +134,29 @@ class Acceptance:
         """Rounds of ``num_steps`` at engine step ``step`` (one per request of a step)
         that accepted ``accepted[j]`` drafts: positions up to that count were accepted,
         the next one (if drafted) rejected."""
+        hits, seen = self.hits, self.seen
         if step > self.clock:
             keep = (1.0 - self.weight) ** (step - self.clock)
-            self.hits = [h * keep for h in self.hits]
-            self.seen = [n * keep for n in self.seen]
+            hits = self.hits = [h * keep for h in hits]
+            seen = self.seen = [n * keep for n in seen]
             self.clock = step
-        by_count = Counter(accepted)  # O(rounds + positions), not their product
-        reached = len(accepted)  # rounds that reached position i (0-based), walking down
-        for i in range(num_steps):
-            passed = reached - by_count.get(i, 0)  # accepted position i
-            self.seen[i] += reached
-            self.hits[i] += passed
-            reached = passed
+        if len(accepted) == 1:  # one request's round (every step's, per request, at <= 16)
+            (count,) = accepted
+            for i in range(min(count + 1, num_steps)):  # reached position i; accepted it?
+                seen[i] += 1.0
+                hits[i] += i < count
+        else:
+            # Rounds by accepted count: O(rounds + positions), not their product. (A list,
+            # not a Counter: this runs every round step, at 9 records a step at batch 8.)
+            by_count = [0] * (num_steps + 1)
+            for count in accepted:
+                by_count[count] += 1
+            reached = len(accepted)  # rounds that reached position i, walking down
+            for i in range(num_steps):
+                passed = reached - by_count[i]  # accepted position i
+                seen[i] += reached
+                hits[i] += passed
+                reached = passed
         self.version += 1
 
     def rates(self) -> tuple[float, ...]:

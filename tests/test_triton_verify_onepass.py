@@ -56,17 +56,30 @@ def run_onepass(
     return out, scratch[2][:rows].tolist()
 
 
-def expected_splits(inp: VerifyInputs, block_n: int, programs: int, split_blocks: int) -> list:
-    """Each row's split count as the kernel derives it from its request's prefix (the
-    blocks from the first any of the request's rows sees), one per row."""
+def expected_splits(inp: VerifyInputs, block_n: int, max_splits: int, split_blocks: int) -> list:
+    """Each row's split count as the kernel derives it from its request's prefix alone
+    (the blocks from the first any of the request's rows sees), one per row."""
     n, window = inp.num_nodes, inp.window or 0
     out = []
     for b, prefix in enumerate(inp.prefix_lens):
         q_pos = inp.positions[b * n : (b + 1) * n].tolist()
         lo = min(max(p + 1 - window, 0) if window else 0 for p in q_pos)
         blocks = max(-(-prefix // block_n) - min(lo, prefix) // block_n, 0)
-        out += [min(max(-(-blocks // split_blocks), 1), programs)] * n
+        out += [min(max(-(-blocks // split_blocks), 1), max_splits)] * n
     return out
+
+
+def one_request(inp: VerifyInputs, b: int) -> VerifyInputs:
+    """Request ``b`` of ``inp`` as a batch of its own (same pool, same table)."""
+    n = inp.num_nodes
+    rows = slice(b * n, (b + 1) * n)
+    return VerifyInputs(
+        q=inp.q[rows], k_buffer=inp.k_buffer, v_buffer=inp.v_buffer,
+        req_to_token=inp.req_to_token, req_pool_indices=inp.req_pool_indices[b : b + 1],
+        seq_lens=inp.seq_lens[b : b + 1], positions=inp.positions[rows],
+        out_cache_loc=inp.out_cache_loc[rows], tree_mask=inp.tree_mask[b : b + 1],
+        prefix_lens=inp.prefix_lens[b : b + 1], window=inp.window, sm_scale=inp.sm_scale,
+    )  # fmt: skip
 
 
 # ---- CPU lane: under Triton's interpreter ---------------------------------------------
@@ -75,9 +88,10 @@ def expected_splits(inp: VerifyInputs, block_n: int, programs: int, split_blocks
 def interpreter_results() -> dict:
     """Runs in a TRITON_INTERPRET=1 subprocess: test_triton_verify's cases (head dims 16,
     24, 64; KV groups 1, 2, 8; trees of 1 to 7 nodes; windows shorter than the tree,
-    within it and longer; positions by depth or gapped), each with the default programs
-    and with 1 and 3 along the splits; at MAX_TILE small enough that a program serves
-    one or two nodes, and large enough for every node of a request."""
+    within it and longer; positions by depth or gapped), with 1 and 3 programs along the
+    splits (the same bits), splits of one and of two blocks, and MAX_TILE small enough
+    that a program serves one or two nodes, or large enough for a request's every node;
+    the longest request alone gives its rows in the batch bit for bit."""
     from graphrt.devices.cuda import triton_verify_onepass as onepass
 
     errors, flags = {}, {}
@@ -100,12 +114,20 @@ def interpreter_results() -> dict:
         group = num_heads // num_kv_heads
         onepass.MAX_TILE = block_d * group * (1, 2, n)[i % 3]
         block = block_n or 16
+        split_blocks = 1 + i % 2
+        onepass.SPLIT_KEYS = split_blocks * block
+        outs = []
         for programs in (1, 3):
             out, row_splits = run_onepass(inp, splits + 2, block, programs, q)
+            outs.append(out)
             errors[f"{name}/P{programs}/vs_naive"] = rel_err(out, naive)
             flags[f"{name}/P{programs}/written"] = bool(torch.isfinite(out).all())
-            want = expected_splits(inp, block, programs, onepass.split_blocks(block_d))
+            want = expected_splits(inp, block, splits + 2, split_blocks)
             flags[f"{name}/P{programs}/splits"] = row_splits == want
+        flags[f"{name}/programs_change_no_bit"] = torch.equal(outs[0], outs[1])
+        last = len(CPU_PREFIX_LENS) - 1  # the longest prefix: the most splits
+        alone, _ = run_onepass(one_request(inp, last), splits + 2, block)
+        flags[f"{name}/alone_equals_batch"] = torch.equal(alone, outs[1][last * n :])
 
     # A padding request as a graph batch may hold one: request row 0, a seq_len short
     # of n, slot 0 everywhere and no tree key visible. Its rows come out zeros.
@@ -122,10 +144,10 @@ def interpreter_results() -> dict:
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_onepass_kernel_under_interpreter_matches_naive():
     results = run_under_triton_interpreter(__file__)
-    # Per case: the references' error, then per programs (1, 3) an error and 2 flags;
-    # then the padding request's error and flag.
+    # Per case: the references' error, then per programs (1, 3) an error and 2 flags, and
+    # 2 flags of bits; then the padding request's error and flag.
     assert len(results["errors"]) == 3 * len(INTERPRETER_CASES) + 1
-    assert len(results["flags"]) == 4 * len(INTERPRETER_CASES) + 1
+    assert len(results["flags"]) == 6 * len(INTERPRETER_CASES) + 1
     too_far = {name: err for name, err in results["errors"].items() if not err <= 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]
@@ -159,18 +181,19 @@ def test_cuda_onepass_matches_naive(dtype, shape, num_nodes, window):
 def test_cuda_onepass_long_prefixes_take_their_splits():
     """Prefixes of 8,190 and 20,000 tokens on a scratch of 128 splits (a 32k context's),
     bfloat16, Gemma 4's 8 heads on one KV head: each request's split count is its own
-    prefix's (capped by the launch's programs), and the rows match naive attention."""
+    prefix's (capped by the scratch), the same bits with 4 programs along the splits as
+    with the default, and the rows match naive attention."""
     from graphrt.devices.cuda import triton_verify_onepass as onepass
     from graphrt.devices.cuda.triton_decode import max_kv_splits
 
     inp = make_inputs([8190, 20000], 5, 8, 1, 256, torch.bfloat16, "cuda", seed=5, chain=True)
+    outs = []
     for programs in (None, 4):
         out, splits = run_onepass(inp, max_kv_splits(32768), programs=programs)
         assert rel_err(out.cpu(), naive_verify(inp)) < CUDA_TOLERANCES[torch.bfloat16]
-        # Default: TARGET_PROGRAMS over 2 requests' programs (a whole chain each), capped
-        # at the scratch's 128.
-        launched = programs or min(onepass.TARGET_PROGRAMS // 2, 128)
-        assert splits == expected_splits(inp, 32, launched, onepass.split_blocks(256))
+        assert splits == expected_splits(inp, 32, 128, onepass.SPLIT_KEYS // 32)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 if __name__ == "__main__":

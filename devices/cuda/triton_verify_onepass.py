@@ -15,20 +15,20 @@ tree (H200, bench/attention_layer.py: 111 us a layer against decode's 18 at 64 r
 
 Here a program serves up to NODES tree nodes of one request (their G heads each:
 ``BLOCK_G`` = NODES x G rows, up to ``MAX_TILE`` float32 accumulators, so one program
-takes a whole 5-node chain of Gemma 4's 8 heads at head_dim 256 and four of them at
-512), walks its share of the prefix once for all of them, and the tree's n keys as one
-more block whose visibility per row is the tree mask. A request's prefix is cut into
-contiguous splits of at least ``split_blocks`` blocks, as many as the launch's programs
-along the splits allow (chosen from the batch's shape: enough programs to fill the
-GPU, ``TARGET_PROGRAMS``); the tree block goes to the last split. Each split's partial
-and log-sum-exp go to decode's scratch and decode's combine (triton_decode.py) merges
-them, one row's count in ``partial_splits``.
+takes a whole 5-node chain of Gemma 4's 8 heads at head_dim 256 and 512), walks its
+share of the prefix once for all of them, and the tree's n keys as one more block whose
+visibility per row is the tree mask. A request's prefix is cut into contiguous splits of
+``SPLIT_KEYS`` keys (at most the scratch's split count), the tree block in the last;
+programs along the splits (enough to fill the GPU, ``TARGET_PROGRAMS``) share them out.
+Each split's partial and log-sum-exp go to decode's scratch, and decode's combine
+(triton_decode.py) merges them, a row's count in ``partial_splits``.
 
 Capture-safe: the launches read only device tensors and host shapes, never sync,
 allocate nothing, and their grids depend on B, n, the head counts and the scratch's
-shape alone; a request's split count comes from its own prefix on the device. So an
-eager run and a graph replay of the same inputs are bitwise equal, and a request's
-output does not depend on its neighbours (only on the launch's shape).
+shape alone. A request's splits come from its own prefix on the device, and the
+programs along them change no row's arithmetic: an eager run and a graph replay of the
+same inputs are bitwise equal, and so are a request's rows in a padded graph batch and
+in its eager twin (any batch around it).
 """
 
 from __future__ import annotations
@@ -48,20 +48,24 @@ from graphrt.devices.cuda.triton_decode import (
 from graphrt.devices.cuda.triton_verify import block_and_window, check_tree_inputs
 
 # Measured on the H200 (bench/attention_layer.py: Gemma 4's 8 heads on one KV head,
-# prefix 512, 5-node chains, one layer; 2026-12-04), us at 1 / 8 / 64 requests, head_dim
-# 256: 11.8-13.6 / 12.2-14.0 / 42-78 against the width-invariant kernel's 12.8 / 21.3 /
-# 133 and decode's 8.7 / 9.2 / 23.6; head_dim 512: 15.9-21.5 / 26-36 / 135-174 against
-# 18.5 / 43.8 / 270 and decode's 11.9 / 12.5 / 49.3. The settings below were the best.
+# prefix 512, 5-node chains, one layer; 2026-12-04), these settings: us at 1 / 8 / 64
+# requests, head_dim 256: 11.4 / 12.4 / 33.3 against the width-invariant kernel's 12.8 /
+# 21.4 / 132.6 and decode's 8.6 / 9.1 / 23.6; head_dim 512: 18.6 / 21.2 / 63.7 against
+# 18.5 / 43.9 / 269.4 and decode's 11.8 / 12.5 / 49.2.
 #
-# The most float32 accumulators (rows x padded head_dim) a program holds: 64 rows at
-# head_dim 256 (a 5-node chain of 8 heads in one program), 32 at 512.
-MAX_TILE = 16384
-# Programs a launch aims at (requests x node groups x KV heads x splits); an H200 has
-# 132 SMs. More split 64 requests' 512-key prefixes finer than pays: at 1,024, 77 us a
-# layer against 42 at 256 (head_dim 256), the partials' traffic growing with the splits.
+# The most float32 accumulators (rows x padded head_dim) a program holds: 128 rows at
+# head_dim 256, 64 at 512: a 5-node chain of 8 heads in one program either way. Half
+# that (32 rows at 512: two programs a chain, the prefix read twice) took 134 us at 64
+# requests against 63.7. A program at the limit runs 8 warps, under it 4.
+MAX_TILE = 32768
+# Prefix keys a split: 4 splits for a 512-token prefix. Splitting 64 requests' 512-token
+# prefixes 16 ways took 77 us a layer against 42 four ways (head_dim 256, an earlier
+# MAX_TILE): the partials' traffic grows with the splits. A request's splits follow its
+# own prefix, never the batch (a padded graph batch must give its eager twin's bits).
+SPLIT_KEYS = 128
+# Programs a launch aims at along the splits (requests x node groups x KV heads x
+# programs; an H200 has 132 SMs): they only share out a request's splits.
 TARGET_PROGRAMS = 256
-# A split's fewest prefix blocks (None: by head_dim, ``split_blocks``).
-SPLIT_BLOCKS: int | None = None
 
 
 @triton.jit
@@ -81,6 +85,7 @@ def _onepass_partial_kernel(
     sm_scale,
     window,  # 0 = no sliding window
     num_nodes,  # n
+    max_splits,  # S: the scratch's splits
     stride_qt,
     stride_qh,
     stride_kt,
@@ -98,7 +103,7 @@ def _onepass_partial_kernel(
     KV_GROUP: tl.constexpr,  # query heads per KV head
     NODES: tl.constexpr,  # tree nodes a program serves
     BLOCK_G: tl.constexpr,  # NODES * KV_GROUP padded to a power of two >= MIN_DOT
-    SPLIT_BLOCKS: tl.constexpr,
+    SPLIT_BLOCKS: tl.constexpr,  # prefix blocks a split
     BLOCK_N: tl.constexpr,  # prefix keys a loop step
     BLOCK_T: tl.constexpr,  # n padded to a power of two >= MIN_DOT
     HEAD_DIM: tl.constexpr,
@@ -109,7 +114,6 @@ def _onepass_partial_kernel(
     b = tl.program_id(0) // groups
     first_node = (tl.program_id(0) % groups) * NODES
     kv_h = tl.program_id(1)
-    split = tl.program_id(2)
 
     req = tl.load(ReqPoolIndices + b).to(tl.int64)
     # Padding rows may carry seq_len < n: their prefix is empty, not negative.
@@ -136,19 +140,22 @@ def _onepass_partial_kernel(
     row_lo = tl.where(window > 0, tl.maximum(q_pos + 1 - window, 0), 0)
     lo = tl.min(tl.where(mask_g, row_lo, 2147483647), 0)  # no row sees a key before it
 
-    # The request's splits: contiguous runs of at least SPLIT_BLOCKS prefix blocks, at
-    # most the launch's programs along the splits, one at least (it takes the tree).
+    # The request's splits: contiguous runs of SPLIT_BLOCKS prefix blocks (the last may
+    # be shorter), one at least (it takes the tree), at most the scratch's. They depend on
+    # the request's own prefix alone: a padded graph batch and its eager twin, or any
+    # programs along the splits, give a request the same bits.
     first_block = tl.minimum(lo, prefix) // BLOCK_N
     end_block = tl.cdiv(prefix, BLOCK_N)
     blocks = tl.maximum(end_block - first_block, 0)
-    num_splits = tl.minimum(tl.maximum(tl.cdiv(blocks, SPLIT_BLOCKS), 1), tl.num_programs(2))
-    if (kv_h == 0) & (split == 0):
+    num_splits = tl.minimum(tl.maximum(tl.cdiv(blocks, SPLIT_BLOCKS), 1), max_splits)
+    per_split = tl.cdiv(blocks, num_splits)
+    if (kv_h == 0) & (tl.program_id(2) == 0):
         tl.store(PartialSplits + rows, num_splits, mask=mask_g)
-    if split < num_splits:
+    # Splits p, p + P, ... of the request: each its own partial, whatever P is.
+    for split in range(tl.program_id(2), num_splits, tl.num_programs(2)):
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each row's scores
         l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        per_split = tl.cdiv(blocks, num_splits)
         start = first_block + split * per_split
         for j in range(start, tl.minimum(start + per_split, end_block)):
             offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -181,13 +188,6 @@ def _onepass_partial_kernel(
             PartialOut, PartialLse, rows, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
             stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
         )  # fmt: skip
-
-
-def split_blocks(block_d: int) -> int:
-    """A split's fewest prefix blocks: one up to head_dim 256 (more splits fill the GPU at
-    small batches: 11.8 against 13.6 us at one request), two at 512, whose partials cost
-    twice as much to write and combine (26 against 36 us at 8 requests)."""
-    return SPLIT_BLOCKS or max(1, block_d // 256)
 
 
 def program_nodes(group: int, num_nodes: int, block_d: int) -> tuple[int, int]:
@@ -257,6 +257,7 @@ def onepass_verify_attention(
         float(sm_scale),
         window,
         num_nodes,
+        max_splits,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -274,7 +275,7 @@ def onepass_verify_attention(
         KV_GROUP=group,
         NODES=nodes,
         BLOCK_G=block_g,
-        SPLIT_BLOCKS=split_blocks(block_d),
+        SPLIT_BLOCKS=max(1, SPLIT_KEYS // block_n),
         BLOCK_N=block_n,
         BLOCK_T=max(triton.next_power_of_2(num_nodes), MIN_DOT),
         HEAD_DIM=head_dim,
@@ -283,6 +284,7 @@ def onepass_verify_attention(
         num_warps=8 if block_g * block_d >= MAX_TILE else 4,
         num_stages=2,
     )
-    # Every row's splits are its own count (one at least): the combine's short rows are
-    # rows of one split, the rest in chunks.
+    # A row has one split at least: the combine takes the first alone, the others in
+    # chunks (a first pass over a fixed count, as decode's 16, would need empty partials
+    # stored up to it, which at 64 requests cost more than they save).
     return combine_splits(partial_out, partial_lse, partial_splits, out, short_splits=1)
