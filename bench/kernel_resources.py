@@ -1,5 +1,5 @@
 """Registers, local-memory stack (spills) and MMA kind of the decode and tree-verify
-attention kernels, compiled for an H200 (sm_90) on any machine: Triton's own compiler
+attention kernels (width-invariant and one pass), compiled for an H200 (sm_90) on any machine: Triton's own compiler
 and ptxas, no GPU needed. A kernel change that makes the attention spill shows here
 before a GPU is at hand.
 
@@ -15,6 +15,7 @@ import tempfile
 
 import triton
 
+from graphrt.devices.cuda import triton_verify_onepass as onepass
 from graphrt.devices.cuda.offline_compile import compile_for_h200
 from graphrt.devices.cuda.triton_decode import (
     _decode_combine_kernel,
@@ -52,6 +53,13 @@ def main() -> None:
             constants = common | {"NODES": nodes, "BLOCK_G": 16, "BLOCK_T": 8}
             line = resources(_verify_partial_kernel, constants, 4)
             print(f"verify D={head_dim}, {nodes} node(s) a program: {line}")
+        # One pass: a 5-node chain a program, 8 warps at the tile limit (as launched) and 4.
+        nodes, block_g = onepass.program_nodes(8, 5, head_dim)
+        constants = dict(KV_GROUP=8, NODES=nodes, BLOCK_G=block_g, SPLIT_BLOCKS=4, BLOCK_N=32,
+                         BLOCK_T=16, HEAD_DIM=head_dim, BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
+        for warps in (4, 8):
+            line = resources(onepass._onepass_partial_kernel, constants, warps)
+            print(f"one pass D={head_dim}, {block_g} rows, {warps} warps: {line}")
 
 
 if __name__ == "__main__":

@@ -154,6 +154,27 @@ def test_onepass_kernel_under_interpreter_matches_naive():
     assert not failed, failed
 
 
+@needs_triton
+@pytest.mark.parametrize("head_dim", [256, 512])
+def test_onepass_kernels_compile_for_sm90(head_dim):
+    """The interpreter runs the kernel without Triton's type checks: here it compiles for
+    an H200 as Gemma 4's layers launch it (8 heads on one KV head, a 5-node chain in one
+    program, 8 warps at the tile limit), with the combine it ends in (one split first)."""
+    from graphrt.devices.cuda import triton_verify_onepass as onepass
+    from graphrt.devices.cuda.offline_compile import compile_for_h200
+    from graphrt.devices.cuda.triton_decode import _decode_combine_kernel, rest_splits
+
+    nodes, block_g = onepass.program_nodes(8, 5, head_dim)
+    assert (nodes, block_g) == (5, 64)
+    stage1 = dict(KV_GROUP=8, NODES=nodes, BLOCK_G=block_g, SPLIT_BLOCKS=4, BLOCK_N=32,
+                  BLOCK_T=16, HEAD_DIM=head_dim, BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
+    warps = 8 if block_g * head_dim >= onepass.MAX_TILE else 4
+    compile_for_h200(onepass._onepass_partial_kernel, stage1, warps)
+    combine = dict(MIN_SPLITS=1, BLOCK_S=1, BLOCK_REST=rest_splits(1, 128, head_dim),
+                   HEAD_DIM=head_dim, BLOCK_D=head_dim, LAUNCH_DEPENDENTS=True)  # fmt: skip
+    compile_for_h200(_decode_combine_kernel, combine, 2)
+
+
 # ---- CUDA lane -----------------------------------------------------------------------
 
 

@@ -117,6 +117,41 @@ def _keep_unseen(visible, step, m, l_sum, acc):
 
 
 @triton.jit
+def _program_queries(
+    Q, ReqPoolIndices, SeqLens, num_nodes, stride_qt, stride_qh, dtype: tl.constexpr,
+    KV_GROUP: tl.constexpr, NODES: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """A verify program's request and rows, grid (B x node groups, KV heads, ...): row g is
+    head g % G of node first_node + g // G. -> (b, req, prefix, first_node, row_node,
+    node (clamped to the tree), mask_g, rows, heads, offs_d, mask_d, q (BLOCK_G, BLOCK_D)
+    in ``dtype``, as decode's ``_load_q_group``; rows past the program's nodes are zero
+    queries, never stored)."""
+    groups = tl.cdiv(num_nodes, NODES)
+    b = tl.program_id(0) // groups
+    first_node = (tl.program_id(0) % groups) * NODES
+    kv_h = tl.program_id(1)
+    req = tl.load(ReqPoolIndices + b).to(tl.int64)
+    # Padding rows may carry seq_len < n: their prefix is empty, not negative.
+    prefix = tl.maximum(tl.load(SeqLens + b).to(tl.int32) - num_nodes, 0)
+    offs_g = tl.arange(0, BLOCK_G)
+    row_node = offs_g // KV_GROUP  # the row's node within the program
+    node = first_node + row_node
+    mask_g = (row_node < NODES) & (node < num_nodes)
+    node = tl.minimum(node, num_nodes - 1)
+    rows = b * num_nodes + node  # (BLOCK_G,) query rows
+    heads = kv_h * KV_GROUP + offs_g % KV_GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(dtype)
+    return b, req, prefix, first_node, row_node, node, mask_g, rows, heads, offs_d, mask_d, q
+
+
+@triton.jit
 def _verify_partial_kernel(
     Q,  # (B*n, H, D)
     K,  # (num_slots + 1, Hkv, D)
@@ -159,29 +194,13 @@ def _verify_partial_kernel(
     BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= MIN_DOT
     DOT_PRECISION: tl.constexpr,
 ):
-    groups = tl.cdiv(num_nodes, NODES)
-    b = tl.program_id(0) // groups
-    first_node = (tl.program_id(0) % groups) * NODES
     kv_h = tl.program_id(1)
-
-    req = tl.load(ReqPoolIndices + b).to(tl.int64)
-    # Padding rows may carry seq_len < n: their prefix is empty, not negative.
-    prefix = tl.maximum(tl.load(SeqLens + b).to(tl.int32) - num_nodes, 0)
-
-    # Row g of the program: head g % G of node first_node + g // G.
-    offs_g = tl.arange(0, BLOCK_G)
-    row_node = offs_g // KV_GROUP  # the row's node within the program
-    node = first_node + row_node
-    mask_g = (row_node < NODES) & (node < num_nodes)
-    rows = b * num_nodes + tl.minimum(node, num_nodes - 1)  # (BLOCK_G,) query rows
-    heads = kv_h * KV_GROUP + offs_g % KV_GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    q = tl.load(
-        Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_g[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(K.dtype.element_ty)  # (BLOCK_G, BLOCK_D), as decode's _load_q_group
+    b, req, prefix, first_node, row_node, _, mask_g, rows, heads, offs_d, mask_d, q = (
+        _program_queries(
+            Q, ReqPoolIndices, SeqLens, num_nodes, stride_qt, stride_qh, K.dtype.element_ty,
+            KV_GROUP, NODES, BLOCK_G, HEAD_DIM, BLOCK_D,
+        )
+    )  # fmt: skip
     # Each row's keys are decode's for its token: positions [lo, q_pos]; the program walks
     # the blocks of the union, which for one row are decode's blocks plus blocks it sees
     # nothing of (its state is kept through them).

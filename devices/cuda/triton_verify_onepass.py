@@ -45,7 +45,11 @@ from graphrt.devices.cuda.triton_decode import (
     combine_splits,
     dot_precision,
 )
-from graphrt.devices.cuda.triton_verify import block_and_window, check_tree_inputs
+from graphrt.devices.cuda.triton_verify import (
+    _program_queries,
+    block_and_window,
+    check_tree_inputs,
+)
 
 # Measured on the H200 (bench/attention_layer.py: Gemma 4's 8 heads on one KV head,
 # prefix 512, 5-node chains, one layer; 2026-12-04), these settings: us at 1 / 8 / 64
@@ -110,31 +114,11 @@ def _onepass_partial_kernel(
     BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= MIN_DOT
     DOT_PRECISION: tl.constexpr,
 ):
-    groups = tl.cdiv(num_nodes, NODES)
-    b = tl.program_id(0) // groups
-    first_node = (tl.program_id(0) % groups) * NODES
     kv_h = tl.program_id(1)
-
-    req = tl.load(ReqPoolIndices + b).to(tl.int64)
-    # Padding rows may carry seq_len < n: their prefix is empty, not negative.
-    prefix = tl.maximum(tl.load(SeqLens + b).to(tl.int32) - num_nodes, 0)
-
-    # Row g of the program: head g % G of node first_node + g // G.
-    offs_g = tl.arange(0, BLOCK_G)
-    row_node = offs_g // KV_GROUP
-    node = first_node + row_node
-    mask_g = (row_node < NODES) & (node < num_nodes)
-    node = tl.minimum(node, num_nodes - 1)
-    rows = b * num_nodes + node  # (BLOCK_G,) query rows
-    heads = kv_h * KV_GROUP + offs_g % KV_GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    # Rows beyond the program's nodes are zero queries, never stored.
-    q = tl.load(
-        Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_g[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(K.dtype.element_ty)  # (BLOCK_G, BLOCK_D): native operands, float32 sums
+    b, req, prefix, _, _, node, mask_g, rows, heads, offs_d, mask_d, q = _program_queries(
+        Q, ReqPoolIndices, SeqLens, num_nodes, stride_qt, stride_qh, K.dtype.element_ty,
+        KV_GROUP, NODES, BLOCK_G, HEAD_DIM, BLOCK_D,
+    )  # fmt: skip
     q_pos = tl.load(Positions + rows, mask=mask_g, other=0).to(tl.int32)
     # Key position k is visible to a row iff k >= row_lo (k > q_pos - window).
     row_lo = tl.where(window > 0, tl.maximum(q_pos + 1 - window, 0), 0)
