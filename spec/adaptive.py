@@ -51,7 +51,7 @@ ENGINE_WEIGHT = 0.02  # and the engine-wide evidence by this one
 # weighed every REDECIDE steps; 2-core CPU host, in an engine, whose forwards leave
 # Python's working set cold), and over many requests the sum of their expectations is
 # close to the batch times the engine's. At 16 the embedded pair's auto steps at batch 8
-# spent 60 us choosing and 65 recording (step times 0.4-0.9 ms on an H200), which kept
+# spent 57 us choosing and 80 recording (step times 0.4-0.9 ms on an H200), which kept
 # auto under plain decoding there (BENCHMARKS.md, stop 44).
 PER_REQUEST_MAX = 4
 REDECIDE = 4  # steps between two weighings of the same batch
@@ -140,14 +140,14 @@ class Acceptance:
             hits = self.hits = [h * keep for h in hits]
             seen = self.seen = [n * keep for n in seen]
             self.clock = step
-        if len(accepted) == 1:  # one request's round (every step's, per request, at <= 16)
+        if len(accepted) == 1:  # one request's round (each step's, per request, at <= 4)
             (count,) = accepted
             for i in range(min(count + 1, num_steps)):  # reached position i; accepted it?
                 seen[i] += 1.0
                 hits[i] += i < count
         else:
             # Rounds by accepted count: O(rounds + positions), not their product. (A list,
-            # not a Counter: this runs every round step, at 9 records a step at batch 8.)
+            # not a Counter: this runs every round step.)
             by_count = [0] * (num_steps + 1)
             for count in accepted:
                 by_count[count] += 1

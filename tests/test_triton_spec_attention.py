@@ -142,6 +142,25 @@ def test_triton_backend_matches_reference_in_speculative_modes_under_interpreter
     assert not too_far, too_far
 
 
+@needs_triton
+def test_the_layers_width_invariance_picks_the_verify_kernel(monkeypatch):
+    """TARGET_VERIFY runs the one-pass kernel, or decode's schedule (triton_verify) for
+    layers whose model asks width invariance (``--batch-invariant``)."""
+    from graphrt.devices.cuda import attention
+
+    called = []
+    for name in ("tree_verify_attention", "onepass_verify_attention"):
+        monkeypatch.setattr(attention, name, lambda *a, name=name, **k: called.append(name))
+    inp = make_inputs([3, 5], 2, 2, 1, 16, torch.float32, "cpu", seed=0)
+    batch = _verify_batch(inp)
+    for invariant in (False, True):
+        backend = attention.TritonAttentionBackend(*_pools(inp, "cpu"), num_kv_splits=4)
+        backend.init_forward_metadata(batch)
+        spec = AttentionSpec(2, 1, 16, 1.0, 0, None, False, invariant)  # reads, no store
+        backend.forward(inp.q.flatten(1), None, None, spec, batch)
+    assert called == ["onepass_verify_attention", "tree_verify_attention"]
+
+
 @pytest.mark.cuda
 @needs_gpu
 @needs_triton

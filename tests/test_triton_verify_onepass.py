@@ -129,6 +129,26 @@ def interpreter_results() -> dict:
         alone, _ = run_onepass(one_request(inp, last), splits + 2, block)
         flags[f"{name}/alone_equals_batch"] = torch.equal(alone, outs[1][last * n :])
 
+    # A 7-chain one node a program under a window of 4: its nodes' first visible keys
+    # fall in different blocks, and every program of the request still cuts the prefix
+    # alike (the splits follow the request's nodes, not the program's).
+    onepass.MAX_TILE, onepass.SPLIT_KEYS = 16 * 2, 16
+    inp = make_inputs([50], 7, 2, 1, 16, torch.float32, "cpu", seed=10, window=4, chain=True)
+    out, row_splits = run_onepass(inp, 8, 16)
+    errors["spread-chain/vs_naive"] = rel_err(out, naive_verify(inp))
+    flags["spread-chain/splits"] = row_splits == expected_splits(inp, 16, 8, 1)
+    # A deep node whose window starts past the first split's keys, scores far below 0
+    # (q = -30 on K = 1: log-sum-exps near -700): its first split must not be empty, or
+    # the combine, starting from an empty split's -inf taken as 0, underflows to zeros.
+    onepass.MAX_TILE = 16 * 2 * 2  # both nodes in one program: the first's keys start it
+    inp = make_inputs([64], 2, 2, 1, 16, torch.float32, "cpu", seed=11, window=20)
+    inp.positions[:] = torch.tensor([64, 67])
+    inp.tree_mask[0] = torch.tensor([[True, False], [True, True]])
+    inp.k_buffer.fill_(1.0)
+    inp.q.fill_(-30.0)
+    out, _ = run_onepass(inp, 8, 16)
+    errors["far-below-zero/vs_naive"] = rel_err(out, naive_verify(inp))
+
     # A padding request as a graph batch may hold one: request row 0, a seq_len short
     # of n, slot 0 everywhere and no tree key visible. Its rows come out zeros.
     inp = make_inputs([5, 0], 3, 2, 1, 16, torch.float32, "cpu", seed=9)
@@ -145,9 +165,10 @@ def interpreter_results() -> dict:
 def test_onepass_kernel_under_interpreter_matches_naive():
     results = run_under_triton_interpreter(__file__)
     # Per case: the references' error, then per programs (1, 3) an error and 2 flags, and
-    # 2 flags of bits; then the padding request's error and flag.
-    assert len(results["errors"]) == 3 * len(INTERPRETER_CASES) + 1
-    assert len(results["flags"]) == 6 * len(INTERPRETER_CASES) + 1
+    # 2 flags of bits; then the spread chain's error and flag, the far-below-zero error,
+    # the padding request's error and flag.
+    assert len(results["errors"]) == 3 * len(INTERPRETER_CASES) + 3
+    assert len(results["flags"]) == 6 * len(INTERPRETER_CASES) + 2
     too_far = {name: err for name, err in results["errors"].items() if not err <= 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]

@@ -11,15 +11,16 @@ differ from decode's in the last bits anyway, and decode's schedule costs verify
 16 splits of a 512-key prefix for every node's partial (at 64 requests x 5 nodes, 42 MB
 of partials a layer written and read back against 33 MB of K/V), the prefix read again
 for every two nodes, and one online-softmax step per node for the blocks holding the
-tree (H200, bench/attention_layer.py: 111 us a layer against decode's 18 at 64 requests).
+tree (H200, bench/attention_layer.py: 133 us a layer against decode's 24 at 64 requests).
 
 Here a program serves up to NODES tree nodes of one request (their G heads each:
 ``BLOCK_G`` = NODES x G rows, up to ``MAX_TILE`` float32 accumulators, so one program
 takes a whole 5-node chain of Gemma 4's 8 heads at head_dim 256 and 512), walks its
 share of the prefix once for all of them, and the tree's n keys as one more block whose
 visibility per row is the tree mask. A request's prefix is cut into contiguous splits of
-``SPLIT_KEYS`` keys (at most the scratch's split count), the tree block in the last;
-programs along the splits (enough to fill the GPU, ``TARGET_PROGRAMS``) share them out.
+``SPLIT_KEYS`` keys (more where the scratch's split count caps them), the tree block in
+the first; programs along the splits (enough to fill the GPU, ``TARGET_PROGRAMS``)
+share them out.
 Each split's partial and log-sum-exp go to decode's scratch, and decode's combine
 (triton_decode.py) merges them, a row's count in ``partial_splits``.
 
@@ -122,12 +123,20 @@ def _onepass_partial_kernel(
     q_pos = tl.load(Positions + rows, mask=mask_g, other=0).to(tl.int32)
     # Key position k is visible to a row iff k >= row_lo (k > q_pos - window).
     row_lo = tl.where(window > 0, tl.maximum(q_pos + 1 - window, 0), 0)
-    lo = tl.min(tl.where(mask_g, row_lo, 2147483647), 0)  # no row sees a key before it
+    # The request's tree: its nodes' slots and positions (keys, and the nodes' queries).
+    offs_t = tl.arange(0, BLOCK_T)
+    mask_t = offs_t < num_nodes
+    tree_rows = b * num_nodes + offs_t
+    k_pos = tl.load(Positions + tree_rows, mask=mask_t, other=0).to(tl.int32)
+    # The request's first key any of its nodes sees (all its nodes', whichever program
+    # serves them: every program of a request cuts its prefix alike).
+    tree_lo = tl.where(window > 0, tl.maximum(k_pos + 1 - window, 0), 0)
+    lo = tl.min(tl.where(mask_t, tree_lo, 2147483647), 0)
 
-    # The request's splits: contiguous runs of SPLIT_BLOCKS prefix blocks (the last may
-    # be shorter), one at least (it takes the tree), at most the scratch's. They depend on
-    # the request's own prefix alone: a padded graph batch and its eager twin, or any
-    # programs along the splits, give a request the same bits.
+    # The request's splits: contiguous runs of SPLIT_BLOCKS prefix blocks (more where the
+    # scratch's split count caps them), one at least, at most the scratch's. They depend
+    # on the request's own tree and prefix alone: a padded graph batch and its eager twin,
+    # or any programs along the splits, give a request the same bits.
     first_block = tl.minimum(lo, prefix) // BLOCK_N
     end_block = tl.cdiv(prefix, BLOCK_N)
     blocks = tl.maximum(end_block - first_block, 0)
@@ -140,23 +149,12 @@ def _onepass_partial_kernel(
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each row's scores
         l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        start = first_block + split * per_split
-        for j in range(start, tl.minimum(start + per_split, end_block)):
-            offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-            cached = (offs_n >= lo) & (offs_n < prefix)
-            slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=cached, other=0)
-            k, v = _load_kv_block(
-                K, V, slots.to(tl.int64), cached, kv_h, offs_d, mask_d, stride_kt, stride_kh,
-                stride_vt, stride_vh,
-            )  # fmt: skip
-            visible = cached[None, :] & (offs_n[None, :] >= row_lo[:, None])
-            m, l_sum, acc = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
-        if split == num_splits - 1:  # the tree's n keys: visible by the mask's row
-            offs_t = tl.arange(0, BLOCK_T)
-            mask_t = offs_t < num_nodes
-            tree_rows = b * num_nodes + offs_t
+        if split == 0:
+            # The tree's n keys, visible by the mask's row. In split 0: a node sees itself,
+            # so a real row's first split is never empty, and the combine (a row's first
+            # split alone, then the others in chunks) starts from its true maximum; from
+            # an empty one (lse -inf, taken as 0) scores below about -87 underflowed.
             slots = tl.load(OutCacheLoc + tree_rows, mask=mask_t, other=0).to(tl.int64)
-            k_pos = tl.load(Positions + tree_rows, mask=mask_t, other=0).to(tl.int32)
             k, v = _load_kv_block(
                 K, V, slots, mask_t, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt,
                 stride_vh,
@@ -167,6 +165,17 @@ def _onepass_partial_kernel(
                 other=0,
             )  # (BLOCK_G, BLOCK_T)
             visible = (marked != 0) & (k_pos[None, :] >= row_lo[:, None])
+            m, l_sum, acc = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
+        start = first_block + split * per_split
+        for j in range(start, tl.minimum(start + per_split, end_block)):
+            offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+            cached = (offs_n >= lo) & (offs_n < prefix)
+            slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=cached, other=0)
+            k, v = _load_kv_block(
+                K, V, slots.to(tl.int64), cached, kv_h, offs_d, mask_d, stride_kt, stride_kh,
+                stride_vt, stride_vh,
+            )  # fmt: skip
+            visible = cached[None, :] & (offs_n[None, :] >= row_lo[:, None])
             m, l_sum, acc = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
         _store_partial(
             PartialOut, PartialLse, rows, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
