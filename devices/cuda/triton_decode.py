@@ -230,6 +230,7 @@ def _store_partial(
     safe_sum = tl.where(nonempty, l_sum, 1.0)
     out = acc / safe_sum[:, None]
     lse = tl.where(nonempty, m + tl.log(safe_sum), float("-inf"))
+    rows = rows.to(tl.int64)  # rows x H x S x D passes 2**31 at 4,096 verify rows (S 128, D 512)
     po = PartialOut + rows[:, None] * stride_pob + heads[:, None] * stride_poh + split * stride_pos
     tl.store(po + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
     tl.store(PartialLse + rows * stride_plb + heads * stride_plh + split, lse, mask=mask_g)
@@ -325,7 +326,7 @@ def _decode_combine_kernel(
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # a row's offset: see _store_partial
     h = tl.program_id(1)
     num_splits = tl.load(PartialSplits + b)
     offs_d = tl.arange(0, BLOCK_D)
