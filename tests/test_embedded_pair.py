@@ -64,7 +64,12 @@ def test_default_command_drafts_with_the_embedded_pair_and_keeps_greedy_output(c
         assert [r["output_ids"] for r in out["requests"]] == [
             r["output_ids"] for r in plain["requests"]
         ]
-    assert auto["stats"]["spec"]["rounds"] > 0  # auto measures rounds before it chooses
+    # Auto drafts first where rounds could pay at a high acceptance, on start-up's step
+    # times: on the 2-core CPU rounds of 5 time at 3.8 plain steps against the 4.7 they
+    # would pay for, and a loaded host moves that by 20% (tests/test_llm.py's auto once
+    # ran no round on the lane). So: rounds ran, or auto says plain steps pay.
+    spec = auto["stats"]["spec"]
+    assert spec["rounds"] > 0 or spec["auto"]["why"].endswith("plain steps pay"), spec
     # Only auto times each kind of step at start-up, and its set-up line says so.
     timed = "steps timed for auto draft lengths in"
     assert timed in auto["status_lines"]
