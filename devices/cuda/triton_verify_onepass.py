@@ -20,9 +20,8 @@ share of the prefix once for all of them, and the tree's n keys as one more bloc
 visibility per row is the tree mask. A request's prefix is cut into contiguous splits of
 ``SPLIT_KEYS`` keys (more where the scratch's split count caps them), the tree block in
 the first; programs along the splits (enough to fill the GPU, ``TARGET_PROGRAMS``)
-share them out.
-Each split's partial and log-sum-exp go to decode's scratch, and decode's combine
-(triton_decode.py) merges them, a row's count in ``partial_splits``.
+share them out. Each split's partial and log-sum-exp go to decode's scratch, and
+decode's combine (triton_decode.py) merges them, a row's count in ``partial_splits``.
 
 Capture-safe: the launches read only device tensors and host shapes, never sync,
 allocate nothing, and their grids depend on B, n, the head counts and the scratch's
@@ -53,7 +52,9 @@ from graphrt.devices.cuda.triton_verify import (
 )
 
 # Measured on the H200 (bench/attention_layer.py: Gemma 4's 8 heads on one KV head,
-# prefix 512, 5-node chains, one layer; 2026-12-04), these settings: us at 1 / 8 / 64
+# prefix 512, 5-node chains, one layer; 2026-12-04), with this MAX_TILE and the split
+# count a batch's programs then set (16 splits at 1 and 8 requests, 4 at 64; a request's
+# own prefix sets them now, 4 at 512 tokens, not measured at 1 and 8): us at 1 / 8 / 64
 # requests, head_dim 256: 11.4 / 12.4 / 33.3 against the width-invariant kernel's 12.8 /
 # 21.4 / 132.6 and decode's 8.6 / 9.1 / 23.6; head_dim 512: 18.6 / 21.2 / 63.7 against
 # 18.5 / 43.9 / 269.4 and decode's 11.8 / 12.5 / 49.2.
