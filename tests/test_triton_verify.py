@@ -236,6 +236,23 @@ INTERPRETER_CASES = [
 ]
 
 
+def interpreter_case(i: int) -> tuple[str, VerifyInputs, torch.Tensor]:
+    """INTERPRETER_CASES[i]'s name, inputs (over CPU_PREFIX_LENS, seed i) and q: the first
+    case's with a row stride wider than H * D, as a slice of a fused projection."""
+    head_dim, num_heads, num_kv_heads, n, window, gapped, chain, _, _ = INTERPRETER_CASES[i]
+    name = f"D{head_dim}-G{num_heads // num_kv_heads}-n{n}-window{window}-gapped{gapped}"
+    inp = make_inputs(
+        CPU_PREFIX_LENS, n, num_heads, num_kv_heads, head_dim, torch.float32, "cpu",
+        seed=i, window=window, gapped=gapped, chain=chain,
+    )  # fmt: skip
+    q = inp.q
+    if i == 0:
+        wide = torch.zeros(q.shape[0], num_heads, head_dim + 8)
+        wide[:, :, :head_dim] = q
+        q = wide[:, :, :head_dim]
+    return name, inp, q
+
+
 def interpreter_results() -> dict:
     """Runs in a TRITON_INTERPRET=1 subprocess; returns errors and flags for the test to check.
     Every case packs nodes into programs as large batches do (one node a program is
@@ -246,16 +263,7 @@ def interpreter_results() -> dict:
     errors, flags = {}, {}
     for i, case in enumerate(INTERPRETER_CASES):
         head_dim, num_heads, num_kv_heads, n, window, gapped, chain, splits, block_n = case
-        name = f"D{head_dim}-G{num_heads // num_kv_heads}-n{n}-window{window}-gapped{gapped}"
-        inp = make_inputs(
-            CPU_PREFIX_LENS, n, num_heads, num_kv_heads, head_dim, torch.float32, "cpu",
-            seed=i, window=window, gapped=gapped, chain=chain,
-        )  # fmt: skip
-        q = inp.q
-        if i == 0:  # q with a row stride wider than H * D, as a slice of a fused projection
-            wide = torch.zeros(q.shape[0], num_heads, head_dim + 8)
-            wide[:, :, :head_dim] = q
-            q = wide[:, :, :head_dim]
+        name, inp, q = interpreter_case(i)
         out = run_kernel(inp, splits, block_n, q)
         naive, sdpa = naive_verify(inp), sdpa_verify(inp)
         errors[f"{name}/vs_naive"] = rel_err(out, naive)
