@@ -84,12 +84,14 @@ def layer_us(
     for setting in onepass:
         chosen = [value or default for value, default in zip(setting, defaults)]
         module.TARGET_PROGRAMS, module.MAX_TILE, module.SPLIT_KEYS = chosen
+        block_n = setting[3] if len(setting) > 3 and setting[3] else None
         fast = torch.empty_like(qv)
 
-        def verify_onepass(fast: torch.Tensor = fast) -> None:
+        def verify_onepass(fast: torch.Tensor = fast, block_n: int | None = block_n) -> None:
             onepass_verify_attention(
-                qv, k, v, table, reqs, vlens, pos, loc, mask, fast, *scratch, scale
-            )
+                qv, k, v, table, reqs, vlens, pos, loc, mask, fast, *scratch, scale,
+                block_n=block_n,
+            )  # fmt: skip
 
         torch.cuda.synchronize()
         us = triton.testing.do_bench_cudagraph(verify_onepass, rep=50) * 1e3
@@ -106,7 +108,8 @@ def main() -> None:
     parser.add_argument(
         "--onepass",
         default="0/0/0",
-        help="one-pass settings TARGET_PROGRAMS/MAX_TILE/SPLIT_KEYS (0: the module's), comma list",
+        help="one-pass settings TARGET_PROGRAMS/MAX_TILE/SPLIT_KEYS[/BLOCK_N] (0: the module's or"
+        " decode's), comma list",
     )
     args = parser.parse_args()
     sizes = [int(s) for s in args.batch_sizes.split(",")]

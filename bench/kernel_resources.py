@@ -35,7 +35,8 @@ def resources(kernel, constants: dict, num_warps: int) -> str:
         usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True)
     found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage.stdout, re.S)
     mma = "wgmma" if "wgmma" in compiled.asm["ptx"] else "mma"
-    return f"registers {found.group(1)}, stack {found.group(2)} bytes, {mma}"
+    shared = compiled.metadata.shared // 1024
+    return f"registers {found.group(1)}, stack {found.group(2)} bytes, shared {shared} KiB, {mma}"
 
 
 def main() -> None:
@@ -54,9 +55,10 @@ def main() -> None:
             line = resources(_verify_partial_kernel, constants, 4)
             print(f"verify D={head_dim}, {nodes} node(s) a program: {line}")
         # One pass: a 5-node chain a program, 8 warps at the tile limit (as launched) and 4.
-        nodes, block_g = onepass.program_nodes(8, 5, head_dim)
+        nodes, block_g = onepass.program_nodes(8, 5, head_dim, 2)
         constants = dict(KV_GROUP=8, NODES=nodes, BLOCK_G=block_g, SPLIT_BLOCKS=4, BLOCK_N=32,
-                         BLOCK_T=16, HEAD_DIM=head_dim, BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
+                         FILL_BLOCKS=onepass.fill_blocks(head_dim), BLOCK_T=16,
+                         HEAD_DIM=head_dim, BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
         for warps in (4, 8):
             line = resources(onepass._onepass_partial_kernel, constants, warps)
             print(f"one pass D={head_dim}, {block_g} rows, {warps} warps: {line}")

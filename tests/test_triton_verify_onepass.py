@@ -36,9 +36,11 @@ def run_onepass(
     block_n: int | None = None,
     programs: int | None = None,
     q: torch.Tensor | None = None,
+    fill_splits: int | None = 1,
 ) -> tuple[torch.Tensor, list[int]]:
     """The kernel into a NaN-filled ``out`` (NaN scratch too: the combine must read only
-    what stage 1 wrote) -> (out, each row's split count)."""
+    what stage 1 wrote) -> (out, each row's split count). ``fill_splits`` 1: a request's
+    splits from its prefix alone; None: the launcher's default (from the batch)."""
     from graphrt.devices.cuda.triton_decode import allocate_decode_scratch
     from graphrt.devices.cuda.triton_verify_onepass import onepass_verify_attention
 
@@ -50,22 +52,31 @@ def run_onepass(
     out = torch.full_like(inp.q, float("nan"))
     result = onepass_verify_attention(
         q, *inp.tensors()[1:], out, *scratch, inp.sm_scale, inp.window, block_n=block_n,
-        programs=programs,
+        fill_splits=fill_splits, programs=programs,
     )  # fmt: skip
     assert result is out
     return out, scratch[2][:rows].tolist()
 
 
-def expected_splits(inp: VerifyInputs, block_n: int, max_splits: int, split_blocks: int) -> list:
-    """Each row's split count as the kernel derives it from its request's prefix alone
-    (the blocks from the first any of the request's rows sees), one per row."""
+def expected_splits(
+    inp: VerifyInputs,
+    block_n: int,
+    max_splits: int,
+    split_blocks: int,
+    fill_splits: int = 1,
+    fill_blocks: int = 1,
+) -> list:
+    """Each row's split count as the kernel derives it from its request's prefix (the
+    blocks from the first any of the request's rows sees) and ``fill_splits`` of at least
+    ``fill_blocks`` blocks."""
     n, window = inp.num_nodes, inp.window or 0
     out = []
     for b, prefix in enumerate(inp.prefix_lens):
         q_pos = inp.positions[b * n : (b + 1) * n].tolist()
         lo = min(max(p + 1 - window, 0) if window else 0 for p in q_pos)
         blocks = max(-(-prefix // block_n) - min(lo, prefix) // block_n, 0)
-        out += [min(max(-(-blocks // split_blocks), 1), max_splits)] * n
+        wanted = max(-(-blocks // split_blocks), min(fill_splits, -(-blocks // fill_blocks)))
+        out += [min(max(wanted, 1), max_splits)] * n
     return out
 
 
@@ -107,18 +118,34 @@ def interpreter_results() -> dict:
         block = block_n or 16
         split_blocks = 1 + i % 2
         onepass.SPLIT_KEYS = split_blocks * block
+        fill = (1, 3, 5)[i % 3]  # short prefixes cut into up to this many splits
         outs = []
         for programs in (1, 3):
-            out, row_splits = run_onepass(inp, splits + 2, block, programs, q)
+            out, row_splits = run_onepass(inp, splits + 2, block, programs, q, fill)
             outs.append(out)
             errors[f"{name}/P{programs}/vs_naive"] = rel_err(out, naive)
             flags[f"{name}/P{programs}/written"] = bool(torch.isfinite(out).all())
-            want = expected_splits(inp, block, splits + 2, split_blocks)
+            want = expected_splits(inp, block, splits + 2, split_blocks, fill)
             flags[f"{name}/P{programs}/splits"] = row_splits == want
         flags[f"{name}/programs_change_no_bit"] = torch.equal(outs[0], outs[1])
         last = len(CPU_PREFIX_LENS) - 1  # the longest prefix: the most splits
-        alone, _ = run_onepass(one_request(inp, last), splits + 2, block)
+        alone, _ = run_onepass(one_request(inp, last), splits + 2, block, fill_splits=fill)
         flags[f"{name}/alone_equals_batch"] = torch.equal(alone, outs[1][last * n :])
+
+    # The default fill: TARGET_PROGRAMS over the batch's programs (requests x KV heads,
+    # a program a chain here), a power of two, at most the scratch's splits and a
+    # request's blocks (fill_blocks a split): 8 programs over 2 requests' 2 KV heads fill
+    # 2 splits, over one request's 4 (its 7 blocks of 16 keys, split_blocks 4: 2 splits
+    # from its prefix); with 3 blocks a split of the fill, 3 splits of those 7 blocks.
+    onepass.MAX_TILE, onepass.SPLIT_KEYS, onepass.TARGET_PROGRAMS = 16 * 2 * 3, 64, 8
+    inp = make_inputs([100, 40], 3, 4, 2, 16, torch.float32, "cpu", seed=12)
+    for batch, least in ((inp, 1), (one_request(inp, 0), 1), (one_request(inp, 0), 3)):
+        onepass.fill_blocks = lambda block_d, least=least: least
+        out, row_splits = run_onepass(batch, 8, 16, fill_splits=None)
+        fill = 8 // (2 * len(batch.prefix_lens))
+        want = expected_splits(batch, 16, 8, 4, fill, least)
+        errors[f"default-fill-{fill}x{least}/vs_naive"] = rel_err(out, naive_verify(batch))
+        flags[f"default-fill-{fill}x{least}/splits"] = row_splits == want
 
     # A 7-chain one node a program under a window of 4: its nodes' first visible keys
     # fall in different blocks, and every program of the request still cuts the prefix
@@ -157,9 +184,9 @@ def test_onepass_kernel_under_interpreter_matches_naive():
     results = run_under_triton_interpreter(__file__)
     # Per case: per programs (1, 3) an error and 2 flags, and 2 flags of bits; then the
     # spread chain's error and flag, the far-below-zero error, the padding request's
-    # error and flag.
-    assert len(results["errors"]) == 2 * len(INTERPRETER_CASES) + 3
-    assert len(results["flags"]) == 6 * len(INTERPRETER_CASES) + 2
+    # error and flag, the default fill's three errors and flags.
+    assert len(results["errors"]) == 2 * len(INTERPRETER_CASES) + 6
+    assert len(results["flags"]) == 6 * len(INTERPRETER_CASES) + 5
     too_far = {name: err for name, err in results["errors"].items() if not err <= 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]
@@ -167,24 +194,40 @@ def test_onepass_kernel_under_interpreter_matches_naive():
 
 
 @needs_triton
+@pytest.mark.parametrize("element_size", [2, 4], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("head_dim", [256, 512])
-def test_onepass_kernels_compile_for_sm90(head_dim):
+def test_onepass_kernels_compile_for_sm90(head_dim, element_size):
     """The interpreter runs the kernel without Triton's type checks: here it compiles for
     an H200 as Gemma 4's layers launch it (8 heads on one KV head, a 5-node chain in one
-    program, 8 warps at the tile limit), with the combine it ends in (one split first)."""
+    program in bfloat16, 8 warps at the tile limit), with the combine it ends in (one
+    split first), and asks no more shared memory than an H200 block has (float32 at
+    head_dim 512 asked 256 KiB with a whole chain in a program)."""
     from graphrt.devices.cuda import triton_verify_onepass as onepass
-    from graphrt.devices.cuda.offline_compile import compile_for_h200
-    from graphrt.devices.cuda.triton_decode import _decode_combine_kernel, rest_splits
+    from graphrt.devices.cuda.offline_compile import (
+        ATTENTION_POINTERS,
+        H200_SHARED_BYTES,
+        compile_for_h200,
+    )
+    from graphrt.devices.cuda.triton_decode import (
+        _decode_combine_kernel,
+        default_block_n,
+        rest_splits,
+    )
 
-    nodes, block_g = onepass.program_nodes(8, 5, head_dim)
-    assert (nodes, block_g) == (5, 64)
-    stage1 = dict(KV_GROUP=8, NODES=nodes, BLOCK_G=block_g, SPLIT_BLOCKS=4, BLOCK_N=32,
-                  BLOCK_T=16, HEAD_DIM=head_dim, BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
+    kv = "*bf16" if element_size == 2 else "*fp32"
+    pointers = ATTENTION_POINTERS | {"Q": kv, "K": kv, "V": kv, "Out": kv}
+    nodes, block_g = onepass.program_nodes(8, 5, head_dim, element_size)
+    assert (nodes, block_g) == ((4, 32) if (head_dim, element_size) == (512, 4) else (5, 64))
+    block_n = default_block_n(head_dim, element_size)
+    stage1 = dict(KV_GROUP=8, NODES=nodes, BLOCK_G=block_g, SPLIT_BLOCKS=4, BLOCK_N=block_n,
+                  FILL_BLOCKS=onepass.fill_blocks(head_dim), BLOCK_T=16, HEAD_DIM=head_dim,
+                  BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
     warps = 8 if block_g * head_dim >= onepass.MAX_TILE else 4
-    compile_for_h200(onepass._onepass_partial_kernel, stage1, warps)
+    compiled = compile_for_h200(onepass._onepass_partial_kernel, stage1, warps, pointers)
+    assert compiled.metadata.shared <= H200_SHARED_BYTES, compiled.metadata.shared
     combine = dict(MIN_SPLITS=1, BLOCK_S=1, BLOCK_REST=rest_splits(1, 128, head_dim),
                    HEAD_DIM=head_dim, BLOCK_D=head_dim, LAUNCH_DEPENDENTS=True)  # fmt: skip
-    compile_for_h200(_decode_combine_kernel, combine, 2)
+    compile_for_h200(_decode_combine_kernel, combine, 2, pointers)
 
 
 # ---- CUDA lane -----------------------------------------------------------------------

@@ -19,10 +19,15 @@ ATTENTION_POINTERS = {
 }  # fmt: skip
 
 
+# Shared memory a block may use on an H200 (227 KiB; Triton's launch refuses more).
+H200_SHARED_BYTES = 232448
+
+
 def compile_for_h200(kernel, constants: dict, num_warps: int, pointers: dict | None = None):
     """``kernel`` compiled for sm_90 with ``constants`` (its constexpr arguments); other
     arguments are the named pointers, ``sm_scale`` float32, the rest int32. Raises
-    Triton's CompilationError where the kernel does not compile."""
+    Triton's CompilationError where the kernel does not compile; the result's
+    ``metadata.shared`` is the shared memory a launch asks for."""
     pointers = ATTENTION_POINTERS if pointers is None else pointers
     signature = {
         n: "constexpr" if n in constants else pointers.get(n, "fp32" if n == "sm_scale" else "i32")

@@ -17,18 +17,20 @@ Here a program serves up to NODES tree nodes of one request (their G heads each:
 ``BLOCK_G`` = NODES x G rows, up to ``MAX_TILE`` float32 accumulators, so one program
 takes a whole 5-node chain of Gemma 4's 8 heads at head_dim 256 and 512), walks its
 share of the prefix once for all of them, and the tree's n keys as one more block whose
-visibility per row is the tree mask. A request's prefix is cut into contiguous splits of
-``SPLIT_KEYS`` keys (more where the scratch's split count caps them), the tree block in
-the first; programs along the splits (enough to fill the GPU, ``TARGET_PROGRAMS``)
-share them out. Each split's partial and log-sum-exp go to decode's scratch, and
-decode's combine (triton_decode.py) merges them, a row's count in ``partial_splits``.
+visibility per row is the tree mask. A request's prefix is cut into contiguous splits:
+as many as bring the launch to ``TARGET_PROGRAMS`` (``fill_blocks`` a split at least), or of
+``SPLIT_KEYS`` keys where that makes more (long prefixes), at most the scratch's split
+count; the tree block goes to the first. Programs along the splits share them out. Each
+split's partial and log-sum-exp go to decode's scratch, and decode's combine
+(triton_decode.py) merges them, a row's count in ``partial_splits``.
 
 Capture-safe: the launches read only device tensors and host shapes, never sync,
 allocate nothing, and their grids depend on B, n, the head counts and the scratch's
-shape alone. A request's splits come from its own prefix on the device, and the
-programs along them change no row's arithmetic: an eager run and a graph replay of the
-same inputs are bitwise equal, and so are a request's rows in a padded graph batch and
-in its eager twin (any batch around it).
+shape alone. A request's splits come from its prefix on the device and from the batch
+size (the fill), and the programs along them change no row's arithmetic: an eager run
+and a graph replay of the same inputs are bitwise equal. A padded graph batch may cut a
+request's prefix into fewer splits than its eager twin, as the default matmuls round
+its rows differently: only width-invariant runs (``triton_verify``) promise those bits.
 """
 
 from __future__ import annotations
@@ -52,25 +54,31 @@ from graphrt.devices.cuda.triton_verify import (
 )
 
 # Measured on the H200 (bench/attention_layer.py: Gemma 4's 8 heads on one KV head,
-# prefix 512, 5-node chains, one layer; 2026-12-04), with this MAX_TILE and the split
-# count a batch's programs then set (16 splits at 1 and 8 requests, 4 at 64; a request's
-# own prefix sets them now, 4 at 512 tokens, not measured at 1 and 8): us at 1 / 8 / 64
-# requests, head_dim 256: 11.4 / 12.4 / 33.3 against the width-invariant kernel's 12.8 /
-# 21.4 / 132.6 and decode's 8.6 / 9.1 / 23.6; head_dim 512: 18.6 / 21.2 / 63.7 against
-# 18.5 / 43.9 / 269.4 and decode's 11.8 / 12.5 / 49.2.
+# prefix 512, 5-node chains, one layer; 2026-12-04), with this MAX_TILE and the batch's
+# fill (16 splits at 1 and 8 requests, 4 at 64): us at 1 / 8 / 64 requests, head_dim 256:
+# 11.4 / 12.4 / 33.3 against the width-invariant kernel's 12.8 / 21.4 / 132.6 and
+# decode's 8.6 / 9.1 / 23.6; head_dim 512: 18.6 / 21.2 / 63.7 against 18.5 / 43.9 / 269.4
+# and decode's 11.8 / 12.5 / 49.2. Splits from the prefix alone (4 at 512 tokens) took
+# 20.8 / 21.6 / 36.6 (head_dim 256) and 43.6 / 44.9 / 118.4 (512, a kernel that spilled
+# 1.9 KB a thread there against 1.3).
 #
 # The most float32 accumulators (rows x padded head_dim) a program holds: 128 rows at
 # head_dim 256, 64 at 512: a 5-node chain of 8 heads in one program either way. Half
 # that (32 rows at 512: two programs a chain, the prefix read twice) took 134 us at 64
 # requests against 63.7. A program at the limit runs 8 warps, under it 4.
 MAX_TILE = 32768
-# Prefix keys a split: 4 splits for a 512-token prefix. Splitting 64 requests' 512-token
-# prefixes 16 ways took 77 us a layer against 42 four ways (head_dim 256, an earlier
-# MAX_TILE): the partials' traffic grows with the splits. A request's splits follow its
-# own prefix, never the batch (a padded graph batch must give its eager twin's bits).
+# The most bytes of a program's query tile in the cache's dtype (rows x padded head_dim):
+# shared memory holds tiles of that size several times over (the compiler's layout
+# changes). bfloat16 at MAX_TILE asks 192 KiB at head_dim 512; float32 there asked
+# 256 KiB, past an H200 block's 227, and takes half the rows.
+MAX_QUERY_BYTES = 64 * 1024
+# Prefix keys a split at most, past the fill: longer prefixes take more splits (8 at 1k
+# tokens, 128 from 16k on a 32k scratch). Splitting 64 requests' 512-token prefixes 16
+# ways took 77 us a layer against 42 four ways (head_dim 256, an earlier MAX_TILE): the
+# partials' traffic grows with the splits, so the fill stops at the batch's share.
 SPLIT_KEYS = 128
-# Programs a launch aims at along the splits (requests x node groups x KV heads x
-# programs; an H200 has 132 SMs): they only share out a request's splits.
+# Programs a launch aims at (requests x node groups x KV heads x splits; an H200 has 132
+# SMs): a short prefix is cut into TARGET_PROGRAMS / the rest splits, a power of two.
 TARGET_PROGRAMS = 256
 
 
@@ -92,6 +100,7 @@ def _onepass_partial_kernel(
     window,  # 0 = no sliding window
     num_nodes,  # n
     max_splits,  # S: the scratch's splits
+    fill_splits,  # the splits a request takes at least, where it has the blocks
     stride_qt,
     stride_qh,
     stride_kt,
@@ -110,6 +119,7 @@ def _onepass_partial_kernel(
     NODES: tl.constexpr,  # tree nodes a program serves
     BLOCK_G: tl.constexpr,  # NODES * KV_GROUP padded to a power of two >= MIN_DOT
     SPLIT_BLOCKS: tl.constexpr,  # prefix blocks a split
+    FILL_BLOCKS: tl.constexpr,  # prefix blocks a split of the fill at least
     BLOCK_N: tl.constexpr,  # prefix keys a loop step
     BLOCK_T: tl.constexpr,  # n padded to a power of two >= MIN_DOT
     HEAD_DIM: tl.constexpr,
@@ -124,24 +134,23 @@ def _onepass_partial_kernel(
     q_pos = tl.load(Positions + rows, mask=mask_g, other=0).to(tl.int32)
     # Key position k is visible to a row iff k >= row_lo (k > q_pos - window).
     row_lo = tl.where(window > 0, tl.maximum(q_pos + 1 - window, 0), 0)
-    # The request's tree: its nodes' slots and positions (keys, and the nodes' queries).
-    offs_t = tl.arange(0, BLOCK_T)
-    mask_t = offs_t < num_nodes
-    tree_rows = b * num_nodes + offs_t
-    k_pos = tl.load(Positions + tree_rows, mask=mask_t, other=0).to(tl.int32)
-    # The request's first key any of its nodes sees (all its nodes', whichever program
-    # serves them: every program of a request cuts its prefix alike).
-    tree_lo = tl.where(window > 0, tl.maximum(k_pos + 1 - window, 0), 0)
-    lo = tl.min(tl.where(mask_t, tree_lo, 2147483647), 0)
+    # The request's first key any of its nodes sees, whichever program serves them (every
+    # program of a request cuts its prefix alike): its root's (node 0, the least position).
+    # One scalar: the tree's positions as a vector held across the loop cost spills (1.3
+    # -> 1.9 KB a thread at head_dim 512).
+    root_pos = tl.load(Positions + b * num_nodes).to(tl.int32)
+    lo = tl.where(window > 0, tl.maximum(root_pos + 1 - window, 0), 0)
 
-    # The request's splits: contiguous runs of SPLIT_BLOCKS prefix blocks (more where the
-    # scratch's split count caps them), one at least, at most the scratch's. They depend
-    # on the request's own tree and prefix alone: a padded graph batch and its eager twin,
-    # or any programs along the splits, give a request the same bits.
+    # The request's splits: contiguous runs of SPLIT_BLOCKS prefix blocks, or fill_splits
+    # runs where that is more (FILL_BLOCKS a split at least), one at least, at most the
+    # scratch's. They depend on the request's own tree and prefix and on fill_splits,
+    # never on the programs along the splits.
     first_block = tl.minimum(lo, prefix) // BLOCK_N
     end_block = tl.cdiv(prefix, BLOCK_N)
     blocks = tl.maximum(end_block - first_block, 0)
-    num_splits = tl.minimum(tl.maximum(tl.cdiv(blocks, SPLIT_BLOCKS), 1), max_splits)
+    fill = tl.minimum(fill_splits, tl.cdiv(blocks, FILL_BLOCKS))
+    wanted = tl.maximum(tl.cdiv(blocks, SPLIT_BLOCKS), fill)
+    num_splits = tl.minimum(tl.maximum(wanted, 1), max_splits)
     per_split = tl.cdiv(blocks, num_splits)
     if (kv_h == 0) & (tl.program_id(2) == 0):
         tl.store(PartialSplits + rows, num_splits, mask=mask_g)
@@ -150,11 +159,26 @@ def _onepass_partial_kernel(
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each row's scores
         l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        start = first_block + split * per_split
+        for j in range(start, tl.minimum(start + per_split, end_block)):
+            offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+            cached = (offs_n >= lo) & (offs_n < prefix)
+            slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=cached, other=0)
+            k, v = _load_kv_block(
+                K, V, slots.to(tl.int64), cached, kv_h, offs_d, mask_d, stride_kt, stride_kh,
+                stride_vt, stride_vh,
+            )  # fmt: skip
+            visible = cached[None, :] & (offs_n[None, :] >= row_lo[:, None])
+            m, l_sum, acc = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
         if split == 0:
             # The tree's n keys, visible by the mask's row. In split 0: a node sees itself,
             # so a real row's first split is never empty, and the combine (a row's first
             # split alone, then the others in chunks) starts from its true maximum; from
             # an empty one (lse -inf, taken as 0) scores below about -87 underflowed.
+            offs_t = tl.arange(0, BLOCK_T)
+            mask_t = offs_t < num_nodes
+            tree_rows = b * num_nodes + offs_t
+            k_pos = tl.load(Positions + tree_rows, mask=mask_t, other=0).to(tl.int32)
             slots = tl.load(OutCacheLoc + tree_rows, mask=mask_t, other=0).to(tl.int64)
             k, v = _load_kv_block(
                 K, V, slots, mask_t, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt,
@@ -167,28 +191,27 @@ def _onepass_partial_kernel(
             )  # (BLOCK_G, BLOCK_T)
             visible = (marked != 0) & (k_pos[None, :] >= row_lo[:, None])
             m, l_sum, acc = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
-        start = first_block + split * per_split
-        for j in range(start, tl.minimum(start + per_split, end_block)):
-            offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-            cached = (offs_n >= lo) & (offs_n < prefix)
-            slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=cached, other=0)
-            k, v = _load_kv_block(
-                K, V, slots.to(tl.int64), cached, kv_h, offs_d, mask_d, stride_kt, stride_kh,
-                stride_vt, stride_vh,
-            )  # fmt: skip
-            visible = cached[None, :] & (offs_n[None, :] >= row_lo[:, None])
-            m, l_sum, acc = _attend_block(q, k, v, visible, m, l_sum, acc, sm_scale, DOT_PRECISION)
         _store_partial(
             PartialOut, PartialLse, rows, split, heads, mask_g, offs_d, mask_d, m, l_sum, acc,
             stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
         )  # fmt: skip
 
 
-def program_nodes(group: int, num_nodes: int, block_d: int) -> tuple[int, int]:
+def fill_blocks(block_d: int) -> int:
+    """Prefix blocks a split of the fill takes at least: one up to head_dim 256 (more
+    splits fill the GPU at small batches: 11.8 against 13.6 us a layer at one request),
+    two at 512, whose partials cost twice as much to write and combine (26 against 36 us
+    at 8 requests; H200, stop 44's first one-pass version)."""
+    return max(1, block_d // 256)
+
+
+def program_nodes(group: int, num_nodes: int, block_d: int, element_size: int) -> tuple[int, int]:
     """(tree nodes a program serves, BLOCK_G) for KV groups of ``group`` query heads,
-    trees of ``num_nodes`` and head_dim padded to ``block_d``: as many nodes as fit in
-    ``MAX_TILE`` accumulators, one at least."""
-    nodes = max(1, min(num_nodes, MAX_TILE // block_d // group))
+    trees of ``num_nodes``, head_dim padded to ``block_d`` and a cache of
+    ``element_size``-byte values: as many nodes as fit in ``MAX_TILE`` accumulators and
+    ``MAX_QUERY_BYTES``, one at least."""
+    rows = min(MAX_TILE // block_d, MAX_QUERY_BYTES // (block_d * element_size))
+    nodes = max(1, min(num_nodes, rows // group))
     return nodes, max(triton.next_power_of_2(nodes * group), MIN_DOT)
 
 
@@ -199,7 +222,7 @@ def onepass_verify_attention(
     req_to_token: torch.Tensor,  # (max_reqs + 1, max_ctx) int64
     req_pool_indices: torch.Tensor,  # (B,) int64
     seq_lens: torch.Tensor,  # (B,) int32: prefix + n
-    positions: torch.Tensor,  # (B*n,) int64
+    positions: torch.Tensor,  # (B*n,) int64; a request's node 0 (its root) the least
     out_cache_loc: torch.Tensor,  # (B*n,) int64, the nodes' K/V already stored there
     tree_mask: torch.Tensor,  # (B, n, n) bool: node j is node i or its ancestor
     out: torch.Tensor,  # (B*n, H, D), written, q's dtype
@@ -209,11 +232,17 @@ def onepass_verify_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     block_n: int | None = None,  # prefix keys a loop step (>= 16); None: decode's default
-    programs: int | None = None,  # programs along the splits (<= S); None: TARGET_PROGRAMS'
+    fill_splits: int | None = None,  # splits a request takes at least; None: the batch's
+    programs: int | None = None,  # programs along the splits (<= S); None: fill_splits
 ) -> torch.Tensor:
     """Each tree node's attention over its prefix and its tree ancestors; returns ``out``.
     The scratch's third dimension S bounds a request's splits. Shapes are checked on the
-    host only (no device sync), so this may be captured."""
+    host only (no device sync), so this may be captured.
+
+    By default a short prefix is cut into as many splits as bring the launch to
+    TARGET_PROGRAMS (``fill_splits``), so a request's bits depend on the batch size, as
+    the default matmuls' do (a padded graph batch may round its rows differently from
+    its eager twin); the programs along the splits never change a bit."""
     bs, num_nodes = tree_mask.shape[:2]
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -228,12 +257,12 @@ def onepass_verify_attention(
     block_d = max(triton.next_power_of_2(head_dim), MIN_DOT)
     block_n, window = block_and_window(head_dim, k_buffer, block_n, sliding_window)
     group = num_heads // num_kv_heads
-    nodes, block_g = program_nodes(group, num_nodes, block_d)
+    nodes, block_g = program_nodes(group, num_nodes, block_d, k_buffer.element_size())
     node_programs = bs * triton.cdiv(num_nodes, nodes)
-    if programs is None:
+    if fill_splits is None:
         wanted = triton.cdiv(TARGET_PROGRAMS, node_programs * num_kv_heads)
-        programs = triton.next_power_of_2(wanted)
-    programs = max(1, min(programs, max_splits))
+        fill_splits = min(triton.next_power_of_2(wanted), max_splits)
+    programs = max(1, min(fill_splits if programs is None else programs, max_splits))
 
     _onepass_partial_kernel[(node_programs, num_kv_heads, programs)](
         q,
@@ -252,6 +281,7 @@ def onepass_verify_attention(
         window,
         num_nodes,
         max_splits,
+        fill_splits,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -270,6 +300,7 @@ def onepass_verify_attention(
         NODES=nodes,
         BLOCK_G=block_g,
         SPLIT_BLOCKS=max(1, SPLIT_KEYS // block_n),
+        FILL_BLOCKS=fill_blocks(block_d),
         BLOCK_N=block_n,
         BLOCK_T=max(triton.next_power_of_2(num_nodes), MIN_DOT),
         HEAD_DIM=head_dim,
