@@ -54,6 +54,28 @@ ln -s "$PWD/core/package_root/__init__.py" "$site/graphrt/__init__.py"  # graphr
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 graphrt() { python -m graphrt.core.cli.main "$@"; }
 
+# Triton's and graphrt's caches kept between device calls: a bare machine compiles every
+# kernel again (most of the CUDA lane's 7 minutes, out of a session's 30). Each call
+# leaves both in $OUT/kernel-caches.tgz (if under the 16 MiB a file may bring back);
+# copy it to .tcache/kernel-caches.tgz here (git ignores .tcache/) and carry .tcache:
+#   cp /work/.device/N/kernel-caches.tgz .tcache/   and   run(..., carry=[".tcache"])
+# Triton keys each entry by the kernel's source, so an edited kernel compiles afresh.
+# `cold` empties its own caches whatever is carried.
+caches=$(mktemp -d)
+export TRITON_CACHE_DIR="$caches/triton" GRAPHRT_CACHE_DIR="$caches/graphrt"
+mkdir -p "$TRITON_CACHE_DIR" "$GRAPHRT_CACHE_DIR"
+if [[ -f .tcache/kernel-caches.tgz ]]; then
+    tar -xzf .tcache/kernel-caches.tgz -C "$caches" && echo "kernel caches: $(du -sh "$caches" | cut -f1) carried"
+fi
+save_caches() {
+    tar -czf "$OUT/kernel-caches.tgz" -C "$caches" triton graphrt
+    if (( $(stat -c %s "$OUT/kernel-caches.tgz") > 16 * 1024 * 1024 )); then
+        echo "kernel caches: $(du -sh "$OUT/kernel-caches.tgz" | cut -f1), over 16 MiB: not brought back"
+        rm -f "$OUT/kernel-caches.tgz"
+    fi
+}
+trap save_caches EXIT
+
 {
     date -u +%FT%TZ
     python -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers', transformers.__version__)"
@@ -67,10 +89,11 @@ if [[ $what == tests || $what == all ]]; then
     # allocations, so whatever fails is run again alone, and both results print.
     # -v: each test's name and result as it finishes, so a run cut at LANE_LIMIT seconds
     # (the device's commands stop at 10 minutes) still names its failures; stop 44's -q
-    # run printed five Fs and no names. 14 workers: the lane in about 7 minutes. A cut run
-    # writes no last-failed cache: the rerun below follows a run that finished only.
+    # run printed five Fs and no names. 14 workers: the lane in about 7 minutes from cold
+    # caches (the slowest 25 tests listed last). A cut run writes no last-failed cache:
+    # the rerun below follows a run that finished only.
     cache="-o cache_dir=$(mktemp -d)"
-    timeout "${LANE_LIMIT:-480}" python -m pytest tests -m cuda -v $cache -ra \
+    timeout "${LANE_LIMIT:-480}" python -m pytest tests -m cuda -v $cache -ra --durations=25 \
         -n "${CUDA_WORKERS:-14}" --dist loadfile > "$OUT/tests-cuda.log" 2>&1
     status=$?
     grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR)" "$OUT/tests-cuda.log" | sort -u | head -n 20
@@ -206,8 +229,8 @@ if [[ $what == cold ]]; then
     # Issue 21: the README's first command from empty Triton and graphrt caches (every
     # kernel compiles, every GEMV shape is timed), then again (caches warm): wall time from
     # the shell, and where the seconds go (bench/cold_start.py).
+    kept=("$TRITON_CACHE_DIR" "$GRAPHRT_CACHE_DIR")
     TRITON_CACHE_DIR=$(mktemp -d) GRAPHRT_CACHE_DIR=$(mktemp -d)
-    export TRITON_CACHE_DIR GRAPHRT_CACHE_DIR
     for run in cold warm; do
         start=$(date +%s.%N)
         python bench/cold_start.py > "$OUT/first-$run.txt" 2>&1
@@ -217,7 +240,7 @@ if [[ $what == cold ]]; then
         sed -n '/^== /,$p' "$OUT/first-$run.txt" | head -n 24
     done
     cp "$GRAPHRT_CACHE_DIR"/*.json "$OUT/" 2>/dev/null  # the GEMV tuner's choices
-    unset TRITON_CACHE_DIR GRAPHRT_CACHE_DIR
+    TRITON_CACHE_DIR=${kept[0]} GRAPHRT_CACHE_DIR=${kept[1]}
 fi
 
 if [[ $what == prefill ]]; then
