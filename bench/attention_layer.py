@@ -6,7 +6,7 @@ width-invariant kernel (triton_verify) with one node a program and with nodes pa
 two a program (``triton_verify.PACK_MIN_PROGRAMS`` decides between them by batch),
 each output compared bit for bit with decode's rows for the same tokens; then the
 one-pass kernel (triton_verify_onepass, the default) at each ``--onepass`` setting
-(TARGET_PROGRAMS/MAX_TILE/SPLIT_KEYS, 0: the module's own), its largest relative
+(TARGET_PROGRAMS/MAX_TILE/split blocks[/BLOCK_N], 0: the module's own), its largest relative
 error against the width-invariant output beside it.
 
 Run on the device: python bench/attention_layer.py [--batch-sizes 1,2,4,...]
@@ -80,10 +80,12 @@ def layer_us(
     )
     onepass_results = []
     module = triton_verify_onepass
-    defaults = module.TARGET_PROGRAMS, module.MAX_TILE, module.SPLIT_KEYS
+    defaults = module.TARGET_PROGRAMS, module.MAX_TILE, module.split_blocks
     for setting in onepass:
-        chosen = [value or default for value, default in zip(setting, defaults)]
-        module.TARGET_PROGRAMS, module.MAX_TILE, module.SPLIT_KEYS = chosen
+        module.TARGET_PROGRAMS = setting[0] or defaults[0]
+        module.MAX_TILE = setting[1] or defaults[1]
+        fixed = setting[2]  # prefix blocks a split at least; 0: by head_dim
+        module.split_blocks = (lambda block_d, fixed=fixed: fixed) if fixed else defaults[2]
         block_n = setting[3] if len(setting) > 3 and setting[3] else None
         fast = torch.empty_like(qv)
 
@@ -98,7 +100,7 @@ def layer_us(
         verify_onepass()
         err = ((fast.float() - outv.float()).abs().max() / outv.float().abs().max()).item()
         onepass_results.append((us, err))
-    module.TARGET_PROGRAMS, module.MAX_TILE, module.SPLIT_KEYS = defaults
+    module.TARGET_PROGRAMS, module.MAX_TILE, module.split_blocks = defaults
     return times[0], times[1], torch.equal(outv, want), onepass_results
 
 
@@ -108,7 +110,7 @@ def main() -> None:
     parser.add_argument(
         "--onepass",
         default="0/0/0",
-        help="one-pass settings TARGET_PROGRAMS/MAX_TILE/SPLIT_KEYS[/BLOCK_N] (0: the module's or"
+        help="one-pass settings TARGET_PROGRAMS/MAX_TILE/split blocks[/BLOCK_N] (0: the module's or"
         " decode's), comma list",
     )
     args = parser.parse_args()

@@ -56,9 +56,9 @@ def main() -> None:
             print(f"verify D={head_dim}, {nodes} node(s) a program: {line}")
         # One pass: a 5-node chain a program, 8 warps at the tile limit (as launched) and 4.
         nodes, block_g = onepass.program_nodes(8, 5, head_dim, 2)
-        constants = dict(KV_GROUP=8, NODES=nodes, BLOCK_G=block_g, SPLIT_BLOCKS=4, BLOCK_N=32,
-                         FILL_BLOCKS=onepass.fill_blocks(head_dim), BLOCK_T=16,
-                         HEAD_DIM=head_dim, BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
+        constants = dict(KV_GROUP=8, NODES=nodes, BLOCK_G=block_g, BLOCK_N=32, BLOCK_T=16,
+                         SPLIT_BLOCKS=onepass.split_blocks(head_dim), HEAD_DIM=head_dim,
+                         BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
         for warps in (4, 8):
             line = resources(onepass._onepass_partial_kernel, constants, warps)
             print(f"one pass D={head_dim}, {block_g} rows, {warps} warps: {line}")

@@ -36,11 +36,9 @@ def run_onepass(
     block_n: int | None = None,
     programs: int | None = None,
     q: torch.Tensor | None = None,
-    fill_splits: int | None = 1,
 ) -> tuple[torch.Tensor, list[int]]:
     """The kernel into a NaN-filled ``out`` (NaN scratch too: the combine must read only
-    what stage 1 wrote) -> (out, each row's split count). ``fill_splits`` 1: a request's
-    splits from its prefix alone; None: the launcher's default (from the batch)."""
+    what stage 1 wrote) -> (out, each row's split count)."""
     from graphrt.devices.cuda.triton_decode import allocate_decode_scratch
     from graphrt.devices.cuda.triton_verify_onepass import onepass_verify_attention
 
@@ -52,30 +50,25 @@ def run_onepass(
     out = torch.full_like(inp.q, float("nan"))
     result = onepass_verify_attention(
         q, *inp.tensors()[1:], out, *scratch, inp.sm_scale, inp.window, block_n=block_n,
-        fill_splits=fill_splits, programs=programs,
+        programs=programs,
     )  # fmt: skip
     assert result is out
     return out, scratch[2][:rows].tolist()
 
 
 def expected_splits(
-    inp: VerifyInputs,
-    block_n: int,
-    max_splits: int,
-    split_blocks: int,
-    fill_splits: int = 1,
-    fill_blocks: int = 1,
+    inp: VerifyInputs, block_n: int, max_splits: int, split_blocks: int, programs: int
 ) -> list:
     """Each row's split count as the kernel derives it from its request's prefix (the
-    blocks from the first any of the request's rows sees) and ``fill_splits`` of at least
-    ``fill_blocks`` blocks."""
+    blocks from the first any of the request's rows sees): splits of ``split_blocks``
+    blocks at least, one a program (``programs`` along the splits)."""
     n, window = inp.num_nodes, inp.window or 0
     out = []
     for b, prefix in enumerate(inp.prefix_lens):
         q_pos = inp.positions[b * n : (b + 1) * n].tolist()
         lo = min(max(p + 1 - window, 0) if window else 0 for p in q_pos)
         blocks = max(-(-prefix // block_n) - min(lo, prefix) // block_n, 0)
-        wanted = max(-(-blocks // split_blocks), min(fill_splits, -(-blocks // fill_blocks)))
+        wanted = min(-(-blocks // split_blocks), programs)
         out += [min(max(wanted, 1), max_splits)] * n
     return out
 
@@ -99,10 +92,10 @@ def one_request(inp: VerifyInputs, b: int) -> VerifyInputs:
 def interpreter_results() -> dict:
     """Runs in a TRITON_INTERPRET=1 subprocess: test_triton_verify's cases (head dims 16,
     24, 64; KV groups 1, 2, 8; trees of 1 to 7 nodes; windows shorter than the tree,
-    within it and longer; positions by depth or gapped), with 1 and 3 programs along the
-    splits (the same bits), splits of one and of two blocks, and MAX_TILE small enough
-    that a program serves one or two nodes, or large enough for a request's every node;
-    the longest request alone gives its rows in the batch bit for bit."""
+    within it and longer; positions by depth or gapped), with 1, 3 and the scratch's count
+    of programs along the splits, splits of one block at least and of two, and MAX_TILE
+    small enough that a program serves one or two nodes, or large enough for a request's
+    every node; the longest request alone gives its rows in the batch bit for bit."""
     from graphrt.devices.cuda import triton_verify_onepass as onepass
 
     errors, flags = {}, {}
@@ -117,44 +110,43 @@ def interpreter_results() -> dict:
         onepass.MAX_TILE = block_d * group * (1, 2, n)[i % 3]
         block = block_n or 16
         split_blocks = 1 + i % 2
-        onepass.SPLIT_KEYS = split_blocks * block
-        fill = (1, 3, 5)[i % 3]  # short prefixes cut into up to this many splits
+        onepass.split_blocks = lambda block_d, least=split_blocks: least
         outs = []
-        for programs in (1, 3):
-            out, row_splits = run_onepass(inp, splits + 2, block, programs, q, fill)
+        for programs in (1, 3, splits + 2):
+            out, row_splits = run_onepass(inp, splits + 2, block, programs, q)
             outs.append(out)
             errors[f"{name}/P{programs}/vs_naive"] = rel_err(out, naive)
             flags[f"{name}/P{programs}/written"] = bool(torch.isfinite(out).all())
-            want = expected_splits(inp, block, splits + 2, split_blocks, fill)
+            want = expected_splits(inp, block, splits + 2, split_blocks, programs)
             flags[f"{name}/P{programs}/splits"] = row_splits == want
-        flags[f"{name}/programs_change_no_bit"] = torch.equal(outs[0], outs[1])
         last = len(CPU_PREFIX_LENS) - 1  # the longest prefix: the most splits
-        alone, _ = run_onepass(one_request(inp, last), splits + 2, block, fill_splits=fill)
+        alone, _ = run_onepass(one_request(inp, last), splits + 2, block, 3)
         flags[f"{name}/alone_equals_batch"] = torch.equal(alone, outs[1][last * n :])
 
-    # The default fill: TARGET_PROGRAMS over the batch's programs (requests x KV heads,
-    # a program a chain here), a power of two, at most the scratch's splits and a
-    # request's blocks (fill_blocks a split): 8 programs over 2 requests' 2 KV heads fill
-    # 2 splits, over one request's 4 (its 7 blocks of 16 keys, split_blocks 4: 2 splits
-    # from its prefix); with 3 blocks a split of the fill, 3 splits of those 7 blocks.
-    onepass.MAX_TILE, onepass.SPLIT_KEYS, onepass.TARGET_PROGRAMS = 16 * 2 * 3, 64, 8
+    # The default programs along the splits: TARGET_PROGRAMS over the batch's others
+    # (requests x KV heads, a program a chain here), a power of two, at most the
+    # scratch's splits: 8 over 2 requests' 2 KV heads give 2, over one request's 4 (its 7
+    # blocks of 16 keys); with 3 blocks a split at least, that request takes 3 splits.
+    onepass.MAX_TILE, onepass.TARGET_PROGRAMS = 16 * 2 * 3, 8
     inp = make_inputs([100, 40], 3, 4, 2, 16, torch.float32, "cpu", seed=12)
     for batch, least in ((inp, 1), (one_request(inp, 0), 1), (one_request(inp, 0), 3)):
-        onepass.fill_blocks = lambda block_d, least=least: least
-        out, row_splits = run_onepass(batch, 8, 16, fill_splits=None)
-        fill = 8 // (2 * len(batch.prefix_lens))
-        want = expected_splits(batch, 16, 8, 4, fill, least)
-        errors[f"default-fill-{fill}x{least}/vs_naive"] = rel_err(out, naive_verify(batch))
-        flags[f"default-fill-{fill}x{least}/splits"] = row_splits == want
+        onepass.split_blocks = lambda block_d, least=least: least
+        out, row_splits = run_onepass(batch, 8, 16)
+        programs = 8 // (2 * len(batch.prefix_lens))
+        want = expected_splits(batch, 16, 8, least, programs)
+        errors[f"default-P{programs}x{least}/vs_naive"] = rel_err(out, naive_verify(batch))
+        flags[f"default-P{programs}x{least}/splits"] = row_splits == want
+    onepass.TARGET_PROGRAMS = 256
+    onepass.split_blocks = lambda block_d: 1
 
     # A 7-chain one node a program under a window of 4: its nodes' first visible keys
     # fall in different blocks, and every program of the request still cuts the prefix
     # alike (the splits follow the request's nodes, not the program's).
-    onepass.MAX_TILE, onepass.SPLIT_KEYS = 16 * 2, 16
+    onepass.MAX_TILE = 16 * 2
     inp = make_inputs([50], 7, 2, 1, 16, torch.float32, "cpu", seed=10, window=4, chain=True)
-    out, row_splits = run_onepass(inp, 8, 16)
+    out, row_splits = run_onepass(inp, 8, 16, 8)
     errors["spread-chain/vs_naive"] = rel_err(out, naive_verify(inp))
-    flags["spread-chain/splits"] = row_splits == expected_splits(inp, 16, 8, 1)
+    flags["spread-chain/splits"] = row_splits == expected_splits(inp, 16, 8, 1, 8)
     # A deep node whose window starts past the first split's keys, scores far below 0
     # (q = -30 on K = 1: log-sum-exps near -700): its first split must not be empty, or
     # the combine, starting from an empty split's -inf taken as 0, underflows to zeros.
@@ -182,11 +174,11 @@ def interpreter_results() -> dict:
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_onepass_kernel_under_interpreter_matches_naive():
     results = run_under_triton_interpreter(__file__)
-    # Per case: per programs (1, 3) an error and 2 flags, and 2 flags of bits; then the
-    # spread chain's error and flag, the far-below-zero error, the padding request's
-    # error and flag, the default fill's three errors and flags.
-    assert len(results["errors"]) == 2 * len(INTERPRETER_CASES) + 6
-    assert len(results["flags"]) == 6 * len(INTERPRETER_CASES) + 5
+    # Per case: per programs (1, 3, S) an error and 2 flags, and the flag of bits alone;
+    # then the default programs' three errors and flags, the spread chain's error and
+    # flag, the far-below-zero error, the padding request's error and flag.
+    assert len(results["errors"]) == 3 * len(INTERPRETER_CASES) + 6
+    assert len(results["flags"]) == 7 * len(INTERPRETER_CASES) + 5
     too_far = {name: err for name, err in results["errors"].items() if not err <= 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]
@@ -219,8 +211,8 @@ def test_onepass_kernels_compile_for_sm90(head_dim, element_size):
     nodes, block_g = onepass.program_nodes(8, 5, head_dim, element_size)
     assert (nodes, block_g) == ((4, 32) if (head_dim, element_size) == (512, 4) else (5, 64))
     block_n = default_block_n(head_dim, element_size)
-    stage1 = dict(KV_GROUP=8, NODES=nodes, BLOCK_G=block_g, SPLIT_BLOCKS=4, BLOCK_N=block_n,
-                  FILL_BLOCKS=onepass.fill_blocks(head_dim), BLOCK_T=16, HEAD_DIM=head_dim,
+    stage1 = dict(KV_GROUP=8, NODES=nodes, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_T=16,
+                  SPLIT_BLOCKS=onepass.split_blocks(head_dim), HEAD_DIM=head_dim,
                   BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
     warps = 8 if block_g * head_dim >= onepass.MAX_TILE else 4
     compiled = compile_for_h200(onepass._onepass_partial_kernel, stage1, warps, pointers)
@@ -254,22 +246,18 @@ def test_cuda_onepass_matches_naive(dtype, shape, num_nodes, window):
 @pytest.mark.cuda
 @needs_gpu
 @needs_triton
-def test_cuda_onepass_long_prefixes_take_their_splits():
+def test_cuda_onepass_long_prefixes_take_the_programs_splits():
     """Prefixes of 8,190 and 20,000 tokens on a scratch of 128 splits (a 32k context's),
-    bfloat16, Gemma 4's 8 heads on one KV head: each request's split count is its own
-    prefix's (capped by the scratch), the same bits with 4 programs along the splits as
-    with the default, and the rows match naive attention."""
-    from graphrt.devices.cuda import triton_verify_onepass as onepass
+    bfloat16, Gemma 4's 8 heads on one KV head: with the default programs along the
+    splits (128: the scratch's) each request takes 128 splits, with 4 programs 4, and
+    the rows match naive attention either way."""
     from graphrt.devices.cuda.triton_decode import max_kv_splits
 
     inp = make_inputs([8190, 20000], 5, 8, 1, 256, torch.bfloat16, "cuda", seed=5, chain=True)
-    outs = []
-    for programs in (None, 4):
+    for programs, want in ((None, 128), (4, 4)):
         out, splits = run_onepass(inp, max_kv_splits(32768), programs=programs)
         assert rel_err(out.cpu(), naive_verify(inp)) < CUDA_TOLERANCES[torch.bfloat16]
-        assert splits == expected_splits(inp, 32, 128, onepass.SPLIT_KEYS // 32)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
+        assert splits == [want] * 10
 
 
 if __name__ == "__main__":

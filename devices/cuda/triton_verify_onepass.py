@@ -17,20 +17,20 @@ Here a program serves up to NODES tree nodes of one request (their G heads each:
 ``BLOCK_G`` = NODES x G rows, up to ``MAX_TILE`` float32 accumulators, so one program
 takes a whole 5-node chain of Gemma 4's 8 heads at head_dim 256 and 512), walks its
 share of the prefix once for all of them, and the tree's n keys as one more block whose
-visibility per row is the tree mask. A request's prefix is cut into contiguous splits:
-as many as bring the launch to ``TARGET_PROGRAMS`` (``fill_blocks`` a split at least), or of
-``SPLIT_KEYS`` keys where that makes more (long prefixes), at most the scratch's split
-count; the tree block goes to the first. Programs along the splits share them out. Each
-split's partial and log-sum-exp go to decode's scratch, and decode's combine
-(triton_decode.py) merges them, a row's count in ``partial_splits``.
+visibility per row is the tree mask. A request's prefix is cut into contiguous splits,
+one a program along the splits: as many programs as bring the launch to
+``TARGET_PROGRAMS`` (``split_blocks`` a split at least, at most the scratch's split
+count); the tree block goes to the first. Each split's partial and log-sum-exp go to
+decode's scratch, and decode's combine (triton_decode.py) merges them, a row's count in
+``partial_splits``.
 
 Capture-safe: the launches read only device tensors and host shapes, never sync,
 allocate nothing, and their grids depend on B, n, the head counts and the scratch's
-shape alone. A request's splits come from its prefix on the device and from the batch
-size (the fill), and the programs along them change no row's arithmetic: an eager run
-and a graph replay of the same inputs are bitwise equal. A padded graph batch may cut a
-request's prefix into fewer splits than its eager twin, as the default matmuls round
-its rows differently: only width-invariant runs (``triton_verify``) promise those bits.
+shape alone: an eager run and a graph replay of the same inputs are bitwise equal. A
+request's splits depend on its prefix and on the batch size, so a padded graph batch
+may cut a request's prefix into fewer splits than its eager twin, as the default
+matmuls round its rows differently: only width-invariant runs (``triton_verify``)
+promise those bits.
 """
 
 from __future__ import annotations
@@ -54,13 +54,12 @@ from graphrt.devices.cuda.triton_verify import (
 )
 
 # Measured on the H200 (bench/attention_layer.py: Gemma 4's 8 heads on one KV head,
-# prefix 512, 5-node chains, one layer; 2026-12-04), with this MAX_TILE and the batch's
-# fill (16 splits at 1 and 8 requests, 4 at 64): us at 1 / 8 / 64 requests, head_dim 256:
-# 11.4 / 12.4 / 33.3 against the width-invariant kernel's 12.8 / 21.4 / 132.6 and
-# decode's 8.6 / 9.1 / 23.6; head_dim 512: 18.6 / 21.2 / 63.7 against 18.5 / 43.9 / 269.4
-# and decode's 11.8 / 12.5 / 49.2. Splits from the prefix alone (4 at 512 tokens) took
-# 20.8 / 21.6 / 36.6 (head_dim 256) and 43.6 / 44.9 / 118.4 (512, a kernel that spilled
-# 1.9 KB a thread there against 1.3).
+# prefix 512, 5-node chains, one layer; 2026-12-04), this kernel at stop 44 (one split a
+# program, with this MAX_TILE): us at 1 / 8 / 64 requests, head_dim 256: 11.4 / 12.4 /
+# 33.3 against the width-invariant kernel's 12.8 / 21.4 / 132.6 and decode's 8.6 / 9.1 /
+# 23.6; head_dim 512: 18.6 / 21.2 / 63.7 against 18.5 / 43.9 / 269.4 and decode's 11.8 /
+# 12.5 / 49.2. Programs looping over a request's splits (cut by its prefix alone, then by
+# the batch's fill) took 13.1 / 14.3 / 40.4 and 21.9 / 28.3 / 95.8 (stop 45).
 #
 # The most float32 accumulators (rows x padded head_dim) a program holds: 128 rows at
 # head_dim 256, 64 at 512: a 5-node chain of 8 heads in one program either way. Half
@@ -72,13 +71,10 @@ MAX_TILE = 32768
 # changes). bfloat16 at MAX_TILE asks 192 KiB at head_dim 512; float32 there asked
 # 256 KiB, past an H200 block's 227, and takes half the rows.
 MAX_QUERY_BYTES = 64 * 1024
-# Prefix keys a split at most, past the fill: longer prefixes take more splits (8 at 1k
-# tokens, 128 from 16k on a 32k scratch). Splitting 64 requests' 512-token prefixes 16
-# ways took 77 us a layer against 42 four ways (head_dim 256, an earlier MAX_TILE): the
-# partials' traffic grows with the splits, so the fill stops at the batch's share.
-SPLIT_KEYS = 128
-# Programs a launch aims at (requests x node groups x KV heads x splits; an H200 has 132
-# SMs): a short prefix is cut into TARGET_PROGRAMS / the rest splits, a power of two.
+# Programs a launch aims at (requests x node groups x KV heads x programs along the
+# splits; an H200 has 132 SMs), the last a power of two. Not more: splitting 64 requests'
+# 512-token prefixes 16 ways took 77 us a layer against 42 four ways (head_dim 256, an
+# earlier MAX_TILE), the partials' traffic growing with the splits.
 TARGET_PROGRAMS = 256
 
 
@@ -100,7 +96,6 @@ def _onepass_partial_kernel(
     window,  # 0 = no sliding window
     num_nodes,  # n
     max_splits,  # S: the scratch's splits
-    fill_splits,  # the splits a request takes at least, where it has the blocks
     stride_qt,
     stride_qh,
     stride_kt,
@@ -118,8 +113,7 @@ def _onepass_partial_kernel(
     KV_GROUP: tl.constexpr,  # query heads per KV head
     NODES: tl.constexpr,  # tree nodes a program serves
     BLOCK_G: tl.constexpr,  # NODES * KV_GROUP padded to a power of two >= MIN_DOT
-    SPLIT_BLOCKS: tl.constexpr,  # prefix blocks a split
-    FILL_BLOCKS: tl.constexpr,  # prefix blocks a split of the fill at least
+    SPLIT_BLOCKS: tl.constexpr,  # prefix blocks a split at least
     BLOCK_N: tl.constexpr,  # prefix keys a loop step
     BLOCK_T: tl.constexpr,  # n padded to a power of two >= MIN_DOT
     HEAD_DIM: tl.constexpr,
@@ -136,26 +130,27 @@ def _onepass_partial_kernel(
     row_lo = tl.where(window > 0, tl.maximum(q_pos + 1 - window, 0), 0)
     # The request's first key any of its nodes sees, whichever program serves them (every
     # program of a request cuts its prefix alike): its root's (node 0, the least position).
-    # One scalar: the tree's positions as a vector held across the loop cost spills (1.3
-    # -> 1.9 KB a thread at head_dim 512).
+    # One scalar: the tree's positions as a vector, held across a loop over splits, cost
+    # spills (1.3 -> 1.9 KB a thread at head_dim 512).
     root_pos = tl.load(Positions + b * num_nodes).to(tl.int32)
     lo = tl.where(window > 0, tl.maximum(root_pos + 1 - window, 0), 0)
 
-    # The request's splits: contiguous runs of SPLIT_BLOCKS prefix blocks, or fill_splits
-    # runs where that is more (FILL_BLOCKS a split at least), one at least, at most the
-    # scratch's. They depend on the request's own tree and prefix and on fill_splits,
-    # never on the programs along the splits.
+    # The request's splits: one a program along the splits (P of them), each a contiguous
+    # run of SPLIT_BLOCKS prefix blocks or more, one at least, at most the scratch's. They
+    # depend on the request's tree and prefix and on P (the batch's fill).
     first_block = tl.minimum(lo, prefix) // BLOCK_N
     end_block = tl.cdiv(prefix, BLOCK_N)
     blocks = tl.maximum(end_block - first_block, 0)
-    fill = tl.minimum(fill_splits, tl.cdiv(blocks, FILL_BLOCKS))
-    wanted = tl.maximum(tl.cdiv(blocks, SPLIT_BLOCKS), fill)
+    wanted = tl.minimum(tl.cdiv(blocks, SPLIT_BLOCKS), tl.num_programs(2))
     num_splits = tl.minimum(tl.maximum(wanted, 1), max_splits)
     per_split = tl.cdiv(blocks, num_splits)
-    if (kv_h == 0) & (tl.program_id(2) == 0):
+    split = tl.program_id(2)
+    if (kv_h == 0) & (split == 0):
         tl.store(PartialSplits + rows, num_splits, mask=mask_g)
-    # Splits p, p + P, ... of the request: each its own partial, whatever P is.
-    for split in range(tl.program_id(2), num_splits, tl.num_programs(2)):
+    # One split a program, no loop over splits: a loop keeps the query tile and a split's
+    # state live across its iterations, which spilled 1.4 KB a thread at head_dim 512
+    # against 0.4 without (8 warps, Triton 3.6) and took 192 KiB of shared memory, not 128.
+    if split < num_splits:
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each row's scores
         l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -197,11 +192,11 @@ def _onepass_partial_kernel(
         )  # fmt: skip
 
 
-def fill_blocks(block_d: int) -> int:
-    """Prefix blocks a split of the fill takes at least: one up to head_dim 256 (more
-    splits fill the GPU at small batches: 11.8 against 13.6 us a layer at one request),
-    two at 512, whose partials cost twice as much to write and combine (26 against 36 us
-    at 8 requests; H200, stop 44's first one-pass version)."""
+def split_blocks(block_d: int) -> int:
+    """Prefix blocks a split takes at least: one up to head_dim 256 (more splits fill the
+    GPU at small batches: 11.8 against 13.6 us a layer at one request), two at 512, whose
+    partials cost twice as much to write and combine (26 against 36 us at 8 requests;
+    H200, stop 44's first one-pass version)."""
     return max(1, block_d // 256)
 
 
@@ -232,17 +227,12 @@ def onepass_verify_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     block_n: int | None = None,  # prefix keys a loop step (>= 16); None: decode's default
-    fill_splits: int | None = None,  # splits a request takes at least; None: the batch's
-    programs: int | None = None,  # programs along the splits (<= S); None: fill_splits
+    programs: int | None = None,  # programs along the splits (<= S); None: TARGET_PROGRAMS'
 ) -> torch.Tensor:
     """Each tree node's attention over its prefix and its tree ancestors; returns ``out``.
-    The scratch's third dimension S bounds a request's splits. Shapes are checked on the
-    host only (no device sync), so this may be captured.
-
-    By default a short prefix is cut into as many splits as bring the launch to
-    TARGET_PROGRAMS (``fill_splits``), so a request's bits depend on the batch size, as
-    the default matmuls' do (a padded graph batch may round its rows differently from
-    its eager twin); the programs along the splits never change a bit."""
+    The scratch's third dimension S bounds a request's splits, the programs along the
+    splits too (a split each). Shapes are checked on the host only (no device sync), so
+    this may be captured."""
     bs, num_nodes = tree_mask.shape[:2]
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -259,10 +249,10 @@ def onepass_verify_attention(
     group = num_heads // num_kv_heads
     nodes, block_g = program_nodes(group, num_nodes, block_d, k_buffer.element_size())
     node_programs = bs * triton.cdiv(num_nodes, nodes)
-    if fill_splits is None:
+    if programs is None:
         wanted = triton.cdiv(TARGET_PROGRAMS, node_programs * num_kv_heads)
-        fill_splits = min(triton.next_power_of_2(wanted), max_splits)
-    programs = max(1, min(fill_splits if programs is None else programs, max_splits))
+        programs = triton.next_power_of_2(wanted)
+    programs = max(1, min(programs, max_splits))
 
     _onepass_partial_kernel[(node_programs, num_kv_heads, programs)](
         q,
@@ -281,7 +271,6 @@ def onepass_verify_attention(
         window,
         num_nodes,
         max_splits,
-        fill_splits,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -299,8 +288,7 @@ def onepass_verify_attention(
         KV_GROUP=group,
         NODES=nodes,
         BLOCK_G=block_g,
-        SPLIT_BLOCKS=max(1, SPLIT_KEYS // block_n),
-        FILL_BLOCKS=fill_blocks(block_d),
+        SPLIT_BLOCKS=split_blocks(block_d),
         BLOCK_N=block_n,
         BLOCK_T=max(triton.next_power_of_2(num_nodes), MIN_DOT),
         HEAD_DIM=head_dim,
