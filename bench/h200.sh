@@ -5,6 +5,8 @@
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
 #   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
 #   bash bench/h200.sh round [topk] [kernels listed] [batch sizes]: bench/profile_round.py
+#   bash bench/h200.sh onepass [--onepass settings]: the one-pass verify kernel's CUDA tests,
+#     one attention layer (bench/attention_layer.py) and the round of 4 at batch 1, 8, 64
 #   bash bench/h200.sh widths [model]: GEMV CUDA tests, then bench/gemv_widths.py (cuBLAS,
 #     tiles and split-K tiles at verify widths)
 #   bash bench/h200.sh cold: the README's first command from empty caches, then warm, with
@@ -213,6 +215,20 @@ if [[ $what == round ]]; then
         python bench/profile_round.py "${2:-1}" "${3:-16}" "$bs" 2>&1 | grep -v Warning \
             | tee -a "$OUT/profile-round.log" | grep -E "kernels,|replay|=="
     done
+fi
+
+if [[ $what == onepass ]]; then
+    # Issue 20: the one-pass verify kernel's CUDA tests (the kernel, the backend, the
+    # speculative conformance rounds), one layer beside decode and the width-invariant
+    # kernel ($2: --onepass settings), and the round of 4 against a decode step.
+    timeout 200 python -m pytest -q -p no:cacheprovider -m cuda -n 14 tests/test_triton_verify_onepass.py \
+        tests/test_triton_spec_attention.py tests/conformance/test_spec_rounds.py 2>&1 \
+        | tee "$OUT/tests-onepass.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -n 12
+    python bench/attention_layer.py --batch-sizes 1,8,64 --onepass "${2:-0/0/0}" 2>&1 \
+        | grep -v Warning | tee "$OUT/attention-layer.log" | tail -n 13
+    graphrt bench --model random:gemma4-e2b --draft random:gemma4-e2b-assistant --dtype bfloat16 \
+        --prompt-len 512 --batch-sizes 1,8,64 --spec-steps 4 --spec-topk 1 --steps 30 --runners graph \
+        --out "$OUT/bench-h200-spec-topk1.json" 2>&1 | grep -v Warning | tail -n 4
 fi
 
 if [[ $what == splits ]]; then
