@@ -61,15 +61,22 @@ graphrt() { python -m graphrt.core.cli.main "$@"; }
 # leaves both in $OUT/kernel-caches.tgz (if under the 16 MiB a file may bring back);
 # copy it to .tcache/kernel-caches.tgz here (git ignores .tcache/) and carry .tcache:
 #   cp /work/.device/N/kernel-caches.tgz .tcache/   and   run(..., carry=[".tcache"])
-# Triton keys each entry by the kernel's source, so an edited kernel compiles afresh.
-# `cold` empties its own caches whatever is carried.
-caches=$(mktemp -d)
+# Triton keys each entry by the kernel's source, so an edited kernel compiles afresh; its
+# index files hold absolute paths, so the caches live at one fixed path on every machine
+# (from a new random directory each call, nothing hit). `cold` empties its own caches.
+caches=/tmp/graphrt-kernel-caches
+rm -rf "$caches"
 export TRITON_CACHE_DIR="$caches/triton" GRAPHRT_CACHE_DIR="$caches/graphrt"
 mkdir -p "$TRITON_CACHE_DIR" "$GRAPHRT_CACHE_DIR"
 if [[ -f .tcache/kernel-caches.tgz ]]; then
     tar -xzf .tcache/kernel-caches.tgz -C "$caches" && echo "kernel caches: $(du -sh "$caches" | cut -f1) carried"
 fi
 save_caches() {
+    # At most 8 files come back from $OUT: the caches only where a result would not go.
+    if (( $(find "$OUT" -type f | wc -l) >= 8 )); then
+        echo "kernel caches: not brought back ($OUT holds 8 files already)"
+        return
+    fi
     tar -czf "$OUT/kernel-caches.tgz" -C "$caches" triton graphrt
     if (( $(stat -c %s "$OUT/kernel-caches.tgz") > 16 * 1024 * 1024 )); then
         echo "kernel caches: $(du -sh "$OUT/kernel-caches.tgz" | cut -f1), over 16 MiB: not brought back"

@@ -4,7 +4,7 @@ reference of test_triton_verify, on the same random trees over scattered pools.
 
 CPU lane: the kernels under Triton's interpreter, in a subprocess (see test_triton_verify),
 with several nodes a program and one, one program along the splits and several, the
-split count a request takes checked against its prefix. CUDA lane: real sizes in float32
+split count a request takes checked against its prefix and the programs. CUDA lane: real sizes in float32
 and bfloat16 (Gemma 4's head_dim 256 and 512, 8 query heads on one KV head) and long
 prefixes on a 128-split scratch; a CUDA graph replay against eager is test_triton_verify's,
 for both kernels.
@@ -60,16 +60,17 @@ def expected_splits(
     inp: VerifyInputs, block_n: int, max_splits: int, split_blocks: int, programs: int
 ) -> list:
     """Each row's split count as the kernel derives it from its request's prefix (the
-    blocks from the first any of the request's rows sees): splits of ``split_blocks``
-    blocks at least, one a program (``programs`` along the splits)."""
+    blocks from the first any of the request's rows sees): at most one split for every
+    ``split_blocks`` blocks, one a program (``programs`` along the splits), runs of
+    equal length but the last, none empty."""
     n, window = inp.num_nodes, inp.window or 0
     out = []
     for b, prefix in enumerate(inp.prefix_lens):
         q_pos = inp.positions[b * n : (b + 1) * n].tolist()
         lo = min(max(p + 1 - window, 0) if window else 0 for p in q_pos)
         blocks = max(-(-prefix // block_n) - min(lo, prefix) // block_n, 0)
-        wanted = min(-(-blocks // split_blocks), programs)
-        out += [min(max(wanted, 1), max_splits)] * n
+        per_split = -(-blocks // min(max(min(-(-blocks // split_blocks), programs), 1), max_splits))
+        out += [max(-(-blocks // max(per_split, 1)), 1)] * n
     return out
 
 
@@ -124,20 +125,29 @@ def interpreter_results() -> dict:
         flags[f"{name}/alone_equals_batch"] = torch.equal(alone, outs[1][last * n :])
 
     # The default programs along the splits: TARGET_PROGRAMS over the batch's others
-    # (requests x KV heads, a program a chain here), a power of two, at most the
+    # (requests x KV heads, a program a chain here), up to a power of two, at most the
     # scratch's splits: 8 over 2 requests' 2 KV heads give 2, over one request's 4 (its 7
-    # blocks of 16 keys); with 3 blocks a split at least, that request takes 3 splits.
-    onepass.MAX_TILE, onepass.TARGET_PROGRAMS = 16 * 2 * 3, 8
-    inp = make_inputs([100, 40], 3, 4, 2, 16, torch.float32, "cpu", seed=12)
-    for batch, least in ((inp, 1), (one_request(inp, 0), 1), (one_request(inp, 0), 3)):
+    # blocks of 16 keys: 4 runs of 2, the last of 1), 16 over 3 requests' 4 (not 3: 3
+    # runs of 3 blocks); with 3 blocks a split at least, the one request takes 3 splits.
+    # And 5 blocks on 4 programs: 3 runs of 2 (a fourth would be empty).
+    onepass.MAX_TILE = 16 * 2 * 3
+    two = make_inputs([100, 40], 3, 4, 2, 16, torch.float32, "cpu", seed=12)
+    one = one_request(two, 0)
+    three = make_inputs([100, 40, 120], 3, 4, 2, 16, torch.float32, "cpu", seed=14)
+    cases = ((two, 8, 1, 2), (one, 8, 1, 4), (three, 16, 1, 4), (one, 8, 3, 4))
+    for batch, target, least, programs in cases:
+        onepass.TARGET_PROGRAMS = target
         onepass.split_blocks = lambda block_d, least=least: least
         out, row_splits = run_onepass(batch, 8, 16)
-        programs = 8 // (2 * len(batch.prefix_lens))
-        want = expected_splits(batch, 16, 8, least, programs)
-        errors[f"default-P{programs}x{least}/vs_naive"] = rel_err(out, naive_verify(batch))
-        flags[f"default-P{programs}x{least}/splits"] = row_splits == want
+        name = f"default-B{len(batch.prefix_lens)}-P{programs}x{least}"
+        errors[f"{name}/vs_naive"] = rel_err(out, naive_verify(batch))
+        flags[f"{name}/splits"] = row_splits == expected_splits(batch, 16, 8, least, programs)
     onepass.TARGET_PROGRAMS = 256
     onepass.split_blocks = lambda block_d: 1
+    short = make_inputs([80], 3, 4, 2, 16, torch.float32, "cpu", seed=13)
+    out, row_splits = run_onepass(short, 8, 16, 4)
+    errors["no-empty-split/vs_naive"] = rel_err(out, naive_verify(short))
+    flags["no-empty-split/splits"] = row_splits == [3] * 3
 
     # A 7-chain one node a program under a window of 4: its nodes' first visible keys
     # fall in different blocks, and every program of the request still cuts the prefix
@@ -175,10 +185,11 @@ def interpreter_results() -> dict:
 def test_onepass_kernel_under_interpreter_matches_naive():
     results = run_under_triton_interpreter(__file__)
     # Per case: per programs (1, 3, S) an error and 2 flags, and the flag of bits alone;
-    # then the default programs' three errors and flags, the spread chain's error and
-    # flag, the far-below-zero error, the padding request's error and flag.
-    assert len(results["errors"]) == 3 * len(INTERPRETER_CASES) + 6
-    assert len(results["flags"]) == 7 * len(INTERPRETER_CASES) + 5
+    # then the default programs' four errors and flags, the no-empty-split error and
+    # flag, the spread chain's, the far-below-zero error, the padding request's error
+    # and flag.
+    assert len(results["errors"]) == 3 * len(INTERPRETER_CASES) + 8
+    assert len(results["flags"]) == 7 * len(INTERPRETER_CASES) + 7
     too_far = {name: err for name, err in results["errors"].items() if not err <= 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]
@@ -193,7 +204,7 @@ def test_onepass_kernels_compile_for_sm90(head_dim, element_size):
     an H200 as Gemma 4's layers launch it (8 heads on one KV head, a 5-node chain in one
     program in bfloat16, 8 warps at the tile limit), with the combine it ends in (one
     split first), and asks no more shared memory than an H200 block has (float32 at
-    head_dim 512 asked 256 KiB with a whole chain in a program)."""
+    head_dim 512 asked 264 KiB with a whole chain in a program)."""
     from graphrt.devices.cuda import triton_verify_onepass as onepass
     from graphrt.devices.cuda.offline_compile import (
         ATTENTION_POINTERS,
@@ -203,6 +214,7 @@ def test_onepass_kernels_compile_for_sm90(head_dim, element_size):
     from graphrt.devices.cuda.triton_decode import (
         _decode_combine_kernel,
         default_block_n,
+        dot_precision,
         rest_splits,
     )
 
@@ -211,9 +223,10 @@ def test_onepass_kernels_compile_for_sm90(head_dim, element_size):
     nodes, block_g = onepass.program_nodes(8, 5, head_dim, element_size)
     assert (nodes, block_g) == ((4, 32) if (head_dim, element_size) == (512, 4) else (5, 64))
     block_n = default_block_n(head_dim, element_size)
+    precision = dot_precision(torch.bfloat16 if element_size == 2 else torch.float32)
     stage1 = dict(KV_GROUP=8, NODES=nodes, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_T=16,
                   SPLIT_BLOCKS=onepass.split_blocks(head_dim), HEAD_DIM=head_dim,
-                  BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
+                  BLOCK_D=head_dim, DOT_PRECISION=precision)  # fmt: skip
     warps = 8 if block_g * head_dim >= onepass.MAX_TILE else 4
     compiled = compile_for_h200(onepass._onepass_partial_kernel, stage1, warps, pointers)
     assert compiled.metadata.shared <= H200_SHARED_BYTES, compiled.metadata.shared
@@ -249,15 +262,16 @@ def test_cuda_onepass_matches_naive(dtype, shape, num_nodes, window):
 def test_cuda_onepass_long_prefixes_take_the_programs_splits():
     """Prefixes of 8,190 and 20,000 tokens on a scratch of 128 splits (a 32k context's),
     bfloat16, Gemma 4's 8 heads on one KV head: with the default programs along the
-    splits (128: the scratch's) each request takes 128 splits, with 4 programs 4, and
-    the rows match naive attention either way."""
+    splits (128: the scratch's) the requests take 128 and 125 splits (256 blocks of 32
+    keys in runs of 2, 625 in runs of 5), with 4 programs 4, and the rows match naive
+    attention either way."""
     from graphrt.devices.cuda.triton_decode import max_kv_splits
 
     inp = make_inputs([8190, 20000], 5, 8, 1, 256, torch.bfloat16, "cuda", seed=5, chain=True)
-    for programs, want in ((None, 128), (4, 4)):
+    for programs, want in ((None, [128] * 5 + [125] * 5), (4, [4] * 10)):
         out, splits = run_onepass(inp, max_kv_splits(32768), programs=programs)
         assert rel_err(out.cpu(), naive_verify(inp)) < CUDA_TOLERANCES[torch.bfloat16]
-        assert splits == [want] * 10
+        assert splits == want
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ Scratch (the kernels' per-split partials) is shared by every layer of one
 the graph runner's warm-up runs, largest bucket first, allocate it for the
 largest graph batch before any capture begins. Its split dimension is what the
 layer's longest row gets (``max_kv_splits`` of the context, or of the sliding
-window): a row's own length sets its splits, so one request's bits never depend
-on the batch around it.
+window). Decode and the width-invariant verify kernel take a row's splits from its
+own length, so one request's bits never depend on the batch around it; the default
+one-pass verify kernel cuts a request's prefix by the batch's programs too.
 """
 
 from __future__ import annotations

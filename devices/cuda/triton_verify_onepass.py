@@ -15,12 +15,12 @@ tree (H200, bench/attention_layer.py: 133 us a layer against decode's 24 at 64 r
 
 Here a program serves up to NODES tree nodes of one request (their G heads each:
 ``BLOCK_G`` = NODES x G rows, up to ``MAX_TILE`` float32 accumulators, so one program
-takes a whole 5-node chain of Gemma 4's 8 heads at head_dim 256 and 512), walks its
-share of the prefix once for all of them, and the tree's n keys as one more block whose
-visibility per row is the tree mask. A request's prefix is cut into contiguous splits,
+takes a whole 5-node chain of Gemma 4's 8 heads at head_dim 256 and 512 in bfloat16),
+walks its share of the prefix once for all of them, and the tree's n keys as one more
+block whose visibility per row is the tree mask. A request's prefix is cut into contiguous splits,
 one a program along the splits: as many programs as bring the launch to
-``TARGET_PROGRAMS`` (``split_blocks`` a split at least, at most the scratch's split
-count); the tree block goes to the first. Each split's partial and log-sum-exp go to
+``TARGET_PROGRAMS``, and a request at most one split for every ``split_blocks`` blocks
+of its prefix (and the scratch's split count); the tree block goes to the first. Each split's partial and log-sum-exp go to
 decode's scratch, and decode's combine (triton_decode.py) merges them, a row's count in
 ``partial_splits``.
 
@@ -68,8 +68,8 @@ from graphrt.devices.cuda.triton_verify import (
 MAX_TILE = 32768
 # The most bytes of a program's query tile in the cache's dtype (rows x padded head_dim):
 # shared memory holds tiles of that size several times over (the compiler's layout
-# changes). bfloat16 at MAX_TILE asks 192 KiB at head_dim 512; float32 there asked
-# 256 KiB, past an H200 block's 227, and takes half the rows.
+# changes). bfloat16 at MAX_TILE asks 128 KiB at head_dim 512; float32 there asked
+# 264 KiB (a loop over splits, stop 44), past an H200 block's 227, and takes half the rows.
 MAX_QUERY_BYTES = 64 * 1024
 # Programs a launch aims at (requests x node groups x KV heads x programs along the
 # splits; an H200 has 132 SMs), the last a power of two. Not more: splitting 64 requests'
@@ -121,13 +121,10 @@ def _onepass_partial_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     kv_h = tl.program_id(1)
-    b, req, prefix, _, _, node, mask_g, rows, heads, offs_d, mask_d, q = _program_queries(
-        Q, ReqPoolIndices, SeqLens, num_nodes, stride_qt, stride_qh, K.dtype.element_ty,
-        KV_GROUP, NODES, BLOCK_G, HEAD_DIM, BLOCK_D,
-    )  # fmt: skip
-    q_pos = tl.load(Positions + rows, mask=mask_g, other=0).to(tl.int32)
-    # Key position k is visible to a row iff k >= row_lo (k > q_pos - window).
-    row_lo = tl.where(window > 0, tl.maximum(q_pos + 1 - window, 0), 0)
+    split = tl.program_id(2)
+    b = tl.program_id(0) // tl.cdiv(num_nodes, NODES)
+    # Padding rows may carry seq_len < n: their prefix is empty, not negative.
+    prefix = tl.maximum(tl.load(SeqLens + b).to(tl.int32) - num_nodes, 0)
     # The request's first key any of its nodes sees, whichever program serves them (every
     # program of a request cuts its prefix alike): its root's (node 0, the least position).
     # One scalar: the tree's positions as a vector, held across a loop over splits, cost
@@ -135,22 +132,31 @@ def _onepass_partial_kernel(
     root_pos = tl.load(Positions + b * num_nodes).to(tl.int32)
     lo = tl.where(window > 0, tl.maximum(root_pos + 1 - window, 0), 0)
 
-    # The request's splits: one a program along the splits (P of them), each a contiguous
-    # run of SPLIT_BLOCKS prefix blocks or more, one at least, at most the scratch's. They
-    # depend on the request's tree and prefix and on P (the batch's fill).
+    # The request's splits: one a program along the splits (P of them), contiguous runs of
+    # per_split blocks (the last may be shorter), at most cdiv(blocks, SPLIT_BLOCKS) of
+    # them, one at least, at most the scratch's, none empty. They depend on the request's
+    # tree and prefix and on P (the batch's fill).
     first_block = tl.minimum(lo, prefix) // BLOCK_N
     end_block = tl.cdiv(prefix, BLOCK_N)
     blocks = tl.maximum(end_block - first_block, 0)
     wanted = tl.minimum(tl.cdiv(blocks, SPLIT_BLOCKS), tl.num_programs(2))
-    num_splits = tl.minimum(tl.maximum(wanted, 1), max_splits)
-    per_split = tl.cdiv(blocks, num_splits)
-    split = tl.program_id(2)
-    if (kv_h == 0) & (split == 0):
-        tl.store(PartialSplits + rows, num_splits, mask=mask_g)
+    per_split = tl.cdiv(blocks, tl.minimum(tl.maximum(wanted, 1), max_splits))
+    num_splits = tl.maximum(tl.cdiv(blocks, tl.maximum(per_split, 1)), 1)
     # One split a program, no loop over splits: a loop keeps the query tile and a split's
     # state live across its iterations, which spilled 1.4 KB a thread at head_dim 512
     # against 0.4 without (8 warps, Triton 3.6) and took 192 KiB of shared memory, not 128.
+    # Programs past the request's splits (P is the batch's, the splits the request's) load
+    # nothing more.
     if split < num_splits:
+        _, req, _, _, _, node, mask_g, rows, heads, offs_d, mask_d, q = _program_queries(
+            Q, ReqPoolIndices, SeqLens, num_nodes, stride_qt, stride_qh, K.dtype.element_ty,
+            KV_GROUP, NODES, BLOCK_G, HEAD_DIM, BLOCK_D,
+        )  # fmt: skip
+        if (kv_h == 0) & (split == 0):
+            tl.store(PartialSplits + rows, num_splits, mask=mask_g)
+        q_pos = tl.load(Positions + rows, mask=mask_g, other=0).to(tl.int32)
+        # Key position k is visible to a row iff k >= row_lo (k > q_pos - window).
+        row_lo = tl.where(window > 0, tl.maximum(q_pos + 1 - window, 0), 0)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each row's scores
         l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
