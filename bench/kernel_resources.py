@@ -1,22 +1,15 @@
-"""Registers, local-memory stack (spills) and MMA kind of the decode and tree-verify
-attention kernels (width-invariant and one pass), compiled for an H200 (sm_90) on any machine: Triton's own compiler
-and ptxas, no GPU needed. A kernel change that makes the attention spill shows here
-before a GPU is at hand.
+"""Registers, local-memory stack (spills), shared memory and MMA kind of the decode and
+tree-verify attention kernels (width-invariant and one pass), compiled for an H200
+(sm_90) on any machine: Triton's own compiler and ptxas, no GPU needed. A kernel change
+that makes the attention spill shows here before a GPU is at hand.
 
 Run anywhere with triton installed: python bench/kernel_resources.py
 """
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import tempfile
-
-import triton
-
 from graphrt.devices.cuda import triton_verify_onepass as onepass
-from graphrt.devices.cuda.offline_compile import compile_for_h200
+from graphrt.devices.cuda.offline_compile import compile_for_h200, registers_and_stack
 from graphrt.devices.cuda.triton_decode import (
     _decode_combine_kernel,
     _decode_partial_kernel,
@@ -28,15 +21,10 @@ from graphrt.devices.cuda.triton_verify import _verify_partial_kernel
 def resources(kernel, constants: dict, num_warps: int) -> str:
     """Compile ``kernel`` for sm_90 with ``constants``; -> its resource usage line."""
     compiled = compile_for_h200(kernel, constants, num_warps)
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True)
-    found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage.stdout, re.S)
+    registers, stack = registers_and_stack(compiled)
     mma = "wgmma" if "wgmma" in compiled.asm["ptx"] else "mma"
     shared = compiled.metadata.shared // 1024
-    return f"registers {found.group(1)}, stack {found.group(2)} bytes, shared {shared} KiB, {mma}"
+    return f"registers {registers}, stack {stack} bytes, shared {shared} KiB, {mma}"
 
 
 def main() -> None:

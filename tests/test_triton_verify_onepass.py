@@ -204,12 +204,17 @@ def test_onepass_kernels_compile_for_sm90(head_dim, element_size):
     an H200 as Gemma 4's layers launch it (8 heads on one KV head, a 5-node chain in one
     program in bfloat16, 8 warps at the tile limit), with the combine it ends in (one
     split first), and asks no more shared memory than an H200 block has (float32 at
-    head_dim 512 asked 264 KiB with a whole chain in a program)."""
+    head_dim 512 asked 264 KiB with a whole chain in a program). In bfloat16 it spills
+    little and leaves room for a second block where the tile allows: a loop over a
+    request's splits (stop 44) spilled 0.7 KB a thread at head_dim 256 and 2 KB at 512,
+    asked 96 / 192 KiB, and a layer at 64 requests took 96 us on the H200 against the
+    one-split kernel's 64 (head_dim 512, two machine starts)."""
     from graphrt.devices.cuda import triton_verify_onepass as onepass
     from graphrt.devices.cuda.offline_compile import (
         ATTENTION_POINTERS,
         H200_SHARED_BYTES,
         compile_for_h200,
+        registers_and_stack,
     )
     from graphrt.devices.cuda.triton_decode import (
         _decode_combine_kernel,
@@ -230,6 +235,10 @@ def test_onepass_kernels_compile_for_sm90(head_dim, element_size):
     warps = 8 if block_g * head_dim >= onepass.MAX_TILE else 4
     compiled = compile_for_h200(onepass._onepass_partial_kernel, stage1, warps, pointers)
     assert compiled.metadata.shared <= H200_SHARED_BYTES, compiled.metadata.shared
+    if element_size == 2:
+        _, stack = registers_and_stack(compiled)
+        assert stack <= head_dim * 2, stack  # 8 / 416 bytes at 256 / 512 (Triton 3.7.1)
+        assert compiled.metadata.shared <= head_dim * 256, compiled.metadata.shared  # 64 / 128 KiB
     combine = dict(MIN_SPLITS=1, BLOCK_S=1, BLOCK_REST=rest_splits(1, 128, head_dim),
                    HEAD_DIM=head_dim, BLOCK_D=head_dim, LAUNCH_DEPENDENTS=True)  # fmt: skip
     compile_for_h200(_decode_combine_kernel, combine, 2, pointers)

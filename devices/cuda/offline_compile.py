@@ -6,6 +6,11 @@ reads their registers and spills from the result.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import tempfile
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -36,3 +41,18 @@ def compile_for_h200(kernel, constants: dict, num_warps: int, pointers: dict | N
     constexprs = {(i,): constants[n] for i, n in enumerate(kernel.arg_names) if n in constants}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     return triton.compile(source, target=H200, options={"num_warps": num_warps})
+
+
+def registers_and_stack(compiled) -> tuple[int, int]:
+    """(registers a thread, local-memory stack bytes a thread: spills) of a kernel from
+    ``compile_for_h200``, as the CUDA toolkit's cuobjdump (shipped in Triton's wheel)
+    reads its cubin."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run(
+            [tool, "-res-usage", cubin.name], capture_output=True, text=True, check=True
+        )
+    found = re.search(r"REG:(\d+).*?STACK:(\d+)", usage.stdout, re.S)
+    return int(found.group(1)), int(found.group(2))
