@@ -439,21 +439,34 @@ CUDA_PREFIX_LENS = [0, 1, 17, 255, 511, 512, 600, 333]
 # (head_dim, num_heads, num_kv_heads): Gemma 4 E2B's full (512) and sliding (256) layers
 # serve 8 query heads from one KV head; then G = 4 at head_dim 64.
 CUDA_SHAPES = [(512, 8, 1), (256, 8, 1), (64, 16, 4)]
+# Both verify kernels' CUDA cases against naive attention: (dtype, shape, nodes, window),
+# chains of 5 and gapped trees of 13 (cuda_case builds them).
+CUDA_CASES = [
+    pytest.param(
+        dtype, shape, n, window, id=f"{dtype}-D{shape[0]}-G{shape[1] // shape[2]}-{n}-{window}"
+    )
+    for dtype in CUDA_TOLERANCES
+    for shape in CUDA_SHAPES
+    for n in (5, 13)
+    for window in (None, 512)
+]  # fmt: skip
+
+
+def cuda_case(dtype, shape, num_nodes: int, window: int | None) -> VerifyInputs:
+    """A CUDA_CASES case's inputs on the GPU."""
+    head_dim, num_heads, num_kv_heads = shape
+    return make_inputs(
+        CUDA_PREFIX_LENS, num_nodes, num_heads, num_kv_heads, head_dim, dtype, "cuda",
+        seed=head_dim + num_nodes, window=window, gapped=num_nodes == 13,
+    )  # fmt: skip
 
 
 @pytest.mark.cuda
 @needs_gpu
 @needs_triton
-@pytest.mark.parametrize("window", [None, 512])
-@pytest.mark.parametrize("num_nodes", [5, 13])
-@pytest.mark.parametrize("shape", CUDA_SHAPES, ids=lambda s: f"D{s[0]}-G{s[1] // s[2]}")
-@pytest.mark.parametrize("dtype", list(CUDA_TOLERANCES), ids=str)
+@pytest.mark.parametrize("dtype,shape,num_nodes,window", CUDA_CASES)
 def test_cuda_verify_matches_naive(dtype, shape, num_nodes, window):
-    head_dim, num_heads, num_kv_heads = shape
-    inp = make_inputs(
-        CUDA_PREFIX_LENS, num_nodes, num_heads, num_kv_heads, head_dim, dtype, "cuda",
-        seed=head_dim + num_nodes, window=window, gapped=num_nodes == 13,
-    )  # fmt: skip
+    inp = cuda_case(dtype, shape, num_nodes, window)
     out = run_kernel(inp)
     assert out.dtype == dtype and torch.isfinite(out).all()
     naive = naive_verify(inp)

@@ -2,9 +2,9 @@
 default attention) against naive float64 softmax attention and the masked-SDPA
 reference of test_triton_verify, on the same random trees over scattered pools.
 
-CPU lane: the kernels under Triton's interpreter, in a subprocess (see test_triton_verify),
-with several nodes a program and one, one program along the splits and several, the
-split count a request takes checked against its prefix and the programs. CUDA lane: real sizes in float32
+CPU lane: the kernels under Triton's interpreter, in a subprocess (see
+test_triton_verify), with several nodes a program and one, one program along the splits
+and several, the split count a request takes checked against its prefix and the programs. CUDA lane: real sizes in float32
 and bfloat16 (Gemma 4's head_dim 256 and 512, 8 query heads on one KV head) and long
 prefixes on a 128-split scratch; a CUDA graph replay against eager is test_triton_verify's,
 for both kernels.
@@ -19,11 +19,11 @@ import torch
 from helpers import OLD_INTERPRETER, needs_gpu, needs_triton, rel_err, run_under_triton_interpreter
 from test_triton_verify import (
     CPU_PREFIX_LENS,
-    CUDA_PREFIX_LENS,
-    CUDA_SHAPES,
+    CUDA_CASES,
     CUDA_TOLERANCES,
     INTERPRETER_CASES,
     VerifyInputs,
+    cuda_case,
     interpreter_case,
     make_inputs,
     naive_verify,
@@ -250,16 +250,9 @@ def test_onepass_kernels_compile_for_sm90(head_dim, element_size):
 @pytest.mark.cuda
 @needs_gpu
 @needs_triton
-@pytest.mark.parametrize("window", [None, 512])
-@pytest.mark.parametrize("num_nodes", [5, 13])
-@pytest.mark.parametrize("shape", CUDA_SHAPES, ids=lambda s: f"D{s[0]}-G{s[1] // s[2]}")
-@pytest.mark.parametrize("dtype", list(CUDA_TOLERANCES), ids=str)
+@pytest.mark.parametrize("dtype,shape,num_nodes,window", CUDA_CASES)
 def test_cuda_onepass_matches_naive(dtype, shape, num_nodes, window):
-    head_dim, num_heads, num_kv_heads = shape
-    inp = make_inputs(
-        CUDA_PREFIX_LENS, num_nodes, num_heads, num_kv_heads, head_dim, dtype, "cuda",
-        seed=head_dim + num_nodes, window=window, gapped=num_nodes == 13,
-    )  # fmt: skip
+    inp = cuda_case(dtype, shape, num_nodes, window)
     out, _ = run_onepass(inp)
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert rel_err(out.cpu(), naive_verify(inp)) < CUDA_TOLERANCES[dtype]

@@ -9,11 +9,11 @@ the tree nodes' K/V, then runs each node over its request's prefix plus its
 ancestors: ``triton_verify_onepass`` (one pass over a request's prefix for all
 its nodes), or for width-invariant models (``AttentionSpec.width_invariant``,
 ``--batch-invariant``) ``triton_verify``, whose nodes round as decode's rows.
-EXTEND (prefill, eager) is ``triton_extend.extend_attention``: every request's chunk in one launch a layer,
-keys through the token table (the new K/V stored first). A chunk of ``SDPA_MIN_CHUNK``
-tokens or more in a full-attention layer goes to the reference's SDPA instead (cuDNN's
-flash kernel runs one long prompt 1.7x faster than the extend kernel); the choice
-depends on the request's own chunk, never on its neighbours.
+EXTEND (prefill, eager) is ``triton_extend.extend_attention``: every request's chunk in
+one launch a layer, keys through the token table (the new K/V stored first). A chunk of
+``SDPA_MIN_CHUNK`` tokens or more in a full-attention layer goes to the reference's SDPA
+instead (cuDNN's flash kernel runs one long prompt 1.7x faster than the extend kernel);
+the choice depends on the request's own chunk, never on its neighbours.
 
 Scratch (the kernels' per-split partials) is shared by every layer of one
 (num_heads, head_dim, splits) and allocated on first use outside capture:

@@ -117,6 +117,18 @@ def _keep_unseen(visible, step, m, l_sum, acc):
 
 
 @triton.jit
+def _program_request(SeqLens, num_nodes, NODES: tl.constexpr):
+    """A verify program's request b and its first node (grid: B x node groups, ...), and
+    the request's cached prefix (its seq_len less the tree's n nodes)."""
+    groups = tl.cdiv(num_nodes, NODES)
+    b = tl.program_id(0) // groups
+    first_node = (tl.program_id(0) % groups) * NODES
+    # Padding rows may carry seq_len < n: their prefix is empty, not negative.
+    prefix = tl.maximum(tl.load(SeqLens + b).to(tl.int32) - num_nodes, 0)
+    return b, first_node, prefix
+
+
+@triton.jit
 def _program_queries(
     Q, ReqPoolIndices, SeqLens, num_nodes, stride_qt, stride_qh, dtype: tl.constexpr,
     KV_GROUP: tl.constexpr, NODES: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -127,13 +139,9 @@ def _program_queries(
     node (clamped to the tree), mask_g, rows, heads, offs_d, mask_d, q (BLOCK_G, BLOCK_D)
     in ``dtype``, as decode's ``_load_q_group``; rows past the program's nodes are zero
     queries, never stored)."""
-    groups = tl.cdiv(num_nodes, NODES)
-    b = tl.program_id(0) // groups
-    first_node = (tl.program_id(0) % groups) * NODES
+    b, first_node, prefix = _program_request(SeqLens, num_nodes, NODES)
     kv_h = tl.program_id(1)
     req = tl.load(ReqPoolIndices + b).to(tl.int64)
-    # Padding rows may carry seq_len < n: their prefix is empty, not negative.
-    prefix = tl.maximum(tl.load(SeqLens + b).to(tl.int32) - num_nodes, 0)
     offs_g = tl.arange(0, BLOCK_G)
     row_node = offs_g // KV_GROUP  # the row's node within the program
     node = first_node + row_node
@@ -318,6 +326,24 @@ def check_tree_inputs(
         assert t.stride(0) == 1
 
 
+def tree_kernel_args(
+    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, positions, out_cache_loc,
+    tree_mask, partial_out, partial_lse, partial_splits, sm_scale: float, window: int,
+) -> tuple:  # fmt: skip
+    """The positional arguments both verify kernels begin with: the inputs, the scratch,
+    sm_scale, the window, n and the strides, in their signatures' order."""
+    return (
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, positions,
+        out_cache_loc,
+        tree_mask.view(torch.uint8),  # same bytes; sidesteps Triton's 1-bit pointers
+        partial_out, partial_lse, partial_splits, float(sm_scale), window, tree_mask.shape[1],
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+        v_buffer.stride(1), req_to_token.stride(0), tree_mask.stride(0), tree_mask.stride(1),
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+    )  # fmt: skip
+
+
 def block_and_window(
     head_dim: int, k_buffer: torch.Tensor, block_n: int | None, sliding_window: int | None
 ) -> tuple[int, int]:
@@ -378,36 +404,12 @@ def tree_verify_attention(
     programs = programs or split_programs(node_programs * num_kv_heads, max_splits, short_splits)
 
     grid = (node_programs, num_kv_heads, programs)
+    args = tree_kernel_args(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, positions,
+        out_cache_loc, tree_mask, partial_out, partial_lse, partial_splits, sm_scale, window,
+    )  # fmt: skip
     _verify_partial_kernel[grid](
-        q,
-        k_buffer,
-        v_buffer,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
-        positions,
-        out_cache_loc,
-        tree_mask.view(torch.uint8),  # same bytes; sidesteps Triton's 1-bit pointers
-        partial_out,
-        partial_lse,
-        partial_splits,
-        float(sm_scale),
-        window,
-        num_nodes,
-        q.stride(0),
-        q.stride(1),
-        k_buffer.stride(0),
-        k_buffer.stride(1),
-        v_buffer.stride(0),
-        v_buffer.stride(1),
-        req_to_token.stride(0),
-        tree_mask.stride(0),
-        tree_mask.stride(1),
-        partial_out.stride(0),
-        partial_out.stride(1),
-        partial_out.stride(2),
-        partial_lse.stride(0),
-        partial_lse.stride(1),
+        *args,
         KV_GROUP=group,
         NODES=nodes,
         BLOCK_G=block_g,

@@ -17,12 +17,12 @@ Here a program serves up to NODES tree nodes of one request (their G heads each:
 ``BLOCK_G`` = NODES x G rows, up to ``MAX_TILE`` float32 accumulators, so one program
 takes a whole 5-node chain of Gemma 4's 8 heads at head_dim 256 and 512 in bfloat16),
 walks its share of the prefix once for all of them, and the tree's n keys as one more
-block whose visibility per row is the tree mask. A request's prefix is cut into contiguous splits,
-one a program along the splits: as many programs as bring the launch to
-``TARGET_PROGRAMS``, and a request at most one split for every ``split_blocks`` blocks
-of its prefix (and the scratch's split count); the tree block goes to the first. Each split's partial and log-sum-exp go to
-decode's scratch, and decode's combine (triton_decode.py) merges them, a row's count in
-``partial_splits``.
+block whose visibility per row is the tree mask. A request's prefix is cut into
+contiguous splits, one a program along the splits: as many programs as bring the launch
+to ``TARGET_PROGRAMS``, and a request at most one split for every ``split_blocks``
+blocks of its prefix (and the scratch's split count); the tree block goes to the first.
+Each split's partial and log-sum-exp go to decode's scratch, and decode's combine
+(triton_decode.py) merges them, a row's count in ``partial_splits``.
 
 Capture-safe: the launches read only device tensors and host shapes, never sync,
 allocate nothing, and their grids depend on B, n, the head counts and the scratch's
@@ -49,8 +49,10 @@ from graphrt.devices.cuda.triton_decode import (
 )
 from graphrt.devices.cuda.triton_verify import (
     _program_queries,
+    _program_request,
     block_and_window,
     check_tree_inputs,
+    tree_kernel_args,
 )
 
 # Measured on the H200 (bench/attention_layer.py: Gemma 4's 8 heads on one KV head,
@@ -95,7 +97,6 @@ def _onepass_partial_kernel(
     sm_scale,
     window,  # 0 = no sliding window
     num_nodes,  # n
-    max_splits,  # S: the scratch's splits
     stride_qt,
     stride_qh,
     stride_kt,
@@ -110,10 +111,11 @@ def _onepass_partial_kernel(
     stride_pos,
     stride_plt,
     stride_plh,
+    max_splits,  # S: the scratch's splits
     KV_GROUP: tl.constexpr,  # query heads per KV head
     NODES: tl.constexpr,  # tree nodes a program serves
     BLOCK_G: tl.constexpr,  # NODES * KV_GROUP padded to a power of two >= MIN_DOT
-    SPLIT_BLOCKS: tl.constexpr,  # prefix blocks a split at least
+    SPLIT_BLOCKS: tl.constexpr,  # a request's splits: one at most for this many blocks
     BLOCK_N: tl.constexpr,  # prefix keys a loop step
     BLOCK_T: tl.constexpr,  # n padded to a power of two >= MIN_DOT
     HEAD_DIM: tl.constexpr,
@@ -122,13 +124,13 @@ def _onepass_partial_kernel(
 ):
     kv_h = tl.program_id(1)
     split = tl.program_id(2)
-    b = tl.program_id(0) // tl.cdiv(num_nodes, NODES)
-    # Padding rows may carry seq_len < n: their prefix is empty, not negative.
-    prefix = tl.maximum(tl.load(SeqLens + b).to(tl.int32) - num_nodes, 0)
+    # (Not "_" for the unused first node: Triton types a name once, and "_" is a row
+    # vector in the branch below.)
+    b, _first_node, prefix = _program_request(SeqLens, num_nodes, NODES)
     # The request's first key any of its nodes sees, whichever program serves them (every
     # program of a request cuts its prefix alike): its root's (node 0, the least position).
-    # One scalar: the tree's positions as a vector, held across a loop over splits, cost
-    # spills (1.3 -> 1.9 KB a thread at head_dim 512).
+    # One scalar: the minimum of the tree's positions as a vector cost 0.6 KB more spills
+    # a thread at head_dim 512 (a version that looped over splits).
     root_pos = tl.load(Positions + b * num_nodes).to(tl.int32)
     lo = tl.where(window > 0, tl.maximum(root_pos + 1 - window, 0), 0)
 
@@ -199,10 +201,10 @@ def _onepass_partial_kernel(
 
 
 def split_blocks(block_d: int) -> int:
-    """Prefix blocks a split takes at least: one up to head_dim 256 (more splits fill the
-    GPU at small batches: 11.8 against 13.6 us a layer at one request), two at 512, whose
-    partials cost twice as much to write and combine (26 against 36 us at 8 requests;
-    H200, stop 44's first one-pass version)."""
+    """A request takes at most one split for every this many prefix blocks: one up to
+    head_dim 256 (more splits fill the GPU at small batches: 11.8 against 13.6 us a layer
+    at one request), two at 512, whose partials cost twice as much to write and combine
+    (26 against 36 us at 8 requests; H200, stop 44's first one-pass version)."""
     return max(1, block_d // 256)
 
 
@@ -260,37 +262,13 @@ def onepass_verify_attention(
         programs = triton.next_power_of_2(wanted)
     programs = max(1, min(programs, max_splits))
 
+    args = tree_kernel_args(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, positions,
+        out_cache_loc, tree_mask, partial_out, partial_lse, partial_splits, sm_scale, window,
+    )  # fmt: skip
     _onepass_partial_kernel[(node_programs, num_kv_heads, programs)](
-        q,
-        k_buffer,
-        v_buffer,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
-        positions,
-        out_cache_loc,
-        tree_mask.view(torch.uint8),  # same bytes; sidesteps Triton's 1-bit pointers
-        partial_out,
-        partial_lse,
-        partial_splits,
-        float(sm_scale),
-        window,
-        num_nodes,
+        *args,
         max_splits,
-        q.stride(0),
-        q.stride(1),
-        k_buffer.stride(0),
-        k_buffer.stride(1),
-        v_buffer.stride(0),
-        v_buffer.stride(1),
-        req_to_token.stride(0),
-        tree_mask.stride(0),
-        tree_mask.stride(1),
-        partial_out.stride(0),
-        partial_out.stride(1),
-        partial_out.stride(2),
-        partial_lse.stride(0),
-        partial_lse.stride(1),
         KV_GROUP=group,
         NODES=nodes,
         BLOCK_G=block_g,
