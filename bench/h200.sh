@@ -5,6 +5,9 @@
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
 #   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
 #   bash bench/h200.sh round [topk] [kernels listed] [batch sizes]: bench/profile_round.py
+#   bash bench/h200.sh gap [tokens] [reps]: auto's plain steps against the plain engine's
+#   bash bench/h200.sh enginetests: the CUDA tests of the engine's step path
+#   bash bench/h200.sh host [steps]: a plain decode step's host time by phase
 #   bash bench/h200.sh onepass [--onepass settings]: the one-pass verify kernel's CUDA tests,
 #     one attention layer (bench/attention_layer.py) and the round of 4 at batch 1, 8, 64
 #   bash bench/h200.sh widths [model]: GEMV CUDA tests, then bench/gemv_widths.py (cuBLAS,
@@ -225,6 +228,26 @@ if [[ $what == round ]]; then
         python bench/profile_round.py "${2:-1}" "${3:-16}" "$bs" 2>&1 | grep -v Warning \
             | tee -a "$OUT/profile-round.log" | grep -E "kernels,|replay|=="
     done
+fi
+
+if [[ $what == gap ]]; then
+    # Issue 20: auto's plain steps against the plain engine's (bench/plain_step_gap.py).
+    python bench/plain_step_gap.py "${2:-300}" "${3:-5}" 2>&1 | grep -v Warning | tee "$OUT/plain-step-gap.log" | tail -n 60
+fi
+
+if [[ $what == enginetests ]]; then
+    # The CUDA tests of the engine's step path (conformance, engine, speculative rounds):
+    # a change to the host side of a step, checked in about three minutes.
+    timeout "${LANE_LIMIT:-300}" python -m pytest tests/conformance tests/test_engine*.py tests/test_spec*.py \
+        tests/test_embedded_pair.py tests/test_llm.py -m cuda -v -ra -n "${CUDA_WORKERS:-14}" --dist loadfile \
+        > "$OUT/tests-engine-cuda.log" 2>&1
+    grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR)" "$OUT/tests-engine-cuda.log" | sort -u | head -n 20
+    tail -n 2 "$OUT/tests-engine-cuda.log"
+fi
+
+if [[ $what == host ]]; then
+    # Where a plain decode step's host time goes (bench/step_host.py), batch 1, 8, 64.
+    python bench/step_host.py cuda "${2:-200}" 2>&1 | grep -v Warning | tee "$OUT/step-host.log" | tail -n 50
 fi
 
 if [[ $what == onepass ]]; then

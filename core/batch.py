@@ -48,6 +48,10 @@ class ForwardBatch:
     # draft chain. A model with a cheaper greedy head (``greedy_tokens``: the centroid-
     # masked head scores ~4k of 262k tokens) then never builds the (N, vocab) logits.
     greedy_only: bool = False
+    # (4, B) int64 device rows out_cache_loc, req_pool_indices, positions, input_ids of a
+    # one-token-a-request batch whose four fields are views of them (they came in one
+    # copy: Ledger.append_one), or None: a graph loads them with one copy, not four.
+    packed_rows: torch.Tensor | None = None
     # Attention-backend metadata for this forward (set by init_forward_metadata).
     attn_metadata: Any = field(default=None, repr=False)
 

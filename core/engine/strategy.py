@@ -53,26 +53,30 @@ class StepContext:
     device: torch.device
     max_context_len: int
 
-    def forward(self, batch: ForwardBatch, graph: BaseRunner | None) -> tuple[RunnerOutput, bool]:
+    def forward(
+        self, batch: ForwardBatch, graph: BaseRunner | None, clone: bool = True
+    ) -> tuple[RunnerOutput, bool]:
         """One target forward: on ``graph`` where it can run the batch, else eager;
-        -> (output, whether a graph ran)."""
+        -> (output, whether a graph ran). ``clone``: see ``BaseRunner.execute``."""
         if graph is not None and graph.can_run_graph(batch):
-            return graph.execute(batch), True
+            return graph.execute(batch, clone), True
         return self.eager_runner.execute(batch), False
 
     def decode_batch(self, reqs: Sequence[Request]) -> ForwardBatch:
         """The next decode batch for ``reqs`` (running requests): one new KV slot each,
         from the ledger, at each request's next position."""
-        slots, req_slots, positions, input_ids = self.ledger.append_one(reqs, self.device)
+        rows = self.ledger.append_one(reqs, self.device)  # (6, B)
+        slots, req_slots, positions, input_ids, seq_lens, _ = rows
         return ForwardBatch(
             mode=ForwardMode.DECODE,
             input_ids=input_ids,
             positions=positions,
             req_pool_indices=req_slots,
-            seq_lens=(positions + 1).to(torch.int32),  # the new token is cached now
+            seq_lens=seq_lens.to(torch.int32),  # the new token is cached now
             out_cache_loc=slots,
             seq_lens_cpu=[r.kv_len for r in reqs],
             extend_lens_cpu=[1] * len(reqs),
+            packed_rows=rows[:4],
         )
 
 
@@ -213,7 +217,8 @@ class PlainDecode(DecodeStrategy):
 
     def decode(self, reqs: list[Request]) -> StepOutcome:
         batch = self.ctx.decode_batch(reqs)
-        out, on_graph = self.ctx.forward(batch, self.graph_runner)
+        # Views of the graph's outputs: sampled (or copied out) before the next replay.
+        out, on_graph = self.ctx.forward(batch, self.graph_runner, clone=False)
         if not on_graph and self.after_forward is not None:
             self.after_forward(batch, out)  # the graph ran it already
         greedy = self.greedy_out[: len(reqs)] if on_graph else None

@@ -39,8 +39,10 @@ class BaseRunner(abc.ABC):
         """Fill this runner's inputs and attention metadata for ``batch``."""
 
     @abc.abstractmethod
-    def execute(self, batch: ForwardBatch) -> RunnerOutput:
-        """Run one forward of ``batch``: ``load_batch`` then the model (or its graph)."""
+    def execute(self, batch: ForwardBatch, clone: bool = True) -> RunnerOutput:
+        """Run one forward of ``batch``: ``load_batch`` then the model (or its graph).
+        ``clone=False``: a graph may return views of its own output memory, which its
+        next replay overwrites; for a caller that reads them within the step."""
 
     def _forward(self, batch: ForwardBatch, logits_out: torch.Tensor | None = None) -> RunnerOutput:
         """The model itself, shared by eager execution and graph capture (``logits_out``:

@@ -48,10 +48,16 @@ class GraphInputBuffers:
         def zeros(n: int, dtype=torch.int64):
             return torch.zeros(n, dtype=dtype, device=device)
 
-        self.input_ids = zeros(tokens)  # (max_bs * width,)
-        self.positions = zeros(tokens)
-        self.out_cache_loc = zeros(tokens)
-        self.req_pool_indices = zeros(max_bs)  # (max_bs,)
+        # One token a request: the four int64 inputs are rows of one block, in the order
+        # of ForwardBatch.packed_rows, so a decode step loads (and pads) them at once.
+        self.rows = zeros(4 * max_bs).view(4, max_bs) if shape.width == 1 else None
+        if self.rows is not None:
+            self.out_cache_loc, self.req_pool_indices, self.positions, self.input_ids = self.rows
+        else:
+            self.input_ids = zeros(tokens)  # (max_bs * width,)
+            self.positions = zeros(tokens)
+            self.out_cache_loc = zeros(tokens)
+            self.req_pool_indices = zeros(max_bs)  # (max_bs,)
         self.seq_lens = zeros(max_bs, torch.int32)
         self.spec = {
             f.name: torch.full((max_bs, *f.shape), f.pad, dtype=f.dtype, device=device)
@@ -81,10 +87,13 @@ class GraphInputBuffers:
         """Load ``batch`` into the rows of ``static`` (a ``set_batch`` result); pad the rest."""
         bs, size = batch.batch_size, static.batch_size
         tokens = bs * self.shape.width
-        self.input_ids[:tokens].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:tokens].copy_(batch.positions, non_blocking=True)
-        self.out_cache_loc[:tokens].copy_(batch.out_cache_loc, non_blocking=True)
-        self.req_pool_indices[:bs].copy_(batch.req_pool_indices, non_blocking=True)
+        if self.rows is not None and batch.packed_rows is not None:
+            self.rows[:, :bs].copy_(batch.packed_rows, non_blocking=True)
+        else:
+            self.input_ids[:tokens].copy_(batch.input_ids, non_blocking=True)
+            self.positions[:tokens].copy_(batch.positions, non_blocking=True)
+            self.out_cache_loc[:tokens].copy_(batch.out_cache_loc, non_blocking=True)
+            self.req_pool_indices[:bs].copy_(batch.req_pool_indices, non_blocking=True)
         self.seq_lens[:bs].copy_(batch.seq_lens, non_blocking=True)
         for name, buf in self.spec.items():
             buf[:bs].copy_(getattr(batch.spec_info, name), non_blocking=True)
@@ -104,10 +113,13 @@ class GraphInputBuffers:
         if start == end:
             return
         width = self.shape.width
-        self.input_ids[start * width : end * width].zero_()
-        self.positions[start * width : end * width].zero_()
-        self.out_cache_loc[start * width : end * width].fill_(PADDING_SLOT)
-        self.req_pool_indices[start:end].fill_(PADDING_SLOT)
+        if self.rows is not None and PADDING_SLOT == 0:
+            self.rows[:, start:end].zero_()  # slots and request slots pad to slot 0 too
+        else:
+            self.input_ids[start * width : end * width].zero_()
+            self.positions[start * width : end * width].zero_()
+            self.out_cache_loc[start * width : end * width].fill_(PADDING_SLOT)
+            self.req_pool_indices[start:end].fill_(PADDING_SLOT)
         self.seq_lens[start:end].fill_(self._pad_len(seq_len_fill))
         for field in self.shape.fields:
             self.spec[field.name][start:end].fill_(field.pad)

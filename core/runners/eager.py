@@ -18,6 +18,6 @@ class EagerRunner(BaseRunner):
         self.attn_backend.init_forward_metadata(batch)
 
     @torch.inference_mode()
-    def execute(self, batch: ForwardBatch) -> RunnerOutput:
-        self.load_batch(batch)
+    def execute(self, batch: ForwardBatch, clone: bool = True) -> RunnerOutput:
+        self.load_batch(batch)  # (eager outputs are the forward's own: clone says nothing)
         return self._forward(batch)

@@ -57,9 +57,9 @@ def _run_staggered(engine: Engine, prompts) -> tuple[list[list[int]], list[tuple
     steps: list[tuple] = []
 
     def spy(name, execute):
-        def run(batch: ForwardBatch):
+        def run(batch: ForwardBatch, *args):
             steps.append((name, batch.mode, batch.batch_size))
-            return execute(batch)
+            return execute(batch, *args)
 
         return run
 
