@@ -40,6 +40,7 @@ from tokenizers import Tokenizer
 
 from graphrt import devices
 from graphrt.core.bench.decode import generate_tokens_per_s
+from graphrt.core.bench.timing import host_launch_us
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.models import load_model
 from graphrt.core.pretrained import ASSISTANT_DIR, TARGET_DIR
@@ -354,6 +355,8 @@ def main() -> None:
         "dtype": str(dtype),
         "tokens": args.tokens,
         "prompt_len_oracle": args.prompt_len,
+        # The host's speed: host-bound cells (the pair, small batches) move with it.
+        "host_launch_us": host_launch_us(device.torch_device(), device.synchronize),
     }
     with open(args.out, "w") as f:
         json.dump({**header, "cells": results}, f, indent=1)

@@ -210,6 +210,9 @@ def test_cli_bench_writes_the_new_fields(monkeypatch, tmp_path):
         assert batch["eager_gbps"] > 0 and batch["graph_gbps"] is None
         assert batch["eager_kernels"] is None
         assert batch["nan_check_ms"] is None  # no device time on the CPU: nothing claimed
+    # The host's speed now, beside the figures it bounds: a few us a launch on any host
+    # (not the 1,000 launches' total, not ms).
+    assert 0 < result["host_launch_us"] < 1000
 
 
 def test_cli_bench_sweeps_prompt_lengths_into_one_json(monkeypatch, tmp_path, capsys):
@@ -391,3 +394,15 @@ def test_a_missing_plotting_library_is_said_not_silent(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "graphrt: warning: no plot written (bench.json" not in err  # the PNG's name
     assert "no plot written (bench.png): matplotlib is not installed" in err
+
+
+def test_host_launch_us_is_the_median_host_time_of_one_launch(monkeypatch):
+    """timing.host_launch_us: five runs of 1,000 launches, each timed alone, the median of
+    their per-launch times in us; the device synchronised before each run and after."""
+    from graphrt.core.bench import timing
+
+    clock = iter([0.0, 0.004, 1.0, 1.002, 2.0, 2.010, 3.0, 3.003, 4.0, 4.005])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    syncs = []
+    assert timing.host_launch_us(torch.device("cpu"), lambda: syncs.append(1)) == 4.0
+    assert len(syncs) == 6

@@ -80,6 +80,7 @@ class DecodeBenchResult:
     tp: int  # ranks the model is split over (times are one rank's: they run in lockstep)
     prompt_len: int
     versions: dict[str, str]
+    host_launch_us: float  # the host's speed (timing.host_launch_us)
     copy_bandwidth_gbps: float
     weight_bytes: int
     kv_bytes_per_token: int

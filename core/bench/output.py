@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from graphrt.core.bench.timing import host_launch_us
 from graphrt.core.errors import GraphrtError
 from graphrt.core.parallel.launch import is_output_rank
 
@@ -50,7 +51,7 @@ def write_result(result: dict, args: argparse.Namespace, plot, log) -> int:
 
 def header(args: argparse.Namespace, device, dtype, prompt_len: int | list[int]) -> dict:
     """What every bench's JSON starts with: the model, the device, the dtype, the prompt
-    length, the versions."""
+    length, the versions, and the host's speed now (``timing.host_launch_us``)."""
     return dict(
         model=args.model,
         device=device.name,
@@ -58,6 +59,7 @@ def header(args: argparse.Namespace, device, dtype, prompt_len: int | list[int])
         dtype=str(dtype).removeprefix("torch."),
         prompt_len=prompt_len,
         versions=versions(device),
+        host_launch_us=host_launch_us(device.torch_device(), device.synchronize),
     )
 
 

@@ -144,7 +144,8 @@ def _decode_bench(
         log(
             f"captured {len(result['captured_sizes'])} graphs (bs {result['captured_sizes'][0]}.."
             f"{result['captured_sizes'][-1]}) in {result['capture_time_s']:.2f} s, "
-            f"graph memory {result['graph_memory_bytes'] / 2**20:.1f} MiB; copy bandwidth {bandwidth:.0f} GB/s"
+            f"graph memory {result['graph_memory_bytes'] / 2**20:.1f} MiB; copy bandwidth {bandwidth:.0f} GB/s; "
+            f"host {result['host_launch_us']:.1f} us a launch"
         )
     engine.cleanup()  # its graphs; the pool goes with the engine
     return result
