@@ -18,8 +18,10 @@ apart), as the CLI.
 Run on the device: python bench/spec_matrix.py [--batch-sizes 1,8,32,64] [--rates
 0.5,0.7,0.9] [--modes plain,1,2,3,4,5,auto] [--tokens 64] [--reps 3] [--out matrix.json] [--trace
 steps.jsonl] (the auto chooser's every step: kind, time, acceptance, what it weighed)
-[--two-graph] (rounds of two graphs each, the draft loop's and verify's, instead of one:
-spec.round_graph); a mode with the suffix "+2g" ("4+2g", "auto+2g") runs that mode on two
+[--steady] (each cell's batch kept full: a finished request is replaced at once, until
+two requests a slot finished; by default a closed batch, whose speculative rounds end in
+a tail of shrinking batches) [--two-graph] (rounds of two graphs each, the draft loop's
+and verify's, instead of one: spec.round_graph); a mode with the suffix "+2g" ("4+2g", "auto+2g") runs that mode on two
 graphs a round, beside the one-graph mode
 """
 
@@ -39,7 +41,7 @@ import triton
 from tokenizers import Tokenizer
 
 from graphrt import devices
-from graphrt.core.bench.decode import generate_tokens_per_s
+from graphrt.core.bench.decode import generate_tokens_per_s, steady_tokens_per_s
 from graphrt.core.bench.timing import host_launch_us
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.models import load_model
@@ -180,8 +182,9 @@ def measure(engine: Engine, subject: Subject, bs: int, model: str, mode: str, ar
     with chooser_trace(engine, args.trace, label + " warm"):
         engine.generate(prompts, warm)
     hist0 = list(s.accept_histogram)
+    run = steady_tokens_per_s if args.steady else generate_tokens_per_s
     with step_timer(engine, bs) as step_ms, chooser_trace(engine, args.trace, label):
-        tps = generate_tokens_per_s(engine, prompts, params)
+        tps = run(engine, prompts, params)
     hist = [n - (hist0[i] if i < len(hist0) else 0) for i, n in enumerate(s.accept_histogram)]
     rounds = sum(hist)
     cell = {
@@ -310,6 +313,12 @@ def main() -> None:
     parser.add_argument("--out", default="spec-matrix.json")
     parser.add_argument("--trace", help="append the auto chooser's steps here (JSON lines)")
     parser.add_argument(
+        "--steady",
+        action="store_true",
+        help="keep every cell's batch full, each finished request replaced at once, until "
+        "two requests a slot finished (decode.steady_tokens_per_s); default: a closed batch",
+    )
+    parser.add_argument(
         "--two-graph",
         action="store_true",
         help="each round on two graphs, the draft loop's and verify's (default: one graph)",
@@ -355,6 +364,7 @@ def main() -> None:
         "dtype": str(dtype),
         "tokens": args.tokens,
         "prompt_len_oracle": args.prompt_len,
+        "workload": "steady" if args.steady else "closed",
         # The host's speed: host-bound cells (the pair, small batches) move with it.
         "host_launch_us": host_launch_us(device.torch_device(), device.synchronize),
     }

@@ -406,3 +406,40 @@ def test_host_launch_us_is_the_median_host_time_of_one_launch(monkeypatch):
     syncs = []
     assert timing.host_launch_us(torch.device("cpu"), lambda: syncs.append(1)) == 4.0
     assert len(syncs) == 6
+
+
+@pytest.mark.parametrize("drafting", [False, True], ids=["plain", "rounds"])
+def test_steady_tokens_per_s_keeps_every_slot_busy(gemma4_tiny, gemma4_assistant, drafting):
+    """decode.steady_tokens_per_s: every decode step (or round) runs the whole batch, each
+    finished request replaced by the next prompt, until two requests a slot finished;
+    the rest are aborted with their KV freed, and the tokens counted are the engine's."""
+    from graphrt import devices
+    from graphrt.core.engine import Engine, EngineConfig
+
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    strategy = None
+    if drafting:
+        drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+        strategy = MTPDecoding(drafter, SpecConfig(num_steps=2))
+    engine = Engine(target, EngineConfig(max_running_requests=3), devices.current("cpu"), strategy)
+    batches, decode_step = [], engine.strategy.decode
+
+    def spy(reqs):
+        batches.append(len(reqs))
+        return decode_step(reqs)
+
+    engine.strategy.decode = spy
+    made, add_requests, add_request = [], engine.add_requests, engine.add_request
+    engine.add_requests = lambda *a: made.extend(add_requests(*a)) or made[:]
+    engine.add_request = lambda *a: made.append(add_request(*a)) or made[-1]
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    tokens = engine.stats.decoded_tokens
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    assert decode.steady_tokens_per_s(engine, prompts, params, turns=2) > 0
+    assert batches and set(batches) == {3}  # never a shrinking tail
+    assert all(r.finished for r in made)
+    assert sum(len(r.output_ids) == 5 for r in made) >= 6  # two turns a slot, whole
+    assert [r.prompt_ids for r in made[:4]] == [*prompts, prompts[0]]  # replaced in turn
+    assert not engine.running and not engine.waiting
+    assert engine.kv_pool.available() == engine.kv_pool.num_slots  # the aborted freed theirs
+    assert engine.stats.decoded_tokens - tokens >= 6 * 4  # each finished one: 4 decode tokens
