@@ -6,6 +6,8 @@
 #   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
 #   bash bench/h200.sh round [topk] [kernels listed] [batch sizes]: bench/profile_round.py
 #   bash bench/h200.sh gap [tokens] [reps]: auto's plain steps against the plain engine's
+#   bash bench/h200.sh ab DIR "MODE ARGS": MODE with this tree's package, then DIR's, twice
+#     over, on one machine (a host-side change against its base)
 #   bash bench/h200.sh enginetests: the CUDA tests of the engine's step path
 #   bash bench/h200.sh host [steps]: a plain decode step's host time by phase
 #   bash bench/h200.sh onepass [--onepass settings]: the one-pass verify kernel's CUDA tests,
@@ -52,10 +54,13 @@ export PYTHONUNBUFFERED=1
 
 # graphrt from this working tree without pip (the machine has no registry): symlinks to
 # core/, devices/, spec/ and graphrt's own __init__.py (core/package_root/) do.
+# GRAPHRT_TREE=DIR takes the package from another tree instead (`ab` below), the scripts
+# and tests still from this one.
+tree=$(cd "${GRAPHRT_TREE:-.}" && pwd)
 site=$(mktemp -d)
 mkdir -p "$site/graphrt"
-for p in core devices spec; do ln -s "$PWD/$p" "$site/graphrt/$p"; done
-ln -s "$PWD/core/package_root/__init__.py" "$site/graphrt/__init__.py"  # graphrt.LLM
+for p in core devices spec; do ln -s "$tree/$p" "$site/graphrt/$p"; done
+ln -s "$tree/core/package_root/__init__.py" "$site/graphrt/__init__.py"  # graphrt.LLM
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 graphrt() { python -m graphrt.core.cli.main "$@"; }
 
@@ -233,6 +238,20 @@ fi
 if [[ $what == gap ]]; then
     # Issue 20: auto's plain steps against the plain engine's (bench/plain_step_gap.py).
     python bench/plain_step_gap.py "${2:-300}" "${3:-5}" 2>&1 | grep -v Warning | tee "$OUT/plain-step-gap.log" | tail -n 60
+fi
+
+if [[ $what == ab ]]; then
+    # A host-side change against its base on one machine ($2: the base's tree, made here
+    # with `mkdir -p scratch/base && git archive REV core devices spec | tar -x -C
+    # scratch/base`; scratch/ travels with the working tree): `h200.sh $3` with this
+    # tree's package, then the base's, twice over (new, base, new, base), this tree's
+    # scripts both times. The hosts of two machine starts differed 3x (stop 46: one decode
+    # graph's launch took 22 and 6.6 us), so only this compares host-bound figures.
+    for side in new base new base; do
+        echo "=== $side"
+        base=$([[ $side == base ]] && echo "$2" || echo .)
+        GRAPHRT_TREE=$base OUT=$(mktemp -d) bash bench/h200.sh $3 2>&1 | grep -v "^kernel caches"
+    done
 fi
 
 if [[ $what == enginetests ]]; then
