@@ -5,11 +5,11 @@
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
 #   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
 #   bash bench/h200.sh round [topk] [kernels listed] [batch sizes]: bench/profile_round.py
-#   bash bench/h200.sh gap [tokens] [reps]: auto's plain steps against the plain engine's
 #   bash bench/h200.sh ab DIR "MODE ARGS": MODE with this tree's package, then DIR's, twice
 #     over, on one machine (a host-side change against its base)
 #   bash bench/h200.sh enginetests: the CUDA tests of the engine's step path
-#   bash bench/h200.sh host [steps]: a plain decode step's host time by phase
+#   bash bench/h200.sh host [tokens] [engines]: a decode step's host time by phase at batch
+#     1, 8 and 64 (bench/step_phases.py)
 #   bash bench/h200.sh onepass [--onepass settings]: the one-pass verify kernel's CUDA tests,
 #     one attention layer (bench/attention_layer.py) and the round of 4 at batch 1, 8, 64
 #   bash bench/h200.sh widths [model]: GEMV CUDA tests, then bench/gemv_widths.py (cuBLAS,
@@ -235,11 +235,6 @@ if [[ $what == round ]]; then
     done
 fi
 
-if [[ $what == gap ]]; then
-    # Issue 20: auto's plain steps against the plain engine's (bench/plain_step_gap.py).
-    python bench/plain_step_gap.py "${2:-300}" "${3:-5}" 2>&1 | grep -v Warning | tee "$OUT/plain-step-gap.log" | tail -n 60
-fi
-
 if [[ $what == ab ]]; then
     # A host-side change against its base on one machine ($2: the base's tree, made here
     # with `mkdir -p scratch/base && git archive REV core devices spec | tar -x -C
@@ -265,8 +260,12 @@ if [[ $what == enginetests ]]; then
 fi
 
 if [[ $what == host ]]; then
-    # Where a plain decode step's host time goes (bench/step_host.py), batch 1, 8, 64.
-    python bench/step_host.py cuda "${2:-200}" 2>&1 | grep -v Warning | tee "$OUT/step-host.log" | tail -n 50
+    # Where a decode step's host time goes (bench/step_phases.py), batch 1, 8 and 64 (64
+    # request slots), engines $3 (default: plain and auto forced to plain steps).
+    for bs in 1 8 64; do
+        BATCH=$bs ENGINES=${3:-plain,auto-plain} python bench/step_phases.py "${2:-200}" cuda 3 64 \
+            2>&1 | grep -v Warning | tee -a "$OUT/step-phases.log" | tail -n 30
+    done
 fi
 
 if [[ $what == onepass ]]; then
