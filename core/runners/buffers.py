@@ -18,6 +18,8 @@ import torch
 from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.memory import PADDING_SLOT
 
+assert PADDING_SLOT == 0, "GraphInputBuffers._pad zeroes the packed rows, slots included"
+
 
 @dataclass(frozen=True)
 class StaticField:
@@ -113,8 +115,10 @@ class GraphInputBuffers:
         if start == end:
             return
         width = self.shape.width
-        if self.rows is not None and PADDING_SLOT == 0:
-            self.rows[:, start:end].zero_()  # slots and request slots pad to slot 0 too
+        if self.rows is not None:
+            # Token 0 at position 0, writing and reading slot 0 (PADDING_SLOT, asserted
+            # 0 at import): the four rows in one fill.
+            self.rows[:, start:end].zero_()
         else:
             self.input_ids[start * width : end * width].zero_()
             self.positions[start * width : end * width].zero_()
