@@ -30,6 +30,7 @@ import torch
 from tokenizers import Tokenizer
 
 from graphrt import devices
+from graphrt.core.bench.timing import host_launch_us
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.engine import strategy as strategy_module
 from graphrt.core.engine.strategy import PlainDecode
@@ -155,7 +156,11 @@ def main() -> None:
                     results[f"{name} {kind}"][label] += values
     columns = sorted(results)
     labels = list(dict.fromkeys(label for c in columns for label in results[c]))
-    print(f"{device.name}, {dtype}, {tokens} tokens x {reps}: median us a decode step (steps)")
+    host = host_launch_us(device.torch_device(), device.synchronize)
+    print(
+        f"{device.name}, {dtype}, {tokens} tokens x {reps}: median us a decode step (steps); "
+        f"host {host:.2f} us a launch"
+    )
     print(f"{'phase':<22}" + "".join(f"{c:>20}" for c in columns))
     for label in labels + ["steps"]:
         cells = [results[c].get(label if label != "steps" else "whole step") for c in columns]
