@@ -72,12 +72,15 @@ graphrt() { python -m graphrt.core.cli.main "$@"; }
 # Triton keys each entry by the kernel's source, so an edited kernel compiles afresh; its
 # index files hold absolute paths, so the caches live at one fixed path on every machine
 # (from a new random directory each call, nothing hit). `cold` empties its own caches.
+# A run nested in `ab` (H200_NESTED=1) keeps the caches its caller set up and saves none.
 caches=/tmp/graphrt-kernel-caches
-rm -rf "$caches"
 export TRITON_CACHE_DIR="$caches/triton" GRAPHRT_CACHE_DIR="$caches/graphrt"
-mkdir -p "$TRITON_CACHE_DIR" "$GRAPHRT_CACHE_DIR"
-if [[ -f .tcache/kernel-caches.tgz ]]; then
-    tar -xzf .tcache/kernel-caches.tgz -C "$caches" && echo "kernel caches: $(du -sh "$caches" | cut -f1) carried"
+if [[ -z ${H200_NESTED:-} ]]; then
+    rm -rf "$caches"
+    mkdir -p "$TRITON_CACHE_DIR" "$GRAPHRT_CACHE_DIR"
+    if [[ -f .tcache/kernel-caches.tgz ]]; then
+        tar -xzf .tcache/kernel-caches.tgz -C "$caches" && echo "kernel caches: $(du -sh "$caches" | cut -f1) carried"
+    fi
 fi
 save_caches() {
     # At most 8 files come back from $OUT: the caches only where a result would not go.
@@ -94,7 +97,7 @@ save_caches() {
         rm -f "$OUT/kernel-caches.tgz"
     fi
 }
-trap save_caches EXIT
+[[ -z ${H200_NESTED:-} ]] && trap save_caches EXIT
 
 {
     date -u +%FT%TZ
@@ -245,7 +248,7 @@ if [[ $what == ab ]]; then
     for side in new base new base; do
         echo "=== $side"
         base=$([[ $side == base ]] && echo "$2" || echo .)
-        GRAPHRT_TREE=$base OUT=$(mktemp -d) bash bench/h200.sh $3 2>&1 | grep -v "^kernel caches"
+        H200_NESTED=1 GRAPHRT_TREE=$base OUT=$(mktemp -d) bash bench/h200.sh $3
     done
 fi
 

@@ -21,8 +21,8 @@ steps.jsonl] (the auto chooser's every step: kind, time, acceptance, what it wei
 [--steady] (each cell's batch kept full: a finished request is replaced at once, until
 two requests a slot finished; by default a closed batch, whose speculative rounds end in
 a tail of shrinking batches) [--two-graph] (rounds of two graphs each, the draft loop's
-and verify's, instead of one: spec.round_graph); a mode with the suffix "+2g" ("4+2g", "auto+2g") runs that mode on two
-graphs a round, beside the one-graph mode
+and verify's, instead of one: spec.round_graph); a mode with the suffix "+2g" ("4+2g",
+"auto+2g") runs that mode on two graphs a round, beside the one-graph mode
 """
 
 from __future__ import annotations
