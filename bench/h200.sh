@@ -21,6 +21,8 @@
 #     against the context (graphrt bench --prompt-len 512,2048,8192,32768)
 #   bash bench/h200.sh auto [tokens]: the README's command with and without drafting, and
 #     bench/profile_auto.py (auto vs --no-draft vs rounds of 5, side by side in one process)
+#   bash bench/h200.sh overlap [tokens]: --overlap's CUDA tests, then generate with and without
+#     it (the README's command with and without drafting, llama-1b at 1 and 8 prompts)
 #   bash bench/h200.sh matrix ["spec_matrix.py flags"]: the speculative speed matrix (issue 20)
 #   bash bench/h200.sh onegraph [batch sizes]: one graph a round (spec.round_graph, the
 #     default) against two-graph rounds: the one-graph conformance tests on CUDA,
@@ -150,6 +152,30 @@ if [[ $what == auto ]]; then
         done
     done
     python bench/profile_auto.py "${2:-400}" cuda 5 2>&1 | grep -v Warning | tail -n 7
+fi
+
+if [[ $what == overlap ]]; then
+    # Plain steps launched ahead (--overlap): its CUDA tests, then the README's command
+    # (the embedded pair: --no-draft and auto) and random:llama-1b at 1 and 8 prompts,
+    # each with and without --overlap in fresh processes, interleaved, twice over.
+    python -m pytest tests/conformance/test_overlap.py tests/conformance/test_spec_rounds.py \
+        tests/test_bad_inputs.py -k "overlap or launch_ahead or nan_decode" -m cuda -q -ra \
+        -p no:cacheprovider 2>&1 | tee "$OUT/tests-overlap-cuda.log" | tail -n 5
+    prompts8=$(for i in 1 2 3 4 5 6 7 8; do printf -- "--prompt-ids %d,%d,%d " $i $((i + 7)) $((i + 20)); done)
+    for i in 1 2; do
+        for run in "pair-nodraft|--prompt def_fibonacci --no-draft" "pair-auto|--prompt def_fibonacci" \
+            "llama1b-bs1|--model random:llama-1b --prompt-ids 1,2,3" \
+            "llama1b-bs8|--model random:llama-1b $prompts8"; do
+            name=${run%%|*}
+            for flag in "" --overlap; do
+                graphrt generate ${run#*|} --max-new-tokens "${2:-300}" --ignore-eos $flag --json \
+                    > "$OUT/run.json" 2> "$OUT/run.err" || tail -n 3 "$OUT/run.err"
+                python -c "import json,sys; s=json.load(open(sys.argv[1]))['stats']; print(f\"{sys.argv[2]:<28} {s['tokens_per_s']:9.1f} tok/s\", s.get('spec', ''))" \
+                    "$OUT/run.json" "$name ${flag:-(read each)} $i" | tee -a "$OUT/overlap.txt"
+            done
+        done
+    done
+    rm -f "$OUT/run.json" "$OUT/run.err"
 fi
 
 if [[ $what == matrix ]]; then

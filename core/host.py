@@ -23,13 +23,31 @@ def to_device(values: Sequence | torch.Tensor, device: torch.device, dtype=torch
     return host.pin_memory().to(device, non_blocking=True)
 
 
+class HostRead:
+    """``tensor``'s values on their way to the host: a pinned copy queued behind the work
+    that writes them, and an event to wait on. Start it before queueing more work (a
+    step launched ahead), wait for it after: the host waits for this work alone."""
+
+    def __init__(self, tensor: torch.Tensor):
+        if tensor.device.type == "cpu":
+            # Read now: the CPU has run the work, and a static buffer may be rewritten by
+            # the next step before ``wait``.
+            self._values, self._host, self._done = tensor.tolist(), None, None
+            return
+        self._values = None
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor, non_blocking=True)
+        self._done = torch.Event(device=tensor.device)
+        self._done.record()
+
+    def wait(self) -> list:
+        """The values as nested Python lists, once the copy has run."""
+        if self._values is None:
+            self._done.synchronize()
+            self._values = self._host.tolist()
+        return self._values
+
+
 def read_host(tensor: torch.Tensor) -> list:
     """``tensor`` as nested Python lists: one pinned copy, then one wait on its event."""
-    if tensor.device.type == "cpu":
-        return tensor.tolist()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    done = torch.Event(device=tensor.device)
-    done.record()
-    done.synchronize()
-    return host.tolist()
+    return HostRead(tensor).wait()

@@ -40,6 +40,7 @@ from graphrt.core.engine.request import Request
 from graphrt.core.engine.sampling import request_rows
 from graphrt.core.engine.strategy import (
     DecodeStrategy,
+    LaunchedStep,
     PlainDecode,
     RoundLog,
     StepContext,
@@ -355,7 +356,7 @@ class MTPDecoding(DecodeStrategy):
         return (variant.verify if greedy else variant.sampled_verify, variant.draft)
 
     def captures_before(self, reqs: list[Request]) -> Sequence[GraphRunner]:
-        steps = self.plan(reqs)
+        steps = self._planned_steps(reqs)
         self._planned = (reqs, steps)
         if not self._later:  # everything captured: the usual step (an O(batch) scan less)
             return ()
@@ -374,10 +375,33 @@ class MTPDecoding(DecodeStrategy):
         self._refused.append(runner)
         self._planned = None
 
+    def _planned_steps(self, reqs: list[Request]) -> int:
+        """The length planned for ``reqs`` already (by ``captures_before`` or ``launch``;
+        taken), else planned now: the chooser chooses once a step."""
+        planned, self._planned = self._planned, None
+        return planned[1] if planned is not None and planned[0] == reqs else self.plan(reqs)
+
+    def launch(
+        self, reqs: list[Request], last_tokens: torch.Tensor | None = None
+    ) -> LaunchedStep | None:
+        steps = self._planned_steps(reqs)
+        if steps or (self._later and self.plain_graph in self._later):
+            self._planned = (reqs, steps)  # for the engine's next step: not chosen again
+            return None
+        step = self.plain.launch(reqs, last_tokens)
+        step.outcome.plain_steps = 1
+        if self.chooser is not None:  # what decode + step_done record for a plain step
+            chooser, bucket, timing = (
+                self.chooser,
+                self._bucket(len(reqs)),
+                self._forced is not None,
+            )
+            step.record = lambda seconds: chooser.record(0, bucket, seconds, (), timing)
+        return step
+
     def decode(self, reqs: list[Request]) -> StepOutcome:
         self._unrecorded = None  # a step that raised after its decode is not recorded
-        planned, self._planned = self._planned, None
-        steps = planned[1] if planned is not None and planned[0] == reqs else self.plan(reqs)
+        steps = self._planned_steps(reqs)
         outcome = self.round(reqs, steps) if steps else self.plain_step(reqs)
         if self.chooser is not None:  # recorded with the step's time (step_done)
             accepted = [

@@ -384,3 +384,18 @@ def sigint_default() -> None:
     background (`cmd &` in a script) inherits SIGINT ignored, and Python then keeps
     ignoring it, as nohup intends; a terminal's Ctrl-C reaches it."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def spy_launches(engine, monkeypatch) -> tuple[list[int], list[int]]:
+    """Spy on the strategy's launches; -> (batch sizes of every launch, of those fed by a
+    step's device tokens: launched ahead)."""
+    every, ahead, launch = [], [], engine.strategy.launch
+
+    def spy(reqs, last_tokens=None):
+        every.append(len(reqs))
+        if last_tokens is not None:
+            ahead.append(len(reqs))
+        return launch(reqs, last_tokens)
+
+    monkeypatch.setattr(engine.strategy, "launch", spy)
+    return every, ahead

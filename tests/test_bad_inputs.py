@@ -418,9 +418,14 @@ def test_nan_verify_logits_fail_speculative_rounds_too(gemma4_tiny, gemma4_assis
 
 
 @pytest.mark.graphs
-def test_nan_decode_logits_on_graphs_are_marked_inside_the_graph(llama_gqa_untied, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_nan_decode_logits_on_graphs_are_marked_inside_the_graph(
+    llama_gqa_untied, monkeypatch, overlap
+):
     """Decode logits turn NaN (after a clean prefill) inside a replayed decode graph: the
-    graph's own greedy tokens carry the mark, for greedy and for sampled requests."""
+    graph's own greedy tokens carry the mark, for greedy and for sampled requests.
+    Launching ahead, the step behind the marked one takes a valid token in the mark's
+    place, and its output is dropped with the failed requests."""
     from helpers import cpu_engine, standin_device
 
     from graphrt.core.batch import ForwardMode
@@ -431,13 +436,14 @@ def test_nan_decode_logits_on_graphs_are_marked_inside_the_graph(llama_gqa_untie
     target = load_model(str(llama_gqa_untied.path), CPU, torch.float32)
     engine = cpu_engine(
         target, device=standin_device(), runner="graph", graph_backend="cuda-full",
-        graph_buckets=(2,), max_context_len=32,
+        graph_buckets=(2,), max_context_len=32, overlap=overlap,
     )  # fmt: skip
     greedy = SamplingParams(max_new_tokens=4, ignore_eos=True)
     sampled = dataclasses.replace(greedy, temperature=0.8, seed=3)
     reqs = [engine.add_request([5, 6, 7], greedy), engine.add_request([9, 10], sampled)]
     engine.run_until_finished(reqs)  # one batch: a greedy and a sampled row
-    assert engine.graph_runner.replays_per_size() == {2: 1}  # the one decode step replayed
+    # The one decode step replayed (and, launched ahead, the one behind it).
+    assert engine.graph_runner.replays_per_size() == {2: 1 + overlap}
     assert engine.strategy.greedy_out[:2].tolist() == [BAD_LOGITS] * 2  # marked in the graph
     assert [len(r.output_ids) for r in reqs] == [1, 1]  # the prefill's token, then the error
     assert all(r.finish_reason.value == "error" and "NaN or Inf" in r.error for r in reqs)

@@ -77,6 +77,21 @@ def test_generate_json_matches_transformers(capsys, ckpt_with_tokenizer):
         assert isinstance(req["text"], str)
 
 
+def test_generate_overlap_gives_transformers_tokens(capsys, ckpt_with_tokenizer):
+    """--overlap (plain steps launched before the last one's tokens are read): the same
+    tokens as transformers, and no step beyond the ones the tokens need (the last step of
+    a request whose length ends is followed by none)."""
+    path, hf = ckpt_with_tokenizer
+    prompts = [[5, 17, 42, 99, 7], [250, 3, 8]]
+    argv = ["--model", str(path), "--max-new-tokens", "9", "--ignore-eos", "--overlap"]
+    for p in prompts:
+        argv += ["--prompt-ids", ",".join(map(str, p))]
+    out = run_json(capsys, *argv)
+    assert out["stats"]["eager_steps"] == 9  # one prefill step + 8 decode steps
+    for prompt, req in zip(prompts, out["requests"]):
+        assert req["output_ids"] == hf_greedy(hf, prompt, 9)[0]
+
+
 @pytest.mark.graphs
 def test_graph_runner_matches_eager_the_cpu_default_and_transformers(capsys, ckpt_with_tokenizer):
     """On CPU no --runner means eager (compiling costs more than a short job saves);

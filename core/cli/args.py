@@ -340,6 +340,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="run only exactly captured batch sizes as graphs; others run eager",
     )
     p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="launch each plain decode step before the last one's tokens are read, so the "
+        "host prepares a step while the device runs one (not yet measured on a GPU: off "
+        "by default)",
+    )
+    p.add_argument(
         "--max-graph-memory",
         type=_positive,
         default=None,

@@ -44,6 +44,7 @@ def engine_config(
         graph_backend=args.graph_backend,
         graph_buckets=args.graph_bs,
         graph_padding=args.graph_padding,
+        overlap=args.overlap,
         max_graph_memory_bytes=None
         if args.max_graph_memory is None
         else args.max_graph_memory << 20,

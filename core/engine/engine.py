@@ -36,13 +36,20 @@ from graphrt.core.engine.request import (
     token_ids,
 )
 from graphrt.core.engine.sampling import BAD_LOGITS, sample_requests
-from graphrt.core.engine.strategy import DecodeStrategy, PlainDecode, StepContext, StepOutcome
+from graphrt.core.engine.strategy import (
+    DecodeStrategy,
+    LaunchedStep,
+    PlainDecode,
+    StepContext,
+    StepOutcome,
+)
 from graphrt.core.errors import (
     OutOfMemoryError,
     RequestError,
     UsageError,
     out_of_memory,
 )
+from graphrt.core.host import to_device
 from graphrt.core.memory import ReqToTokenPool, TokenKVPool
 from graphrt.core.models.loader import LoadedModel
 from graphrt.core.runners import EagerRunner, GraphRunner, GraphRunnerConfig
@@ -83,6 +90,11 @@ class EngineConfig:
     # Freeze the objects start-up left alive out of Python's garbage collector's walks
     # (core/engine/heap.py; process-wide): full collections otherwise stall decoding.
     freeze_gc: bool = True
+    # Launch each plain decode step of the same requests before reading the last one's
+    # tokens (fed by them on the device), so the host prepares a step while the device
+    # runs the one before; a request that stopped meanwhile has its extra token dropped.
+    # Off by default until measured on a GPU (on the CPU the host is the device: no gain).
+    overlap: bool = False
 
     def __post_init__(self):
         sizes = ("max_running_requests", "max_prefill_tokens")
@@ -107,7 +119,7 @@ class EngineConfig:
             isinstance(buckets, (tuple, list)) and all(map(is_int, buckets))
         ):
             raise UsageError(f"graph_buckets must be a list of integers, got {buckets!r}")
-        for name in ("graph_padding", "capture_all_graphs"):
+        for name in ("graph_padding", "capture_all_graphs", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.runner not in (None, *RUNNERS):
@@ -301,6 +313,10 @@ class Engine:
         self._next_rid = 0
         self._largest_capture = 0  # bytes the largest capture so far added (the cap's guess)
         self._warned_cap = False
+        # A plain step launched ahead (config.overlap), its tokens not read yet: the next
+        # step settles it before anything else runs.
+        self._pending: LaunchedStep | None = None
+        self._overlap = cfg.overlap
         self.ctx = StepContext(
             loaded=loaded,
             ledger=self.ledger,
@@ -339,6 +355,8 @@ class Engine:
             return
         start = time.perf_counter()
         stats, self.stats = self.stats, EngineStats()
+        # Each kind is timed alone: a step launched ahead would run the next kind's turn.
+        overlap, self._overlap = self._overlap, False
         # Enough tokens that none finishes: a round emits at most its steps + 1.
         params = SamplingParams(max_new_tokens=1 + sum(k + 1 for k in kinds), ignore_eos=True)
         try:
@@ -369,6 +387,7 @@ class Engine:
             self.ledger.recover(self.running)
             stats.step_timing_s = time.perf_counter() - start
             self.stats = stats
+            self._overlap = overlap
 
     @property
     def req_pool(self) -> ReqToTokenPool:
@@ -594,6 +613,13 @@ class Engine:
 
     def _step_locked(self) -> list[Request]:
         self._admit()
+        if self._pending is not None:  # settled before anything else runs (a prefill)
+            step, self._pending = self._pending, None
+            try:
+                return self._settle(step)
+            except Exception as e:  # noqa: BLE001 (as below)
+                self._fail(list(self.running), e)
+                return step.reqs
         chunks = self._prefill_chunks()
         stepping = [req for req, _ in chunks] or list(self.running)
         start = time.perf_counter()
@@ -613,6 +639,7 @@ class Engine:
         log.warning(
             "a step of %d requests failed (%s); they finish with 'error'", len(reqs), message
         )
+        self._pending = None  # its slots are the running requests' (recover keeps them)
         for req in reqs:
             req.finish_reason, req.error = FinishReason.ERROR, message
             if req in self.running:
@@ -649,14 +676,63 @@ class Engine:
             return []
         self._capture_needed(reqs)
         start = time.perf_counter()  # after any capture: what the step itself costs
+        step = self.strategy.launch(reqs) if self._overlap else None
+        if step is not None:
+            step.start = start
+            return self._settle(step)
         self._emit(reqs, self._apply(reqs, self.strategy.decode(reqs)))
         self.strategy.step_done(time.perf_counter() - start)
         return reqs
 
+    def _settle(self, step: LaunchedStep) -> list[Request]:
+        """Launch the next plain step behind ``step`` where one can go (``_launch_ahead``),
+        then wait for ``step``'s tokens and emit them. A step's seconds run from the end of
+        the one before it was settled (its host work overlapped that one's device time)."""
+        ahead = self._launch_ahead(step)
+        self._emit(step.reqs, self._apply(step.reqs, step.finish()))
+        now = time.perf_counter()
+        if step.record is not None:
+            step.record(now - step.start)
+        if ahead is not None and not any(r in self.running for r in ahead.reqs):
+            # Every request it served stopped: nothing to emit, but its forward ran.
+            self._apply(ahead.reqs, ahead.finish())
+            ahead = None
+        if ahead is not None:
+            ahead.start = now
+        self._pending = ahead
+        return step.reqs
+
+    def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
+        """The next plain step of ``step``'s requests, queued behind it and fed its tokens
+        on the device, where nothing else must run first (a prefill) and the strategy's
+        next step is plain; requests whose ``step`` token is surely their last are left
+        out. One that stops on its token (end of sequence, broken logits) gets one token
+        too many, dropped when this step is settled."""
+        if not self._overlap or self.prefilling:
+            return None
+        keep = [
+            i
+            for i, r in enumerate(step.reqs)
+            if not r.finished
+            and len(r.output_ids) + 1 < r.params.max_new_tokens
+            and r.kv_len < self.max_context_len
+            and not r.params.return_logits  # each token's logits are read as it is sampled
+        ]
+        if not keep:
+            return None
+        reqs = [step.reqs[i] for i in keep]
+        tokens = step.tokens
+        if len(keep) < len(step.reqs):
+            tokens = tokens.index_select(0, to_device(keep, tokens.device))
+        return self.strategy.launch(reqs, tokens)
+
     def _emit(self, reqs: list[Request], emitted: list[list[int]]) -> None:
         """Append each request's tokens, finishing those that stop, reach their length or
-        fill the context."""
+        fill the context. A request finished already (it stopped, or was aborted, while a
+        step launched ahead ran) takes none."""
         for req, tokens in zip(reqs, emitted):
+            if req.finished:
+                continue
             for token in tokens:
                 if token == BAD_LOGITS:  # the target's logits held NaN or +Inf
                     self._fail_bad_logits(req)
@@ -664,8 +740,11 @@ class Engine:
                 self._append_token(req, token)
                 if req.finished:
                     break
-            # A request whose KV filled the context can take no further token.
-            if not req.finished and req.kv_len >= self.max_context_len:
+            # A request whose KV filled the context can take no further token: its last
+            # token's KV would go at position prompt + output - 1. (Not ``kv_len``: a
+            # step launched ahead already holds that slot.)
+            filled = len(req.prompt_ids) + len(req.output_ids) > self.max_context_len
+            if not req.finished and filled:
                 self._finish(req, FinishReason.LENGTH)
 
     def _apply(self, reqs: list[Request], outcome: StepOutcome) -> list[list[int]]:
@@ -743,4 +822,7 @@ class Engine:
 
     def cleanup(self) -> None:
         """Drop every captured graph (the engine can no longer run graphs)."""
+        if self._pending is not None:  # never free graphs under a replay in flight
+            self._pending.read.wait()
+            self._pending = None
         self.strategy.cleanup()

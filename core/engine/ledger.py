@@ -89,11 +89,19 @@ class Ledger:
             req.kv_len += n
         return table[2]
 
-    def append_one(self, reqs: Sequence[Request], device: torch.device) -> torch.Tensor:
+    def append_one(
+        self,
+        reqs: Sequence[Request],
+        device: torch.device,
+        last_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One new slot per request at position ``kv_len``, in both tables; each
         ``kv_len`` grows by one. -> (6, B) device rows (one copy): slot, request slot,
         position, last token, sequence length with the new token (position + 1), and the
-        token table's flat index of (request slot, position)."""
+        token table's flat index of (request slot, position).
+
+        ``last_tokens``: (B,) device tokens, each request's last where the host has not
+        read it yet (a step launched behind the one sampling it); None: ``output_ids``."""
         # Built and scattered in numpy: torch ops on a few ints cost microseconds each
         # (this took 13.7 us in torch, 5.9 in numpy, batch 1 on a 2-core CPU host).
         host_table = self.req_pool.host.numpy()
@@ -101,11 +109,16 @@ class Ledger:
         rows[0] = self.kv_pool.alloc_host(len(reqs)).numpy()
         rows[1] = [r.req_slot for r in reqs]
         rows[2] = [r.kv_len for r in reqs]
-        rows[3] = [r.output_ids[-1] for r in reqs]
+        if last_tokens is None:
+            rows[3] = [r.output_ids[-1] for r in reqs]
         np.add(rows[2], 1, out=rows[4])
         np.add(rows[1] * host_table.shape[1], rows[2], out=rows[5])
         host_table[rows[1], rows[2]] = rows[0]
         on_device = to_device(torch.from_numpy(rows), device)
+        if last_tokens is not None:
+            # A BAD_LOGITS mark (-1) becomes token 0, a valid input: that request fails
+            # when its token is read, and this step's output for it is dropped.
+            torch.clamp(last_tokens, min=0, out=on_device[3])
         # One index_copy_ into the flattened table, not table[rows, cols] = slots: the
         # 2-D advanced-index assignment took 44 us of host time a step under the profiler
         # on an H200 host (indices broadcast and checked each call).

@@ -191,16 +191,23 @@ def request_rows(reqs: Sequence[Request], device: torch.device) -> SamplingRows:
     return sampling_rows(params, [r.seed for r in reqs], [r.draws for r in reqs], device)
 
 
-def sample_requests(
+def draw_tokens(
     reqs: Sequence[Request], logits: torch.Tensor, greedy: torch.Tensor | None = None
-) -> list[int]:
-    """(B, V) logits, a row per request -> B tokens on the host: the step's one wait on
-    the device (core.host.read_host). Each request's stream moves on by one draw;
-    requests that keep logits (tests, logprobs; off by default) get their row.
-    ``greedy``: see ``sample``."""
+) -> torch.Tensor:
+    """(B, V) logits, a row per request -> (B,) int64 tokens on the device, not read. Each
+    request's stream moves on by one draw; requests that keep logits (tests, logprobs;
+    off by default) get their row. ``greedy``: see ``sample``."""
     tokens = sample(logits, request_rows(reqs, logits.device), greedy)
     for i, req in enumerate(reqs):
         req.draws += 1
         if req.params.return_logits:
             req.output_logits.append(logits[i].to("cpu", copy=True))
-    return read_host(tokens)
+    return tokens
+
+
+def sample_requests(
+    reqs: Sequence[Request], logits: torch.Tensor, greedy: torch.Tensor | None = None
+) -> list[int]:
+    """``draw_tokens``, then the tokens on the host: the step's one wait on the device
+    (core.host.read_host)."""
+    return read_host(draw_tokens(reqs, logits, greedy))

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphrt.core.batch import ForwardBatch, ForwardMode
-from graphrt.core.engine.sampling import greedy_tokens, sample_requests
+from graphrt.core.engine.sampling import draw_tokens, greedy_tokens
+from graphrt.core.host import HostRead
 from graphrt.core.runners import (
     BaseRunner,
     EagerRunner,
@@ -62,10 +63,13 @@ class StepContext:
             return graph.execute(batch, clone), True
         return self.eager_runner.execute(batch), False
 
-    def decode_batch(self, reqs: Sequence[Request]) -> ForwardBatch:
+    def decode_batch(
+        self, reqs: Sequence[Request], last_tokens: torch.Tensor | None = None
+    ) -> ForwardBatch:
         """The next decode batch for ``reqs`` (running requests): one new KV slot each,
-        from the ledger, at each request's next position."""
-        rows = self.ledger.append_one(reqs, self.device)  # (6, B)
+        from the ledger, at each request's next position. ``last_tokens``: see
+        ``Ledger.append_one``."""
+        rows = self.ledger.append_one(reqs, self.device, last_tokens)  # (6, B)
         slots, req_slots, positions, input_ids, seq_lens, _ = rows
         return ForwardBatch(
             mode=ForwardMode.DECODE,
@@ -104,6 +108,26 @@ class StepOutcome:
     rounds: list[RoundLog] | None = None  # a speculative step: each request's round
     graph_rounds: int = 0  # request rounds on graphs (the round's one, or draft's and verify's)
     plain_steps: int = 0  # a speculative strategy's plain decode steps (spec.adaptive)
+
+
+@dataclass
+class LaunchedStep:
+    """A plain decode step queued on the device, its tokens not read yet: the engine
+    launches the next step behind it, fed by ``tokens``, before it waits for them
+    (``Engine`` with ``overlap``), so the host prepares a step while the device runs one."""
+
+    reqs: list[Request]
+    tokens: torch.Tensor  # (B,) int64 on the device; BAD_LOGITS where logits were broken
+    read: HostRead  # the tokens' copy to the host, queued behind the step
+    outcome: StepOutcome  # what the step counts; its tokens come with ``finish``
+    # The strategy's bookkeeping of the step's seconds (its ``step_done`` for this step).
+    record: Callable[[float], None] | None = None
+    start: float = 0.0  # perf_counter() from which the step's seconds count
+
+    def finish(self) -> StepOutcome:
+        """Wait for the tokens (the step's one wait); -> the step's outcome."""
+        self.outcome.tokens = [[t] for t in self.read.wait()]
+        return self.outcome
 
 
 class DecodeStrategy(abc.ABC):
@@ -161,6 +185,16 @@ class DecodeStrategy(abc.ABC):
         ledger) by as many tokens as it emits; the engine appends them and finishes
         requests."""
 
+    def launch(
+        self, reqs: list[Request], last_tokens: torch.Tensor | None = None
+    ) -> LaunchedStep | None:
+        """Queue the next step of ``reqs`` without reading its tokens, where it is a plain
+        decode step needing no capture; else None (the engine then calls ``decode``).
+        ``last_tokens``: (B,) each request's last token on the device, where the host has
+        not read it yet (see ``Ledger.append_one``). Its ``record`` stands for
+        ``step_done``."""
+        return None
+
     def cleanup(self) -> None:  # noqa: B027
         """Drop captured graphs."""
 
@@ -216,16 +250,25 @@ class PlainDecode(DecodeStrategy):
         return (self.graph_runner,)
 
     def decode(self, reqs: list[Request]) -> StepOutcome:
-        batch = self.ctx.decode_batch(reqs)
+        return self.launch(reqs).finish()
+
+    def launch(self, reqs: list[Request], last_tokens: torch.Tensor | None = None) -> LaunchedStep:
+        batch = self.ctx.decode_batch(reqs, last_tokens)
         # Views of the graph's outputs: sampled (or copied out) before the next replay.
         out, on_graph = self.ctx.forward(batch, self.graph_runner, clone=False)
         if not on_graph and self.after_forward is not None:
             self.after_forward(batch, out)  # the graph ran it already
         greedy = self.greedy_out[: len(reqs)] if on_graph else None
-        return StepOutcome(
-            tokens=[[t] for t in sample_requests(reqs, out.logits, greedy)],
-            graph_forwards=int(on_graph),
-            eager_forwards=int(not on_graph),
+        # The read is queued now, before any step launched behind this one replays over
+        # the graph's outputs (greedy tokens are a view of its greedy_out).
+        tokens = draw_tokens(reqs, out.logits, greedy)
+        return LaunchedStep(
+            reqs=reqs,
+            tokens=tokens,
+            read=HostRead(tokens),
+            outcome=StepOutcome(
+                tokens=[], graph_forwards=int(on_graph), eager_forwards=int(not on_graph)
+            ),
         )
 
     def cleanup(self) -> None:

@@ -342,6 +342,24 @@ def case_device(case: GraphCase):
     return CaseDevice()
 
 
+ENGINE_BUCKETS = (1, 4)  # case_engine's: batches of 5 and more run eagerly, 2 and 3 padded
+
+
+def case_engine(case: GraphCase, loaded, graphs: bool, **overrides):
+    """An Engine over the case's backends, the harness's pool and context sizes, graphs
+    (at ENGINE_BUCKETS unless ``overrides`` say) or eager."""
+    from graphrt.core.engine import Engine, EngineConfig
+
+    config = EngineConfig(
+        max_running_requests=MAX_REQUESTS,
+        max_context_len=CONTEXT,
+        kv_pool_tokens=KV_SLOTS,
+        runner="graph" if graphs else "eager",
+        **{"graph_buckets": ENGINE_BUCKETS, **overrides},
+    )
+    return Engine(loaded, config, case_device(case))
+
+
 def loaded_model(case: GraphCase, cache: dict):
     key = ("model", case.device, case.dtype)
     if key not in cache:

@@ -9,30 +9,17 @@ import logging
 
 import pytest
 import torch
-from harness import CONTEXT, KV_SLOTS, MAX_REQUESTS, GraphCase, case_device
+from harness import ENGINE_BUCKETS, case_engine
 from helpers import random_prompts
 
 from graphrt.core.batch import ForwardMode
-from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+from graphrt.core.engine import Engine, SamplingParams
 from graphrt.core.runners.graph import GraphRunner
 
 pytestmark = [pytest.mark.graphs, pytest.mark.usefixtures("cpu_compile_without_inductor")]
 
-# Two of the harness's buckets with its pools and context.
-BUCKETS = (1, 4)
 LENS = (5, 33, 12, 1, 21, 8)  # decode batches of 6 (above the buckets) down to 1
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
-
-
-def _engine(case: GraphCase, loaded, graphs: bool) -> Engine:
-    config = EngineConfig(
-        max_running_requests=MAX_REQUESTS,
-        max_context_len=CONTEXT,
-        kv_pool_tokens=KV_SLOTS,
-        graph_buckets=BUCKETS,
-        runner="graph" if graphs else "eager",
-    )
-    return Engine(loaded, config, case_device(case))
 
 
 def _fail_capture_of(size: int, loaded, monkeypatch) -> list[int]:
@@ -83,10 +70,10 @@ def test_failed_capture_drops_the_bucket_and_keeps_the_tokens(
     case, loaded, failing, monkeypatch, caplog
 ):
     prompts = random_prompts(LENS, seed=21, vocab=loaded.model.vocab_size)
-    reference = _run(_engine(case, loaded, graphs=False), prompts)
+    reference = _run(case_engine(case, loaded, graphs=False), prompts)
     failed = _fail_capture_of(failing, loaded, monkeypatch)
     caplog.set_level(logging.WARNING)
-    engine = _engine(case, loaded, graphs=True)  # captures: the failure happens here...
+    engine = case_engine(case, loaded, graphs=True)  # captures: the failure happens here...
     tokens = _run(engine, prompts)  # ...or at the first replay of compiled code
     second = _run(engine, prompts)  # and the engine keeps serving
     runner = engine.graph_runner
@@ -101,10 +88,10 @@ def test_failed_capture_drops_the_bucket_and_keeps_the_tokens(
     assert f"{failing}" in warnings[0].getMessage()
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
     if lazy:  # compiled code: the bucket stays, uncompiled
-        assert runner.captured_sizes == list(BUCKETS) and not runner.dropped_buckets
+        assert runner.captured_sizes == list(ENGINE_BUCKETS) and not runner.dropped_buckets
         assert "runs uncompiled" in warnings[0].getMessage()
         return
-    kept = [b for b in BUCKETS if b != failing]
+    kept = [b for b in ENGINE_BUCKETS if b != failing]
     assert runner.captured_sizes == kept == list(runner.buckets)
     assert set(runner.dropped_buckets) == {failing}
     assert "OutOfMemoryError: injected" in runner.dropped_buckets[failing]

@@ -8,35 +8,18 @@ import dataclasses
 
 import pytest
 import torch
-from harness import CONTEXT, KV_SLOTS, MAX_REQUESTS, GraphCase, case_device
+from harness import ENGINE_BUCKETS, case_engine
 from helpers import random_prompts
 
 from graphrt.core.batch import ForwardBatch, ForwardMode
-from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+from graphrt.core.engine import Engine, SamplingParams
 
 pytestmark = [pytest.mark.graphs, pytest.mark.usefixtures("cpu_compile_without_inductor")]
 
-# (1, 4) leaves 5 and 6 above the largest bucket.
-ENGINE_BUCKETS = (1, 4)
 LENS = (5, 33, 12, 1, 21, 8)  # mixed prompt lengths
 # Request i stops after LIMITS[i] tokens: decode batches shrink 6, 5, 4, 3, 2, 1.
 LIMITS = (2, 3, 4, 5, 6, 7)
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
-
-
-def _config(**overrides) -> EngineConfig:
-    return EngineConfig(
-        max_running_requests=MAX_REQUESTS,
-        max_context_len=CONTEXT,
-        kv_pool_tokens=KV_SLOTS,
-        graph_buckets=ENGINE_BUCKETS,
-        **overrides,
-    )
-
-
-def _engine(case: GraphCase, loaded, graphs: bool, **overrides) -> Engine:
-    runner = "graph" if graphs else "eager"
-    return Engine(loaded, _config(runner=runner, **overrides), case_device(case))
 
 
 @pytest.fixture
@@ -46,7 +29,7 @@ def graph_engine(case, loaded, session_cache):
     def get(padding: bool = True) -> Engine:
         key = ("engine", case.id, padding)
         if key not in session_cache:
-            session_cache[key] = _engine(case, loaded, graphs=True, graph_padding=padding)
+            session_cache[key] = case_engine(case, loaded, graphs=True, graph_padding=padding)
         return session_cache[key]
 
     return get
@@ -89,7 +72,7 @@ def test_generate_matches_eager_engine(case, loaded, graph_engine):
     engine = graph_engine()
     assert engine.stats.captured_sizes == list(ENGINE_BUCKETS)
     eager0, graph0 = _stats(engine)
-    reference = _engine(case, loaded, graphs=False).generate(prompts, GREEDY)
+    reference = case_engine(case, loaded, graphs=False).generate(prompts, GREEDY)
     out = engine.generate(prompts, GREEDY)
     assert [r.output_ids for r in out] == [r.output_ids for r in reference]
     # One eager prefill, then every decode step (3 requests -> bucket 4) on a graph.
@@ -99,7 +82,7 @@ def test_generate_matches_eager_engine(case, loaded, graph_engine):
 def test_falls_back_to_eager_above_the_buckets_and_for_prefill(case, loaded, graph_engine):
     prompts = random_prompts(LENS, seed=12, vocab=loaded.model.vocab_size)
     engine = graph_engine()
-    reference, _ = _run_staggered(_engine(case, loaded, graphs=False), prompts)
+    reference, _ = _run_staggered(case_engine(case, loaded, graphs=False), prompts)
     eager0, graph0 = _stats(engine)
     tokens, steps = _run_staggered(engine, prompts)
     assert tokens == reference
@@ -126,7 +109,7 @@ def test_exact_mode_runs_graphs_only_at_captured_sizes(case, loaded, graph_engin
         engine.graph_backend, "replay", lambda key: replayed.append(key) or replay(key)
     )
     prompts = random_prompts(LENS, seed=13, vocab=loaded.model.vocab_size)
-    reference, _ = _run_staggered(_engine(case, loaded, graphs=False), prompts)
+    reference, _ = _run_staggered(case_engine(case, loaded, graphs=False), prompts)
     eager0, graph0 = _stats(engine)
     tokens, steps = _run_staggered(engine, prompts)
     assert tokens == reference

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import CASES, case_device, without_inductor
-from helpers import OracleDraftRunner, cycling_chooser, random_prompts, rel_err
+from helpers import OracleDraftRunner, cycling_chooser, random_prompts, rel_err, spy_launches
 
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.models import load_model
@@ -432,3 +432,54 @@ def test_one_graph_rounds_fall_back_where_no_graph_serves_the_batch(spec_case, s
     on_graphs = graph.attn_backend.capture_safe
     expected = {size: on_graphs and size in buckets_for(spec_case) for size in (4, 3, 2, 1)}
     assert set(sizes) == set(expected.items())  # every round at a size alike
+
+
+# Auto lengths' scripted choices (0: a plain step): runs of plain steps launch ahead, and a
+# round after one settles it first.
+OVERLAP_ORDER = (0, 0, 0, 2, 0, 0, 1, 0, 3, 0, 0)
+
+
+def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
+    spec_case, gemma4_tiny, gemma4_assistant, monkeypatch
+):
+    """`--spec-steps auto` with plain steps between rounds (scripted): on graphs and
+    launching plain steps ahead, the drafts, accepted tokens and output of every request
+    equal those of an eager engine reading every step; the chooser chose once a step."""
+    if spec_case.id == "cpu-compile":
+        pytest.skip("inductor compiles each length's graphs: minutes on 2 cores")
+    target, drafter = (
+        load_model(str(c.path), spec_case.device, spec_case.dtype)
+        for c in (gemma4_tiny, gemma4_assistant)
+    )
+    engines = []
+    for graphs in (True, False):
+        strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True, one_graph=False))
+        strategy.chooser = cycling_chooser(3, OVERLAP_ORDER)
+        config = EngineConfig(
+            max_running_requests=4,
+            max_context_len=64,
+            runner="graph" if graphs else "eager",
+            graph_buckets=(2, 4),
+            overlap=graphs,
+            capture_all_graphs=True,
+        )
+        engines.append(Engine(target, config, case_device(spec_case), strategy))
+    graph, eager = engines
+    _, launched_ahead = spy_launches(graph, monkeypatch)
+    prompts = random_prompts((9, 16, 12, 5), seed=16, vocab=target.model.vocab_size)
+    limits = (6, 11, 16, 22)
+    got, expected = (
+        engine.run_until_finished(
+            [
+                engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts, limits)
+            ]
+        )
+        for engine in engines
+    )
+    assert [r.output_ids for r in got] == [r.output_ids for r in expected]
+    assert [r.spec_rounds for r in got] == [r.spec_rounds for r in expected]
+    assert graph.strategy.chooser.step == eager.strategy.chooser.step  # once a step
+    assert launched_ahead and set(graph.stats.rounds_by_steps) == {1, 2, 3}
+    assert graph.stats.eager_steps == 1  # the prefill: every plain step and verify replayed
+    assert graph._pending is None and graph.kv_pool.available() == graph.kv_pool.num_slots
