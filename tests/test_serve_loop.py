@@ -1,7 +1,8 @@
 """``EngineLoop``: one thread stepping the engine for many callers (the server's core),
-on the embedded pair, CPU, float32. Each caller gets exactly its own greedy text, a
-request that is aborted frees its KV at once, and draining stops admitting and lets
-what is in flight finish."""
+on the embedded pair, CPU, float32, reading each step's tokens before the next step and
+launching plain steps ahead (``EngineConfig(overlap=True)``). Each caller gets exactly
+its own greedy text, a request that is aborted frees its KV at once, and draining stops
+admitting and lets what is in flight finish."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from graphrt.core.engine import EngineConfig
 from graphrt.core.errors import UsageError
 from graphrt.core.serve import LLM, Draining, EngineLoop, TextParams
 from graphrt.core.serve.llm import FairLock
@@ -22,9 +24,11 @@ PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range("
 PARAMS = TextParams(max_tokens=20)
 
 
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(device="cpu")
+@pytest.fixture(scope="module", params=[False, True], ids=["read-each-step", "overlap"])
+def llm(request) -> LLM:
+    """The embedded pair; overlap: plain steps launched before the last one's tokens are
+    read (a step is in flight between the loop's passes)."""
+    return LLM(device="cpu", config=EngineConfig(overlap=request.param))
 
 
 def _kv_free(llm: LLM) -> bool:
