@@ -22,7 +22,8 @@
 #   bash bench/h200.sh auto [tokens]: the README's command with and without drafting, and
 #     bench/profile_auto.py (auto vs --no-draft vs rounds of 5, side by side in one process)
 #   bash bench/h200.sh overlap [tokens]: --overlap's CUDA tests, then generate with and without
-#     it (the README's command with and without drafting, llama-1b at 1 and 8 prompts)
+#     it (the README's command with and without drafting, llama-1b at 1 and 8 prompts), and
+#     the device's idle between steps either way (bench/step_gaps.py)
 #   bash bench/h200.sh matrix ["spec_matrix.py flags"]: the speculative speed matrix (issue 20)
 #   bash bench/h200.sh onegraph [batch sizes]: one graph a round (spec.round_graph, the
 #     default) against two-graph rounds: the one-graph conformance tests on CUDA,
@@ -176,6 +177,9 @@ if [[ $what == overlap ]]; then
         done
     done
     rm -f "$OUT/run.json" "$OUT/run.err"
+    # The device's idle between steps, reading each step against launching ahead.
+    timeout 300 python bench/step_gaps.py --tokens "${2:-300}" --out "$OUT/step-gaps.json" 2>&1 \
+        | grep -v Warning | tee "$OUT/step-gaps.log" | tail -n 16
 fi
 
 if [[ $what == matrix ]]; then
