@@ -34,6 +34,7 @@ from graphrt.core.bench.timing import host_launch_us
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.engine import strategy as strategy_module
 from graphrt.core.engine.strategy import PlainDecode
+from graphrt.core.host import HostRead
 from graphrt.core.models import load_model
 from graphrt.core.pretrained import ASSISTANT_DIR, TARGET_DIR
 from graphrt.spec import MTPDecoding, SpecConfig
@@ -75,7 +76,8 @@ def phases(engine: Engine):
     ctx = engine.ctx
     wrap(type(ctx), "decode_batch", "decode_batch")
     wrap(type(ctx), "forward", "forward")
-    wrap(strategy_module, "sample_requests", "sample+read")
+    wrap(strategy_module, "draw_tokens", "sample")
+    wrap(HostRead, "wait", "read")
     wrap(engine, "_apply", "apply")
     wrap(engine, "_emit", "emit")
     wrap(engine.strategy, "decode", "strategy.decode")

@@ -6,29 +6,34 @@ Each step runs the step count ``k`` that maximises the batch's expected tokens a
 - ``E_r(k) = 1 + sum_{i<=k} a_r[1] * ... * a_r[i]``: the bonus token plus each drafted
   position reached and accepted. ``a_r[i]`` is request r's acceptance at position i given
   position i - 1 was accepted: its own recent rounds (evidence fading by 1/10 an engine
-  step), blended with the engine-wide rate (all requests' rounds, fading by 1/50 a step;
-  a position no recent round reached takes the rate of the one before it): ``Acceptance``.
-  Steps of more than ``PER_REQUEST_MAX`` requests use the engine-wide rates for each. ``E_r(0) = 1``; a
-  request that opted out (``SamplingParams.speculate``) emits 1 token whatever ``k``.
+  step), blended with the engine-wide rate (all requests' rounds, fading by 1/50 a step
+  and worth ``MAX_EVIDENCE`` rounds at most; a position no recent round reached takes the
+  rate of the one before it): ``Acceptance``. Steps of more than ``PER_REQUEST_MAX``
+  requests use the engine-wide rates for each. ``E_r(0) = 1``; a request that opted out
+  (``SamplingParams.speculate``) emits 1 token whatever ``k``.
 - ``t(B, k)``: the median wall time of the recent steps of ``k`` at batch bucket ``B``
   (the first of each, which pays for first touches, is left out), or where ``k`` was
-  measured fewer than 4 times, a line ``a + b * k`` fitted through the measured lengths
-  (``step_seconds``): one noisy sample must not decide for 64 steps.
+  measured fewer than ``TRUSTED_SAMPLES`` times, a line ``a + b * k`` fitted through the
+  measured lengths, its own samples where they are faster (``step_seconds``): one slow
+  sample must not decide for 64 steps; a stall only adds time.
 
-The engine times a plain step and the longest rounds at each batch bucket it captured
-(batch 1 when eager) at start-up, on throwaway requests (``Engine``'s step timing), so the
-first real steps already know what each end costs (the fastest of its samples: a stall
-only adds time). Before any round has measured
-acceptance, the longest rounds run first where they could pay at all (at an acceptance of
-``OPTIMISTIC_RATE`` a position): they measure acceptance at every position; where even that
-would lose to plain steps, no round runs until exploration looks. A bucket start-up left
-unmeasured measures its own plain step, then starts its rounds from the nearest measured
-bucket's times, scaled. Another count still runs now and then, so the figures follow
-what changes (acceptance drifts with the text): after 16 steps of the same winner, then
-32, then every 64 (at most 1 step in 64 spent looking once the choice is stable), the
-runner-up and the longest rounds in turn (and first a plain step, where its time is still
-start-up's alone). Looks (the optimistic first round too) are only taken while the batch
-has ``LOOK_HORIZON`` tokens or more left to pay them back.
+The engine times a plain step, the longest rounds and every length whose graphs it
+captured up front at each batch bucket it captured (batch 1 when eager) at start-up, on
+throwaway requests (``Engine``'s step timing), so the first real steps already know what
+each costs (the fastest of its samples, standing until the kind runs). Before any round
+has measured acceptance, the longest rounds run first where they could pay at all (at an
+acceptance of ``OPTIMISTIC_RATE`` a position): they measure acceptance at every
+position; where even that would lose to plain steps, no round runs until exploration
+looks. A bucket start-up left unmeasured measures its own plain step, then starts its
+rounds from the nearest measured bucket's times, scaled. Another count still runs now
+and then, so the figures follow what changes (acceptance drifts with the text): after
+16 steps of the same winner, then 32, then every 64 (at most 1 step in 64 spent looking
+once the choice is stable), the runner-up and the longest rounds in turn (and first a
+plain step, where its time is still start-up's alone). A look's runner-up takes lengths
+never run at the bucket at their most hopeful cost (between a plain step and the
+longest rounds, where that is under the line), and runs one such twice in a row (its
+first step is left out). Looks (the optimistic first round too) are only taken while
+the batch has ``LOOK_HORIZON`` tokens or more left to pay them back.
 """
 
 from __future__ import annotations
@@ -43,9 +48,15 @@ from dataclasses import dataclass, field
 from graphrt.core.engine.request import Request
 
 WINDOW = 16  # recent steps per (kind, bucket) whose median counts
-TRUSTED_SAMPLES = 4  # a length measured fewer times takes the fitted line's time
+TRUSTED_SAMPLES = 3  # a length measured fewer times takes the fitted line's time
+# (or its own, where faster)
 REQUEST_WEIGHT = 0.1  # each engine step fades a request's own evidence by this share
 ENGINE_WEIGHT = 0.02  # and the engine-wide evidence by this one
+# The engine-wide evidence is worth at most this many rounds: fading by engine steps alone
+# kept 50 steps' rounds, 3,200 at batch 64, so a batch whose acceptance fell from 0.9 to
+# 0.5 drafted at a loss for some 30 steps (bench/chooser_sim.py: 0.83 of plain decoding
+# there; 0.97 with the cap). 128 rounds: a rate's standard error about 0.04.
+MAX_EVIDENCE = 128.0
 # Above this many requests in a step, the engine-wide rates stand for each request: per-
 # request estimates in Python cost about 8 us a request a round step (recorded, and
 # weighed every REDECIDE steps; 2-core CPU host, in an engine, whose forwards leave
@@ -90,6 +101,9 @@ class _Bucket:
     ranked_for: tuple[int, ...] = ()  # the request ids it was weighed for
     ranked_age: int = 0  # steps since
     last_winner: int | None = None
+    # A length a look ran for its first time here, to run once more at once: a kind's first
+    # step at a bucket is left out (first touches), so one run alone would teach nothing.
+    look_again: int | None = None
     # Kinds whose time is start-up's figure alone (the fastest of its timing runs, on
     # throwaway one-token requests): the first real step of the kind replaces it.
     from_start_up: set[int] = field(default_factory=set)
@@ -122,8 +136,14 @@ class Acceptance:
     instead of keeping an old figure, so longer rounds get tried again when the
     positions before them look good."""
 
-    def __init__(self, max_steps: int, weight: float, prior: Acceptance | None = None):
-        self.weight, self.prior = weight, prior
+    def __init__(
+        self,
+        max_steps: int,
+        weight: float,
+        prior: Acceptance | None = None,
+        max_evidence: float = math.inf,
+    ):
+        self.weight, self.prior, self.max_evidence = weight, prior, max_evidence
         self.hits = [0.0] * max_steps
         self.seen = [0.0] * max_steps
         self.clock = 0  # the engine step of the last record
@@ -157,6 +177,10 @@ class Acceptance:
                 seen[i] += reached
                 hits[i] += passed
                 reached = passed
+        if seen[0] > self.max_evidence:  # position 1's count is the largest
+            keep = self.max_evidence / seen[0]
+            self.hits = [h * keep for h in hits]
+            self.seen = [n * keep for n in seen]
         self.version += 1
 
     def rates(self) -> tuple[float, ...]:
@@ -190,7 +214,7 @@ class DraftChooser:
         self.max_steps = max_steps
         self.context_len = context_len  # the engine's context (None: unbounded)
         self._buckets: dict[int, _Bucket] = {}
-        self.engine_rates = Acceptance(max_steps, ENGINE_WEIGHT)
+        self.engine_rates = Acceptance(max_steps, ENGINE_WEIGHT, max_evidence=MAX_EVIDENCE)
         self._requests: dict[int, Acceptance] = {}  # by request id, while it runs
         self.steps_by_count = [0] * (max_steps + 1)  # [k] = steps run with k draft steps
         self.last: tuple[int, list[float], list[float]] | None = None  # what explain() says
@@ -255,6 +279,9 @@ class DraftChooser:
         if not self.engine_rates.seen[0] and self._may_pay(bucket, refused):
             if self._worth_a_look(reqs):
                 return self.max_steps  # no round ran yet: this one measures every position
+        again, size.look_again = size.look_again, None
+        if again is not None and again not in refused:
+            return again
         # The ranking is redone every REDECIDE steps, or when the batch changes: it moves
         # slowly, and weighing it costs tens of microseconds (a plain step of a small
         # model is a few hundred).
@@ -284,7 +311,17 @@ class DraftChooser:
             longest = max(allowed)
             if size.explored % 2 == 0 and winner != longest:
                 return longest
-            return runner_up
+            # The others, the runner-up with lengths never run here taken at their most
+            # hopeful cost: the line through the lengths run can overrate a short round's
+            # (measured on the H200, rounds of 1 at batch 8 cost 3.6 ms where the line
+            # through 2 to 5 said 4.5), and a length never run would never be the
+            # runner-up. Hope costs a look at most (1 step in 16 to 64), never a winner.
+            hopeful = self.rates(bucket, reqs, optimistic=True)
+            others = [k for k in allowed if k != winner]
+            look = max(others, key=lambda k: hopeful[k]) if others else runner_up
+            if not size.seen.get(look):
+                size.look_again = look
+            return look
         # The next steps that would reuse this ranking and take no look: plain whatever
         # choose computes (see stays_plain, which counts them as choose would). Not before
         # a round ran: then each step asks again whether a first round may pay, on plain
@@ -319,8 +356,10 @@ class DraftChooser:
         tokens = sum(OPTIMISTIC_RATE**i for i in range(self.max_steps + 1))
         return tokens / seconds[self.max_steps] > 1.0 / seconds[0]
 
-    def rates(self, bucket: int, reqs: Sequence[Request]) -> list[float]:
-        """[k] = expected tokens a second of a step with k draft steps over ``reqs``."""
+    def rates(self, bucket: int, reqs: Sequence[Request], optimistic: bool = False) -> list[float]:
+        """[k] = expected tokens a second of a step with k draft steps over ``reqs``.
+        ``optimistic``: lengths never measured at ``bucket`` cost no more than between a
+        plain step and the longest rounds (``_own_seconds``), for a look's choice."""
         engine = self.engine_rates
         drafting = [r for r in reqs if r.params.speculate]
         if len(reqs) > PER_REQUEST_MAX:
@@ -336,20 +375,21 @@ class DraftChooser:
                 for r in reqs
             ]
             tokens = [sum(column) for column in zip(*per_request)]
-        seconds = self.step_seconds(bucket)
-        self.last = (bucket, tokens, seconds)
+        seconds = self.step_seconds(bucket, optimistic)
+        if not optimistic:
+            self.last = (bucket, tokens, seconds)
         return [t / s for t, s in zip(tokens, seconds)]
 
-    def step_seconds(self, bucket: int) -> list[float]:
+    def step_seconds(self, bucket: int, optimistic: bool = False) -> list[float]:
         """[k] = a step's seconds with k draft steps at ``bucket``: its own measurements
         and model (``_own_seconds``), and where those say nothing, the nearest bucket's
         figures scaled to this one's (a batch that shrinks or grows into a new bucket
         starts from what the engine knows, instead of measuring both ends again)."""
-        own = self._own_seconds(bucket)
+        own = self._own_seconds(bucket, optimistic)
         if None not in own:
             return own
         donor = self._donor(bucket)
-        theirs = self._own_seconds(donor)
+        theirs = self._own_seconds(donor, optimistic)
         ratios = [o / t for o, t in zip(own, theirs) if o is not None]
         scale = statistics.median(ratios) if ratios else 1.0
         return [o if o is not None else t * scale for o, t in zip(own, theirs)]
@@ -363,7 +403,7 @@ class DraftChooser:
         ]
         return min(measured, key=lambda b: abs(math.log(b / bucket)), default=None)
 
-    def _own_seconds(self, bucket: int) -> list[float | None]:
+    def _own_seconds(self, bucket: int, optimistic: bool = False) -> list[float | None]:
         """[k] = a step's seconds with k draft steps from ``bucket``'s own measurements:
         measured, or modelled; None where they say nothing.
 
@@ -371,12 +411,18 @@ class DraftChooser:
         step; verify reads the target's weights once whatever its width), so once two
         lengths are measured a line through their medians (weighted by samples; through
         the well-measured ones where two are) predicts the others, and stands in for a
-        length measured only a few times. Before that, lengths between a plain step and
-        the longest rounds are interpolated linearly between the two: optimistic (a
-        round's fixed cost is spread), so they get tried."""
+        length measured only a few times unless its own samples are faster. Before that,
+        lengths between a plain step and the longest rounds are interpolated linearly
+        between the two: optimistic (a round's fixed cost is spread), so they get tried.
+        ``optimistic`` (a look's runner-up): lengths never measured here take the lesser
+        of the line and that interpolation."""
         size = self._buckets[bucket]
         counts = {k: len(size.seconds.get(k, ())) for k in range(self.max_steps + 1)}
         known = {k: size.median(k) for k, n in counts.items() if n}
+        # Start-up's figure for a kind stands as it is (the fastest of its runs, on the
+        # same graphs): the line through the ends would not move it.
+        for k in size.from_start_up:
+            counts[k] = max(counts[k], TRUSTED_SAMPLES)
         rounds = {k: (m, counts[k]) for k, m in known.items() if k > 0}
         trusted = {k: p for k, p in rounds.items() if p[1] >= TRUSTED_SAMPLES}
         line = _fit_line(trusted if len(trusted) >= 2 else rounds)
@@ -386,7 +432,13 @@ class DraftChooser:
             if k in known and (k == 0 or counts[k] >= TRUSTED_SAMPLES or line is None):
                 seconds.append(known[k])
             elif line is not None and k > 0:
-                seconds.append(max(line[0] + line[1] * k, 1e-9))
+                modelled = max(line[0] + line[1] * k, 1e-9)
+                if k in known:  # a few samples: a slow one is set aside, a fast one believed
+                    modelled = min(modelled, known[k])
+                elif optimistic and ends:
+                    share = k / self.max_steps
+                    modelled = min(modelled, known[0] + share * (known[self.max_steps] - known[0]))
+                seconds.append(modelled)
             elif ends and k > 0:
                 share = k / self.max_steps
                 seconds.append(known[0] + share * (known[self.max_steps] - known[0]))

@@ -300,25 +300,34 @@ class MTPDecoding(DecodeStrategy):
     # ---- one step ----------------------------------------------------------------
 
     def step_timing(self) -> tuple[Sequence[int], Sequence[int]]:
-        """With auto lengths: the longest rounds, rounds of one draft step where they run
-        without a capture (eagerly, or captured up front), and a plain step, three times
-        each in a row (the chooser leaves each kind's first step out, first touches, and
-        keeps the faster of the other two: a stall only adds time; in a row, as a winner
-        runs. HAZARD: the embedded pair's host-bound steps drift by a third between H200
-        starts and within a process: start-up's figures ran 0.7-1.5x the same steps in
-        use, in a row or interleaved; BENCHMARKS.md, stop 43), at every batch bucket whose
-        graphs start-up captured, or at batch 1 when eager. Two lengths of rounds give the
-        chooser the line ``a + b k`` of a round's time (verify's share, a draft step's);
-        with the longest alone, shorter rounds are modelled between it and a plain step
-        until they run. A few steps a bucket: about 20 ms at batch 1 for random:gemma4-e2b
-        on an H200."""
+        """With auto lengths: the longest rounds, every other length whose graphs start-up
+        captured (all of them where graphs are captured up front: `graphrt serve`;
+        eagerly, rounds of one draft step), and a plain step, three times each in a row
+        (the chooser leaves each kind's first step out, first touches, and keeps the
+        faster of the other two: a stall only adds time; in a row, as a winner runs.
+        HAZARD: the embedded pair's host-bound steps drift by a third between H200 starts
+        and within a process: start-up's figures ran 0.7-1.5x the same steps in use, in a
+        row or interleaved; BENCHMARKS.md, stop 43), at every batch bucket whose graphs
+        start-up captured, or at batch 1 when eager. Each length timed keeps its figure
+        until it runs: round times are not linear in the length (on the H200, rounds of 1
+        at batch 8 cost 3.6 ms where the line through 2 to 5 said 4.5), and
+        bench/chooser_sim.py put auto at 0.98 of the best fixed length with every length
+        timed against 0.97 with the ends alone. Lengths left out are modelled on the line
+        ``a + b k`` through those timed, or between the longest and a plain step, until
+        they run. A few steps a length and bucket: about 20 ms at batch 1 for
+        random:gemma4-e2b on an H200."""
         if self.chooser is None:
             return (), ()
-        shortest = self.variants[1]
-        ends = (self.cfg.num_steps, 0)
-        if self.cfg.num_steps > 1 and not any(r in self._later for r in shortest.runners()):
-            ends = (self.cfg.num_steps, 1, 0)
-        kinds = tuple(k for k in ends for _ in range(3))
+        if self.plain_graph is None:  # eager: each round costs its full time, on any host
+            lengths = (self.cfg.num_steps, 1) if self.cfg.num_steps > 1 else (1,)
+        else:
+            later = set(self._later)  # timing runs greedy rounds: their graphs alone count
+            lengths = tuple(
+                k
+                for k in sorted(self.variants, reverse=True)
+                if k == self.cfg.num_steps or not later & set(self._needs(k, greedy=True))
+            )
+        kinds = tuple(k for k in (*lengths, 0) for _ in range(3))
         if self.plain_graph is None:
             return (1,), kinds
         graphs = [self.plain_graph, self.longest.verify, self.longest.draft, self.longest.round]

@@ -24,8 +24,10 @@ from graphrt.spec import MTPDecoding, SpecConfig
 from graphrt.spec.adaptive import (
     FIRST_EXPLORE,
     LOOK_HORIZON,
+    MAX_EVIDENCE,
     MAX_EXPLORE,
     PER_REQUEST_MAX,
+    TRUSTED_SAMPLES,
     DraftChooser,
 )
 
@@ -90,9 +92,59 @@ def test_the_chooser_finds_the_length_that_pays_between_the_ends():
 def test_the_runner_up_still_runs_less_and_less_often():
     chosen = _run(DraftChooser(3), 1000, linear(4.0, 0.5), lambda k, rid: 0)
     explored = [i for i, k in enumerate(chosen) if k != 0 and i >= 4]  # after the ends
-    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    # A look at a length never run here runs it twice in a row (its first step is left
+    # out): one look.
+    looks = [i for i in explored if i - 1 not in explored]
+    assert len(explored) - len(looks) == 2  # lengths 1 and 2, once each
+    gaps = [b - a for a, b in zip(looks, looks[1:])]
     assert explored and gaps[-5:] == [MAX_EXPLORE] * 5 and gaps[0] >= FIRST_EXPLORE - 1
     assert len(explored) < 30
+
+
+def test_start_up_figures_stand_as_timed():
+    """A length start-up timed (the fastest of its runs on the same graphs) keeps its
+    figure until real steps replace it, above the line through the others too."""
+    chooser = DraftChooser(5)
+    for k, ms in ((5, 3.0), (3, 2.6), (1, 1.2), (0, 1.0)):
+        for _ in range(3):
+            chooser.record(k, 1, ms * 1e-3, timing=True)
+    seconds = chooser.step_seconds(1)
+    assert [seconds[k] for k in (0, 1, 3, 5)] == pytest.approx([1e-3, 1.2e-3, 2.6e-3, 3e-3])
+
+
+def test_engine_wide_acceptance_follows_a_large_batch_within_a_few_steps():
+    """The engine-wide evidence is worth at most MAX_EVIDENCE rounds: at batch 64, after
+    50 steps of every draft accepted, three steps accepting none bring position 1's rate
+    under 0.5 (fading by steps alone kept 3,200 rounds: it stayed near 0.9, and rounds
+    ran at a loss for some 30 steps)."""
+    chooser = DraftChooser(3)
+    batch = tuple(_Req(i) for i in range(64))
+    _run(chooser, 50, lambda k: 1e-3 if k == 0 else 1.2e-3, lambda k, rid: k, batch)
+    assert chooser.engine_rates.rates()[0] > 0.99
+    assert sum(chooser.engine_rates.seen) <= 3 * MAX_EVIDENCE
+    _run(chooser, 3, lambda k: 1e-3 if k == 0 else 1.2e-3, lambda k, rid: 0, batch)
+    assert chooser.engine_rates.rates()[0] < 0.5
+
+
+def test_a_look_runs_a_length_new_here_twice_and_a_cheap_one_then_wins():
+    """Lengths 2 to 5 measured (the line through them puts rounds of 1 at 4.5 ms, where
+    they cost 3.6: measured so on the H200), position 1 accepted one round in four:
+    rounds of 1 pay 13% over plain steps by their true cost and lose by the line's. The
+    first look runs them, twice in a row (a kind's first step is left out), and from
+    then on they win."""
+    ms = {0: 3.3, 1: 3.64, 2: 4.8, 3: 4.98, 4: 5.09, 5: 5.53}
+    chooser = DraftChooser(5)
+    for k in (0, 5, 4, 3, 2):
+        for i in range(5):
+            chooser.record(k, 1, ms[k] * 1e-3, [(ONE_REQUEST[0], int(i % 4 == 0))] if k else [])
+    assert chooser.step_seconds(1)[1] > 4.4e-3  # the line's cost
+    rounds = iter(range(10**6))
+    chosen = _run(
+        chooser, 200, lambda k: ms[k] * 1e-3, lambda k, rid: min(k, int(next(rounds) % 4 == 0))
+    )
+    first = chosen.index(1)
+    assert chosen[first + 1] == 1 and first < FIRST_EXPLORE + 2
+    assert chosen[-100:].count(1) >= 95
 
 
 def test_a_change_in_acceptance_changes_the_choice():
@@ -292,17 +344,25 @@ def test_a_batch_that_opted_out_takes_plain_steps_on_decode_graphs(gemma4_tiny, 
 
 def test_a_length_measured_a_few_times_takes_the_line_through_the_others():
     """One slow sample (a collection pause, a page fault) must not rule a length out for
-    the next 64 steps: until measured 4 times, its time is the line a + b k fitted through
-    the lengths measured more."""
+    the next 64 steps: until measured TRUSTED_SAMPLES times, its time is the line a + b k
+    fitted through the lengths measured more, or its own samples where they are faster (a
+    stall only adds time). A length never run is on the line; a look, which takes it at its
+    most hopeful, between a plain step and the longest rounds where that is less."""
     chooser = DraftChooser(5)
-    for k, ms, n in ((0, 1.0, 5), (1, 1.6, 5), (5, 2.0, 5), (3, 9.0, 2)):  # one dropped each
+    for k, ms, n in ((0, 1.0, 5), (1, 1.6, 5), (5, 3.0, 5), (3, 9.0, 2)):  # one dropped each
         for _ in range(n):
             chooser.record(k, 1, ms * 1e-3)
     seconds = chooser.step_seconds(1)
-    assert seconds[0] == pytest.approx(1e-3) and seconds[5] == pytest.approx(2e-3)
-    assert seconds[3] == pytest.approx(1.8e-3, rel=0.05)  # not the 9 ms sample
-    assert seconds[2] == pytest.approx(1.7e-3, rel=0.05)  # never measured: on the line
-    for _ in range(4):
+    assert seconds[0] == pytest.approx(1e-3) and seconds[5] == pytest.approx(3e-3)
+    assert seconds[3] == pytest.approx(2.3e-3, rel=0.05)  # not the 9 ms sample
+    assert seconds[2] == pytest.approx(1.95e-3, rel=0.05)  # never measured: on the line
+    hopeful = chooser.step_seconds(1, optimistic=True)
+    assert hopeful[2] == pytest.approx(1.8e-3)  # 1 + 2/5 of the way to the longest rounds' 3
+    assert hopeful[3] == seconds[3]  # run here: its own time or the line, never hope
+    chooser.record(2, 1, 1.2e-3)  # a fast first sample (it is left out), then another
+    chooser.record(2, 1, 1.2e-3)
+    assert chooser.step_seconds(1)[2] == pytest.approx(1.2e-3)  # faster than the line: believed
+    for _ in range(TRUSTED_SAMPLES):
         chooser.record(3, 1, 9e-3)
     assert chooser.step_seconds(1)[3] == pytest.approx(9e-3)  # measured enough: believed
 
@@ -517,25 +577,38 @@ def test_one_slow_start_up_sample_does_not_rule_plain_steps_out():
     assert stalled.explain().endswith("plain steps pay")
 
 
-@pytest.mark.parametrize("runner", ["eager", pytest.param("graph", marks=pytest.mark.graphs)])
+@pytest.mark.parametrize(
+    "runner",
+    [
+        "eager",
+        pytest.param("graph", marks=pytest.mark.graphs),
+        pytest.param("graph-all", marks=pytest.mark.graphs),
+    ],
+)
 def test_the_engine_times_each_end_at_start_up_and_leaves_nothing_behind(
     runner, gemma4_tiny, gemma4_assistant
 ):
     """Auto lengths: the engine's start-up runs a plain step and the longest rounds three
-    times each at every captured bucket (batch 1 eagerly) on throwaway requests; the chooser then
-    knows both ends' times, and the pools, the request ids and the stats are as before."""
+    times each at every captured bucket (batch 1 eagerly; eagerly rounds of 1 too; every
+    length where all graphs are captured up front, as `graphrt serve` does) on throwaway
+    requests; the chooser then knows those times, and the pools, the request ids and the
+    stats are as before."""
     target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
     drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
     strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
-    device = standin_device() if runner == "graph" else None
+    graphs = runner.startswith("graph")
     engine = cpu_engine(
-        target, strategy, device, runner=runner, max_context_len=64, graph_buckets=(1, 2, 4)
-    )
-    buckets = (1, 2, 4) if runner == "graph" else (1,)
+        target, strategy, standin_device() if graphs else None,
+        runner="graph" if graphs else "eager", max_context_len=64, graph_buckets=(1, 2, 4),
+        capture_all_graphs=runner == "graph-all",
+    )  # fmt: skip
+    buckets = (1, 2, 4) if graphs else (1,)
+    timed = {"eager": {0, 1, 3}, "graph": {0, 3}, "graph-all": {0, 1, 2, 3}}[runner]
     chooser = strategy.chooser
     for bucket in buckets:
         seconds = chooser._buckets[bucket].seconds
-        assert len(seconds[0]) == len(seconds[3]) == 1  # the first left out, the faster kept
+        assert set(seconds) == timed
+        assert all(len(seconds[k]) == 1 for k in timed)  # the first left out, the faster kept
     assert engine.stats.step_timing_s > 0
     assert engine.stats.generated_tokens == engine.stats.eager_steps == 0
     assert engine.stats.graph_steps == 0 and chooser.steps_by_count == [0] * 4
@@ -547,7 +620,7 @@ def test_the_engine_times_each_end_at_start_up_and_leaves_nothing_behind(
     assert engine.req_pool.alloc() == 1 and engine.kv_pool.alloc_host(1).tolist() == [1]
     engine.req_pool.free(1)
     engine.kv_pool.free(torch.tensor([1]))
-    if runner == "graph":
+    if graphs:
         replays = strategy.plain_graph.replays_per_size()
         assert replays == {1: 3, 2: 3, 4: 3}
     (req,) = engine.generate([[1, 2, 3]], GREEDY)
