@@ -84,15 +84,23 @@ def round_batch(
     sampling: SamplingRows,
     max_context_len: int,
     device: torch.device,
+    last_tokens: torch.Tensor | None = None,
+    cached_lens: torch.Tensor | None = None,
 ) -> ForwardBatch:
     """A one-graph round's batch for ``reqs``, built on the host (numpy) and sent in one
     pinned copy, so no device op comes before the launch: per node the request's root
     token (the graph reads the first), a chain's positions (placeholders: the graph derives
     them from the tree's depths) and the held KV slots ``held_host`` ((B * n,) host ids,
     request by request, as ``settle`` reads them); per request its slot, its length after
-    the round, whether it drafts; the sampling state of a sampled round (``sampling``)."""
+    the round, whether it drafts; the sampling state of a sampled round (``sampling``).
+
+    Behind a step not read yet (``DecodeStrategy.launch``): ``last_tokens`` (B,) are the
+    roots and ``cached_lens`` (B,), where given, the cached lengths, on the device, written
+    over the host's (a few device ops after the copy); the host lengths, there only as
+    placeholders, are then bounds."""
     bs, n = len(reqs), num_nodes
-    after = [r.kv_len + n for r in reqs]  # each request's length after the round
+    ahead = n if cached_lens is not None else 0  # what the round in flight may add
+    after = [r.kv_len + ahead + n for r in reqs]  # each request's length after the round
     kv_lens = np.array(after, dtype=np.int64) - n
     host = np.empty(3 * bs * n + 3 * bs, dtype=np.int64)
     per_node = host[: 3 * bs * n].reshape(3, bs, n)  # tokens, positions, slots
@@ -106,6 +114,10 @@ def round_batch(
     on_device = to_device(torch.from_numpy(host), device)
     tokens, positions, slots = on_device[: 3 * bs * n].view(3, bs * n)
     req_slots, seq_lens, speculate = on_device[3 * bs * n :].view(3, bs)
+    if last_tokens is not None:  # BAD_LOGITS (-1) becomes a valid token: dropped later
+        tokens.view(bs, n).copy_(last_tokens.clamp(min=0).unsqueeze(1).expand(bs, n))
+    if cached_lens is not None:
+        torch.add(cached_lens, n, out=seq_lens)
     state = {} if sampling.greedy else {name: getattr(sampling, name) for name in SAMPLING_NAMES}
     return ForwardBatch(
         mode=ForwardMode.TARGET_VERIFY,

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from graphrt.core.batch import ForwardBatch
 from graphrt.core.engine.ledger import HeldSlots
 from graphrt.core.engine.request import Request
 from graphrt.core.engine.sampling import request_rows
@@ -47,7 +48,7 @@ from graphrt.core.engine.strategy import (
     StepOutcome,
 )
 from graphrt.core.errors import UsageError
-from graphrt.core.host import read_host, to_device
+from graphrt.core.host import HostRead, read_host, to_device
 from graphrt.core.models.loader import LoadedModel
 from graphrt.core.runners import EagerRunner, GraphRunner, RunnerOutput
 from graphrt.core.runners.buckets import pad_to_bucket
@@ -391,35 +392,85 @@ class MTPDecoding(DecodeStrategy):
         return planned[1] if planned is not None and planned[0] == reqs else self.plan(reqs)
 
     def launch(
-        self, reqs: list[Request], last_tokens: torch.Tensor | None = None
+        self,
+        reqs: list[Request],
+        last_tokens: torch.Tensor | None = None,
+        kv_lens: torch.Tensor | None = None,
     ) -> LaunchedStep | None:
+        """A plain step, or a round on its one graph, queued without its read; None where
+        neither can go (the engine then calls ``decode``, on the same plan)."""
         steps = self._planned_steps(reqs)
-        if steps or (self._later and self.plain_graph in self._later):
+        if steps:
+            step = self._launch_round(reqs, self.variants[steps], last_tokens, kv_lens)
+        else:
+            step = self._launch_plain(reqs, last_tokens, kv_lens)
+        if step is None:
             self._planned = (reqs, steps)  # for the engine's next step: not chosen again
-            return None
-        step = self.plain.launch(reqs, last_tokens)
-        step.outcome.plain_steps = 1
-        if self.chooser is not None:  # what decode + step_done record for a plain step
-            chooser, bucket, timing = (
-                self.chooser,
-                self._bucket(len(reqs)),
-                self._forced is not None,
-            )
-            step.record = lambda seconds: chooser.record(0, bucket, seconds, (), timing)
+        else:
+            step.record = self._recorder(reqs, steps)
         return step
+
+    def _launch_plain(self, reqs, last_tokens, kv_lens) -> LaunchedStep | None:
+        if self._later and self.plain_graph in self._later:
+            return None
+        step = self.plain.launch(reqs, last_tokens, kv_lens)
+        if step is not None:
+            settle = step.settle
+
+            def counted(values: list) -> StepOutcome:
+                outcome = settle(values)
+                outcome.plain_steps = 1
+                return outcome
+
+            step.settle = counted
+        return step
+
+    def _launch_round(
+        self, reqs: list[Request], variant: RoundGraphs, last_tokens, kv_lens
+    ) -> LaunchedStep | None:
+        """``one_graph_round``'s launch, its settling left for later; behind a round not
+        read yet only where the context has room for both rounds' trees."""
+        graph = self._round_graph(reqs, variant)
+        if graph is None or graph in self._later:
+            return None
+        n = variant.cfg.num_draft_tokens
+        room = self.ctx.max_context_len - 2 * n
+        if kv_lens is not None and any(r.kv_len > room for r in reqs):
+            return None
+        packed, held, batch = self._queue_round(reqs, variant, graph, last_tokens, kv_lens)
+        num_steps = variant.cfg.num_steps
+
+        def settle(values: list) -> StepOutcome:
+            outcome = self.settle_rows(reqs, values, held, num_steps)
+            outcome.graph_forwards, outcome.graph_rounds = 1, len(reqs)
+            return outcome
+
+        def feed() -> tuple[torch.Tensor, torch.Tensor]:
+            # packed rows: accepted count, path (n), emitted tokens (n + 1), ...
+            accepted = packed[:, 0]
+            last = packed.gather(1, (accepted + 1 + n).unsqueeze(1)).squeeze(1)
+            return last, batch.seq_lens - n + accepted + 1  # (B,) each
+
+        return LaunchedStep(reqs=reqs, read=HostRead(packed), settle=settle, feed=feed)
+
+    def _recorder(self, reqs: list[Request], steps: int):
+        """A launched step's ``record``: what ``decode`` and ``step_done`` record."""
+        if self.chooser is None:
+            return None
+        chooser, bucket, timing = self.chooser, self._bucket(len(reqs)), self._forced is not None
+
+        def record(seconds: float, outcome: StepOutcome) -> None:
+            chooser.record(steps, bucket, seconds, _accepted(reqs, outcome), timing)
+
+        return record
 
     def decode(self, reqs: list[Request]) -> StepOutcome:
         self._unrecorded = None  # a step that raised after its decode is not recorded
         steps = self._planned_steps(reqs)
         outcome = self.round(reqs, steps) if steps else self.plain_step(reqs)
         if self.chooser is not None:  # recorded with the step's time (step_done)
-            accepted = [
-                (r, len(log.accepted_tokens))
-                for r, log in zip(reqs, outcome.rounds or ())
-                if r.params.speculate
-            ]
             timing = self._forced is not None
-            self._unrecorded = (steps, self._bucket(len(reqs)), accepted, timing)
+            self._unrecorded = (steps, self._bucket(len(reqs)), _accepted(reqs, outcome), timing)
         return outcome
 
     def step_done(self, seconds: float) -> None:
@@ -473,21 +524,38 @@ class MTPDecoding(DecodeStrategy):
         """The round on ``variant``'s one graph (spec.round_graph) where one serves this
         many requests, else None (the round runs on the two-graph path: eagerly, in a
         one-graph engine)."""
-        greedy = all(r.params.greedy for r in reqs)  # (as request_rows decides)
-        graph = variant.round if greedy else variant.sampled_round
-        if graph is None or not graph.serves(len(reqs)):
+        graph = self._round_graph(reqs, variant)
+        if graph is None:
             return None  # before any copy: the two-graph path sends its own
-        rows = request_rows(reqs, self.ctx.device)  # no copy for greedy rows
-        n = variant.cfg.num_draft_tokens
-        held_host = self.ctx.ledger.hold_host(len(reqs) * n)
-        batch = round_batch(reqs, n, held_host, rows, self.ctx.max_context_len, self.ctx.device)
-        for req in reqs:  # every node draws from its request's stream (see verify)
-            req.draws += n
-        (packed,) = graph.execute(batch)
-        held = HeldSlots(held_host, batch.out_cache_loc)
+        packed, held, _ = self._queue_round(reqs, variant, graph)
         outcome = self.settle(reqs, packed, held, variant.cfg.num_steps)
         outcome.graph_forwards, outcome.graph_rounds = 1, len(reqs)
         return outcome
+
+    def _round_graph(self, reqs: list[Request], variant: RoundGraphs) -> GraphRunner | None:
+        """``variant``'s one graph for a round of ``reqs`` (greedy or sampled), where it
+        serves this many requests."""
+        greedy = all(r.params.greedy for r in reqs)  # (as request_rows decides)
+        graph = variant.round if greedy else variant.sampled_round
+        return graph if graph is not None and graph.serves(len(reqs)) else None
+
+    def _queue_round(
+        self, reqs, variant: RoundGraphs, graph: GraphRunner, last_tokens=None, kv_lens=None
+    ) -> tuple[torch.Tensor, HeldSlots, ForwardBatch]:
+        """A one-graph round's inputs (one copy; fed behind a step not read yet: see
+        ``round_batch``) and its replay; -> (its packed result, not read; its held slots;
+        its batch)."""
+        rows = request_rows(reqs, self.ctx.device)  # no copy for greedy rows
+        n = variant.cfg.num_draft_tokens
+        held_host = self.ctx.ledger.hold_host(len(reqs) * n)
+        batch = round_batch(
+            reqs, n, held_host, rows, self.ctx.max_context_len, self.ctx.device,
+            last_tokens, kv_lens,
+        )  # fmt: skip
+        for req in reqs:  # every node draws from its request's stream (see verify)
+            req.draws += n
+        (packed,) = graph.execute(batch)  # a clone: the next replay leaves it
+        return packed, HeldSlots(held_host, batch.out_cache_loc), batch
 
     def round_inputs(self, reqs: list[Request], nodes: int = 0) -> RoundInputs:
         """Each request's root token, request slot and cached length on the device, and
@@ -571,15 +639,22 @@ class MTPDecoding(DecodeStrategy):
     def settle(
         self, reqs: list[Request], packed: torch.Tensor, held: HeldSlots, num_steps: int
     ) -> StepOutcome:
-        """The round's one host read (``packed``), and what the engine settles from it:
-        each request's emitted tokens and kept slots, the rejected nodes' slots. Python
-        lists, not tensor ops, per request: at batch 64 those were milliseconds."""
+        """The round's one host read (``packed``), and what the engine settles from it
+        (``settle_rows``)."""
+        return self.settle_rows(reqs, read_host(packed), held, num_steps)
+
+    def settle_rows(
+        self, reqs: list[Request], rows: list, held: HeldSlots, num_steps: int
+    ) -> StepOutcome:
+        """What the engine settles from a round's read rows: each request's emitted tokens
+        and kept slots, the rejected nodes' slots. Python lists, not tensor ops, per
+        request: at batch 64 those were milliseconds."""
         bs = len(reqs)
         n = held.host.numel() // bs
         locs = held.host.view(bs, n).tolist()  # host ids: no device read
         outcome = StepOutcome(tokens=[], kept=[], rounds=[])
         released = []
-        for row, node_locs in zip(read_host(packed), locs):
+        for row, node_locs in zip(rows, locs):
             accepted = row[0]
             path, tokens = row[1 : 2 + accepted], row[1 + n : 2 + n + accepted]
             outcome.kept.append([node_locs[i] for i in path])  # the root, accepted drafts
@@ -589,3 +664,12 @@ class MTPDecoding(DecodeStrategy):
             outcome.tokens.append(tokens)
         outcome.released = torch.tensor(released, dtype=torch.int64)
         return outcome
+
+
+def _accepted(reqs: list[Request], outcome: StepOutcome) -> list[tuple[Request, int]]:
+    """The drafts each drafting request's round accepted: what the chooser records."""
+    return [
+        (r, len(log.accepted_tokens))
+        for r, log in zip(reqs, outcome.rounds or ())
+        if r.params.speculate
+    ]

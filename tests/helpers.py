@@ -391,11 +391,11 @@ def spy_launches(engine, monkeypatch) -> tuple[list[int], list[int]]:
     step's device tokens: launched ahead)."""
     every, ahead, launch = [], [], engine.strategy.launch
 
-    def spy(reqs, last_tokens=None):
+    def spy(reqs, last_tokens=None, kv_lens=None):
         every.append(len(reqs))
         if last_tokens is not None:
             ahead.append(len(reqs))
-        return launch(reqs, last_tokens)
+        return launch(reqs, last_tokens, kv_lens)
 
     monkeypatch.setattr(engine.strategy, "launch", spy)
     return every, ahead

@@ -342,9 +342,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overlap",
         action="store_true",
-        help="launch each plain decode step before the last one's tokens are read, so the "
-        "host prepares a step while the device runs one (not yet measured on a GPU: off "
-        "by default)",
+        help="launch each decode step (plain, or a speculative round on one graph) before "
+        "the last one's result is read, so the host prepares a step while the device runs "
+        "one (not yet measured on a GPU: off by default)",
     )
     p.add_argument(
         "--max-graph-memory",

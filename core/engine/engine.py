@@ -90,10 +90,12 @@ class EngineConfig:
     # Freeze the objects start-up left alive out of Python's garbage collector's walks
     # (core/engine/heap.py; process-wide): full collections otherwise stall decoding.
     freeze_gc: bool = True
-    # Launch each plain decode step of the same requests before reading the last one's
-    # tokens (fed by them on the device), so the host prepares a step while the device
-    # runs the one before; a request that stopped meanwhile has its extra token dropped.
-    # Off by default until measured on a GPU (on the CPU the host is the device: no gain).
+    # Launch each decode step (a plain step, or a speculative round on its one graph) of
+    # the same requests before reading the last one's result (fed by it on the device),
+    # so the host prepares a step while the device runs the one before; a request that
+    # stopped meanwhile has its extra step dropped. Speculative steps hold two trees' KV
+    # slots a request. Off by default until measured on a GPU (on the CPU the host is
+    # the device: no gain).
     overlap: bool = False
 
     def __post_init__(self):
@@ -513,7 +515,12 @@ class Engine:
     def kv_budget(self, prompt_len: int, params: SamplingParams) -> int:
         """Token slots a request holds while running: what admission reserves."""
         tokens = min(prompt_len + params.max_new_tokens, self.max_context_len)
-        return tokens + self.strategy.extra_kv_slots()
+        return tokens + self._held_slots()
+
+    def _held_slots(self) -> int:
+        """Slots a request's steps hold beyond its tokens: the strategy's a step, twice
+        over where a step may be launched behind one not settled (overlap)."""
+        return self.strategy.extra_kv_slots() * (2 if self.config.overlap else 1)
 
     def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         vocab = self.loaded.model.vocab_size
@@ -536,8 +543,8 @@ class Engine:
         # The budget admission reserves: a request above it could never be admitted.
         need = self.kv_budget(len(prompt_ids), params)
         if need > self.kv_pool.num_slots:
-            held = self.strategy.extra_kv_slots()
-            extra = f" ({held} of them for a {self.strategy.name} step)" if held else ""
+            held = self._held_slots()
+            extra = f" ({held} of them for {self.strategy.name} steps)" if held else ""
             raise RequestError(
                 f"request needs {need} KV slots{extra} but the KV pool holds only "
                 f"{self.kv_pool.num_slots}"
@@ -689,10 +696,11 @@ class Engine:
         then wait for ``step``'s tokens and emit them. A step's seconds run from the end of
         the one before it was settled (its host work overlapped that one's device time)."""
         ahead = self._launch_ahead(step)
-        self._emit(step.reqs, self._apply(step.reqs, step.finish()))
+        outcome = step.finish()
+        self._emit(step.reqs, self._apply(step.reqs, outcome))
         now = time.perf_counter()
         if step.record is not None:
-            step.record(now - step.start)
+            step.record(now - step.start, outcome)
         if ahead is not None and not any(r in self.running for r in ahead.reqs):
             # Every request it served stopped: nothing to emit, but its forward ran.
             self._apply(ahead.reqs, ahead.finish())
@@ -703,11 +711,12 @@ class Engine:
         return step.reqs
 
     def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
-        """The next plain step of ``step``'s requests, queued behind it and fed its tokens
-        on the device, where nothing else must run first (a prefill) and the strategy's
-        next step is plain; requests whose ``step`` token is surely their last are left
-        out. One that stops on its token (end of sequence, broken logits) gets one token
-        too many, dropped when this step is settled."""
+        """The next step of ``step``'s requests, queued behind it and fed its result on the
+        device (``LaunchedStep.feed``), where nothing else must run first (a prefill) and
+        the strategy can launch it (``DecodeStrategy.launch``); requests whose ``step``
+        token is surely their last are left out. One that stops on a token of ``step`` (end
+        of sequence, its length, broken logits) gets a step too many, dropped when that
+        step is settled."""
         if not self._overlap or self.prefilling:
             return None
         keep = [
@@ -721,10 +730,12 @@ class Engine:
         if not keep:
             return None
         reqs = [step.reqs[i] for i in keep]
-        tokens = step.tokens
+        tokens, kv_lens = step.feed()
         if len(keep) < len(step.reqs):
-            tokens = tokens.index_select(0, to_device(keep, tokens.device))
-        return self.strategy.launch(reqs, tokens)
+            index = to_device(keep, tokens.device)
+            tokens = tokens.index_select(0, index)
+            kv_lens = None if kv_lens is None else kv_lens.index_select(0, index)
+        return self.strategy.launch(reqs, tokens, kv_lens)
 
     def _emit(self, reqs: list[Request], emitted: list[list[int]]) -> None:
         """Append each request's tokens, finishing those that stop, reach their length or
@@ -749,15 +760,21 @@ class Engine:
 
     def _apply(self, reqs: list[Request], outcome: StepOutcome) -> list[list[int]]:
         """Settle a decode step's slots and counts through the ledger and stats; -> the
-        tokens each request emits."""
+        tokens each request emits. A request finished already (while a step launched
+        behind one ran: its slots are back in the pool) keeps none: they are freed."""
         if outcome.kept is not None:
-            self.ledger.keep(reqs, outcome.kept)
+            live = [i for i, req in enumerate(reqs) if not req.finished]
+            if len(live) < len(reqs):
+                gone = [s for i, kept in enumerate(outcome.kept) if i not in live for s in kept]
+                self.ledger.free(torch.tensor(gone, dtype=torch.int64))
+            self.ledger.keep([reqs[i] for i in live], [outcome.kept[i] for i in live])
         if outcome.released is not None:
             self.ledger.free(outcome.released)
         for req, log in zip(reqs, outcome.rounds or ()):
-            req.spec_rounds.append(
-                {"draft_tokens": log.draft_tokens, "accepted_tokens": log.accepted_tokens}
-            )
+            if not req.finished:
+                req.spec_rounds.append(
+                    {"draft_tokens": log.draft_tokens, "accepted_tokens": log.accepted_tokens}
+                )
         self.stats.record_step(outcome)
         return outcome.tokens
 

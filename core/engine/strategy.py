@@ -112,22 +112,26 @@ class StepOutcome:
 
 @dataclass
 class LaunchedStep:
-    """A plain decode step queued on the device, its tokens not read yet: the engine
-    launches the next step behind it, fed by ``tokens``, before it waits for them
-    (``Engine`` with ``overlap``), so the host prepares a step while the device runs one."""
+    """A decode step (or speculative round) queued on the device, its result not read yet:
+    the engine launches the next step behind it, fed by ``feed`` on the device, before it
+    waits for this one (``Engine`` with ``overlap``), so the host prepares a step while
+    the device runs one."""
 
     reqs: list[Request]
-    tokens: torch.Tensor  # (B,) int64 on the device; BAD_LOGITS where logits were broken
-    read: HostRead  # the tokens' copy to the host, queued behind the step
-    outcome: StepOutcome  # what the step counts; its tokens come with ``finish``
-    # The strategy's bookkeeping of the step's seconds (its ``step_done`` for this step).
-    record: Callable[[float], None] | None = None
+    read: HostRead  # the step's result on its way to the host, queued behind the step
+    # The read values -> what the step produced (the engine then settles it).
+    settle: Callable[[list], StepOutcome]
+    # -> (B,) each request's last token on the device, and (B,) its cached length after
+    # this step where the host cannot know it yet (a round's acceptance), else None: what
+    # a step launched behind this one is fed (``DecodeStrategy.launch``).
+    feed: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
+    # The strategy's bookkeeping of the step's seconds and outcome (its ``step_done``).
+    record: Callable[[float, StepOutcome], None] | None = None
     start: float = 0.0  # perf_counter() from which the step's seconds count
 
     def finish(self) -> StepOutcome:
-        """Wait for the tokens (the step's one wait); -> the step's outcome."""
-        self.outcome.tokens = [[t] for t in self.read.wait()]
-        return self.outcome
+        """Wait for the result (the step's one wait); -> the step's outcome."""
+        return self.settle(self.read.wait())
 
 
 class DecodeStrategy(abc.ABC):
@@ -186,13 +190,17 @@ class DecodeStrategy(abc.ABC):
         requests."""
 
     def launch(
-        self, reqs: list[Request], last_tokens: torch.Tensor | None = None
+        self,
+        reqs: list[Request],
+        last_tokens: torch.Tensor | None = None,
+        kv_lens: torch.Tensor | None = None,
     ) -> LaunchedStep | None:
-        """Queue the next step of ``reqs`` without reading its tokens, where it is a plain
-        decode step needing no capture; else None (the engine then calls ``decode``).
-        ``last_tokens``: (B,) each request's last token on the device, where the host has
-        not read it yet (see ``Ledger.append_one``). Its ``record`` stands for
-        ``step_done``."""
+        """Queue the next step of ``reqs`` without reading its result, where this strategy
+        can and it needs no capture; else None (the engine then calls ``decode``). Behind
+        a step not read yet (``LaunchedStep.feed``): ``last_tokens``, (B,) each request's
+        last token on the device; ``kv_lens``, (B,) its cached length on the device where
+        the host's ``kv_len`` is behind (after a round), else None. Its ``record`` stands
+        for ``step_done``."""
         return None
 
     def cleanup(self) -> None:  # noqa: B027
@@ -252,7 +260,14 @@ class PlainDecode(DecodeStrategy):
     def decode(self, reqs: list[Request]) -> StepOutcome:
         return self.launch(reqs).finish()
 
-    def launch(self, reqs: list[Request], last_tokens: torch.Tensor | None = None) -> LaunchedStep:
+    def launch(
+        self,
+        reqs: list[Request],
+        last_tokens: torch.Tensor | None = None,
+        kv_lens: torch.Tensor | None = None,
+    ) -> LaunchedStep | None:
+        if kv_lens is not None:  # positions the host does not know: not ahead of the read
+            return None
         batch = self.ctx.decode_batch(reqs, last_tokens)
         # Views of the graph's outputs: sampled (or copied out) before the next replay.
         out, on_graph = self.ctx.forward(batch, self.graph_runner, clone=False)
@@ -262,13 +277,16 @@ class PlainDecode(DecodeStrategy):
         # The read is queued now, before any step launched behind this one replays over
         # the graph's outputs (greedy tokens are a view of its greedy_out).
         tokens = draw_tokens(reqs, out.logits, greedy)
+
+        def settle(values: list) -> StepOutcome:
+            return StepOutcome(
+                tokens=[[t] for t in values],
+                graph_forwards=int(on_graph),
+                eager_forwards=int(not on_graph),
+            )
+
         return LaunchedStep(
-            reqs=reqs,
-            tokens=tokens,
-            read=HostRead(tokens),
-            outcome=StepOutcome(
-                tokens=[], graph_forwards=int(on_graph), eager_forwards=int(not on_graph)
-            ),
+            reqs=reqs, read=HostRead(tokens), settle=settle, feed=lambda: (tokens, None)
         )
 
     def cleanup(self) -> None:

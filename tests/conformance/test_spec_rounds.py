@@ -434,17 +434,22 @@ def test_one_graph_rounds_fall_back_where_no_graph_serves_the_batch(spec_case, s
     assert set(sizes) == set(expected.items())  # every round at a size alike
 
 
-# Auto lengths' scripted choices (0: a plain step): runs of plain steps launch ahead, and a
-# round after one settles it first.
-OVERLAP_ORDER = (0, 0, 0, 2, 0, 0, 1, 0, 3, 0, 0)
+# Auto lengths' scripted choices (0: a plain step): plain steps and rounds in runs, each
+# kind behind the other and itself (a plain step behind a round waits for its read).
+OVERLAP_ORDER = (0, 0, 0, 2, 2, 0, 0, 1, 3, 3, 3, 0, 0)
 
 
+@pytest.mark.parametrize("one_graph", [False, True], ids=["two-graphs", "one-graph"])
 def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
-    spec_case, gemma4_tiny, gemma4_assistant, monkeypatch
+    spec_case, one_graph, gemma4_tiny, gemma4_assistant, monkeypatch
 ):
-    """`--spec-steps auto` with plain steps between rounds (scripted): on graphs and
-    launching plain steps ahead, the drafts, accepted tokens and output of every request
-    equal those of an eager engine reading every step; the chooser chose once a step."""
+    """`--spec-steps auto` with plain steps between rounds (scripted), on graphs, each
+    step launched behind the one before where it can (plain steps; one-graph rounds,
+    behind a round too, fed its accepted tokens and lengths on the device): the drafts,
+    accepted tokens and output of every request equal those of an eager engine reading
+    every step; the chooser chose once a step. Rounds accept every length
+    (``_accept_some``), so requests reach their length inside a round with another
+    launched behind it, whose rows for them are dropped and their slots freed."""
     if spec_case.id == "cpu-compile":
         pytest.skip("inductor compiles each length's graphs: minutes on 2 cores")
     target, drafter = (
@@ -453,7 +458,8 @@ def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
     )
     engines = []
     for graphs in (True, False):
-        strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True, one_graph=False))
+        spec = SpecConfig(num_steps=3, adaptive=True, one_graph=one_graph and graphs)
+        strategy = MTPDecoding(drafter, spec, _accept_some)  # requests stop mid-flight
         strategy.chooser = cycling_chooser(3, OVERLAP_ORDER)
         config = EngineConfig(
             max_running_requests=4,
@@ -466,6 +472,16 @@ def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
         engines.append(Engine(target, config, case_device(spec_case), strategy))
     graph, eager = engines
     _, launched_ahead = spy_launches(graph, monkeypatch)
+    rounds_behind_rounds = []
+    launch_round = graph.strategy._launch_round
+
+    def spy_round(reqs, variant, last_tokens, kv_lens):
+        step = launch_round(reqs, variant, last_tokens, kv_lens)
+        if step is not None and kv_lens is not None:
+            rounds_behind_rounds.append(len(reqs))
+        return step
+
+    monkeypatch.setattr(graph.strategy, "_launch_round", spy_round)
     prompts = random_prompts((9, 16, 12, 5), seed=16, vocab=target.model.vocab_size)
     limits = (6, 11, 16, 22)
     got, expected = (
@@ -482,4 +498,6 @@ def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
     assert graph.strategy.chooser.step == eager.strategy.chooser.step  # once a step
     assert launched_ahead and set(graph.stats.rounds_by_steps) == {1, 2, 3}
     assert graph.stats.eager_steps == 1  # the prefill: every plain step and verify replayed
+    one_graph_rounds = graph.strategy.variants[3].round is not None
+    assert bool(rounds_behind_rounds) == one_graph_rounds  # where rounds have one graph
     assert graph._pending is None and graph.kv_pool.available() == graph.kv_pool.num_slots
