@@ -130,7 +130,10 @@ def run_model(subject: Subject, args, device, results) -> None:
     prompt_len = max(len(p) for p in subject.prompts_for(max_bs))
     tokens = prompt_len + args.tokens + 2 * MAX_STEPS + 8
     cfg = EngineConfig(
-        max_running_requests=max_bs, max_context_len=tokens, kv_pool_tokens=max_bs * tokens
+        max_running_requests=max_bs,
+        max_context_len=tokens,
+        kv_pool_tokens=max_bs * tokens,  # (tokens has room for two trees: --overlap)
+        overlap=args.overlap,
     )
     if subject.rates != (None,):  # acceptance by coin, in every engine's verify graph
         subject.oracle = CoinAcceptance(accept, device.torch_device())
@@ -218,9 +221,10 @@ def step_timer(engine: Engine, batch_size: int) -> Iterator[dict[str, float]]:
     """Times the strategy's decode steps of all ``batch_size`` requests: -> {kind: median
     ms}, kind "plain" or the draft steps of a round, filled on exit. The window the auto
     chooser times (``step_done``: the step and the engine's settling of it), so auto's
-    figures and a fixed engine's compare directly."""
+    figures and a fixed engine's compare directly; a step launched behind another
+    (--overlap) is timed as the engine counts it, from the end of the one before."""
     strategy, times, last = engine.strategy, {}, []
-    decode, step_done = strategy.decode, strategy.step_done
+    decode, step_done, launch = strategy.decode, strategy.step_done, strategy.launch
 
     def timed_decode(reqs):
         outcome = decode(reqs)
@@ -234,12 +238,28 @@ def step_timer(engine: Engine, batch_size: int) -> Iterator[dict[str, float]]:
         if kind is not None:
             times.setdefault(kind, []).append(seconds)
 
+    def timed_launch(reqs, *fed):
+        step = launch(reqs, *fed)
+        if step is not None:
+            record = step.record
+
+            def timed_record(seconds, outcome):
+                if record is not None:
+                    record(seconds, outcome)
+                if len(reqs) == batch_size:
+                    kind = str(outcome.rounds[0].num_steps) if outcome.rounds else "plain"
+                    times.setdefault(kind, []).append(seconds)
+
+            step.record = timed_record
+        return step
+
     strategy.decode, strategy.step_done = timed_decode, timed_step_done
+    strategy.launch = timed_launch
     medians: dict[str, float] = {}
     try:
         yield medians
     finally:
-        del strategy.decode, strategy.step_done  # the class's methods again
+        del strategy.decode, strategy.step_done, strategy.launch  # the class's again
         medians.update({k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()})
 
 
@@ -319,6 +339,11 @@ def main() -> None:
         "two requests a slot finished (decode.steady_tokens_per_s); default: a closed batch",
     )
     parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="launch each step behind the one before, not yet read (EngineConfig.overlap)",
+    )
+    parser.add_argument(
         "--two-graph",
         action="store_true",
         help="each round on two graphs, the draft loop's and verify's (default: one graph)",
@@ -365,6 +390,7 @@ def main() -> None:
         "tokens": args.tokens,
         "prompt_len_oracle": args.prompt_len,
         "workload": "steady" if args.steady else "closed",
+        "overlap": args.overlap,
         # The host's speed: host-bound cells (the pair, small batches) move with it.
         "host_launch_us": host_launch_us(device.torch_device(), device.synchronize),
     }
