@@ -315,8 +315,8 @@ class Engine:
         self._next_rid = 0
         self._largest_capture = 0  # bytes the largest capture so far added (the cap's guess)
         self._warned_cap = False
-        # A plain step launched ahead (config.overlap), its tokens not read yet: the next
-        # step settles it before anything else runs.
+        # A step launched ahead (config.overlap), its result not read yet: the next step
+        # settles it before anything else runs.
         self._pending: LaunchedStep | None = None
         self._overlap = cfg.overlap
         self.ctx = StepContext(
@@ -692,9 +692,10 @@ class Engine:
         return reqs
 
     def _settle(self, step: LaunchedStep) -> list[Request]:
-        """Launch the next plain step behind ``step`` where one can go (``_launch_ahead``),
-        then wait for ``step``'s tokens and emit them. A step's seconds run from the end of
-        the one before it was settled (its host work overlapped that one's device time)."""
+        """Launch the next step behind ``step`` where one can go (``_launch_ahead``), then
+        wait for ``step``'s result and emit its tokens. A step's seconds run from the end
+        of the one before it was settled (its host work overlapped that one's device
+        time)."""
         ahead = self._launch_ahead(step)
         outcome = step.finish()
         self._emit(step.reqs, self._apply(step.reqs, outcome))
@@ -763,11 +764,13 @@ class Engine:
         tokens each request emits. A request finished already (while a step launched
         behind one ran: its slots are back in the pool) keeps none: they are freed."""
         if outcome.kept is not None:
-            live = [i for i, req in enumerate(reqs) if not req.finished]
-            if len(live) < len(reqs):
-                gone = [s for i, kept in enumerate(outcome.kept) if i not in live for s in kept]
+            keeping, kept = reqs, outcome.kept
+            if any(req.finished for req in reqs):
+                gone = [slot for r, k in zip(reqs, kept) if r.finished for slot in k]
                 self.ledger.free(torch.tensor(gone, dtype=torch.int64))
-            self.ledger.keep([reqs[i] for i in live], [outcome.kept[i] for i in live])
+                live = [(r, k) for r, k in zip(reqs, kept) if not r.finished]
+                keeping, kept = [r for r, _ in live], [k for _, k in live]
+            self.ledger.keep(keeping, kept)
         if outcome.released is not None:
             self.ledger.free(outcome.released)
         for req, log in zip(reqs, outcome.rounds or ()):
