@@ -439,15 +439,21 @@ def test_one_graph_rounds_fall_back_where_no_graph_serves_the_batch(spec_case, s
 OVERLAP_ORDER = (0, 0, 0, 2, 2, 0, 0, 1, 3, 3, 3, 0, 0)
 
 
-@pytest.mark.parametrize("one_graph", [False, True], ids=["two-graphs", "one-graph"])
+@pytest.mark.parametrize(
+    ("one_graph", "temperature"),
+    [(False, 0.0), (True, 0.0), (True, 0.8)],
+    ids=["two-graphs", "one-graph", "one-graph-sampled"],
+)
 def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
-    spec_case, one_graph, gemma4_tiny, gemma4_assistant, monkeypatch
+    spec_case, one_graph, temperature, gemma4_tiny, gemma4_assistant, monkeypatch
 ):
     """`--spec-steps auto` with plain steps between rounds (scripted), on graphs, each
     step launched behind the one before where it can (plain steps; one-graph rounds,
     behind a round too, fed its accepted tokens and lengths on the device): the drafts,
     accepted tokens and output of every request equal those of an eager engine reading
-    every step; the chooser chose once a step. Rounds accept every length
+    every step (greedy, and sampled: each request's stream draws the same whether its
+    steps were launched ahead or not); the chooser chose once a step. Rounds accept every
+    length
     (``_accept_some``), so requests reach their length inside a round with another
     launched behind it, whose rows for them are dropped and their slots freed."""
     if spec_case.id == "cpu-compile":
@@ -487,8 +493,13 @@ def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
     got, expected = (
         engine.run_until_finished(
             [
-                engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
-                for p, n in zip(prompts, limits)
+                engine.add_request(
+                    p,
+                    SamplingParams(
+                        max_new_tokens=n, ignore_eos=True, temperature=temperature, seed=i
+                    ),
+                )
+                for i, (p, n) in enumerate(zip(prompts, limits))
             ]
         )
         for engine in engines
