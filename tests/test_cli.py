@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STATS_KEYS = {
     "device",
     "runner",
+    "overlap",
     "tp",
     "graph_steps",
     "eager_steps",
@@ -67,6 +68,7 @@ def test_generate_json_matches_transformers(capsys, ckpt_with_tokenizer):
     assert set(out) == {"requests", "stats"}
     assert set(out["stats"]) == STATS_KEYS
     assert out["stats"]["device"] == "cpu" and out["stats"]["runner"] == "eager"
+    assert out["stats"]["overlap"] is False  # off by default
     assert out["stats"]["capture_time_s"] == 0 and out["stats"]["graph_memory_bytes"] == 0
     assert out["stats"]["graph_steps"] == 0 and out["stats"]["captured_sizes"] == []
     assert out["stats"]["eager_steps"] == 12  # one prefill step + 11 decode steps
@@ -88,6 +90,7 @@ def test_generate_overlap_gives_transformers_tokens(capsys, ckpt_with_tokenizer)
         argv += ["--prompt-ids", ",".join(map(str, p))]
     out = run_json(capsys, *argv)
     assert out["stats"]["eager_steps"] == 9  # one prefill step + 8 decode steps
+    assert out["stats"]["overlap"] is True
     for prompt, req in zip(prompts, out["requests"]):
         assert req["output_ids"] == hf_greedy(hf, prompt, 9)[0]
 

@@ -213,6 +213,7 @@ def run_generate(args: argparse.Namespace) -> int:
     stats = {
         "device": device.name,
         "runner": runner,
+        "overlap": engine.config.overlap,  # steps launched ahead of the read (--overlap)
         "tp": tp.size,
         "graph_steps": engine.stats.graph_steps,
         "eager_steps": engine.stats.eager_steps,
