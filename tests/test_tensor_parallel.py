@@ -24,9 +24,13 @@ LENS = (5, 11, 3)
 
 
 def _generate(path: str, tp: TPGroup, runner: str) -> tuple[list[list[int]], int]:
-    """-> every request's greedy tokens, and the decode steps that replayed a graph."""
+    """-> every request's greedy tokens, and the decode steps that replayed a graph.
+    ``runner`` "graph-overlap": on graphs, each step launched before the last one's read
+    (``EngineConfig.overlap``: every rank launches and settles alike)."""
     loaded = load_model(path, CPU, torch.float32, tp=tp)
     device = None
+    overlap = runner == "graph-overlap"
+    runner = runner.removesuffix("-overlap")
     if runner == "graph":
         from helpers import standin_device
 
@@ -37,7 +41,7 @@ def _generate(path: str, tp: TPGroup, runner: str) -> tuple[list[list[int]], int
     # 4; smaller ones would be captured, never replayed.
     engine = cpu_engine(
         loaded, device=device, runner=runner, max_context_len=64, graph_buckets=(4,),
-        max_prefill_tokens=4,
+        max_prefill_tokens=4, overlap=overlap,
     )  # fmt: skip
     prompts = random_prompts(LENS, seed=5, vocab=loaded.model.vocab_size)
     outputs = [r.output_ids for r in engine.generate(prompts, GREEDY)]
@@ -72,14 +76,21 @@ def two_ranks(request, tmp_path_factory) -> tuple[dict, list[dict]]:
     return expected, [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 
-@pytest.mark.parametrize("runner", ["eager", pytest.param("graph", marks=pytest.mark.graphs)])
+@pytest.mark.parametrize(
+    "runner",
+    [
+        "eager",
+        pytest.param("graph", marks=pytest.mark.graphs),
+        pytest.param("graph-overlap", marks=pytest.mark.graphs),
+    ],
+)
 @pytest.mark.parametrize("model", MODELS)
 def test_two_ranks_give_the_tokens_of_one(two_ranks, model, runner):
     expected, ranks = two_ranks
     for rank, results in enumerate(ranks):
         tokens, graph_steps = results[(model, runner)]
         assert tokens == expected[model], f"rank {rank}"
-        assert (graph_steps > 0) == (runner == "graph")  # decode replayed the graphs
+        assert (graph_steps > 0) == runner.startswith("graph")  # decode replayed the graphs
         GraphWitness.saw(graph_steps)  # the ranks' graphs, for conftest's check
 
 
