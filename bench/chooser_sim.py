@@ -4,7 +4,13 @@ A model of the speculative matrix (bench/spec_matrix.py), for tuning the chooser
 GPU: the real ``DraftChooser`` decides every step; a step's time comes from a matrix run's
 measured step times (``step_ms`` of its fixed-length cells, the oracle's, by batch size;
 the nearest measured batch stands for a bucket, with +-3% noise); each drafted position is
-accepted with the cell's rate, independently. Cells run as the matrix runs them, on one
+accepted with the cell's rate, independently. Every mode of a cell reads the same draws
+(common random numbers: a request's run of acceptances from each of its positions, drawn
+once), so auto is compared with the fixed lengths on the same luck: with independent
+draws a cell's ratio moved by +-0.03 between 16-seed runs of the same chooser. ``--text``
+takes a real drafter's acceptance on real text instead (bench/pair_acceptance.py: the
+embedded pair's, whose acceptance rises with depth, differs by request and drifts within
+one), each request one of its sequences. Cells run as the matrix runs them, on one
 chooser: for each batch size and rate, a 16-token warm-up, then ``--tokens`` new tokens a
 request; each fixed length and plain decoding run the same cell alike. Prints auto's
 tokens/s over the best fixed mode's, by cell, each mode's tokens/s averaged over the seeds
@@ -18,7 +24,9 @@ the acceptance the one before left (0.9 before 0.5 is harsher than most traffic)
 change this favours still has to be measured on the device.
 
     python bench/chooser_sim.py [--matrix bench/results/h200-spec-matrix-stop40.json]
-        [--rates 0.5,0.7,0.9] [--batch-sizes 1,8,32,64] [--tokens 128] [--seeds 4]
+        [--rates 0.5,0.7,0.9 | --text bench/results/cpu-pair-acceptance-runs.json]
+        [--batch-sizes 1,8,32,64] [--tokens 128] [--steady 2] [--references] [--seeds 4]
+        [--first-seed 0]
         [--model oracle-0.7|pair] (whose measured step times) [--cold 0.2] (start-up's
         steps up to 20% slower than in use, as measured) [--bias 1.5,1.05] (start-up's
         plain steps and rounds this many times the same steps in use: the host drifts)
@@ -72,11 +80,41 @@ def bucket_of(batch: int) -> int:
     return next(b for b in BUCKETS if batch <= b)
 
 
-def run_cell(times, rng, batch, rate, tokens, chooser=None, fixed=None, first_rid=0) -> float:
-    """Decoding tokens/s of ``batch`` requests of ``tokens`` tokens, each step chosen by
-    ``chooser`` (which records it) or of ``fixed`` draft steps."""
+def acceptance_runs(seed: int, batch: int, rate: float, tokens: int) -> list[list[int]]:
+    """[request][position] = the drafts a round from that output position accepts at most:
+    consecutive positions accepted with probability ``rate`` each, up to MAX_STEPS (a round
+    of k accepts the lesser of this and k)."""
+    rng = random.Random(seed)
+    runs = []
+    for _ in range(batch):
+        row = []
+        for _ in range(tokens):
+            n = 0
+            while n < MAX_STEPS and rng.random() < rate:
+                n += 1
+            row.append(n)
+        runs.append(row)
+    return runs
+
+
+def text_runs(seed: int, pool: list[list[int]], batch: int, tokens: int) -> list[list[int]]:
+    """``batch`` requests' runs (as ``acceptance_runs``) taken from ``pool``, a real
+    drafter's on real text (bench/pair_acceptance.py), each request a sequence drawn at
+    random."""
+    rng = random.Random(seed)
+    return [pool[rng.randrange(len(pool))][:tokens] for _ in range(batch)]
+
+
+def run_cell(times, rng, runs, tokens, chooser=None, fixed=None, first_rid=0, batch=None) -> float:
+    """Decoding tokens/s of requests of ``tokens`` tokens (``runs``: their acceptance, as
+    ``acceptance_runs``), each step chosen by ``chooser`` (which records it; or a
+    ``Reference``) or of ``fixed`` draft steps. ``batch`` (default: every request at once, a closed batch): requests
+    running at once, each finished one replaced by the next of ``runs`` (steady, as
+    ``spec_matrix --steady``) until none is left to replace it; the cell ends there."""
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    batch = len(runs) if batch is None else batch
     reqs = [SimRequest(first_rid + i, params) for i in range(batch)]
+    joined = batch
     seconds = emitted = 0
     while reqs:
         bucket = bucket_of(len(reqs))
@@ -85,9 +123,7 @@ def run_cell(times, rng, batch, rate, tokens, chooser=None, fixed=None, first_ri
         seconds += step
         accepted = []
         for req in reqs:
-            n = 0
-            while n < k and rng.random() < rate:
-                n += 1
+            n = min(k, runs[req.rid - first_rid][len(req.output_ids) - 1])
             # The engine drops what passes the cap; the chooser sees the round's acceptance.
             emit = min(n + 1, tokens - len(req.output_ids))
             req.output_ids += [0] * emit
@@ -96,18 +132,73 @@ def run_cell(times, rng, batch, rate, tokens, chooser=None, fixed=None, first_ri
                 accepted.append((req, n))
         if chooser is not None:
             chooser.record(k, bucket, step, accepted)
-        reqs = [r for r in reqs if len(r.output_ids) < tokens]
+        running = [r for r in reqs if len(r.output_ids) < tokens]
+        if batch < len(runs) and len(running) < len(reqs):  # steady: replace the finished
+            if joined + len(reqs) - len(running) > len(runs):
+                break  # no request left to replace them: the rest are aborted
+            for _ in range(len(reqs) - len(running)):
+                running.append(SimRequest(first_rid + joined, params))
+                joined += 1
+        reqs = running
     return emitted / seconds
 
 
+class Reference:
+    """A chooser no engine can have, for scale: it knows every request's acceptance.
+    ``foresight``: each step the length whose round emits the most tokens a second,
+    knowing what it will accept. ``makespan``: the length under which the batch would
+    finish soonest, each request at its own mean accept length for that length (its
+    whole sequence's), the slowest deciding. The first is the best a step-by-step
+    chooser could do; in a closed batch whose requests accept differently it still
+    loses to plain steps, where the second does not (the requests left at the end are
+    the slow ones, and their tail of small steps costs nearly full steps)."""
+
+    def __init__(self, kind, times, runs, tokens):  # requests' ids: their index in runs
+        self.kind, self.times, self.runs, self.tokens = kind, times, runs, tokens
+        self.means = [
+            [statistics.mean(min(n, k) + 1 for n in row) for k in range(MAX_STEPS + 1)]
+            for row in runs
+        ]
+
+    def choose(self, bucket, reqs):
+        nearest = min(self.times.ms, key=lambda b: abs(b - bucket))
+        ms = self.times.ms[nearest]
+        left = {r.rid: self.tokens - len(r.output_ids) for r in reqs}
+        if self.kind == "foresight":
+
+            def emitted(k, r):
+                n = min(k, self.runs[r.rid][len(r.output_ids) - 1])
+                return min(n + 1, left[r.rid])
+
+            return max(range(MAX_STEPS + 1), key=lambda k: sum(emitted(k, r) for r in reqs) / ms[k])
+        return min(
+            range(MAX_STEPS + 1),
+            key=lambda k: ms[k] * max(left[r.rid] / self.means[r.rid][k] for r in reqs),
+        )
+
+    def record(self, *args, **kwargs) -> None:
+        pass
+
+
 def simulate(
-    times, seed, batch_sizes, rates, tokens, cold=0.0, bias=(1.0, 1.0)
-) -> dict[tuple[int, float], list[float]]:
+    times,
+    seed,
+    batch_sizes,
+    rates,
+    tokens,
+    cold=0.0,
+    bias=(1.0, 1.0),
+    text=None,
+    turns=0,
+    references=False,
+) -> dict[tuple[int, float | None], list[float]]:
     """{(batch, rate): [auto's tokens/s, then each fixed mode's: plain, 1, ...]} for one
-    seed. ``cold``: start-up's steps
-    run up to this share slower than the same steps in use (first touches); ``bias``:
-    start-up's plain steps and rounds this many times the same steps in use (the host's
-    speed drifts: measured 0.7-1.5x on the H200, stop 43)."""
+    seed. ``cold``: start-up's steps run up to this share slower than the same steps in
+    use (first touches); ``bias``: start-up's plain steps and rounds this many times the
+    same steps in use (the host's speed drifts: measured 0.7-1.5x on the H200, stop 43).
+    ``text``: a real drafter's runs (``text_runs``) in place of the rates (rate None).
+    ``turns``: cells run steady until this many requests a slot finished (0: closed).
+    ``references``: the two ``Reference`` choosers' tokens/s follow the fixed modes'."""
     rng = random.Random(seed)
     chooser = DraftChooser(MAX_STEPS, context_len=4096)
     for bucket in BUCKETS:  # start-up timing: each end three times in a row
@@ -116,14 +207,29 @@ def simulate(
             chooser.record(k, bucket, times(bucket, k, rng) * scale, timing=True)
     ratios, rid = {}, 0
     for batch in batch_sizes:
-        for rate in rates:
-            run_cell(times, rng, batch, rate, WARM_TOKENS, chooser, first_rid=rid)
-            auto = run_cell(times, rng, batch, rate, tokens, chooser, first_rid=rid + batch)
-            rid += 2 * batch
+        for rate in rates if text is None else [None]:
+            requests = batch * (1 + turns) if turns else batch
+            if text is None:
+                warm = acceptance_runs(rng.getrandbits(32), batch, rate, WARM_TOKENS)
+                runs = acceptance_runs(rng.getrandbits(32), requests, rate, tokens)
+            else:
+                warm = text_runs(rng.getrandbits(32), text, batch, WARM_TOKENS)
+                runs = text_runs(rng.getrandbits(32), text, requests, tokens)
+            run_cell(times, rng, warm, WARM_TOKENS, chooser, first_rid=rid)
+            rid += batch
+            auto = run_cell(times, rng, runs, tokens, chooser, first_rid=rid, batch=batch)
+            rid += requests
             fixed = [
-                run_cell(times, rng, batch, rate, tokens, fixed=k) for k in range(MAX_STEPS + 1)
+                run_cell(times, rng, runs, tokens, fixed=k, batch=batch)
+                for k in range(MAX_STEPS + 1)
             ]
-            ratios[(batch, rate)] = [auto, *fixed]
+            known = [
+                run_cell(
+                    times, rng, runs, tokens, Reference(kind, times, runs, tokens), batch=batch
+                )
+                for kind in (("foresight", "makespan") if references else ())
+            ]
+            ratios[(batch, rate)] = [auto, *fixed, *known]
     return ratios
 
 
@@ -134,7 +240,14 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--seeds", type=int, default=4)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds from this one on")
     parser.add_argument("--model", default="oracle-0.7", help="whose step times (pair: its own)")
+    parser.add_argument(
+        "--text",
+        default=None,
+        help="a real drafter's acceptance on real text (bench/pair_acceptance.py's JSON) "
+        "in place of --rates",
+    )
     # Measured on the H200 (stop 42, the pair): start-up's plain step 1-24% over the same
     # step in use (0.675 against 0.579 ms at batch 64, 0.561 against 0.473 at 8).
     parser.add_argument(
@@ -145,14 +258,41 @@ def main() -> None:
         default="1,1",
         help="start-up's plain steps, rounds: this many times the same steps in use",
     )
+    parser.add_argument(
+        "--steady",
+        type=int,
+        default=0,
+        metavar="TURNS",
+        help="cells keep their batch full, each finished request replaced, until TURNS "
+        "requests a slot finished (spec_matrix --steady: 2); 0: a closed batch",
+    )
+    parser.add_argument(
+        "--references",
+        action="store_true",
+        help="also the choosers that know each request's acceptance (Reference)",
+    )
     args = parser.parse_args()
     bias = tuple(float(b) for b in args.bias.split(","))
     times = StepTimes(args.matrix, args.model)
     rates = [float(r) for r in args.rates.split(",")]
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    text = json.load(open(args.text))["runs"] if args.text else None
+    if text and args.tokens > min(map(len, text)):
+        raise SystemExit(f"--tokens {args.tokens}: {args.text} holds {min(map(len, text))}")
     runs = [
-        simulate(times, seed, batches, rates, args.tokens, args.cold, bias)
-        for seed in range(args.seeds)
+        simulate(
+            times,
+            seed,
+            batches,
+            rates,
+            args.tokens,
+            args.cold,
+            bias,
+            text,
+            args.steady,
+            args.references,
+        )  # fmt: skip
+        for seed in range(args.first_seed, args.first_seed + args.seeds)
     ]
     # Each mode's mean over the seeds, then auto's over the best fixed mode's: the best of
     # single noisy runs (one a mode) is biased up, most where modes are close (a batch of
@@ -160,11 +300,20 @@ def main() -> None:
     # look 5-10% worse at batch 1 than it was.
     mean = {}
     for cell in runs[0]:
-        modes = [statistics.mean(run[cell][i] for run in runs) for i in range(MAX_STEPS + 2)]
+        modes = [statistics.mean(run[cell][i] for run in runs) for i in range(len(runs[0][cell]))]
         best = max(range(MAX_STEPS + 1), key=lambda k: modes[1 + k])
         mean[cell] = modes[0] / modes[1 + best]
         batch, rate = cell
-        print(f"batch {batch:>3}  rate {rate:.2f}  auto / best fixed ({best}) {mean[cell]:.3f}")
+        label = "text" if rate is None else f"{rate:.2f}"
+        known = modes[MAX_STEPS + 2 :]
+        versus = (
+            f"  (foresight {known[0] / modes[1 + best]:.3f}, makespan {known[1] / modes[1 + best]:.3f})"
+            if known
+            else ""
+        )
+        print(
+            f"batch {batch:>3}  rate {label}{versus}  auto / best fixed ({best}) {mean[cell]:.3f}"
+        )
     print(f"worst cell {min(mean.values()):.3f}, mean {statistics.mean(mean.values()):.3f}")
 
 
