@@ -8,8 +8,11 @@ Each step runs the step count ``k`` that maximises the batch's expected tokens a
   position i - 1 was accepted: its own recent rounds (evidence fading by 1/10 an engine
   step), blended with the engine-wide rate (all requests' rounds, fading by 1/50 a step
   and worth ``MAX_EVIDENCE`` rounds at most; a position no recent round reached takes the
-  rate of the one before it): ``Acceptance``. Steps of more than ``PER_REQUEST_MAX``
-  requests use the engine-wide rates for each. ``E_r(0) = 1``; a request that opted out
+  rate of the one before it): ``Acceptance``. A request's own estimate is weighed
+  optimistically, each rate raised by ``OPTIMISM`` standard errors of its evidence, which
+  wears off as the request's rounds add up (plain steps teach nothing of acceptance: a
+  pessimistic guess would stand). Steps of more than ``PER_REQUEST_MAX`` requests use
+  the engine-wide rates for each. ``E_r(0) = 1``; a request that opted out
   (``SamplingParams.speculate``) emits 1 token whatever ``k``.
 - ``t(B, k)``: the median wall time of the recent steps of ``k`` at batch bucket ``B``
   (the first of each, which pays for first touches, is left out), or where ``k`` was
@@ -80,6 +83,21 @@ OPTIMISTIC_RATE = 0.9
 # round of 5 where plain steps were right).
 LOOK_HORIZON = 64
 PRIOR_WEIGHT = 1.0  # observations a position's prior is worth
+# A request's own estimate weighs a step's choice optimistically: each position's rate
+# plus OPTIMISM standard errors of a rate measured on the rounds of the request that
+# reached it (OPTIMISM_PRIOR more; counted over its life, not faded), its expected tokens
+# from those. Plain steps teach nothing of acceptance, so a pessimistic estimate stood
+# until the next look (16 to 64 steps) while an optimistic one is corrected by the round
+# it runs: with evidence faded to about 10 rounds, a request accepting half its drafts
+# looked below the break-even a third of the time. In bench/chooser_sim.py (64 seeds, the
+# H200's step times; --steady), batch 1 went from 0.91 / 0.94 / 0.90 of the best fixed
+# length (the pair's times at rates 0.5-0.9 / the oracle's / the pair's real acceptance
+# on held-out text, bench/pair_acceptance.py) to 0.97 / 0.98 / 0.96. The bonus wears off
+# as the request's rounds add up, so one that drafts at a loss returns to plain steps:
+# at rates 0.2-0.4, where plain steps are best, batches of 1 to 8 kept 0.96-0.99 (0.97-
+# 1.00 without it).
+OPTIMISM = 1.0
+OPTIMISM_PRIOR = 4.0
 # Engine-wide, a position's prior is the one before it times this: a drafter recurring on
 # its own guesses does not get better with depth (and only rounds that accepted every
 # position before reach it, a few at first: without the decline one lucky round made
@@ -142,10 +160,15 @@ class Acceptance:
         weight: float,
         prior: Acceptance | None = None,
         max_evidence: float = math.inf,
+        optimism: float = 0.0,
     ):
         self.weight, self.prior, self.max_evidence = weight, prior, max_evidence
+        self.optimism = optimism  # standard errors added to each rate in expected tokens
         self.hits = [0.0] * max_steps
         self.seen = [0.0] * max_steps
+        # Rounds that reached each position, never faded (one request's rounds: what its
+        # optimism wears off by).
+        self.reached = [0] * max_steps
         self.clock = 0  # the engine step of the last record
         self.version = 0  # bumped by every record
         self._cached: tuple[tuple[int, int], tuple] | None = None  # by (own, prior) version
@@ -162,9 +185,11 @@ class Acceptance:
             self.clock = step
         if len(accepted) == 1:  # one request's round (each step's, per request, at <= 4)
             (count,) = accepted
+            reached = self.reached
             for i in range(min(count + 1, num_steps)):  # reached position i; accepted it?
                 seen[i] += 1.0
                 hits[i] += i < count
+                reached[i] += 1
         else:
             # Rounds by accepted count: O(rounds + positions), not their product. (A list,
             # not a Counter: this runs every round step.)
@@ -188,7 +213,8 @@ class Acceptance:
         return self._estimates()[0]
 
     def expected_tokens(self) -> tuple[float, ...]:
-        """[k] = tokens a round of k steps emits, bonus token included (k = 0: 1)."""
+        """[k] = tokens a round of k steps emits, bonus token included (k = 0: 1); with
+        ``optimism``, at each position's rate plus that many standard errors."""
         return self._estimates()[1]
 
     def _estimates(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -203,7 +229,11 @@ class Acceptance:
             prior = priors[i] if priors is not None else before * DEPTH_DECLINE
             before = (hits + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT)
             rates.append(before)
-            reach *= before
+            hoped = before
+            if self.optimism:  # the variance floor keeps a rate of 0 or 1 uncertain
+                spread = max(before * (1.0 - before), 0.01) / (self.reached[i] + OPTIMISM_PRIOR)
+                hoped = min(1.0, before + self.optimism * math.sqrt(spread))
+            reach *= hoped
             tokens.append(tokens[-1] + reach)
         self._cached = (versions, (tuple(rates), tuple(tokens)))
         return self._cached[1]
@@ -488,7 +518,7 @@ class DraftChooser:
         for req, n in accepted:
             if req.rid not in self._requests:
                 self._requests[req.rid] = Acceptance(
-                    self.max_steps, REQUEST_WEIGHT, self.engine_rates
+                    self.max_steps, REQUEST_WEIGHT, self.engine_rates, optimism=OPTIMISM
                 )
             self._requests[req.rid].record(steps, (n,), clock)
 

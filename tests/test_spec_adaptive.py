@@ -85,8 +85,26 @@ def test_the_chooser_finds_the_length_that_pays_between_the_ends():
     # 1 step (1.2 ms) beats plain (1 token in 1 ms) and every longer round.
     chooser = DraftChooser(5)
     chosen = _run(chooser, 300, linear(1.0, 0.2), lambda k, rid: min(k, 1))
-    assert chosen[-100:].count(1) > 90, chosen[-100:]
+    # Looks at longer rounds now and then: position 2 is reached by them alone, so its
+    # estimate is thin and optimistic (OPTIMISM), and a look runs them until their
+    # evidence says otherwise (a few steps in 64).
+    assert chosen[-100:].count(1) >= 90, chosen[-100:]
     assert "1 draft steps 2.00 tokens in 1.20 ms" in chooser.explain()
+
+
+def test_unlucky_first_rounds_do_not_hold_a_request_on_plain_steps():
+    """A request's own estimate is weighed optimistically while its evidence is thin
+    (OPTIMISM): plain steps teach nothing of acceptance, so after two rounds that accepted
+    nothing a plain winner would stand until the next look (16 steps), though every draft
+    after them is accepted. With the optimism, short rounds go on, find the acceptance
+    and the longest rounds take over."""
+    chooser = DraftChooser(5)
+    _timed_at_start_up(chooser, 1, plain_ms=1.0, round_ms=2.0)
+    rounds = iter(range(1000))
+    chosen = _run(chooser, 40, linear(1.5, 0.1), lambda k, rid: 0 if next(rounds) < 2 else k)
+    assert chosen[0] == 5 and chosen[1] != 0  # the second round as soon as the first
+    assert chosen[:FIRST_EXPLORE].count(0) <= 2, chosen
+    assert chosen[FIRST_EXPLORE:].count(5) > 15, chosen
 
 
 def test_the_runner_up_still_runs_less_and_less_often():
@@ -482,7 +500,9 @@ def test_start_up_timing_skips_the_rounds_that_cannot_pay():
     _timed_at_start_up(cheap, 1, plain_ms=1.0, round_ms=2.0)
     chosen = _run(cheap, 40, linear(1.5, 0.1), lambda k, rid: 0)  # nothing accepted
     assert chosen[0] == 5  # acceptance measured at every position, then
-    assert chosen[1:FIRST_EXPLORE] == [0] * (FIRST_EXPLORE - 1)  # plain steps pay
+    # a few short rounds while one round's evidence is thin (OPTIMISM), then plain steps
+    assert set(chosen[1:FIRST_EXPLORE]) == {0, 1} and chosen[1:FIRST_EXPLORE].count(1) <= 4
+    assert chosen[FIRST_EXPLORE - 8 : FIRST_EXPLORE] == [0] * 8  # plain steps pay
 
 
 def test_no_look_where_too_few_tokens_are_left_to_pay_it_back():
