@@ -89,13 +89,13 @@ PRIOR_WEIGHT = 1.0  # observations a position's prior is worth
 # from those. Plain steps teach nothing of acceptance, so a pessimistic estimate stood
 # until the next look (16 to 64 steps) while an optimistic one is corrected by the round
 # it runs: with evidence faded to about 10 rounds, a request accepting half its drafts
-# looked below the break-even a third of the time. In bench/chooser_sim.py (64 seeds, the
-# H200's step times; --steady), batch 1 went from 0.91 / 0.94 / 0.90 of the best fixed
-# length (the pair's times at rates 0.5-0.9 / the oracle's / the pair's real acceptance
-# on held-out text, bench/pair_acceptance.py) to 0.97 / 0.98 / 0.96. The bonus wears off
-# as the request's rounds add up, so one that drafts at a loss returns to plain steps:
-# at rates 0.2-0.4, where plain steps are best, batches of 1 to 8 kept 0.96-0.99 (0.97-
-# 1.00 without it).
+# looked below the break-even a third of the time. bench/chooser_sim.py (64 seeds, the
+# H200's step times, --steady 2), batch 1 at rate 0.5 against the best fixed length:
+# 0.914 -> 0.974 on the pair's step times, 0.957 -> 0.977 on the oracle's; the pair's
+# acceptance on held-out text (bench/pair_acceptance.py) 0.916 -> 0.963. The bonus wears
+# off as the request's rounds add up, so one that drafts at a loss returns to plain
+# steps; at rates 0.2-0.4, where plain steps are best, batches of 1 to 8 in closed
+# batches: worst cell 0.915 -> 0.940 (oracle's times), 0.971 -> 0.942 (pair's).
 OPTIMISM = 1.0
 OPTIMISM_PRIOR = 4.0
 # Engine-wide, a position's prior is the one before it times this: a drafter recurring on
