@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from corpus import collect  # noqa: E402
-from train_pair import draft_logits  # noqa: E402
+from train_pair import PAD_ID, draft_logits  # noqa: E402
 
 from graphrt.core import pretrained  # noqa: E402
 
@@ -71,7 +71,7 @@ def runs_of(target, assistant, prompt: list[int], tokens: int) -> list[int]:
             max_new_tokens=tokens + MAX_STEPS + 1,
             min_new_tokens=tokens + MAX_STEPS + 1,  # the text past <eos> is text all the same
             do_sample=False,
-            pad_token_id=0,
+            pad_token_id=PAD_ID,
         )
     _, drafts = draft_logits(target, assistant, seq, MAX_STEPS)
     length = seq.shape[1]
