@@ -625,8 +625,10 @@ class Engine:
             try:
                 return self._settle(step)
             except Exception as e:  # noqa: BLE001 (as below)
-                self._fail(list(self.running), e)
-                return step.reqs
+                # Its own requests only: those just admitted have not run yet.
+                failed = [req for req in step.reqs if req in self.running]
+                self._fail(failed, e)
+                return failed
         chunks = self._prefill_chunks()
         stepping = [req for req, _ in chunks] or list(self.running)
         start = time.perf_counter()
@@ -646,7 +648,6 @@ class Engine:
         log.warning(
             "a step of %d requests failed (%s); they finish with 'error'", len(reqs), message
         )
-        self._pending = None  # its slots are the running requests' (recover keeps them)
         for req in reqs:
             req.finish_reason, req.error = FinishReason.ERROR, message
             if req in self.running:
@@ -702,14 +703,21 @@ class Engine:
         now = time.perf_counter()
         if step.record is not None:
             step.record(now - step.start, outcome)
-        if ahead is not None and not any(r in self.running for r in ahead.reqs):
-            # Every request it served stopped: nothing to emit, but its forward ran.
-            self._apply(ahead.reqs, ahead.finish())
-            ahead = None
         if ahead is not None:
             ahead.start = now
         self._pending = ahead
+        self._drop_idle_pending()  # every request it served stopped with ``step``
         return step.reqs
+
+    def _drop_idle_pending(self) -> None:
+        """Settle the step launched ahead, untimed and launching none, once none of its
+        requests runs (they stopped, or were aborted): nothing is left to emit, but its
+        slots must come back now. Left pending, it would be settled only by the next
+        request's first step, idle time counted as its own in the chooser's figures."""
+        step = self._pending
+        if step is not None and not any(r in self.running for r in step.reqs):
+            self._pending = None
+            self._apply(step.reqs, step.finish())  # its forward ran: counted as a step
 
     def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
         """The next step of ``step``'s requests, queued behind it and fed its result on the
@@ -718,7 +726,7 @@ class Engine:
         token is surely their last are left out. One that stops on a token of ``step`` (end
         of sequence, its length, broken logits) gets a step too many, dropped when that
         step is settled."""
-        if not self._overlap or self.prefilling:
+        if self.prefilling:
             return None
         keep = [
             i
@@ -831,6 +839,7 @@ class Engine:
                 self.waiting.remove(req)
             elif req in self.running:
                 self._release(req)
+                self._drop_idle_pending()
             if req.finish_reason is None:
                 req.finish_reason = reason
 
@@ -843,6 +852,8 @@ class Engine:
     def cleanup(self) -> None:
         """Drop every captured graph (the engine can no longer run graphs)."""
         if self._pending is not None:  # never free graphs under a replay in flight
-            self._pending.read.wait()
-            self._pending = None
+            # Settled, not dropped: requests still running keep its tokens (their KV
+            # lengths have moved on with it) and go on eagerly.
+            step, self._pending = self._pending, None
+            self._emit(step.reqs, self._apply(step.reqs, step.finish()))
         self.strategy.cleanup()

@@ -105,6 +105,25 @@ def test_an_abort_while_a_step_is_in_flight_frees_it_and_the_rest_decode_on(engi
     assert _all_free(graph)
 
 
+def test_aborting_every_request_settles_the_step_in_flight_at_once(engines):
+    """The last running request aborted while a step launched ahead still serves it (a
+    server's stop string, a client gone): that step is settled then, its slots back at
+    once. Left in flight, it held them until the next request's first step, which then
+    timed the idle between them as its own."""
+    graph, eager = engines
+    prompts = random_prompts((9, 4), seed=15)
+    reqs = [graph.add_request(p, GREEDY) for p in prompts]
+    while min(len(r.output_ids) for r in reqs) < 3:
+        graph.step()
+    assert graph._pending is not None  # a step is in flight
+    graph.abort(reqs[0])
+    assert graph._pending is not None  # it still serves reqs[1]
+    graph.abort(reqs[1])
+    assert _all_free(graph) and not graph.has_work
+    later = _run(graph, [GREEDY], prompts[1:])[0]
+    assert later.output_ids == _run(eager, [GREEDY], prompts[1:])[0].output_ids
+
+
 def test_a_prompt_arriving_mid_decode_is_prefilled_after_the_step_in_flight(engines):
     """A request added while a step is in flight: that step settles first, then the
     prompt prefills, and every request's tokens are those it gets alone."""
