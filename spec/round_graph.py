@@ -86,6 +86,7 @@ def round_batch(
     device: torch.device,
     last_tokens: torch.Tensor | None = None,
     cached_lens: torch.Tensor | None = None,
+    in_flight: int = 0,
 ) -> ForwardBatch:
     """A one-graph round's batch for ``reqs``, built on the host (numpy) and sent in one
     pinned copy, so no device op comes before the launch: per node the request's root
@@ -97,9 +98,10 @@ def round_batch(
     Behind a step not read yet (``DecodeStrategy.launch``): ``last_tokens`` (B,) are the
     roots and ``cached_lens`` (B,), where given, the cached lengths, on the device, written
     over the host's (a few device ops after the copy); the host lengths, there only as
-    placeholders, are then bounds."""
+    placeholders, are then bounds: ``in_flight`` is the most the round not read yet may
+    emit."""
     bs, n = len(reqs), num_nodes
-    ahead = n if cached_lens is not None else 0  # what the round in flight may add
+    ahead = in_flight if cached_lens is not None else 0
     after = [r.kv_len + ahead + n for r in reqs]  # each request's length after the round
     kv_lens = np.array(after, dtype=np.int64) - n
     host = np.empty(3 * bs * n + 3 * bs, dtype=np.int64)

@@ -135,6 +135,12 @@ class MTPDecoding(DecodeStrategy):
         return self.variants[self.cfg.num_steps]
 
     @property
+    def _most_emitted(self) -> int:
+        """The most tokens a round (of any length this strategy runs) adds to a request's
+        cache: its drafts, all accepted, and the bonus token."""
+        return self.cfg.num_steps + 1
+
+    @property
     def draft_graph(self) -> GraphRunner | None:
         return self.longest.draft
 
@@ -387,9 +393,12 @@ class MTPDecoding(DecodeStrategy):
 
     def _planned_steps(self, reqs: list[Request]) -> int:
         """The length planned for ``reqs`` already (by ``captures_before`` or ``launch``;
-        taken), else planned now: the chooser chooses once a step."""
+        taken), else planned now: the chooser chooses once a step. A plan made by a launch
+        behind a step not read yet stands for the requests that step left running."""
         planned, self._planned = self._planned, None
-        return planned[1] if planned is not None and planned[0] == reqs else self.plan(reqs)
+        if planned is not None and [r for r in planned[0] if not r.finished] == reqs:
+            return planned[1]
+        return self.plan(reqs)
 
     def launch(
         self,
@@ -433,12 +442,14 @@ class MTPDecoding(DecodeStrategy):
         graph = self._round_graph(reqs, variant)
         if graph is None or graph in self._later:
             return None
-        n = variant.cfg.num_draft_tokens
-        room = self.ctx.max_context_len - 2 * n
+        # Behind a round not read yet, the context must hold what that one may still emit
+        # (its length's worth: at most the longest rounds', whatever this one's) and
+        # this round's tree.
+        room = self.ctx.max_context_len - variant.cfg.num_draft_tokens - self._most_emitted
         if kv_lens is not None and any(r.kv_len > room for r in reqs):
             return None
         packed, held, batch = self._queue_round(reqs, variant, graph, last_tokens, kv_lens)
-        num_steps = variant.cfg.num_steps
+        num_steps, n = variant.cfg.num_steps, variant.cfg.num_draft_tokens
 
         def settle(values: list) -> StepOutcome:
             outcome = self.settle_rows(reqs, values, held, num_steps)
@@ -550,7 +561,7 @@ class MTPDecoding(DecodeStrategy):
         held_host = self.ctx.ledger.hold_host(len(reqs) * n)
         batch = round_batch(
             reqs, n, held_host, rows, self.ctx.max_context_len, self.ctx.device,
-            last_tokens, kv_lens,
+            last_tokens, kv_lens, self._most_emitted,
         )  # fmt: skip
         for req in reqs:  # every node draws from its request's stream (see verify)
             req.draws += n

@@ -312,9 +312,21 @@ def _accept_some(tree, target_tokens, max_accept):
     accepts next to nothing, and this gives a chain every accept length, the same in both
     engines. In a tree, of a parent's children the last that counts does (node order: the
     same in both engines); trees of topk 2 and 3 reach accept lengths 0 to 2."""
+    counts = tree.valid & (tree.parents >= 0) & (tree.tokens % 3 != 0)
+    return _accept_counted(tree, target_tokens, max_accept, counts)
+
+
+def _accept_all(tree, target_tokens, max_accept):
+    """An acceptance rule under which every draft counts: chains accept all they draft."""
+    counts = tree.valid & (tree.parents >= 0)
+    return _accept_counted(tree, target_tokens, max_accept, counts)
+
+
+def _accept_counted(tree, target_tokens, max_accept, counts):
+    """``accept`` with each draft where ``counts`` holds taken as the target's own token at
+    its parent (of a parent's children, the last that counts)."""
     forced = target_tokens.clone()
     parent = tree.parents.clamp(min=0)
-    counts = tree.valid & (tree.parents >= 0) & (tree.tokens % 3 != 0)
     for j in range(1, tree.tokens.shape[1]):  # children in node order, a fixed count
         at = parent[:, j : j + 1]
         child = torch.where(counts[:, j : j + 1], tree.tokens[:, j : j + 1], forced.gather(1, at))
@@ -511,4 +523,58 @@ def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
     assert graph.stats.eager_steps == 1  # the prefill: every plain step and verify replayed
     one_graph_rounds = graph.strategy.variants[3].round is not None
     assert bool(rounds_behind_rounds) == one_graph_rounds  # where rounds have one graph
+    assert graph._pending is None and graph.kv_pool.available() == graph.kv_pool.num_slots
+
+
+def test_a_shorter_round_behind_a_longer_one_stays_inside_the_context(
+    spec_case, gemma4_tiny, gemma4_assistant, monkeypatch
+):
+    """A round launched behind one not read yet must leave room for what that one may
+    emit, its own length's worth, not the new round's: a round of 1 behind a round of 3
+    that accepts everything, near the context's end, wrote its tree past the token
+    table's last column (an index error here, a device assert on a GPU). A plain step
+    the chooser picks behind a round (which cannot be launched ahead) runs as chosen,
+    also where requests finished inside the round (its plan was chosen again, for the
+    requests left). Drafts, accepted tokens and outputs equal the eager engine's."""
+    if spec_case.id == "cpu-compile":
+        pytest.skip("inductor compiles each length's graphs: minutes on 2 cores")
+    target, drafter = (
+        load_model(str(c.path), spec_case.device, spec_case.dtype)
+        for c in (gemma4_tiny, gemma4_assistant)
+    )
+    engines = []
+    for graphs in (True, False):
+        spec = SpecConfig(num_steps=3, adaptive=True, one_graph=graphs)
+        strategy = MTPDecoding(drafter, spec, _accept_all)
+        strategy.chooser = cycling_chooser(3, (3, 1, 0))
+        config = EngineConfig(
+            max_running_requests=4,
+            max_context_len=64,
+            runner="graph" if graphs else "eager",
+            graph_buckets=(2, 4),
+            overlap=graphs,
+            capture_all_graphs=True,
+            kv_pool_tokens=1024,  # both engines admit every request at once
+        )
+        engines.append(Engine(target, config, case_device(spec_case), strategy))
+    graph, eager = engines
+    _, launched_ahead = spy_launches(graph, monkeypatch)
+    # From 59 and 60 tokens a round of 3 that accepts all leaves no room for one behind it.
+    prompts = random_prompts((52, 53, 59, 60), seed=17, vocab=target.model.vocab_size)
+    limits = (7, 12, 12, 12)  # the first finishes inside a round: the batch shrinks
+    got, expected = (
+        engine.run_until_finished(
+            [
+                engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts, limits)
+            ]
+        )
+        for engine in engines
+    )
+    # Every draft accepted: the tokens follow the drafts, so they are the eager engine's
+    # only where each request ran the same steps (a plan chosen again would change them).
+    assert [r.spec_rounds for r in got] == [r.spec_rounds for r in expected]
+    assert [r.output_ids for r in got] == [r.output_ids for r in expected]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
+    assert launched_ahead and graph.stats.eager_steps == 1  # the prefill: the rest replayed
     assert graph._pending is None and graph.kv_pool.available() == graph.kv_pool.num_slots
