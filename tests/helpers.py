@@ -387,15 +387,18 @@ def sigint_default() -> None:
 
 
 def spy_launches(engine, monkeypatch) -> tuple[list[int], list[int]]:
-    """Spy on the strategy's launches; -> (batch sizes of every launch, of those fed by a
-    step's device tokens: launched ahead)."""
+    """Spy on the strategy's launches; -> (batch sizes of every step launched, of those fed
+    by a step's device tokens: launched ahead). A launch that declined (None: the engine
+    then decodes the step) counts in neither."""
     every, ahead, launch = [], [], engine.strategy.launch
 
     def spy(reqs, last_tokens=None, kv_lens=None):
-        every.append(len(reqs))
-        if last_tokens is not None:
-            ahead.append(len(reqs))
-        return launch(reqs, last_tokens, kv_lens)
+        step = launch(reqs, last_tokens, kv_lens)
+        if step is not None:
+            every.append(len(reqs))
+            if last_tokens is not None:
+                ahead.append(len(reqs))
+        return step
 
     monkeypatch.setattr(engine.strategy, "launch", spy)
     return every, ahead

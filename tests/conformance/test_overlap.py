@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from harness import CONTEXT, case_engine
+from harness import CONTEXT, ENGINE_BUCKETS, case_engine
 from helpers import random_prompts, spy_launches
 
 from graphrt.core.engine import Engine, SamplingParams
@@ -43,6 +43,13 @@ def _run(engine: Engine, params_list, prompts) -> list:
     reqs = [engine.add_request(p, params) for p, params in zip(prompts, params_list)]
     engine.run_until_finished(reqs)
     return reqs
+
+
+def _replayed_every_step(engine: Engine, launched: list[int], graph_steps: int) -> bool:
+    """Every step launched at a captured size (batches up to ENGINE_BUCKETS' largest)
+    replayed its graph: ``graph_steps`` the engine's count before."""
+    on_graphs = sum(1 for size in launched if size <= max(ENGINE_BUCKETS))
+    return on_graphs > 0 and engine.stats.graph_steps - graph_steps == on_graphs
 
 
 def _all_free(engine: Engine) -> bool:
@@ -80,7 +87,7 @@ def test_steps_launched_ahead_give_the_tokens_of_steps_read_one_by_one(
     # Rows launched: one a decoded token, and one the stopped request's dropped token (no
     # row for a request whose length had ended).
     assert sum(launched) == sum(len(r.output_ids) - 1 for r in got) + 1
-    assert graph.stats.graph_steps > replays  # buckets 1 and 4 replayed
+    assert _replayed_every_step(graph, launched, replays)  # buckets 1 and 4 (padded)
     assert _all_free(graph)
 
 
@@ -91,6 +98,8 @@ def test_an_abort_while_a_step_is_in_flight_frees_it_and_the_rest_decode_on(engi
     graph, eager = engines
     prompts = random_prompts((7, 3, 10), seed=12)
     expected = _run(eager, [GREEDY] * 3, prompts)
+    launched, launched_ahead = spy_launches(graph, monkeypatch)
+    replays = graph.stats.graph_steps
     reqs = [graph.add_request(p, GREEDY) for p in prompts]
     while min(len(r.output_ids) for r in reqs) < 3:
         graph.step()
@@ -102,16 +111,19 @@ def test_an_abort_while_a_step_is_in_flight_frees_it_and_the_rest_decode_on(engi
         expected[0].output_ids,
         expected[2].output_ids,
     ]
+    assert launched_ahead and _replayed_every_step(graph, launched, replays)
     assert _all_free(graph)
 
 
-def test_aborting_every_request_settles_the_step_in_flight_at_once(engines):
+def test_aborting_every_request_settles_the_step_in_flight_at_once(engines, monkeypatch):
     """The last running request aborted while a step launched ahead still serves it (a
     server's stop string, a client gone): that step is settled then, its slots back at
     once. Left in flight, it held them until the next request's first step, which then
     timed the idle between them as its own."""
     graph, eager = engines
     prompts = random_prompts((9, 4), seed=15)
+    launched, launched_ahead = spy_launches(graph, monkeypatch)
+    replays = graph.stats.graph_steps
     reqs = [graph.add_request(p, GREEDY) for p in prompts]
     while min(len(r.output_ids) for r in reqs) < 3:
         graph.step()
@@ -122,14 +134,17 @@ def test_aborting_every_request_settles_the_step_in_flight_at_once(engines):
     assert _all_free(graph) and not graph.has_work
     later = _run(graph, [GREEDY], prompts[1:])[0]
     assert later.output_ids == _run(eager, [GREEDY], prompts[1:])[0].output_ids
+    assert launched_ahead and _replayed_every_step(graph, launched, replays)
 
 
-def test_a_prompt_arriving_mid_decode_is_prefilled_after_the_step_in_flight(engines):
+def test_a_prompt_arriving_mid_decode_is_prefilled_after_the_step_in_flight(engines, monkeypatch):
     """A request added while a step is in flight: that step settles first, then the
     prompt prefills, and every request's tokens are those it gets alone."""
     graph, eager = engines
     prompts = random_prompts((6, 14), seed=13)
     expected = [_run(eager, [GREEDY], [p])[0].output_ids for p in prompts]
+    launched, launched_ahead = spy_launches(graph, monkeypatch)
+    replays = graph.stats.graph_steps
     first = graph.add_request(prompts[0], GREEDY)
     while len(first.output_ids) < 3:
         graph.step()
@@ -137,6 +152,7 @@ def test_a_prompt_arriving_mid_decode_is_prefilled_after_the_step_in_flight(engi
     second = graph.add_request(prompts[1], GREEDY)
     graph.run_until_finished([first, second])
     assert [first.output_ids, second.output_ids] == expected
+    assert launched_ahead and _replayed_every_step(graph, launched, replays)
     assert _all_free(graph)
 
 
@@ -151,9 +167,10 @@ def test_sampled_rows_draw_the_same_tokens_launched_ahead(engines, monkeypatch):
         SamplingParams(max_new_tokens=7, ignore_eos=True, temperature=0.7, top_p=0.8, seed=7),
     ]
     expected = [r.output_ids for r in _run(eager, params, prompts)]
-    _, launched_ahead = spy_launches(graph, monkeypatch)
+    launched, launched_ahead = spy_launches(graph, monkeypatch)
+    replays = graph.stats.graph_steps
     assert [r.output_ids for r in _run(graph, params, prompts)] == expected
-    assert launched_ahead
+    assert launched_ahead and _replayed_every_step(graph, launched, replays)
     assert _all_free(graph)
 
 
@@ -166,9 +183,11 @@ def test_a_request_filling_the_context_is_not_launched_past_it(engines, monkeypa
     params = [dataclasses.replace(GREEDY, max_new_tokens=30)] * 2
     expected = _run(eager, params, prompts)
     assert len(expected[0].output_ids) < 30  # the context ended it
-    _, launched_ahead = spy_launches(graph, monkeypatch)
+    launched, launched_ahead = spy_launches(graph, monkeypatch)
+    replays = graph.stats.graph_steps
     got = _run(graph, params, prompts)
     assert [r.output_ids for r in got] == [r.output_ids for r in expected]
     assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
     assert 2 in launched_ahead and 1 in launched_ahead
+    assert _replayed_every_step(graph, launched, replays)
     assert _all_free(graph)
