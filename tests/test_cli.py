@@ -25,6 +25,7 @@ STATS_KEYS = {
     "device",
     "runner",
     "overlap",
+    "launched_ahead",
     "tp",
     "graph_steps",
     "eager_steps",
@@ -91,6 +92,7 @@ def test_generate_overlap_gives_transformers_tokens(capsys, ckpt_with_tokenizer)
     out = run_json(capsys, *argv)
     assert out["stats"]["eager_steps"] == 9  # one prefill step + 8 decode steps
     assert out["stats"]["overlap"] is True
+    assert out["stats"]["launched_ahead"] == 7  # each decode step behind the first
     for prompt, req in zip(prompts, out["requests"]):
         assert req["output_ids"] == hf_greedy(hf, prompt, 9)[0]
 

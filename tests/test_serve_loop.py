@@ -56,6 +56,7 @@ class Collector:
 
 def test_concurrent_callers_each_get_their_own_greedy_text(llm):
     want = [c.text for c in llm.generate(PROMPTS, PARAMS)]
+    launched = llm.engine.stats.launched_ahead
     loop = EngineLoop(llm, trace_steps=True)
     try:
         collectors = [Collector() for _ in PROMPTS]
@@ -74,6 +75,8 @@ def test_concurrent_callers_each_get_their_own_greedy_text(llm):
         assert [c.tokens for c in collectors] == [d.token_ids for d in done]  # every token once
         assert all(d.finish_reason == "length" for d in done)
         assert loop.inflight == 0 and _kv_free(llm)
+        # The loop's steps were launched ahead where asked: a step in flight between passes.
+        assert (llm.engine.stats.launched_ahead > launched) == llm.engine.config.overlap
     finally:
         loop.close()
     # The step trace (graphrt serve --step-trace), read once the loop thread has ended

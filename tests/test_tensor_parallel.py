@@ -23,8 +23,9 @@ GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)  # each token: a coll
 LENS = (5, 11, 3)
 
 
-def _generate(path: str, tp: TPGroup, runner: str) -> tuple[list[list[int]], int]:
-    """-> every request's greedy tokens, and the decode steps that replayed a graph.
+def _generate(path: str, tp: TPGroup, runner: str) -> tuple[list[list[int]], int, int]:
+    """-> every request's greedy tokens, the decode steps that replayed a graph, and those
+    launched ahead.
     ``runner`` "graph-overlap": on graphs, each step launched before the last one's read
     (``EngineConfig.overlap``: every rank launches and settles alike)."""
     loaded = load_model(path, CPU, torch.float32, tp=tp)
@@ -45,7 +46,7 @@ def _generate(path: str, tp: TPGroup, runner: str) -> tuple[list[list[int]], int
     )  # fmt: skip
     prompts = random_prompts(LENS, seed=5, vocab=loaded.model.vocab_size)
     outputs = [r.output_ids for r in engine.generate(prompts, GREEDY)]
-    return outputs, engine.stats.graph_steps
+    return outputs, engine.stats.graph_steps, engine.stats.launched_ahead
 
 
 def _rank_main(rank: int, port: int, jobs: dict, out_dir: str) -> None:
@@ -88,9 +89,10 @@ def two_ranks(request, tmp_path_factory) -> tuple[dict, list[dict]]:
 def test_two_ranks_give_the_tokens_of_one(two_ranks, model, runner):
     expected, ranks = two_ranks
     for rank, results in enumerate(ranks):
-        tokens, graph_steps = results[(model, runner)]
+        tokens, graph_steps, launched_ahead = results[(model, runner)]
         assert tokens == expected[model], f"rank {rank}"
         assert (graph_steps > 0) == runner.startswith("graph")  # decode replayed the graphs
+        assert (launched_ahead > 0) == runner.endswith("overlap")
         GraphWitness.saw(graph_steps)  # the ranks' graphs, for conftest's check
 
 

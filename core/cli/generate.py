@@ -214,6 +214,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "device": device.name,
         "runner": runner,
         "overlap": engine.config.overlap,  # steps launched ahead of the read (--overlap)
+        "launched_ahead": engine.stats.launched_ahead,  # steps that were
         "tp": tp.size,
         "graph_steps": engine.stats.graph_steps,
         "eager_steps": engine.stats.eager_steps,

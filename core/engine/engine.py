@@ -145,6 +145,8 @@ class EngineStats:
     captured_sizes: list[int] = field(default_factory=list)
     refused_captures: int = 0  # graphs left uncaptured by max_graph_memory_bytes
     step_timing_s: float = 0.0  # start-up steps timing each kind of step (_time_steps)
+    # Steps launched behind one not read yet (EngineConfig.overlap), dropped ones included.
+    launched_ahead: int = 0
     # Speculative rounds, one per request per verify forward.
     spec_rounds: int = 0
     graph_rounds: int = 0  # request rounds on graphs (the round's one, or draft's and verify's)
@@ -744,7 +746,9 @@ class Engine:
             index = to_device(keep, tokens.device)
             tokens = tokens.index_select(0, index)
             kv_lens = None if kv_lens is None else kv_lens.index_select(0, index)
-        return self.strategy.launch(reqs, tokens, kv_lens)
+        ahead = self.strategy.launch(reqs, tokens, kv_lens)
+        self.stats.launched_ahead += ahead is not None
+        return ahead
 
     def _emit(self, reqs: list[Request], emitted: list[list[int]]) -> None:
         """Append each request's tokens, finishing those that stop, reach their length or
