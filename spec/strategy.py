@@ -439,8 +439,8 @@ class MTPDecoding(DecodeStrategy):
     ) -> LaunchedStep | None:
         """``one_graph_round``'s launch, its settling left for later; behind a round not
         read yet only where the context has room for both rounds' trees."""
-        graph = self._round_graph(reqs, variant)
-        if graph is None or graph in self._later:
+        graph = self._round_graph(reqs, variant)  # None where none is captured (yet)
+        if graph is None:
             return None
         # Behind a round not read yet, the context must hold what that one may still emit
         # (its length's worth: at most the longest rounds', whatever this one's) and
@@ -535,13 +535,8 @@ class MTPDecoding(DecodeStrategy):
         """The round on ``variant``'s one graph (spec.round_graph) where one serves this
         many requests, else None (the round runs on the two-graph path: eagerly, in a
         one-graph engine)."""
-        graph = self._round_graph(reqs, variant)
-        if graph is None:
-            return None  # before any copy: the two-graph path sends its own
-        packed, held, _ = self._queue_round(reqs, variant, graph)
-        outcome = self.settle(reqs, packed, held, variant.cfg.num_steps)
-        outcome.graph_forwards, outcome.graph_rounds = 1, len(reqs)
-        return outcome
+        step = self._launch_round(reqs, variant, None, None)  # None before any copy
+        return None if step is None else step.finish()
 
     def _round_graph(self, reqs: list[Request], variant: RoundGraphs) -> GraphRunner | None:
         """``variant``'s one graph for a round of ``reqs`` (greedy or sampled), where it
