@@ -50,7 +50,11 @@ def copy_bandwidth_gbps(
 
 
 def host_launch_us(
-    device: torch.device, sync: Callable[[], None], launches: int = 1000, runs: int = 5
+    device: torch.device,
+    sync: Callable[[], None],
+    launches: int = 1000,
+    runs: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """How fast this machine's host is now: the host time of launching one small device op,
     in us (the median of ``runs`` runs of ``launches``). Figures the host bounds (a small
@@ -62,10 +66,10 @@ def host_launch_us(
     samples = []
     for _ in range(runs):
         sync()
-        start = time.perf_counter()
+        start = clock()
         for _ in range(launches):
             x.add_(1)
-        samples.append((time.perf_counter() - start) / launches * 1e6)
+        samples.append((clock() - start) / launches * 1e6)
     sync()
     return round(statistics.median(samples), 2)
 
