@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 from harness import CONTEXT, ENGINE_BUCKETS, case_engine
-from helpers import random_prompts, spy_launches
+from helpers import assert_engine_idle, random_prompts, spy_launches
 
 from graphrt.core.engine import Engine, SamplingParams
 
@@ -53,11 +53,9 @@ def _replayed_every_step(engine: Engine, launched: list[int], graph_steps: int) 
 
 
 def _all_free(engine: Engine) -> bool:
-    return (
-        engine._pending is None
-        and engine.kv_pool.available() == engine.kv_pool.num_slots
-        and engine.ledger.reserved_tokens == 0
-    )
+    """No step in flight, and no request, KV slot, request row or reservation held."""
+    assert_engine_idle(engine)
+    return engine._pending is None
 
 
 def test_steps_launched_ahead_give_the_tokens_of_steps_read_one_by_one(
