@@ -446,6 +446,29 @@ def test_one_graph_rounds_fall_back_where_no_graph_serves_the_batch(spec_case, s
     assert set(sizes) == set(expected.items())  # every round at a size alike
 
 
+def _overlap_pair(case, spec_models, order, one_graph, accept_rule, **config):
+    """(a graph engine launching steps ahead, an eager one reading every step), both
+    choosing draft lengths by ``order`` (scripted, 0: a plain step) under ``accept_rule``,
+    every graph captured up front; ``one_graph``: the graph engine's rounds on one graph."""
+    target, drafter = spec_models()
+    pair = []
+    for graphs in (True, False):
+        spec = SpecConfig(num_steps=3, adaptive=True, one_graph=one_graph and graphs)
+        strategy = MTPDecoding(drafter, spec, accept_rule)
+        strategy.chooser = cycling_chooser(3, order)
+        engine_config = EngineConfig(
+            max_running_requests=4,
+            max_context_len=64,
+            runner="graph" if graphs else "eager",
+            graph_buckets=(2, 4),
+            overlap=graphs,
+            capture_all_graphs=True,
+            **config,
+        )
+        pair.append(Engine(target, engine_config, case_device(case), strategy))
+    return pair
+
+
 # Auto lengths' scripted choices (0: a plain step): plain steps and rounds in runs, each
 # kind behind the other and itself (a plain step behind a round waits for its read).
 OVERLAP_ORDER = (0, 0, 0, 2, 2, 0, 0, 1, 3, 3, 3, 0, 0)
@@ -457,7 +480,7 @@ OVERLAP_ORDER = (0, 0, 0, 2, 2, 0, 0, 1, 3, 3, 3, 0, 0)
     ids=["two-graphs", "one-graph", "one-graph-sampled"],
 )
 def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
-    spec_case, one_graph, temperature, gemma4_tiny, gemma4_assistant, monkeypatch
+    spec_case, spec_models, one_graph, temperature, monkeypatch
 ):
     """`--spec-steps auto` with plain steps between rounds (scripted), on graphs, each
     step launched behind the one before where it can (plain steps; one-graph rounds,
@@ -470,24 +493,8 @@ def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
     launched behind it, whose rows for them are dropped and their slots freed."""
     if spec_case.id == "cpu-compile":
         pytest.skip("inductor compiles each length's graphs: minutes on 2 cores")
-    target, drafter = (
-        load_model(str(c.path), spec_case.device, spec_case.dtype)
-        for c in (gemma4_tiny, gemma4_assistant)
-    )
-    engines = []
-    for graphs in (True, False):
-        spec = SpecConfig(num_steps=3, adaptive=True, one_graph=one_graph and graphs)
-        strategy = MTPDecoding(drafter, spec, _accept_some)  # requests stop mid-flight
-        strategy.chooser = cycling_chooser(3, OVERLAP_ORDER)
-        config = EngineConfig(
-            max_running_requests=4,
-            max_context_len=64,
-            runner="graph" if graphs else "eager",
-            graph_buckets=(2, 4),
-            overlap=graphs,
-            capture_all_graphs=True,
-        )
-        engines.append(Engine(target, config, case_device(spec_case), strategy))
+    target, _ = spec_models()
+    engines = _overlap_pair(spec_case, spec_models, OVERLAP_ORDER, one_graph, _accept_some)
     graph, eager = engines
     _, launched_ahead = spy_launches(graph, monkeypatch)
     rounds_behind_rounds = []
@@ -529,7 +536,7 @@ def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
 
 
 def test_a_shorter_round_behind_a_longer_one_stays_inside_the_context(
-    spec_case, gemma4_tiny, gemma4_assistant, monkeypatch
+    spec_case, spec_models, monkeypatch
 ):
     """A round launched behind one not read yet must leave room for what that one may
     emit, its own length's worth, not the new round's: a round of 1 behind a round of 3
@@ -540,25 +547,10 @@ def test_a_shorter_round_behind_a_longer_one_stays_inside_the_context(
     requests left). Drafts, accepted tokens and outputs equal the eager engine's."""
     if spec_case.id == "cpu-compile":
         pytest.skip("inductor compiles each length's graphs: minutes on 2 cores")
-    target, drafter = (
-        load_model(str(c.path), spec_case.device, spec_case.dtype)
-        for c in (gemma4_tiny, gemma4_assistant)
-    )
-    engines = []
-    for graphs in (True, False):
-        spec = SpecConfig(num_steps=3, adaptive=True, one_graph=graphs)
-        strategy = MTPDecoding(drafter, spec, _accept_all)
-        strategy.chooser = cycling_chooser(3, (3, 1, 0))
-        config = EngineConfig(
-            max_running_requests=4,
-            max_context_len=64,
-            runner="graph" if graphs else "eager",
-            graph_buckets=(2, 4),
-            overlap=graphs,
-            capture_all_graphs=True,
-            kv_pool_tokens=1024,  # both engines admit every request at once
-        )
-        engines.append(Engine(target, config, case_device(spec_case), strategy))
+    target, _ = spec_models()
+    engines = _overlap_pair(
+        spec_case, spec_models, (3, 1, 0), True, _accept_all, kv_pool_tokens=1024
+    )  # a pool for every request at once in both engines (overlap holds more a request)
     graph, eager = engines
     _, launched_ahead = spy_launches(graph, monkeypatch)
     # From 59 and 60 tokens a round of 3 that accepts all leaves no room for one behind it.
