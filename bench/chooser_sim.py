@@ -115,10 +115,11 @@ def run_cell(times, rng, runs, tokens, chooser=None, fixed=None, first_rid=0, ba
     batch = len(runs) if batch is None else batch
     reqs = [SimRequest(first_rid + i, params) for i in range(batch)]
     joined = batch
+    closed = batch == len(runs)  # nothing joins (as Engine.generate tells the chooser)
     seconds = emitted = 0
     while reqs:
         bucket = bucket_of(len(reqs))
-        k = fixed if chooser is None else chooser.choose(bucket, reqs)
+        k = fixed if chooser is None else chooser.choose(bucket, reqs, closed=closed)
         step = times(bucket, k, rng)
         seconds += step
         accepted = []
@@ -160,7 +161,7 @@ class Reference:
             for row in runs
         ]
 
-    def choose(self, bucket, reqs):
+    def choose(self, bucket, reqs, closed=False):
         nearest = min(self.times.ms, key=lambda b: abs(b - bucket))
         ms = self.times.ms[nearest]
         left = {r.rid: self.tokens - len(r.output_ids) for r in reqs}

@@ -37,6 +37,18 @@ never run at the bucket at their most hopeful cost (between a plain step and the
 longest rounds, where that is under the line), and runs one such twice in a row (its
 first step is left out). Looks (the optimistic first round too) are only taken while
 the batch has ``LOOK_HORIZON`` tokens or more left to pay them back.
+
+A **closed batch** (``choose(closed=True)``: its callers wait for all of it and no request
+waits to join, as in ``Engine.generate``) ends when its slowest request does: a step's
+tokens a second speak for the batch only while finished requests are replaced. There a
+step runs the count ``k`` that finishes the batch soonest, ``t(B, k) * max_r left_r /
+E_r(k)`` (``left_r``: the tokens request r may still emit), each request's ``E_r`` from
+its own acceptance over its life (every position's engine-wide rate scaled by the
+request's own rate, shrunk toward the engine's by ``CLOSED_PRIOR`` positions, then raised
+by ``CLOSED_OPTIMISM`` standard errors: the slowest-looking of many estimates is the
+unluckiest as often as the slowest). A lifetime's rate, not faded: a closed batch is
+one job's, and at batch 1 it drafted better than the faded, per-position estimate
+(``CLOSED_PRIOR``'s figures).
 """
 
 from __future__ import annotations
@@ -47,6 +59,8 @@ import statistics
 from collections import deque
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from graphrt.core.engine.request import Request
 
@@ -98,6 +112,26 @@ PRIOR_WEIGHT = 1.0  # observations a position's prior is worth
 # batches: worst cell 0.915 -> 0.940 (oracle's times), 0.971 -> 0.942 (pair's).
 OPTIMISM = 1.0
 OPTIMISM_PRIOR = 4.0
+# A closed batch (see the module's docstring) weighs its finish time on each request's own
+# rate over its life (drafts accepted over drafted positions reached), shrunk toward the
+# engine-wide rate by CLOSED_PRIOR positions and raised by CLOSED_OPTIMISM standard errors.
+# bench/chooser_sim.py (64 seeds, the H200's step times of stop 40, closed batches; auto
+# over the best fixed length, worst cell / mean; bench/results/cpu-chooser-sim-stop49.log),
+# on the oracle's and on the pair's step times: the pair's acceptance on held-out text,
+# whose requests accept differently, 0.907 / 0.945 -> 0.936 / 0.964 and 0.853 / 0.882 ->
+# 0.930 / 0.938 (plain steps or rounds of 1 best from batch 8: the slow requests' tail of
+# rounds cost more than the fast ones saved); one rate for every request, 0.5-0.9 at batch
+# 1-64, 0.885 / 0.976 -> 0.887 / 0.975 and 0.931 / 0.977 -> 0.929 / 0.974; 0.2-0.4 at batch
+# 1-8, 0.940 / 0.974 -> 0.964 / 0.983 and 0.942 / 0.966 -> 0.965 / 0.972. Steady batches
+# are not closed (0.980-0.990 means, as before). Tried: shrinking by 4 or 16 (pair's text
+# 0.946 / 0.934, one rate 0.970 / 0.974), no optimism or optimism growing with the batch
+# (the slowest-looking of 64 estimates is the unluckiest: one-rate means down to 0.965),
+# an empirical-Bayes shrink by the batch's spread of rates (one rate down to 0.951), the
+# finish time at batch > 1 only (batch 1 drafted worse on the faded, per-position
+# estimate: the text's batch-1 cell 0.936 against 0.956). Weighing a batch of 64 costs 60-80 us on a 2-core
+# CPU (12 us by tokens a second), every REDECIDE steps or batch change.
+CLOSED_PRIOR = 8.0
+CLOSED_OPTIMISM = 1.0
 # Engine-wide, a position's prior is the one before it times this: a drafter recurring on
 # its own guesses does not get better with depth (and only rounds that accepted every
 # position before reach it, a few at first: without the decline one lucky round made
@@ -252,6 +286,11 @@ class DraftChooser:
         # parallelism, whose ranks must agree on every step.
         self.streaks = True
         self._streak: _Streak | None = None
+        # Whether the batch last chosen for is closed (see the module's docstring), and
+        # each request's [drafts accepted, drafted positions reached] over its rounds in
+        # closed batches, by request id, while it runs.
+        self.closed = False
+        self._lifetimes: dict[int, list[int]] = {}
 
     @property
     def rounds(self) -> int:
@@ -282,14 +321,26 @@ class DraftChooser:
         self._streak = None
         return False
 
-    def choose(self, bucket: int, reqs: Sequence[Request], refused: Set[int] = frozenset()) -> int:
+    def choose(
+        self,
+        bucket: int,
+        reqs: Sequence[Request],
+        refused: Set[int] = frozenset(),
+        closed: bool = False,
+    ) -> int:
         """The draft steps of the next step of ``reqs`` (batch bucket ``bucket``); 0: a plain
         decode step. ``refused``: draft lengths this batch cannot run on graphs (the graph
-        memory cap left them uncaptured), never chosen; a plain step always can be."""
+        memory cap left them uncaptured), never chosen; a plain step always can be.
+        ``closed``: the batch only shrinks (its callers wait for all of it, none waits to
+        join): the count that finishes it soonest runs (see the module's docstring)."""
         self._streak = None  # set again below where a plain winner stays
-        if len(self._requests) > 2 * len(reqs) + 16:  # finished requests' rates go
-            running = {r.rid for r in reqs}
+        if closed != self.closed:  # the other objective ranks: weigh again
+            self.closed = closed
+            self._bucket(bucket).ranked = None
+        if len(self._requests) + len(self._lifetimes) > 2 * len(reqs) + 16:
+            running = {r.rid for r in reqs}  # finished requests' rates go
             self._requests = {rid: a for rid, a in self._requests.items() if rid in running}
+            self._lifetimes = {rid: n for rid, n in self._lifetimes.items() if rid in running}
         size = self._bucket(bucket)
         # Both ends measured here is the usual case (start-up timed them): no other
         # bucket to look up.
@@ -392,7 +443,9 @@ class DraftChooser:
         plain step and the longest rounds (``_own_seconds``), for a look's choice."""
         engine = self.engine_rates
         drafting = [r for r in reqs if r.params.speculate]
-        if len(reqs) > PER_REQUEST_MAX:
+        if self.closed:
+            tokens = self._finishing_tokens(reqs)
+        elif len(reqs) > PER_REQUEST_MAX:
             tokens = [
                 len(reqs) - len(drafting) + len(drafting) * e for e in engine.expected_tokens()
             ]
@@ -409,6 +462,41 @@ class DraftChooser:
         if not optimistic:
             self.last = (bucket, tokens, seconds)
         return [t / s for t, s in zip(tokens, seconds)]
+
+    def _finishing_tokens(self, reqs: Sequence[Request]) -> list[float]:
+        """[k] = the tokens a step of k draft steps emits over a closed batch ``reqs``,
+        counted as the batch's tokens left over the steps its slowest request needs at k
+        (``max_r left_r / E_r(k)``): tokens a second by it rank the counts by the batch's
+        finish time (see the module's docstring)."""
+        engine, lifetimes, none = self.engine_rates, self._lifetimes, (0, 0)
+        rows = np.array(
+            [
+                (
+                    *lifetimes.get(r.rid, none),
+                    r.params.max_new_tokens - len(r.output_ids),
+                    len(r.prompt_ids) + len(r.output_ids),
+                    r.params.speculate,
+                )
+                for r in reqs
+            ],
+            dtype=np.float64,
+        )  # (B, 5): drafts accepted, positions reached, tokens to the cap, tokens, drafts?
+        accepted, reached, left, used, drafts = rows.T
+        if self.context_len is not None:
+            left = np.minimum(left, self.context_len - used)
+        left = np.maximum(left, 1.0)
+        mean = (sum(engine.hits) + 1.0) / (sum(engine.seen) + 2.0)  # over the positions
+        own = (accepted + CLOSED_PRIOR * mean) / (reached + CLOSED_PRIOR)
+        spread = np.maximum(own * (1.0 - own), 0.01) / (reached + CLOSED_PRIOR)
+        own = np.minimum(own + CLOSED_OPTIMISM * np.sqrt(spread), 1.0) * drafts  # opted out: 0
+        profile = np.array(engine.rates()) / mean  # (K,): each position's rate over the mean
+        reach = np.minimum(np.outer(own, profile), 1.0).cumprod(axis=1)  # (B, K)
+        expected = np.empty((len(reqs), self.max_steps + 1))
+        expected[:, 0] = 1.0
+        np.cumsum(reach, axis=1, out=expected[:, 1:])
+        expected[:, 1:] += 1.0  # (B, K + 1): the bonus token and each position reached
+        steps = (left[:, None] / expected).max(axis=0)  # (K + 1,): the slowest's steps
+        return (left.sum() / steps).tolist()
 
     def step_seconds(self, bucket: int, optimistic: bool = False) -> list[float]:
         """[k] = a step's seconds with k draft steps at ``bucket``: its own measurements
@@ -511,6 +599,14 @@ class DraftChooser:
         self.steps_by_count[steps] += 1
         if not accepted:
             return
+        if self.closed:  # each request's lifetime rate (_finishing_tokens)
+            lifetimes = self._lifetimes
+            for req, n in accepted:
+                counts = lifetimes.get(req.rid)
+                if counts is None:
+                    counts = lifetimes[req.rid] = [0, 0]
+                counts[0] += n
+                counts[1] += n + 1 if n < steps else n  # the first rejected one reached
         clock = sum(self.steps_by_count)
         self.engine_rates.record(steps, [n for _, n in accepted], clock)
         if len(accepted) > PER_REQUEST_MAX:
@@ -536,17 +632,23 @@ class DraftChooser:
             for k, (t, s) in enumerate(zip(tokens, seconds))
         )
         verdict = "plain steps pay" if best == 0 else f"rounds of {best} draft steps pay"
-        return f"at batch {bucket}: {cells} (~ modelled): {verdict}"
+        closed = self.closed and bucket > 1
+        pace = ", tokens at the pace of its slowest request (a closed batch)" if closed else ""
+        return f"at batch {bucket}: {cells} (~ modelled{pace}): {verdict}"
 
 
 def _remaining(reqs: Sequence[Request], context_len: int | None) -> int:
-    """Tokens the longest-running request of ``reqs`` may still emit: its cap, and the
-    context's room (``context_len``: the engine's context, None: no limit)."""
-    caps = (r.params.max_new_tokens - len(r.output_ids) for r in reqs)
+    """Tokens the longest-running request of ``reqs`` may still emit (``_left``)."""
+    return max((_left(r, context_len) for r in reqs), default=0)
+
+
+def _left(req: Request, context_len: int | None) -> int:
+    """Tokens ``req`` may still emit: its cap, and the context's room (``context_len``:
+    the engine's context, None: no limit)."""
+    left = req.params.max_new_tokens - len(req.output_ids)
     if context_len is not None:
-        rooms = (context_len - len(r.prompt_ids) - len(r.output_ids) for r in reqs)
-        caps = (min(cap, room) for cap, room in zip(caps, rooms))
-    return max(caps, default=0)
+        left = min(left, context_len - len(req.prompt_ids) - len(req.output_ids))
+    return left
 
 
 def _fit_line(points: dict[int, tuple[float, int]]) -> tuple[float, float] | None:

@@ -358,7 +358,7 @@ class MTPDecoding(DecodeStrategy):
         if self._refused:  # the graph memory cap spoke: lengths whose graphs it left out
             greedy = all(r.params.greedy for r in reqs)
             refused = {k for k in self.variants if set(self._needs(k, greedy)) & set(self._refused)}
-        steps = self.chooser.choose(self._bucket(len(reqs)), reqs, refused)
+        steps = self.chooser.choose(self._bucket(len(reqs)), reqs, refused, self.closed_batch)
         # Under tensor parallelism each rank's chooser times its own steps: rank 0 decides.
         return self.ctx.loaded.model.tp.agree(steps, self.ctx.device)
 

@@ -369,7 +369,7 @@ def cycling_chooser(max_steps: int, order: tuple[int, ...]):
             super().__init__(max_steps)
             self.step = 0
 
-        def choose(self, bucket, reqs, refused=frozenset()):
+        def choose(self, bucket, reqs, refused=frozenset(), closed=False):
             while True:
                 self.step += 1
                 steps = order[(self.step - 1) % len(order)]

@@ -60,6 +60,25 @@ def test_streamed_deltas_join_to_the_generated_text(llm):
     assert _kv_free(llm)
 
 
+def test_generate_closes_its_batch_and_a_stream_leaves_it_open(llm, monkeypatch):
+    """``LLM.generate`` runs its prompts to completion together: the draft-length chooser
+    weighs when the batch finishes (closed); a stream's request may be joined by others
+    as it runs: not closed."""
+    chooser = llm.engine.strategy.chooser
+    closed, choose = [], chooser.choose
+
+    def spy(bucket, reqs, refused=frozenset(), closed_batch=False):
+        closed.append(closed_batch)
+        return choose(bucket, reqs, refused, closed_batch)
+
+    monkeypatch.setattr(chooser, "choose", spy)
+    llm.generate(PROMPTS, PARAMS)
+    assert closed and all(closed)
+    closed.clear()
+    list(llm.stream(PROMPTS[0], PARAMS))
+    assert closed and not any(closed)
+
+
 def test_a_stop_string_ends_the_text_before_it_and_frees_the_kv(llm):
     (whole,) = llm.generate(PROMPTS[:1], PARAMS)
     stop = whole.text.strip()[-6:-2]  # text from late in the completion

@@ -195,6 +195,70 @@ def test_acceptance_is_tracked_per_request():
     assert chooser.rates(1, many)[5] * 2e-3 == pytest.approx(PER_REQUEST_MAX * engine + 1)
 
 
+def test_a_closed_batch_runs_at_the_pace_of_its_slowest_request():
+    """A closed batch ends when its slowest request does (``choose(closed=True)``). One of
+    eight requests accepts nothing, the others every draft: counted in tokens a second
+    rounds of 5 pay (43 tokens in 2 ms against 8 in 1 ms), but the slow request emits one
+    token a step whatever the length, so plain steps finish the batch soonest (they halve
+    its time). Not closed (a serving batch: finished requests are replaced) the rounds
+    stay; closed with every request accepting, too."""
+
+    def run(closed, accepted):
+        batch = tuple(_Req(i) for i in range(8))
+        chooser = DraftChooser(5)
+        chosen = []
+        for _ in range(200):
+            k = chooser.choose(8, batch, closed=closed)
+            chosen.append(k)
+            rounds = [(r, accepted(k, r.rid)) for r in batch] if k else []
+            chooser.record(k, 8, linear(1.5, 0.1)(k), rounds)
+        return chosen[-100:], chooser.explain()
+
+    one_slow = lambda k, rid: 0 if rid == 0 else k  # noqa: E731
+    chosen, why = run(True, one_slow)
+    assert chosen.count(0) >= 90, chosen
+    assert why.endswith(
+        "(~ modelled, tokens at the pace of its slowest request (a closed batch)): plain steps pay"
+    )
+    chosen, why = run(False, one_slow)
+    assert chosen.count(5) >= 90 and "closed" not in why
+    chosen, _ = run(True, lambda k, rid: k)
+    assert chosen.count(5) >= 90
+
+
+def test_the_engine_tells_the_chooser_when_a_batch_only_shrinks(gemma4_tiny, gemma4_assistant):
+    """``Engine.generate`` (every request awaited, none waiting to join): closed. A serving
+    loop's requests (queued, then stepped): not. A generate whose prompts wait for room:
+    not while one waits, closed once the last is in."""
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    seen = []
+
+    class Spy(DraftChooser):
+        def choose(self, bucket, reqs, refused=frozenset(), closed=False):
+            seen.append((len(reqs), closed))
+            return super().choose(bucket, reqs, refused, closed)
+
+    strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
+    strategy.chooser = Spy(3)
+    engine = cpu_engine(target, strategy, max_context_len=64, max_running_requests=2)
+    prompts = random_prompts((5, 7, 6), seed=3, vocab=target.model.vocab_size)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    engine.generate(prompts[:2], params)
+    assert seen and all(closed for _, closed in seen)
+    seen.clear()
+    reqs = engine.add_requests(prompts[:2], params)
+    while not all(r.finished for r in reqs):
+        engine.step()
+    assert seen and not any(closed for _, closed in seen)
+    seen.clear()
+    engine.generate(prompts, params)  # 3 prompts, 2 run at once: the third waits
+    first_closed = next(i for i, (_, closed) in enumerate(seen) if closed)
+    assert first_closed > 0 and all(closed for _, closed in seen[first_closed:])
+    assert seen[first_closed - 1][0] == 2  # the last choice with a prompt waiting
+    assert engine.kv_pool.available() == engine.kv_pool.num_slots
+
+
 @pytest.mark.parametrize("runner", ["eager", pytest.param("graph", marks=pytest.mark.graphs)])
 @pytest.mark.parametrize("chooser", ["measured", "cycling"])
 def test_greedy_output_is_plain_decodings_whatever_mix_of_lengths_and_plain_steps(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import threading
 import time
 from collections import deque
@@ -57,6 +58,7 @@ from graphrt.devices.base import Device
 
 RUNNERS = ("graph", "eager")
 log = logging.getLogger(__name__)
+_AWAITED = operator.attrgetter("awaited")  # scanned every decode step: map, no generator
 
 
 @dataclass(frozen=True)
@@ -579,6 +581,8 @@ class Engine:
         (KeyboardInterrupt, SIGTERM's, or an exception out of ``on_step``), its unfinished
         requests finish as ``INTERRUPTED`` with their KV freed, keeping what they
         generated, and the exception goes on: nothing is left for the next call."""
+        for req in reqs:
+            req.awaited = True
         pending = set(reqs)
         start = time.perf_counter()
         try:
@@ -684,6 +688,7 @@ class Engine:
         reqs = list(self.running)
         if not reqs:
             return []
+        self.strategy.closed_batch = self._closed(reqs)
         self._capture_needed(reqs)
         start = time.perf_counter()  # after any capture: what the step itself costs
         step = self.strategy.launch(reqs) if self._overlap else None
@@ -746,9 +751,16 @@ class Engine:
             index = to_device(keep, tokens.device)
             tokens = tokens.index_select(0, index)
             kv_lens = None if kv_lens is None else kv_lens.index_select(0, index)
+        self.strategy.closed_batch = self._closed(reqs)
         ahead = self.strategy.launch(reqs, tokens, kv_lens)
         self.stats.launched_ahead += ahead is not None
         return ahead
+
+    def _closed(self, reqs: list[Request]) -> bool:
+        """Does the batch ``reqs`` only shrink from here: every request awaited by a caller
+        running it to completion with the rest (``Request.awaited``) and none waiting to
+        join? (A serving loop's requests are not awaited: finished ones are replaced.)"""
+        return not self.waiting and all(map(_AWAITED, reqs))
 
     def _emit(self, reqs: list[Request], emitted: list[list[int]]) -> None:
         """Append each request's tokens, finishing those that stop, reach their length or

@@ -142,6 +142,10 @@ class Request:
     draws: int = field(default=0, repr=False)
     # Speculative decoding: a log of rounds.
     spec_rounds: list[dict] = field(default_factory=list, repr=False)
+    # A caller waits for it to finish with the rest of its call (``Engine.run_until_finished``,
+    # ``LLM.generate``): a batch of such requests, none waiting to join, only shrinks, and a
+    # speculative chooser weighs when it finishes (``DecodeStrategy.closed_batch``).
+    awaited: bool = field(default=False, repr=False)
 
     @property
     def finished(self) -> bool:

@@ -239,6 +239,8 @@ class LLM:
         if isinstance(prompts, str):
             prompts = [prompts]
         streams = self.start(list(prompts), params or TextParams())
+        for s in streams:  # run to completion together: the batch only shrinks
+            s.req.awaited = True
         self._run(streams)
         return [s.completion() for s in streams]
 
