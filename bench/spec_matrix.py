@@ -21,9 +21,9 @@ steps.jsonl] (the auto chooser's every step: kind, time, acceptance, what it wei
 [--steady] (each cell's batch kept full: a finished request is replaced at once, until
 two requests a slot finished; by default a closed batch, whose speculative rounds end in
 a tail of shrinking batches: where requests accept differently, plain steps win a closed
-batch that no step-by-step choice of lengths can match, one knowing every round's
-acceptance included, so auto's >= 0.97 is read on steady cells; bench/chooser_sim.py
---references, BENCHMARKS.md stop 48) [--two-graph] (rounds of two graphs each, the draft loop's
+batch that no choice by tokens a second can match, one knowing every round's acceptance
+included (bench/chooser_sim.py --references, BENCHMARKS.md stop 48); the engine tells
+auto a generate's batch is closed, and auto then weighs its finish time instead: stop 49) [--two-graph] (rounds of two graphs each, the draft loop's
 and verify's, instead of one: spec.round_graph); a mode with the suffix "+2g" ("4+2g",
 "auto+2g") runs that mode on two graphs a round, beside the one-graph mode
 """
