@@ -532,8 +532,15 @@ class DraftChooser:
         length measured only a few times unless its own samples are faster. Before that,
         lengths between a plain step and the longest rounds are interpolated linearly
         between the two: optimistic (a round's fixed cost is spread), so they get tried.
+        A length shorter than every round measured takes no more than the line between a
+        plain step and the shortest measured: the line through longer rounds alone
+        overrates short ones (on the H200 at batch 8, rounds of 1 cost 3.64 ms where the
+        line through 3 to 5 said 4.6; in bench/chooser_sim.py, 64 seeds, closed batches,
+        that held the oracle at rate 0.5 on rounds of 3-4 for tens of steps: worst cell
+        0.887 -> 0.941, the pair's text on the oracle's times 0.936 -> 0.968, no cell
+        worse beyond noise, steady too; bench/results/cpu-chooser-sim-stop49.log).
         ``optimistic`` (a look's runner-up): lengths never measured here take the lesser
-        of the line and that interpolation."""
+        of the line and the interpolation between the ends."""
         size = self._buckets[bucket]
         counts = {k: len(size.seconds.get(k, ())) for k in range(self.max_steps + 1)}
         known = {k: size.median(k) for k, n in counts.items() if n}
@@ -556,6 +563,9 @@ class DraftChooser:
                 elif optimistic and ends:
                     share = k / self.max_steps
                     modelled = min(modelled, known[0] + share * (known[self.max_steps] - known[0]))
+                elif 0 in known and k < min(rounds):  # below every length run
+                    low = min(rounds)
+                    modelled = min(modelled, known[0] + k / low * (rounds[low][0] - known[0]))
                 seconds.append(modelled)
             elif ends and k > 0:
                 share = k / self.max_steps
