@@ -128,8 +128,9 @@ OPTIMISM_PRIOR = 4.0
 # (the slowest-looking of 64 estimates is the unluckiest: one-rate means down to 0.965),
 # an empirical-Bayes shrink by the batch's spread of rates (one rate down to 0.951), the
 # finish time at batch > 1 only (batch 1 drafted worse on the faded, per-position
-# estimate: the text's batch-1 cell 0.936 against 0.956). Weighing a batch of 64 costs 60-80 us on a 2-core
-# CPU (12 us by tokens a second), every REDECIDE steps or batch change.
+# estimate: the text's batch-1 cell 0.936 against 0.956). Weighing a batch of 64 costs
+# 60-80 us on a 2-core CPU (12 us by tokens a second), every REDECIDE steps or batch
+# change.
 CLOSED_PRIOR = 8.0
 CLOSED_OPTIMISM = 1.0
 # Engine-wide, a position's prior is the one before it times this: a drafter recurring on
