@@ -41,6 +41,7 @@ def main() -> int:
     cache = os.environ.get("TRITON_CACHE_DIR") or triton.knobs.cache.dir
     cold = not (os.path.isdir(cache) and os.listdir(cache))
     from graphrt.core.cli.main import main as cli_main
+    from graphrt.core.engine import Engine
     from graphrt.core.runners.graph import GraphRunner
     from graphrt.devices.cuda import compile_ahead, gemv_tuner
 
@@ -52,6 +53,9 @@ def main() -> int:
     # Main-thread compile seconds inside each phase ("both": tuning within a capture's
     # warm-up); compiles on other threads are compiling ahead's, side by side.
     inner: collections.Counter = collections.Counter()
+    # Main-thread compiles by the innermost phase they ran in, by kernel: what compiling
+    # ahead left to the engine's start-up timing, its first prefill, its decode steps.
+    where: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     phases: list[str] = []  # the phases running now, innermost last (tuning runs inside capture)
     real_compile = triton.compiler.compile
 
@@ -67,6 +71,7 @@ def main() -> int:
             if threading.current_thread() is not threading.main_thread():
                 inner["threads"] += dt
             else:
+                where[phases[-1] if phases else "other"][name] += 1
                 for running in set(phases):
                     inner[running] += dt
                 if {"tuner", "capture"} <= set(phases):
@@ -99,6 +104,17 @@ def main() -> int:
     tuner = time_calls(gemv_tuner.GemvTuner, "_time", "tuner")
     ahead = time_calls(compile_ahead, "compile_ahead", "ahead")  # its compiles: on threads
     captures = time_calls(GraphRunner, "capture", "capture")
+    timing = time_calls(Engine, "_time_steps", "start-up timing")
+    real_step = Engine._step
+
+    def step(self, chunks):  # the engine's prefill and decode steps, as phases
+        phases.append("prefill" if chunks else "decode")
+        try:
+            return real_step(self, chunks)
+        finally:
+            phases.pop()
+
+    Engine._step = step
 
     run_start = time.perf_counter()
     prompt = ["--prompt", args.prompt] if args.prompt else []  # "": --prompt-ids given
@@ -118,6 +134,8 @@ def main() -> int:
         (f"graph captures ({captures['n']} runners; compiles, tuning excluded)", capture_s),
         ("the rest of the command",
          total - import_s - ahead["s"] - on_main - tuning_s - capture_s),
+        ("(of the command: the engine's start-up step timing, its compiles included)",
+         timing["s"]),
     ]  # fmt: skip
     print("| part | s |\n|---|---:|")
     for label, seconds in rows:
@@ -126,6 +144,10 @@ def main() -> int:
         f"(the command itself {total - (run_start - start):.1f} s; compiles inside tuning "
         f"{inner['tuner']:.2f} s, inside captures {inner['capture']:.2f} s)"
     )
+    print("\nmain-thread compiles by phase (innermost):")
+    for phase, kernels in sorted(where.items()):
+        listed = ", ".join(f"{name} x{n}" for name, n in kernels.most_common())
+        print(f"- {phase}: {sum(kernels.values())}: {listed}")
     print(f"\n{sum(compile_n.values())} compiles (cache hits included):")
     print("| kernel | compiles | s (thread time) |\n|---|---:|---:|")
     for name, seconds in compile_s.most_common(20):
