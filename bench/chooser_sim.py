@@ -12,9 +12,10 @@ takes a real drafter's acceptance on real text instead (bench/pair_acceptance.py
 embedded pair's, whose acceptance rises with depth, differs by request and drifts within
 one), each request one of its sequences. Cells run as the matrix runs them, on one
 chooser: for each batch size and rate, a 16-token warm-up, then ``--tokens`` new tokens a
-request; each fixed length and plain decoding run the same cell alike. Prints auto's
-tokens/s over the best fixed mode's, by cell, each mode's tokens/s averaged over the seeds
-first.
+request; each fixed length and plain decoding run the same cell alike. A closed cell (and
+every warm-up) tells the chooser its batch is closed, as ``Engine.generate`` does; a
+``--steady`` cell does not. Prints auto's tokens/s over the best fixed mode's, by cell,
+each mode's tokens/s averaged over the seeds first.
 
 Not modelled: the host's settling beyond what the step times hold, start-up timing's own
 noise, part-filled buckets' other costs, acceptance that varies by text. Start-up times
