@@ -496,7 +496,10 @@ class DraftChooser:
         expected[:, 0] = 1.0
         np.cumsum(reach, axis=1, out=expected[:, 1:])
         expected[:, 1:] += 1.0  # (B, K + 1): the bonus token and each position reached
-        steps = (left[:, None] / expected).max(axis=0)  # (K + 1,): the slowest's steps
+        # (K + 1,): the slowest's steps, a whole step at least (a request a few tokens from
+        # its end takes one step whatever the length: at 1 token left, a round "needed" 0.67
+        # and beat a plain step, as the tails of bench/chooser_sim.py's batches showed).
+        steps = np.maximum(left[:, None] / expected, 1.0).max(axis=0)
         return (left.sum() / steps).tolist()
 
     def step_seconds(self, bucket: int, optimistic: bool = False) -> list[float]:

@@ -253,6 +253,18 @@ def test_a_closed_batch_runs_at_the_pace_of_its_slowest_request():
     assert chosen.count(5) >= 90
 
 
+def test_a_closed_batch_a_token_from_its_end_takes_a_plain_step():
+    """Every request of a closed batch has one token left: any step ends the batch, so the
+    cheapest does (a plain step), however well rounds have been accepted. (Counted in
+    fractions of a step, a round of 5 "needed" a sixth of one and won.)"""
+    chooser = DraftChooser(5)
+    running = (_Req(0), _Req(1))
+    _run(chooser, 30, linear(1.5, 0.1), lambda k, rid: k, running)  # every draft accepted
+    assert chooser.choose(1, running, closed=True) == 5
+    last = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    assert chooser.choose(1, (_Req(10, last), _Req(11, last)), closed=True) == 0
+
+
 def test_the_engine_tells_the_chooser_when_a_batch_only_shrinks(gemma4_tiny, gemma4_assistant):
     """``Engine.generate`` (every request awaited, none waiting to join): closed. A serving
     loop's requests (queued, then stepped): not. A generate whose prompts wait for room:
