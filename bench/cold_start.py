@@ -53,8 +53,9 @@ def main() -> int:
     # Main-thread compile seconds inside each phase ("both": tuning within a capture's
     # warm-up); compiles on other threads are compiling ahead's, side by side.
     inner: collections.Counter = collections.Counter()
-    # Main-thread compiles by the innermost phase they ran in, by kernel: what compiling
-    # ahead left to the engine's start-up timing, its first prefill, its decode steps.
+    # Main-thread compiles by the phases they ran in (outermost first), by kernel: what
+    # compiling ahead left to the engine's start-up timing, its first prefill, its decode
+    # steps, and the settling of steps launched ahead (--overlap: it launches the next).
     where: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     phases: list[str] = []  # the phases running now, innermost last (tuning runs inside capture)
     real_compile = triton.compiler.compile
@@ -71,7 +72,7 @@ def main() -> int:
             if threading.current_thread() is not threading.main_thread():
                 inner["threads"] += dt
             else:
-                where[phases[-1] if phases else "other"][name] += 1
+                where["/".join(phases) or "other"][name] += 1
                 for running in set(phases):
                     inner[running] += dt
                 if {"tuner", "capture"} <= set(phases):
@@ -115,6 +116,7 @@ def main() -> int:
             phases.pop()
 
     Engine._step = step
+    time_calls(Engine, "_settle", "settle")  # a launched step, and the one launched behind it
 
     run_start = time.perf_counter()
     prompt = ["--prompt", args.prompt] if args.prompt else []  # "": --prompt-ids given
@@ -144,7 +146,7 @@ def main() -> int:
         f"(the command itself {total - (run_start - start):.1f} s; compiles inside tuning "
         f"{inner['tuner']:.2f} s, inside captures {inner['capture']:.2f} s)"
     )
-    print("\nmain-thread compiles by phase (innermost):")
+    print("\nmain-thread compiles by phase:")
     for phase, kernels in sorted(where.items()):
         listed = ", ".join(f"{name} x{n}" for name, n in kernels.most_common())
         print(f"- {phase}: {sum(kernels.values())}: {listed}")

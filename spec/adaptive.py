@@ -38,16 +38,17 @@ longest rounds, where that is under the line), and runs one such twice in a row 
 first step is left out). Looks (the optimistic first round too) are only taken while
 the batch has ``LOOK_HORIZON`` tokens or more left to pay them back.
 
-A **closed batch** (``choose(closed=True)``: its callers wait for all of it and no request
-waits to join, as in ``Engine.generate``) ends when its slowest request does: a step's
-tokens a second speak for the batch only while finished requests are replaced. There a
-step runs the count ``k`` that finishes the batch soonest, ``t(B, k) * max_r left_r /
-E_r(k)`` (``left_r``: the tokens request r may still emit), each request's ``E_r`` from
-its own acceptance over its life (every position's engine-wide rate scaled by the
-request's own rate, shrunk toward the engine's by ``CLOSED_PRIOR`` positions, then raised
-by ``CLOSED_OPTIMISM`` standard errors: the slowest-looking of many estimates is the
-unluckiest as often as the slowest). A lifetime's rate, not faded: a closed batch is
-one job's, and at batch 1 it drafted better than the faded, per-position estimate
+A **closed batch** (``choose(closed=True)``: one call's requests, run to completion
+together, none waiting to join, as in ``Engine.generate``) ends when its slowest request
+does: a step's tokens a second speak for the batch only while finished requests are
+replaced. There a step runs the count ``k`` that finishes the batch soonest, ``t(B, k) *
+max_r max(left_r / E_r(k), 1)`` (``left_r``: the tokens request r may still emit; a whole
+step at least), each request's ``E_r`` from its own rounds in closed batches: every
+position's engine-wide rate scaled by the request's acceptance rate over the engine's,
+shrunk toward the engine's by ``CLOSED_PRIOR`` positions, then raised by
+``CLOSED_OPTIMISM`` standard errors (the slowest-looking of many
+estimates is the unluckiest as often as the slowest). Not faded: a closed batch is one
+job's, and at batch 1 this drafted better than the faded, per-position estimate
 (``CLOSED_PRIOR``'s figures).
 """
 
@@ -282,7 +283,8 @@ class DraftChooser:
         self.engine_rates = Acceptance(max_steps, ENGINE_WEIGHT, max_evidence=MAX_EVIDENCE)
         self._requests: dict[int, Acceptance] = {}  # by request id, while it runs
         self.steps_by_count = [0] * (max_steps + 1)  # [k] = steps run with k draft steps
-        self.last: tuple[int, list[float], list[float]] | None = None  # what explain() says
+        # What explain() says: bucket, tokens and seconds by count, closed or not.
+        self.last: tuple[int, list[float], list[float], bool] | None = None
         # Steps a plain winner is known to stay (see ``stays_plain``). Off under tensor
         # parallelism, whose ranks must agree on every step.
         self.streaks = True
@@ -461,7 +463,7 @@ class DraftChooser:
             tokens = [sum(column) for column in zip(*per_request)]
         seconds = self.step_seconds(bucket, optimistic)
         if not optimistic:
-            self.last = (bucket, tokens, seconds)
+            self.last = (bucket, tokens, seconds, self.closed)
         return [t / s for t, s in zip(tokens, seconds)]
 
     def _finishing_tokens(self, reqs: Sequence[Request]) -> list[float]:
@@ -486,7 +488,12 @@ class DraftChooser:
         if self.context_len is not None:
             left = np.minimum(left, self.context_len - used)
         left = np.maximum(left, 1.0)
-        mean = (sum(engine.hits) + 1.0) / (sum(engine.seen) + 2.0)  # over the positions
+        # The request's rate over the positions it reached against the engine's over all:
+        # a mix of positions unlike the engine's recent one biases it (deep positions
+        # reached while long rounds ran), but the rate against the engine-wide rates at
+        # its own positions drafted worse in bench/chooser_sim.py (the pair's text
+        # 0.942 -> 0.934, one rate 0.976 -> 0.973: noise, or the pooled rate's shrink).
+        mean = (sum(engine.hits) + 1.0) / (sum(engine.seen) + 2.0)
         own = (accepted + CLOSED_PRIOR * mean) / (reached + CLOSED_PRIOR)
         spread = np.maximum(own * (1.0 - own), 0.01) / (reached + CLOSED_PRIOR)
         own = np.minimum(own + CLOSED_OPTIMISM * np.sqrt(spread), 1.0) * drafts  # opted out: 0
@@ -564,12 +571,14 @@ class DraftChooser:
                 modelled = max(line[0] + line[1] * k, 1e-9)
                 if k in known:  # a few samples: a slow one is set aside, a fast one believed
                     modelled = min(modelled, known[k])
-                elif optimistic and ends:
-                    share = k / self.max_steps
-                    modelled = min(modelled, known[0] + share * (known[self.max_steps] - known[0]))
-                elif 0 in known and k < min(rounds):  # below every length run
-                    low = min(rounds)
-                    modelled = min(modelled, known[0] + k / low * (rounds[low][0] - known[0]))
+                else:
+                    if 0 in known and k < min(rounds):  # below every length run
+                        low = min(rounds)
+                        modelled = min(modelled, known[0] + k / low * (rounds[low][0] - known[0]))
+                    if optimistic and ends:
+                        share = k / self.max_steps
+                        ramp = known[0] + share * (known[self.max_steps] - known[0])
+                        modelled = min(modelled, ramp)
                 seconds.append(modelled)
             elif ends and k > 0:
                 share = k / self.max_steps
@@ -585,11 +594,14 @@ class DraftChooser:
         seconds: float,
         accepted: Sequence[tuple[Request, int]] = (),
         timing: bool = False,
+        closed: bool | None = None,
     ) -> None:
         """A step with ``steps`` draft steps ran: its wall time (the whole step, the
         engine's settling of it included: ``DecodeStrategy.step_done``)
         and, for a round, the drafts each drafting request accepted. ``timing``: a start-up
-        step timing that kind on throwaway requests: its time counts, nothing else."""
+        step timing that kind on throwaway requests: its time counts, nothing else.
+        ``closed``: whether the step was chosen for a closed batch (None: as the last
+        choice was; a step launched ahead is recorded after the next one is chosen)."""
         size = self._bucket(bucket)
         size.seen[steps] = size.seen.get(steps, 0) + 1
         if size.seen[steps] > 1:
@@ -613,7 +625,7 @@ class DraftChooser:
         self.steps_by_count[steps] += 1
         if not accepted:
             return
-        if self.closed:  # each request's lifetime rate (_finishing_tokens)
+        if self.closed if closed is None else closed:  # lifetime rates (_finishing_tokens)
             lifetimes = self._lifetimes
             for req, n in accepted:
                 counts = lifetimes.get(req.rid)
@@ -637,7 +649,7 @@ class DraftChooser:
         count, at its bucket), and which count pays."""
         if self.last is None:
             return "not measured yet"
-        bucket, tokens, seconds = self.last
+        bucket, tokens, seconds, closed = self.last
         best = max(range(len(tokens)), key=lambda k: tokens[k] / seconds[k])
         measured = self._buckets[bucket].seconds
         cells = ", ".join(
@@ -646,7 +658,7 @@ class DraftChooser:
             for k, (t, s) in enumerate(zip(tokens, seconds))
         )
         verdict = "plain steps pay" if best == 0 else f"rounds of {best} draft steps pay"
-        closed = self.closed and bucket > 1
+        closed = closed and bucket > 1
         pace = ", tokens at the pace of its slowest request (a closed batch)" if closed else ""
         return f"at batch {bucket}: {cells} (~ modelled{pace}): {verdict}"
 

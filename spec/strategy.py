@@ -128,7 +128,7 @@ class MTPDecoding(DecodeStrategy):
         self._refused: list[GraphRunner] = []  # left uncaptured by the graph memory cap
         self._forced: int | None = None  # the engine's start-up timing: this many steps
         # What the last step recorded for the chooser, waiting for its time (step_done).
-        self._unrecorded: tuple[int, int, list, bool] | None = None
+        self._unrecorded: tuple[int, int, list, bool, bool] | None = None
 
     @property
     def longest(self) -> RoundGraphs:
@@ -469,9 +469,10 @@ class MTPDecoding(DecodeStrategy):
         if self.chooser is None:
             return None
         chooser, bucket, timing = self.chooser, self._bucket(len(reqs)), self._forced is not None
+        closed = self.closed_batch  # as planned: the next step's plan comes before this read
 
         def record(seconds: float, outcome: StepOutcome) -> None:
-            chooser.record(steps, bucket, seconds, _accepted(reqs, outcome), timing)
+            chooser.record(steps, bucket, seconds, _accepted(reqs, outcome), timing, closed)
 
         return record
 
@@ -481,14 +482,15 @@ class MTPDecoding(DecodeStrategy):
         outcome = self.round(reqs, steps) if steps else self.plain_step(reqs)
         if self.chooser is not None:  # recorded with the step's time (step_done)
             timing = self._forced is not None
-            self._unrecorded = (steps, self._bucket(len(reqs)), _accepted(reqs, outcome), timing)
+            accepted = _accepted(reqs, outcome)
+            self._unrecorded = (steps, self._bucket(len(reqs)), accepted, timing, self.closed_batch)
         return outcome
 
     def step_done(self, seconds: float) -> None:
         unrecorded, self._unrecorded = self._unrecorded, None
         if unrecorded is not None:
-            steps, bucket, accepted, timing = unrecorded
-            self.chooser.record(steps, bucket, seconds, accepted, timing)
+            steps, bucket, accepted, timing, closed = unrecorded
+            self.chooser.record(steps, bucket, seconds, accepted, timing, closed)
 
     def _bucket(self, batch_size: int) -> int:
         """The batch bucket a step of ``batch_size`` requests runs at (its graphs' padded

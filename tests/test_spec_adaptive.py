@@ -265,10 +265,78 @@ def test_a_closed_batch_a_token_from_its_end_takes_a_plain_step():
     assert chooser.choose(1, (_Req(10, last), _Req(11, last)), closed=True) == 0
 
 
+def _closed_chooser(batch, accepted, steps=60):
+    """A chooser that ran ``steps`` closed steps of ``batch`` at bucket 8 (rounds of k cost
+    1.5 + 0.1 k ms, a plain step 1 ms), drafts accepted as ``accepted(k, rid)``."""
+    chooser = DraftChooser(5)
+    for _ in range(steps):
+        k = chooser.choose(8, batch, closed=True)
+        rounds = [(r, accepted(k, r.rid)) for r in batch if r.params.speculate] if k else []
+        chooser.record(k, 8, linear(1.5, 0.1)(k), rounds)
+    return chooser
+
+
+def test_a_closed_batch_counts_each_requests_own_tokens_left_and_acceptance():
+    """What the finish time weighs, request by request: the slow request (accepting nothing)
+    holds a closed batch on plain steps only while it has as many tokens left as the
+    others need; two tokens from its end (its cap, or the context's), the others' rounds
+    of 5 finish the batch soonest. A request that opted out of drafting takes a plain
+    step's token whatever the length: with the most tokens left it sets the pace, plain."""
+    batch = tuple(_Req(i) for i in range(4))
+    one_slow = lambda k, rid: 0 if rid == 0 else k  # noqa: E731
+    chooser = _closed_chooser(batch, one_slow)
+    assert chooser.choose(8, batch, closed=True) == 0
+    # (Each batch below in another order: a batch's ranking is reused for a few steps.)
+    ending = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    almost = (*batch[1:], _Req(0, ending))  # its cap two tokens away
+    assert chooser.choose(8, almost, closed=True) == 5
+    chooser.context_len = 100  # its context two tokens away: the same
+    full = (batch[2], batch[1], batch[3], _Req(0, prompt_ids=[1] * 98))
+    assert chooser.choose(8, full, closed=True) == 5
+    chooser = _closed_chooser(batch, lambda k, rid: k)  # every draft accepted
+    assert chooser.choose(8, batch, closed=True) == 5
+    opted_out = _Req(0, SamplingParams(max_new_tokens=100_000, speculate=False))
+    assert chooser.choose(8, (opted_out, *batch[1:]), closed=True) == 0
+
+
+def test_a_closed_batch_keeps_each_requests_rounds():
+    """A request's lifetime: drafts accepted and positions reached (an all-accepted round
+    reaches its last, a rejected one the first it rejected). Recorded for closed steps
+    only, as they were planned (a step launched ahead is recorded after the next one's
+    plan)."""
+    chooser = DraftChooser(3)
+    a, b = _Req(0), _Req(1)
+    chooser.choose(1, (a, b), closed=True)
+    chooser.record(3, 1, 2e-3, [(a, 3), (b, 1)])  # closed, as chosen
+    assert chooser._lifetimes == {0: [3, 3], 1: [1, 2]}
+    chooser.record(3, 1, 2e-3, [(a, 0)], closed=False)  # planned for an open batch
+    assert chooser._lifetimes == {0: [3, 3], 1: [1, 2]}
+
+
+def test_the_objective_changes_as_soon_as_the_batch_closes():
+    """The ranking a plain or long winner reuses for a few steps is weighed again when the
+    batch closes (or opens): the other objective ranks."""
+    batch = tuple(_Req(i) for i in range(8))
+    chooser = DraftChooser(5)
+    one_slow = lambda k, rid: 0 if rid == 0 else k  # noqa: E731
+    chosen = _run(chooser, 100, linear(1.5, 0.1), one_slow, batch)
+    assert chosen[-1] == 5 and chooser.choose(1, batch) == 5
+    for _ in range(40):  # lifetimes are kept for closed steps only
+        k = chooser.choose(1, batch, closed=True)
+        chooser.record(
+            k, 1, linear(1.5, 0.1)(k), [(r, one_slow(k, r.rid)) for r in batch] if k else []
+        )
+    again = batch[::-1]  # a new batch: weighed now, its ranking reused for a few steps
+    assert chooser.choose(1, again, closed=True) == 0
+    assert chooser.choose(1, again) == 5  # open again: weighed again at once
+
+
 def test_the_engine_tells_the_chooser_when_a_batch_only_shrinks(gemma4_tiny, gemma4_assistant):
-    """``Engine.generate`` (every request awaited, none waiting to join): closed. A serving
+    """``Engine.generate`` (one call's requests, none waiting to join): closed. A serving
     loop's requests (queued, then stepped): not. A generate whose prompts wait for room:
-    not while one waits, closed once the last is in."""
+    not while one waits, closed once the last is in. Two calls' requests in one batch:
+    not (one caller's slow request must not set another's draft length), closed once one
+    call's are left."""
     target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
     drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
     seen = []
@@ -295,6 +363,15 @@ def test_the_engine_tells_the_chooser_when_a_batch_only_shrinks(gemma4_tiny, gem
     first_closed = next(i for i, (_, closed) in enumerate(seen) if closed)
     assert first_closed > 0 and all(closed for _, closed in seen[first_closed:])
     assert seen[first_closed - 1][0] == 2  # the last choice with a prompt waiting
+    seen.clear()
+    mine = engine.add_requests(prompts[:1], params)
+    theirs = engine.add_requests(prompts[1:2], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    engine.await_all(mine)
+    engine.await_all(theirs)
+    while not theirs[0].finished:
+        engine.step()
+    assert seen[0] == (2, False)
+    assert all(closed == (n == 1) for n, closed in seen)  # theirs alone at the end
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
 
 

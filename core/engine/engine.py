@@ -58,7 +58,7 @@ from graphrt.devices.base import Device
 
 RUNNERS = ("graph", "eager")
 log = logging.getLogger(__name__)
-_AWAITED = operator.attrgetter("awaited")  # scanned every decode step: map, no generator
+_AWAITED_BY = operator.attrgetter("awaited_by")  # scanned every decode step: map
 
 
 @dataclass(frozen=True)
@@ -317,6 +317,7 @@ class Engine:
         self.prefilling: list[Request] = []
         self.stats = EngineStats()
         self._next_rid = 0
+        self._calls = itertools.count()  # await_all's call ids
         self._largest_capture = 0  # bytes the largest capture so far added (the cap's guess)
         self._warned_cap = False
         # A step launched ahead (config.overlap), its result not read yet: the next step
@@ -570,6 +571,17 @@ class Engine:
         from several threads at once: see ``run_until_finished``."""
         return self.run_until_finished(self.add_requests(prompts, params), on_step)
 
+    def await_all(self, reqs: Sequence[Request]) -> None:
+        """``reqs`` are one call's, run to completion together: while they are all the
+        engine runs and none waits to join, their batch only shrinks, and a speculative
+        strategy weighs when it finishes (``DecodeStrategy.closed_batch``). Another call's
+        requests in the batch open it again: one caller's slow request must not set the
+        draft length of another's."""
+        with self._lock:
+            call = next(self._calls)
+            for req in reqs:
+                req.awaited_by = call
+
     def run_until_finished(
         self, reqs: list[Request], on_step: Callable[[list[Request]], None] | None = None
     ) -> list[Request]:
@@ -581,8 +593,7 @@ class Engine:
         (KeyboardInterrupt, SIGTERM's, or an exception out of ``on_step``), its unfinished
         requests finish as ``INTERRUPTED`` with their KV freed, keeping what they
         generated, and the exception goes on: nothing is left for the next call."""
-        for req in reqs:
-            req.awaited = True
+        self.await_all(reqs)
         pending = set(reqs)
         start = time.perf_counter()
         try:
@@ -757,10 +768,13 @@ class Engine:
         return ahead
 
     def _closed(self, reqs: list[Request]) -> bool:
-        """Does the batch ``reqs`` only shrink from here: every request awaited by a caller
-        running it to completion with the rest (``Request.awaited``) and none waiting to
-        join? (A serving loop's requests are not awaited: finished ones are replaced.)"""
-        return not self.waiting and all(map(_AWAITED, reqs))
+        """Does the batch ``reqs`` only shrink from here: all one call's requests, run to
+        completion together (``await_all``), and none waiting to join? (A serving loop's
+        requests are awaited by no call: finished ones are replaced.)"""
+        if self.waiting:
+            return False
+        calls = set(map(_AWAITED_BY, reqs))
+        return len(calls) == 1 and None not in calls
 
     def _emit(self, reqs: list[Request], emitted: list[list[int]]) -> None:
         """Append each request's tokens, finishing those that stop, reach their length or

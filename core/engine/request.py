@@ -142,10 +142,11 @@ class Request:
     draws: int = field(default=0, repr=False)
     # Speculative decoding: a log of rounds.
     spec_rounds: list[dict] = field(default_factory=list, repr=False)
-    # A caller waits for it to finish with the rest of its call (``Engine.run_until_finished``,
-    # ``LLM.generate``): a batch of such requests, none waiting to join, only shrinks, and a
-    # speculative chooser weighs when it finishes (``DecodeStrategy.closed_batch``).
-    awaited: bool = field(default=False, repr=False)
+    # The call that runs it to completion with the rest of its requests (``Engine.await_all``:
+    # ``run_until_finished``, ``LLM.generate``), if any: a batch of one call's requests, none
+    # waiting to join, only shrinks, and a speculative chooser weighs when it finishes
+    # (``DecodeStrategy.closed_batch``).
+    awaited_by: int | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:

@@ -138,8 +138,9 @@ class DecodeStrategy(abc.ABC):
     name: str = "abstract"
     # The runner serving plain decode steps on graphs (None: the strategy has none).
     graph_runner: GraphRunner | None = None
-    # Set by the engine before each decode step is planned: the batch only shrinks (every
-    # request ``awaited``, none waiting to join), so it ends when its slowest request does.
+    # Set by the engine before each decode step is planned: the batch only shrinks (one
+    # call's requests, ``Engine.await_all``, none waiting to join), so it ends when its
+    # slowest request does.
     closed_batch: bool = False
 
     def extra_kv_slots(self) -> int:

@@ -239,8 +239,7 @@ class LLM:
         if isinstance(prompts, str):
             prompts = [prompts]
         streams = self.start(list(prompts), params or TextParams())
-        for s in streams:  # run to completion together: the batch only shrinks
-            s.req.awaited = True
+        self.engine.await_all([s.req for s in streams])  # together: the batch only shrinks
         self._run(streams)
         return [s.completion() for s in streams]
 
