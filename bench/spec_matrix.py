@@ -277,9 +277,9 @@ def chooser_trace(engine: Engine, path: str | None, label: str) -> Iterator[None
         return
     record, lines = chooser.record, []
 
-    def traced(steps, bucket, seconds, accepted=(), timing=False):
-        record(steps, bucket, seconds, accepted, timing)
-        tokens, weighed = (chooser.last or (None, None, None))[1:]
+    def traced(steps, bucket, seconds, accepted=(), timing=False, closed=None):
+        record(steps, bucket, seconds, accepted, timing, closed)
+        tokens, weighed = (chooser.last or (None, None, None, None))[1:3]
         lines.append(
             {
                 "cell": label,
