@@ -24,7 +24,8 @@
 #   bash bench/h200.sh overlap [tokens]: --overlap's CUDA tests, then generate with and without
 #     it (the README's command with and without drafting, llama-1b at 1 and 8 prompts), and
 #     the device's idle between steps either way (bench/step_gaps.py)
-#   bash bench/h200.sh matrix ["spec_matrix.py flags"]: the speculative speed matrix (issue 20)
+#   bash bench/h200.sh matrix ["spec_matrix.py flags"]: the speculative speed matrix (issue 20);
+#     "--workloads closed,steady ..." measures both workloads on one set of engines
 #   bash bench/h200.sh onegraph [batch sizes]: one graph a round (spec.round_graph, the
 #     default) against two-graph rounds: the one-graph conformance tests on CUDA,
 #     step_phases side by side at batch 1 and 64, the pair's matrix with both kinds of round

@@ -18,8 +18,10 @@ apart), as the CLI.
 Run on the device: python bench/spec_matrix.py [--batch-sizes 1,8,32,64] [--rates
 0.5,0.7,0.9] [--modes plain,1,2,3,4,5,auto] [--tokens 64] [--reps 3] [--out matrix.json] [--trace
 steps.jsonl] (the auto chooser's every step: kind, time, acceptance, what it weighed)
-[--steady] (each cell's batch kept full: a finished request is replaced at once, until
-two requests a slot finished; by default a closed batch, whose speculative rounds end in
+[--workloads closed,steady] (both, on the same engines: one start measures both;
+--steady is --workloads steady) (steady: each cell's batch kept full, a finished request
+replaced at once, until two requests a slot finished; by default a closed batch, whose
+speculative rounds end in
 a tail of shrinking batches: where requests accept differently, plain steps win a closed
 batch that no choice by tokens a second can match, one knowing every round's acceptance
 included (bench/chooser_sim.py --references, BENCHMARKS.md stop 48); the engine tells
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import platform
 import statistics
@@ -160,9 +163,10 @@ def run_model(subject: Subject, args, device, results) -> None:
 
 
 def run_cells(subject: Subject, engines: dict[str, Engine], args, results) -> None:
-    """Every batch size (x oracle rate) of a subject: the modes in turn, ``--reps`` times."""
+    """Every batch size (x oracle rate) x workload of a subject: the modes in turn,
+    ``--reps`` times."""
     for bs in args.batch_sizes:
-        for rate in subject.rates:
+        for rate, workload in itertools.product(subject.rates, args.workloads):
             if subject.oracle is not None:
                 subject.oracle.rate.fill_(rate)
             model = subject.name if rate is None else f"{subject.name}-{rate}"
@@ -170,25 +174,28 @@ def run_cells(subject: Subject, engines: dict[str, Engine], args, results) -> No
             for rep in range(args.reps):
                 order = args.modes if rep % 2 == 0 else args.modes[::-1]
                 for mode in order:
-                    cells[mode].append(measure(engines[mode], subject, bs, model, mode, args))
+                    cell = measure(engines[mode], subject, bs, model, mode, args, workload)
+                    cells[mode].append(cell)
             for mode in args.modes:
                 cell = median_cell(cells[mode])
                 results.append(cell)
                 print(json.dumps(cell), flush=True)
 
 
-def measure(engine: Engine, subject: Subject, bs: int, model: str, mode: str, args) -> dict:
+def measure(
+    engine: Engine, subject: Subject, bs: int, model: str, mode: str, args, workload: str
+) -> dict:
     """One measurement of one cell: a warm-up generate at this batch size (its graphs,
-    auto's first looks), then the timed one."""
+    auto's first looks), then the timed one, closed or steady (``workload``)."""
     params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
     warm = SamplingParams(max_new_tokens=16, ignore_eos=True)
     prompts = subject.prompts_for(bs)
     s = engine.stats
-    label = f"{model} bs{bs}"
+    label = f"{model} bs{bs}" + (" steady" if workload == "steady" else "")
     with chooser_trace(engine, args.trace, label + " warm"):
         engine.generate(prompts, warm)
     hist0 = list(s.accept_histogram)
-    run = steady_tokens_per_s if args.steady else generate_tokens_per_s
+    run = steady_tokens_per_s if workload == "steady" else generate_tokens_per_s
     with step_timer(engine, bs) as step_ms, chooser_trace(engine, args.trace, label):
         tps = run(engine, prompts, params)
     hist = [n - (hist0[i] if i < len(hist0) else 0) for i, n in enumerate(s.accept_histogram)]
@@ -196,6 +203,7 @@ def measure(engine: Engine, subject: Subject, bs: int, model: str, mode: str, ar
     cell = {
         "model": model,
         "batch_size": bs,
+        "workload": workload,
         "mode": mode,
         "tokens_per_s": round(tps, 1),
         "rounds": rounds,
@@ -304,20 +312,26 @@ def chooser_trace(engine: Engine, path: str | None, label: str) -> Iterator[None
 
 
 def table(results: list[dict], modes: list[str]) -> list[str]:
-    """Tokens/s per (model, batch) row, by mode; auto's ratio to the best fixed mode."""
-    rows: dict[tuple[str, int], dict[str, dict]] = {}
+    """Tokens/s per (model, batch, workload) row, by mode; auto's ratio to the best fixed
+    mode."""
+    rows: dict[tuple[str, int, str], dict[str, dict]] = {}
     for cell in results:
-        rows.setdefault((cell["model"], cell["batch_size"]), {})[cell["mode"]] = cell
-    head = f"{'model':<12} {'bs':>3} " + " ".join(f"{m:>7}" for m in modes) + "  auto/best  best"
+        key = (cell["model"], cell["batch_size"], cell["workload"])
+        rows.setdefault(key, {})[cell["mode"]] = cell
+    head = (
+        f"{'model':<12} {'bs':>3} {'workload':<8} "
+        + " ".join(f"{m:>7}" for m in modes)
+        + "  auto/best  best"
+    )
     lines = [head]
-    for (model, bs), cells in rows.items():
+    for (model, bs, workload), cells in rows.items():
         values = {m: cells[m]["tokens_per_s"] for m in modes if m in cells}
         fixed = {m: v for m, v in values.items() if not m.startswith("auto")}
         best = max(fixed, key=fixed.get, default="-")  # none: auto ran alone
         auto = values.get("auto", values.get("auto" + TWO_GRAPHS, 0))
         ratio = auto / fixed[best] if fixed.get(best) else 0
         cols = " ".join(f"{values.get(m, 0):7.0f}" for m in modes)
-        lines.append(f"{model:<12} {bs:>3} {cols}  {ratio:9.2f}  {best}")
+        lines.append(f"{model:<12} {bs:>3} {workload:<8} {cols}  {ratio:9.2f}  {best}")
     return lines
 
 
@@ -336,11 +350,13 @@ def main() -> None:
     parser.add_argument("--out", default="spec-matrix.json")
     parser.add_argument("--trace", help="append the auto chooser's steps here (JSON lines)")
     parser.add_argument(
-        "--steady",
-        action="store_true",
-        help="keep every cell's batch full, each finished request replaced at once, until "
-        "two requests a slot finished (decode.steady_tokens_per_s); default: a closed batch",
+        "--workloads",
+        default="closed",
+        help="closed (a generate of the batch's prompts), steady (every cell's batch kept "
+        "full, each finished request replaced at once, until two requests a slot finished: "
+        "decode.steady_tokens_per_s), or both: closed,steady",
     )
+    parser.add_argument("--steady", action="store_true", help="--workloads steady")
     parser.add_argument(
         "--overlap",
         action="store_true",
@@ -354,6 +370,9 @@ def main() -> None:
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.modes = args.modes.split(",")
+    args.workloads = ["steady"] if args.steady else args.workloads.split(",")
+    if not set(args.workloads) <= {"closed", "steady"}:
+        raise SystemExit(f"--workloads {','.join(args.workloads)}: closed, steady or both")
     device = devices.current(args.device)
     dtype = torch.bfloat16 if device.name == "cuda" else torch.float32
     results: list[dict] = []
@@ -392,7 +411,7 @@ def main() -> None:
         "dtype": str(dtype),
         "tokens": args.tokens,
         "prompt_len_oracle": args.prompt_len,
-        "workload": "steady" if args.steady else "closed",
+        "workloads": args.workloads,
         "overlap": args.overlap,
         # The host's speed: host-bound cells (the pair, small batches) move with it.
         "host_launch_us": host_launch_us(device.torch_device(), device.synchronize),
