@@ -16,18 +16,18 @@ median kept; decoding tokens/s counts decode steps and rounds only (prefill and 
 apart), as the CLI.
 
 Run on the device: python bench/spec_matrix.py [--batch-sizes 1,8,32,64] [--rates
-0.5,0.7,0.9] [--modes plain,1,2,3,4,5,auto] [--tokens 64] [--reps 3] [--out matrix.json] [--trace
-steps.jsonl] (the auto chooser's every step: kind, time, acceptance, what it weighed)
-[--workloads closed,steady] (both, on the same engines: one start measures both;
---steady is --workloads steady) (steady: each cell's batch kept full, a finished request
-replaced at once, until two requests a slot finished; by default a closed batch, whose
-speculative rounds end in
-a tail of shrinking batches: where requests accept differently, plain steps win a closed
-batch that no choice by tokens a second can match, one knowing every round's acceptance
-included (bench/chooser_sim.py --references, BENCHMARKS.md stop 48); the engine tells
-auto a generate's batch is closed, and auto then weighs its finish time instead: stop 49) [--two-graph] (rounds of two graphs each, the draft loop's
-and verify's, instead of one: spec.round_graph); a mode with the suffix "+2g" ("4+2g",
-"auto+2g") runs that mode on two graphs a round, beside the one-graph mode
+0.5,0.7,0.9] [--modes plain,1,2,3,4,5,auto] [--tokens 64] [--reps 3] [--out matrix.json]
+[--trace steps.jsonl] (the auto chooser's every step: kind, time, acceptance, what it
+weighed) [--workloads closed,steady] (closed, the default: a generate of the batch's
+prompts, whose speculative rounds end in a tail of shrinking batches; steady, also
+--steady: each cell's batch kept full, a finished request replaced at once, until two
+requests a slot finished; both: on the same engines, one device start. Where requests
+accept differently, plain steps win a closed batch that no choice by tokens a second can
+match, one knowing every round's acceptance included: bench/chooser_sim.py --references,
+BENCHMARKS.md stop 48; the engine tells auto a generate's batch is closed, and auto then
+weighs its finish time: stop 49) [--two-graph] (rounds of two graphs each, the draft
+loop's and verify's, instead of one: spec.round_graph); a mode with the suffix "+2g"
+("4+2g", "auto+2g") runs that mode on two graphs a round, beside the one-graph mode
 """
 
 from __future__ import annotations
