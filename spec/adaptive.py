@@ -46,10 +46,10 @@ max_r max(left_r / E_r(k), 1)`` (``left_r``: the tokens request r may still emit
 step at least), each request's ``E_r`` from its own rounds in closed batches: every
 position's engine-wide rate scaled by the request's acceptance rate over the engine's,
 shrunk toward the engine's by ``CLOSED_PRIOR`` positions, then raised by
-``CLOSED_OPTIMISM`` standard errors (the slowest-looking of many
-estimates is the unluckiest as often as the slowest). Not faded: a closed batch is one
-job's, and at batch 1 this drafted better than the faded, per-position estimate
-(``CLOSED_PRIOR``'s figures).
+``CLOSED_OPTIMISM`` standard errors (the slowest-looking of many estimates is the
+unluckiest as often as the slowest). Not faded: a closed batch is one job's, and at
+batch 1 this drafted better than the faded, per-position estimate (``CLOSED_PRIOR``'s
+figures).
 """
 
 from __future__ import annotations
@@ -334,8 +334,8 @@ class DraftChooser:
         """The draft steps of the next step of ``reqs`` (batch bucket ``bucket``); 0: a plain
         decode step. ``refused``: draft lengths this batch cannot run on graphs (the graph
         memory cap left them uncaptured), never chosen; a plain step always can be.
-        ``closed``: the batch only shrinks (its callers wait for all of it, none waits to
-        join): the count that finishes it soonest runs (see the module's docstring)."""
+        ``closed``: the batch only shrinks (one call's requests, none waiting to join):
+        the count that finishes it soonest runs (see the module's docstring)."""
         self._streak = None  # set again below where a plain winner stays
         if closed != self.closed:  # the other objective ranks: weigh again
             self.closed = closed
@@ -664,17 +664,13 @@ class DraftChooser:
 
 
 def _remaining(reqs: Sequence[Request], context_len: int | None) -> int:
-    """Tokens the longest-running request of ``reqs`` may still emit (``_left``)."""
-    return max((_left(r, context_len) for r in reqs), default=0)
-
-
-def _left(req: Request, context_len: int | None) -> int:
-    """Tokens ``req`` may still emit: its cap, and the context's room (``context_len``:
-    the engine's context, None: no limit)."""
-    left = req.params.max_new_tokens - len(req.output_ids)
+    """Tokens the longest-running request of ``reqs`` may still emit: its cap, and the
+    context's room (``context_len``: the engine's context, None: no limit)."""
+    caps = (r.params.max_new_tokens - len(r.output_ids) for r in reqs)
     if context_len is not None:
-        left = min(left, context_len - len(req.prompt_ids) - len(req.output_ids))
-    return left
+        rooms = (context_len - len(r.prompt_ids) - len(r.output_ids) for r in reqs)
+        caps = (min(cap, room) for cap, room in zip(caps, rooms))
+    return max(caps, default=0)
 
 
 def _fit_line(points: dict[int, tuple[float, int]]) -> tuple[float, float] | None:

@@ -52,6 +52,19 @@ def _replayed_every_step(engine: Engine, launched: list[int], graph_steps: int) 
     return on_graphs > 0 and engine.stats.graph_steps - graph_steps == on_graphs
 
 
+def _in_flight(engine: Engine, prompts, monkeypatch):
+    """Greedy requests of ``prompts`` stepped until each has 3 tokens, a step launched
+    ahead in flight; -> (the requests, the launch spy's batch sizes launched and launched
+    ahead, the engine's graph steps before)."""
+    launched, launched_ahead = spy_launches(engine, monkeypatch)
+    replays = engine.stats.graph_steps
+    reqs = [engine.add_request(p, GREEDY) for p in prompts]
+    while min(len(r.output_ids) for r in reqs) < 3:
+        engine.step()
+    assert engine._pending is not None  # a step is in flight
+    return reqs, launched, launched_ahead, replays
+
+
 def _all_free(engine: Engine) -> bool:
     """No step in flight, and no request, KV slot, request row or reservation held."""
     assert_engine_idle(engine)
@@ -96,12 +109,7 @@ def test_an_abort_while_a_step_is_in_flight_frees_it_and_the_rest_decode_on(engi
     graph, eager = engines
     prompts = random_prompts((7, 3, 10), seed=12)
     expected = _run(eager, [GREEDY] * 3, prompts)
-    launched, launched_ahead = spy_launches(graph, monkeypatch)
-    replays = graph.stats.graph_steps
-    reqs = [graph.add_request(p, GREEDY) for p in prompts]
-    while min(len(r.output_ids) for r in reqs) < 3:
-        graph.step()
-    assert graph._pending is not None  # a step is in flight
+    reqs, launched, launched_ahead, replays = _in_flight(graph, prompts, monkeypatch)
     graph.abort(reqs[1])
     graph.run_until_finished([reqs[0], reqs[2]])
     assert reqs[1].output_ids == expected[1].output_ids[: len(reqs[1].output_ids)]
@@ -120,12 +128,7 @@ def test_aborting_every_request_settles_the_step_in_flight_at_once(engines, monk
     timed the idle between them as its own."""
     graph, eager = engines
     prompts = random_prompts((9, 4), seed=15)
-    launched, launched_ahead = spy_launches(graph, monkeypatch)
-    replays = graph.stats.graph_steps
-    reqs = [graph.add_request(p, GREEDY) for p in prompts]
-    while min(len(r.output_ids) for r in reqs) < 3:
-        graph.step()
-    assert graph._pending is not None  # a step is in flight
+    reqs, launched, launched_ahead, replays = _in_flight(graph, prompts, monkeypatch)
     graph.abort(reqs[0])
     assert graph._pending is not None  # it still serves reqs[1]
     graph.abort(reqs[1])
@@ -141,12 +144,7 @@ def test_a_prompt_arriving_mid_decode_is_prefilled_after_the_step_in_flight(engi
     graph, eager = engines
     prompts = random_prompts((6, 14), seed=13)
     expected = [_run(eager, [GREEDY], [p])[0].output_ids for p in prompts]
-    launched, launched_ahead = spy_launches(graph, monkeypatch)
-    replays = graph.stats.graph_steps
-    first = graph.add_request(prompts[0], GREEDY)
-    while len(first.output_ids) < 3:
-        graph.step()
-    assert graph._pending is not None
+    (first,), launched, launched_ahead, replays = _in_flight(graph, prompts[:1], monkeypatch)
     second = graph.add_request(prompts[1], GREEDY)
     graph.run_until_finished([first, second])
     assert [first.output_ids, second.output_ids] == expected

@@ -487,10 +487,10 @@ def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
     behind a round too, fed its accepted tokens and lengths on the device): the drafts,
     accepted tokens and output of every request equal those of an eager engine reading
     every step (greedy, and sampled: each request's stream draws the same whether its
-    steps were launched ahead or not); the chooser chose once a step. Rounds accept every
-    length
-    (``_accept_some``), so requests reach their length inside a round with another
-    launched behind it, whose rows for them are dropped and their slots freed."""
+    steps were launched ahead or not); the chooser chose once a step. Rounds of every
+    length accept some drafts (``_accept_some``), so requests reach their length inside a
+    round with another launched behind it, whose rows for them are dropped and their
+    slots freed."""
     if spec_case.id == "cpu-compile":
         pytest.skip("inductor compiles each length's graphs: minutes on 2 cores")
     target, _ = spec_models()
