@@ -23,9 +23,10 @@
 #     bench/profile_auto.py (auto vs --no-draft vs rounds of 5, side by side in one process)
 #   bash bench/h200.sh overlap [tokens]: --overlap's CUDA tests, then generate with and without
 #     it (the README's command with and without drafting, llama-1b at 1 and 8 prompts), and
-#     the device's idle between steps either way (bench/step_gaps.py)
+#     the device's idle between steps either way (bench/step_gaps.py; STEP_GAPS_LIMIT seconds, 300)
 #   bash bench/h200.sh matrix ["spec_matrix.py flags"]: the speculative speed matrix (issue 20);
-#     "--workloads closed,steady ..." measures both workloads on one set of engines
+#     "--workloads closed,steady ..." measures both workloads on one set of engines; then
+#     bench/profile_auto.py, unless MATRIX_ONLY=1 (MATRIX_LIMIT: the matrix's seconds, 480)
 #   bash bench/h200.sh onegraph [batch sizes]: one graph a round (spec.round_graph, the
 #     default) against two-graph rounds: the one-graph conformance tests on CUDA,
 #     step_phases side by side at batch 1 and 64, the pair's matrix with both kinds of round
@@ -161,8 +162,9 @@ if [[ $what == overlap ]]; then
     # (the embedded pair: --no-draft and auto) and random:llama-1b at 1 and 8 prompts,
     # each with and without --overlap in fresh processes, interleaved, twice over.
     python -m pytest tests/conformance/test_overlap.py tests/conformance/test_spec_rounds.py \
-        tests/test_bad_inputs.py -k "overlap or launch_ahead or nan_decode" -m cuda -q -ra \
-        -p no:cacheprovider 2>&1 | tee "$OUT/tests-overlap-cuda.log" | tail -n 5
+        tests/test_bad_inputs.py tests/test_spec.py -m cuda -q -ra -p no:cacheprovider \
+        -k "overlap or launch_ahead or nan_decode or waits_on_the_device_once" 2>&1 \
+        | tee "$OUT/tests-overlap-cuda.log" | tail -n 5
     prompts8=$(for i in 1 2 3 4 5 6 7 8; do printf -- "--prompt-ids %d,%d,%d " $i $((i + 7)) $((i + 20)); done)
     for i in 1 2; do
         for run in "pair-nodraft|--prompt def_fibonacci --no-draft" "pair-auto|--prompt def_fibonacci" \
@@ -179,17 +181,20 @@ if [[ $what == overlap ]]; then
     done
     rm -f "$OUT/run.json" "$OUT/run.err"
     # The device's idle between steps, reading each step against launching ahead.
-    timeout 300 python bench/step_gaps.py --tokens "${2:-300}" --out "$OUT/step-gaps.json" 2>&1 \
+    timeout "${STEP_GAPS_LIMIT:-300}" python bench/step_gaps.py --tokens "${2:-300}" --out "$OUT/step-gaps.json" 2>&1 \
         | grep -v Warning | tee "$OUT/step-gaps.log" | tail -n 16
 fi
 
 if [[ $what == matrix ]]; then
     # Issue 20: the speculative speed matrix (bench/spec_matrix.py), then auto vs --no-draft
     # side by side on the embedded pair (bench/profile_auto.py).
-    timeout 480 python bench/spec_matrix.py --out "$OUT/spec-matrix.json" ${2:---tokens 128} 2>&1 \
+    timeout "${MATRIX_LIMIT:-480}" python bench/spec_matrix.py --out "$OUT/spec-matrix.json" ${2:---tokens 128} 2>&1 \
         | grep -v Warning > "$OUT/spec-matrix.log"
     echo "matrix exit $?"; grep -v '^{' "$OUT/spec-matrix.log" | tail -n 40
-    python bench/profile_auto.py 400 cuda 5 2>&1 | grep -v Warning | tail -n 7
+    # MATRIX_ONLY=1: the matrix alone (a call that runs more after it).
+    if [[ -z ${MATRIX_ONLY:-} ]]; then
+        python bench/profile_auto.py 400 cuda 5 2>&1 | grep -v Warning | tail -n 7
+    fi
 fi
 
 if [[ $what == onegraph ]]; then

@@ -556,8 +556,9 @@ def test_cuda_16_bit_greedy_with_drafter_equals_without_batch_invariant(
 def test_cuda_round_waits_on_the_device_once(topk, gemma4_tiny, gemma4_assistant, monkeypatch):
     """Every step of a round is device work: with torch's sync debug mode set to "error",
     whole rounds (graphs, tree, greedy and sampled acceptance, KV commit, frees, finishing
-    requests) run with one host wait each, the pinned copy of the round's results."""
-    import graphrt.spec.strategy as strategy_module
+    requests) run with one host wait each, the pinned copy of the round's results
+    (``HostRead.wait``: a round's launch and its settle apart, the engine waits there)."""
+    from graphrt.core.host import HostRead
 
     engine = cuda_spec_engine(gemma4_tiny, gemma4_assistant, 4, topk)
     prompts = random_prompts([9, 16, 12], seed=4)
@@ -570,17 +571,18 @@ def test_cuda_round_waits_on_the_device_once(topk, gemma4_tiny, gemma4_assistant
     engine.step()
     rounds0 = engine.stats.graph_rounds, engine.stats.spec_rounds
     waits = []
-    read_host = strategy_module.read_host
+    wait = HostRead.wait
 
-    def counted(tensor):
-        waits.append(tensor.shape)
+    def counted(read):
+        if read._values is None:  # a read already waited for waits no more
+            waits.append(read._host.shape)
         torch.cuda.set_sync_debug_mode(0)  # the one wait a round is allowed
         try:
-            return read_host(tensor)
+            return wait(read)
         finally:
             torch.cuda.set_sync_debug_mode("error")
 
-    monkeypatch.setattr(strategy_module, "read_host", counted)
+    monkeypatch.setattr(HostRead, "wait", counted)
     rounds = 0
     torch.cuda.set_sync_debug_mode("error")
     try:
