@@ -23,7 +23,8 @@
 #     bench/profile_auto.py (auto vs --no-draft vs rounds of 5, side by side in one process)
 #   bash bench/h200.sh overlap [tokens]: --overlap's CUDA tests, then generate with and without
 #     it (the README's command with and without drafting, llama-1b at 1 and 8 prompts), and
-#     the device's idle between steps either way (bench/step_gaps.py; STEP_GAPS_LIMIT seconds, 300)
+#     the device's idle between steps either way (bench/step_gaps.py; STEP_GAPS_LIMIT seconds,
+#     300; OVERLAP_REPS runs of each generate, 2)
 #   bash bench/h200.sh matrix ["spec_matrix.py flags"]: the speculative speed matrix (issue 20);
 #     "--workloads closed,steady ..." measures both workloads on one set of engines; then
 #     bench/profile_auto.py, unless MATRIX_ONLY=1 (MATRIX_LIMIT: the matrix's seconds, 480)
@@ -166,7 +167,7 @@ if [[ $what == overlap ]]; then
         -k "overlap or launch_ahead or nan_decode or waits_on_the_device_once" 2>&1 \
         | tee "$OUT/tests-overlap-cuda.log" | tail -n 5
     prompts8=$(for i in 1 2 3 4 5 6 7 8; do printf -- "--prompt-ids %d,%d,%d " $i $((i + 7)) $((i + 20)); done)
-    for i in 1 2; do
+    for i in $(seq "${OVERLAP_REPS:-2}"); do
         for run in "pair-nodraft|--prompt def_fibonacci --no-draft" "pair-auto|--prompt def_fibonacci" \
             "llama1b-bs1|--model random:llama-1b --prompt-ids 1,2,3" \
             "llama1b-bs8|--model random:llama-1b $prompts8"; do
