@@ -8,6 +8,7 @@ request's acceptance, and must go on looking at the runner-up now and then.
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from dataclasses import dataclass, field
@@ -117,6 +118,27 @@ def test_the_runner_up_still_runs_less_and_less_often():
     gaps = [b - a for a, b in zip(looks, looks[1:])]
     assert explored and gaps[-5:] == [MAX_EXPLORE] * 5 and gaps[0] >= FIRST_EXPLORE - 1
     assert len(explored) < 30
+
+
+def test_a_slow_start_up_plain_step_is_checked_at_once_over_many_requests():
+    """Start-up timed a plain step at 2 ms, one in use costs 1: against that figure rounds
+    accepting half their first drafts win, against the real one plain steps do. Over more
+    than PER_REQUEST_MAX requests a real plain step runs as soon as a round wins (the
+    winner changing would put the looks off); at batch 1 it waits for the first look (a
+    plain step taken early there steered auto onto plain steps after unlucky rounds)."""
+    flip = itertools.cycle([0, 1])
+
+    def run(requests: int) -> list[int]:
+        chooser = DraftChooser(5)
+        _timed_at_start_up(chooser, 1, plain_ms=2.0, round_ms=2.0)
+        reqs = tuple(_Req(i) for i in range(requests))
+        return _run(chooser, 40, linear(1.5, 0.1), lambda k, rid: min(k, next(flip)), reqs)
+
+    many = run(PER_REQUEST_MAX + 1)
+    assert many[:2] == [5, 0], many  # the first round measures acceptance, then plain
+    assert many[10:].count(0) > 25, many
+    one = run(1)
+    assert 0 not in one[: FIRST_EXPLORE - 1] and 0 in one, one
 
 
 def test_start_up_figures_stand_as_timed():
