@@ -385,13 +385,13 @@ class DraftChooser:
         # the runner-up. Over more than PER_REQUEST_MAX requests, at once: there a winner
         # that changes puts the looks off (on the H200 the pair's closed batch of 64 ran
         # 35 rounds against start-up's plain step of 0.67 ms, 0.55 in use, and looked at
-        # none). In bench/chooser_sim.py (24 seeds, start-up's plain steps 1.2x and rounds
+        # none). In bench/chooser_sim.py (64 seeds, start-up's plain steps 1.2x and rounds
         # 1.25x those in use, as there), worst cell / mean: one rate, the pair's times
-        # 0.891 / 0.965 -> 0.918 / 0.970, the oracle's 0.905 / 0.972 -> 0.942 / 0.975;
-        # the pair's text 0.909 / 0.922 -> 0.909 / 0.931; unbiased, within 0.003. Fewer
-        # requests wait for a look: there a plain step taken early steered auto onto plain
-        # steps for good after a few unlucky rounds (the pair's text at batch 1: 0.932 ->
-        # 0.854).
+        # 0.890 / 0.965 -> 0.927 / 0.969, the oracle's 0.905 / 0.975 -> 0.943 / 0.978;
+        # the pair's text 0.918 / 0.928 -> 0.928 / 0.938; unbiased, within 0.002
+        # (bench/results/cpu-chooser-sim-stop50.log). Fewer requests wait for a look:
+        # there a plain step taken early steered auto onto plain steps for good after a
+        # few unlucky rounds (the pair's text at batch 1: 0.932 -> 0.854, 16 seeds).
         if winner != 0 and 0 in size.from_start_up and len(reqs) > PER_REQUEST_MAX:
             return 0
         if size.since_explore >= size.explore_every and self._worth_a_look(reqs):
