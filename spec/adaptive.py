@@ -473,7 +473,10 @@ class DraftChooser:
             ]
             tokens = [sum(column) for column in zip(*per_request)]
         seconds = self.step_seconds(bucket, optimistic)
-        if not optimistic:
+        # explain()'s weighing: not one where every count emits alike (a closed batch's last
+        # steps, each request a step or less from its end): "plain steps pay" there, after
+        # a generate of rounds, said why the last step was plain, not why the rest drafted.
+        if not optimistic and (self.last is None or max(tokens) > min(tokens)):
             self.last = (bucket, tokens, seconds, self.closed)
         return [t / s for t, s in zip(tokens, seconds)]
 

@@ -120,6 +120,19 @@ def test_the_runner_up_still_runs_less_and_less_often():
     assert len(explored) < 30
 
 
+def test_explain_says_why_a_closed_batch_drafted_not_why_its_last_step_was_plain():
+    """At a closed batch's last token every count emits one token: that weighing says
+    nothing, and explain() keeps the last one that did (rounds of 5 paid)."""
+    chooser = DraftChooser(5)
+    req = _Req(0, SamplingParams(max_new_tokens=40, ignore_eos=True), [0], [0])
+    while len(req.output_ids) < 40:
+        k = chooser.choose(1, [req], closed=True)
+        chooser.record(k, 1, linear(1.5, 0.1)(k), [(req, k)] if k else [])
+        req.output_ids += [0] * min(k + 1, 40 - len(req.output_ids))
+    assert chooser.steps_by_count[5] > 3
+    assert chooser.explain().endswith("rounds of 5 draft steps pay"), chooser.explain()
+
+
 def test_a_slow_start_up_plain_step_is_checked_at_once_over_many_requests():
     """Start-up timed a plain step at 2 ms, one in use costs 1: against that figure rounds
     accepting half their first drafts win, against the real one plain steps do. Over more
