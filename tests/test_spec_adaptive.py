@@ -12,6 +12,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from helpers import CPU, cpu_engine, cycling_chooser, random_prompts, standin_de
 from tokenizers import Tokenizer
 
 from graphrt.core import pretrained
-from graphrt.core.engine import SamplingParams
+from graphrt.core.engine import Engine, SamplingParams
+from graphrt.core.engine.strategy import LaunchedStep, StepOutcome
 from graphrt.core.models import load_model
 from graphrt.spec import MTPDecoding, SpecConfig
 from graphrt.spec.adaptive import (
@@ -785,6 +787,53 @@ def test_the_chooser_times_each_decode_step_whole_settling_included(gemma4_tiny,
     assert timed_kinds and all(min(seconds[k]) >= 0.005 for k in timed_kinds), {
         k: list(seconds[k]) for k in timed_kinds
     }
+
+
+def test_a_step_launched_ahead_is_charged_its_own_launch_not_the_next_ones(monkeypatch):
+    """Under ``--overlap`` a step's seconds run from the settling of the step before it,
+    and the launch of the step behind it falls inside them: each step is charged its own
+    launch instead, made in the interval before (``Engine._settle``). Here a step whose
+    own launch took 10 ms settles in 5 while the next one's launch takes 30: 15 ms, not
+    35 (on the H200 auto charged each plain step before a round with the round's launch).
+    The engine's clock is the test's: no sleeps to time."""
+    import graphrt.core.engine.engine as engine_module
+
+    clock = [100.0]
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    recorded = []
+
+    def launched(launch_s: float) -> LaunchedStep:
+        step = LaunchedStep(
+            reqs=[],
+            read=SimpleNamespace(wait=list),
+            settle=lambda values: StepOutcome(tokens=[]),
+            feed=lambda: (None, None),
+            record=lambda seconds, outcome: recorded.append(seconds),
+        )
+        step.launch_s = launch_s
+        return step
+
+    def launch_ahead(step):
+        clock[0] += 0.030
+        return launched(0.0)
+
+    def settle(reqs, outcome):
+        clock[0] += 0.005
+        return []
+
+    engine = SimpleNamespace(
+        _launch_ahead=launch_ahead,
+        _apply=settle,
+        _emit=lambda reqs, emitted: None,
+        _drop_idle_pending=lambda: None,
+    )
+    step = launched(0.010)
+    step.start = clock[0]
+    Engine._settle(engine, step)
+    assert recorded == [pytest.approx(0.015)]
+    ahead = engine._pending
+    assert ahead.launch_s == pytest.approx(0.030)
+    assert ahead.start == clock[0]  # its seconds count from here
 
 
 def test_one_slow_start_up_sample_does_not_rule_plain_steps_out():

@@ -128,6 +128,9 @@ class LaunchedStep:
     # The strategy's bookkeeping of the step's seconds and outcome (its ``step_done``).
     record: Callable[[float, StepOutcome], None] | None = None
     start: float = 0.0  # perf_counter() from which the step's seconds count
+    # Host seconds its launch took, behind the step before (``Engine._settle``): charged to
+    # this step, not to that one. 0 for a step launched on its own (its seconds hold it).
+    launch_s: float = 0.0
 
     def finish(self) -> StepOutcome:
         """Wait for the result (the step's one wait); -> the step's outcome."""
