@@ -161,7 +161,7 @@ fi
 if [[ $what == overlap ]]; then
     # Plain steps launched ahead (--overlap): its CUDA tests, then the README's command
     # (the embedded pair: --no-draft and auto) and random:llama-1b at 1 and 8 prompts,
-    # each with and without --overlap in fresh processes, interleaved, twice over.
+    # each with and without --overlap in fresh processes, interleaved, OVERLAP_REPS times (2).
     python -m pytest tests/conformance/test_overlap.py tests/conformance/test_spec_rounds.py \
         tests/test_bad_inputs.py tests/test_spec.py -m cuda -q -ra -p no:cacheprovider \
         -k "overlap or launch_ahead or nan_decode or waits_on_the_device_once" 2>&1 \

@@ -28,6 +28,8 @@ BENCHMARKS.md stop 48; the engine tells auto a generate's batch is closed, and a
 weighs its finish time: stop 49) [--two-graph] (rounds of two graphs each, the draft
 loop's and verify's, instead of one: spec.round_graph); a mode with the suffix "+2g"
 ("4+2g", "auto+2g") runs that mode on two graphs a round, beside the one-graph mode
+[--batch-invariant] (the targets' batch-invariant kernels: every mode writes the same
+text in bf16, so that a cell compares choices, not texts; BENCHMARKS.md stop 50)
 """
 
 from __future__ import annotations
