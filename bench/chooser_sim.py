@@ -31,6 +31,8 @@ change this favours still has to be measured on the device.
         [--model oracle-0.7|pair] (whose measured step times) [--cold 0.2] (start-up's
         steps up to 20% slower than in use, as measured) [--bias 1.5,1.05] (start-up's
         plain steps and rounds this many times the same steps in use: the host drifts)
+        [--early 8,1.6] (each cell's first 8 steps, the warm-up's too, 1.6x slower, as
+        the H200's were in stop 50's matrix: the chooser learns their times as they are)
 """
 
 from __future__ import annotations
@@ -107,22 +109,26 @@ def text_runs(seed: int, pool: list[list[int]], batch: int, tokens: int) -> list
     return [pool[rng.randrange(len(pool))][:tokens] for _ in range(batch)]
 
 
-def run_cell(times, rng, runs, tokens, chooser=None, fixed=None, first_rid=0, batch=None) -> float:
+def run_cell(
+    times, rng, runs, tokens, chooser=None, fixed=None, first_rid=0, batch=None, early=(0, 1.0)
+) -> float:
     """Decoding tokens/s of requests of ``tokens`` tokens (``runs``: their acceptance, as
     ``acceptance_runs``), each step chosen by ``chooser`` (which records it; or a
     ``Reference``) or of ``fixed`` draft steps. ``batch`` (default: every request at once, a closed batch): requests
     running at once, each finished one replaced by the next of ``runs`` (steady, as
-    ``spec_matrix --steady``) until none is left to replace it; the cell ends there."""
+    ``spec_matrix --steady``) until none is left to replace it; the cell ends there.
+    ``early``: (steps, factor): the cell's first steps run that many times slower."""
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     batch = len(runs) if batch is None else batch
     reqs = [SimRequest(first_rid + i, params) for i in range(batch)]
     joined = batch
     closed = batch == len(runs)  # nothing joins (as Engine.generate tells the chooser)
-    seconds = emitted = 0
+    seconds = emitted = steps = 0
     while reqs:
         bucket = bucket_of(len(reqs))
         k = fixed if chooser is None else chooser.choose(bucket, reqs, closed=closed)
-        step = times(bucket, k, rng)
+        step = times(bucket, k, rng) * (early[1] if steps < early[0] else 1.0)
+        steps += 1
         seconds += step
         accepted = []
         for req in reqs:
@@ -194,6 +200,7 @@ def simulate(
     text=None,
     turns=0,
     references=False,
+    early=(0, 1.0),
 ) -> dict[tuple[int, float | None], list[float]]:
     """{(batch, rate): [auto's tokens/s, then each fixed mode's: plain, 1, ...]} for one
     seed. ``cold``: start-up's steps run up to this share slower than the same steps in
@@ -201,7 +208,8 @@ def simulate(
     same steps in use (the host's speed drifts: measured 0.7-1.5x on the H200, stop 43).
     ``text``: a real drafter's runs (``text_runs``) in place of the rates (rate None).
     ``turns``: cells run steady until this many requests a slot finished (0: closed).
-    ``references``: the two ``Reference`` choosers' tokens/s follow the fixed modes'."""
+    ``references``: the two ``Reference`` choosers' tokens/s follow the fixed modes'.
+    ``early``: (steps, factor): each cell's first steps (the warm-up's too) run slower."""
     rng = random.Random(seed)
     chooser = DraftChooser(MAX_STEPS, context_len=4096)
     for bucket in BUCKETS:  # start-up timing: each end three times in a row
@@ -218,17 +226,25 @@ def simulate(
             else:
                 warm = text_runs(rng.getrandbits(32), text, batch, WARM_TOKENS)
                 runs = text_runs(rng.getrandbits(32), text, requests, tokens)
-            run_cell(times, rng, warm, WARM_TOKENS, chooser, first_rid=rid)
+            run_cell(times, rng, warm, WARM_TOKENS, chooser, first_rid=rid, early=early)
             rid += batch
-            auto = run_cell(times, rng, runs, tokens, chooser, first_rid=rid, batch=batch)
+            auto = run_cell(
+                times, rng, runs, tokens, chooser, first_rid=rid, batch=batch, early=early
+            )
             rid += requests
             fixed = [
-                run_cell(times, rng, runs, tokens, fixed=k, batch=batch)
+                run_cell(times, rng, runs, tokens, fixed=k, batch=batch, early=early)
                 for k in range(MAX_STEPS + 1)
             ]
             known = [
                 run_cell(
-                    times, rng, runs, tokens, Reference(kind, times, runs, tokens), batch=batch
+                    times,
+                    rng,
+                    runs,
+                    tokens,
+                    Reference(kind, times, runs, tokens),
+                    batch=batch,
+                    early=early,
                 )
                 for kind in (("foresight", "makespan") if references else ())
             ]
@@ -260,6 +276,15 @@ def main() -> None:
         "--bias",
         default="1,1",
         help="start-up's plain steps, rounds: this many times the same steps in use",
+    )
+    # Measured on the H200 (stop 50, the pair, batch 1): a cell's first steps, the
+    # warm-up's plain steps at 0.49-0.58 ms and rounds of 1 at 0.79-0.84, against 0.32
+    # and 0.53 later: about 1.6x.
+    parser.add_argument(
+        "--early",
+        default="0,1",
+        metavar="STEPS,FACTOR",
+        help="each cell's first STEPS steps (warm-up's too) run FACTOR times slower",
     )
     parser.add_argument(
         "--steady",
@@ -294,6 +319,7 @@ def main() -> None:
             text,
             args.steady,
             args.references,
+            (int(args.early.split(",")[0]), float(args.early.split(",")[1])),
         )  # fmt: skip
         for seed in range(args.first_seed, args.first_seed + args.seeds)
     ]
