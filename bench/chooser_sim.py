@@ -301,6 +301,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     bias = tuple(float(b) for b in args.bias.split(","))
+    early_steps, early_factor = args.early.split(",")
     times = StepTimes(args.matrix, args.model)
     rates = [float(r) for r in args.rates.split(",")]
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -319,7 +320,7 @@ def main() -> None:
             text,
             args.steady,
             args.references,
-            (int(args.early.split(",")[0]), float(args.early.split(",")[1])),
+            (int(early_steps), float(early_factor)),
         )  # fmt: skip
         for seed in range(args.first_seed, args.first_seed + args.seeds)
     ]
