@@ -361,8 +361,10 @@ def main() -> None:
     parser.add_argument("--steady", action="store_true", help="--workloads steady")
     parser.add_argument(
         "--overlap",
-        action="store_true",
-        help="launch each step behind the one before, not yet read (EngineConfig.overlap)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each step behind the one before, not yet read (EngineConfig.overlap; "
+        "default: the device's, on for cuda)",
     )
     parser.add_argument(
         "--two-graph",
@@ -421,7 +423,7 @@ def main() -> None:
         "tokens": args.tokens,
         "prompt_len_oracle": args.prompt_len,
         "workloads": args.workloads,
-        "overlap": args.overlap,
+        "overlap": device.overlap_by_default if args.overlap is None else args.overlap,
         "batch_invariant": args.batch_invariant,
         # The host's speed: host-bound cells (the pair, small batches) move with it.
         "host_launch_us": host_launch_us(device.torch_device(), device.synchronize),

@@ -52,6 +52,10 @@ class Device(abc.ABC):
     """The share of free memory (weights loaded) the KV pool takes by default, the context
     then defaulting to the model's (core/engine/kv_plan.py); None: a fixed 1 GiB pool and
     a context of at most 4096 tokens."""
+    overlap_by_default: ClassVar[bool] = False
+    """Whether engines launch each decode step before the last one's result is read
+    (``EngineConfig.overlap`` left None): where the device runs queued work while the host
+    prepares the next step. Off where the host is the device (CPU) or not measured."""
     index: int | None = None
     """Which of the host's devices this process drives (``bind_local_rank``); None: the
     current one."""

@@ -80,6 +80,14 @@ def test_generate_json_matches_transformers(capsys, ckpt_with_tokenizer):
         assert isinstance(req["text"], str)
 
 
+def test_overlap_flags_set_it_either_way_and_leave_it_to_the_device_unset():
+    parse = build_parser().parse_args
+    base = ["generate", "--model", "m", "--prompt-ids", "1"]
+    assert parse(base).overlap is None  # the device's default (on for cuda)
+    assert parse([*base, "--overlap"]).overlap is True
+    assert parse([*base, "--no-overlap"]).overlap is False
+
+
 def test_generate_overlap_gives_transformers_tokens(capsys, ckpt_with_tokenizer):
     """--overlap (plain steps launched before the last one's tokens are read): the same
     tokens as transformers, and no step beyond the ones the tokens need (the last step of

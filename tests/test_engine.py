@@ -373,6 +373,7 @@ def test_pools_too_large_to_allocate_are_one_typed_error(loaded):
         ({"max_context_len": True}, "max_context_len must be an integer"),
         ({"graph_buckets": (1, "2")}, "graph_buckets must be a list of integers"),
         ({"graph_padding": "no"}, "graph_padding must be True or False"),
+        ({"overlap": "yes"}, "overlap must be True or False"),
         ({"max_prefill_tokens": 0}, "max_prefill_tokens must be >= 1"),
     ],
 )
@@ -382,3 +383,22 @@ def test_engine_config_refuses_wrong_types_with_the_typed_error(fields, needle):
 
     with pytest.raises(UsageError, match=needle):
         EngineConfig(**fields)
+
+
+def test_overlap_left_unset_takes_the_devices_default(loaded):
+    """``EngineConfig(overlap=None)``: steps launched ahead where the device says they pay
+    (``Device.overlap_by_default``: CUDA), read one by one on the CPU; the engine's config
+    then says which ran, and an explicit choice wins either way."""
+    from graphrt.devices.cpu import CpuDevice
+    from graphrt.devices.cuda import CudaDevice
+
+    class Overlapping(CpuDevice):
+        overlap_by_default = True
+
+    assert CudaDevice.overlap_by_default and not CpuDevice.overlap_by_default
+    assert _engine(loaded).config.overlap is False
+    engine = cpu_engine(loaded, device=Overlapping(), max_context_len=64)
+    assert engine.config.overlap is True
+    engine.generate(random_prompts((5, 9), seed=3), GREEDY)
+    assert engine.stats.launched_ahead > 0
+    assert cpu_engine(loaded, device=Overlapping(), overlap=False).config.overlap is False

@@ -867,27 +867,43 @@ def test_one_slow_start_up_sample_does_not_rule_plain_steps_out():
         "eager",
         pytest.param("graph", marks=pytest.mark.graphs),
         pytest.param("graph-all", marks=pytest.mark.graphs),
+        pytest.param("graph-overlap", marks=pytest.mark.graphs),
     ],
 )
 def test_the_engine_times_each_end_at_start_up_and_leaves_nothing_behind(
-    runner, gemma4_tiny, gemma4_assistant
+    runner, gemma4_tiny, gemma4_assistant, monkeypatch
 ):
     """Auto lengths: the engine's start-up runs a plain step and the longest rounds three
     times each at every captured bucket (batch 1 eagerly; eagerly rounds of 1 too; every
     length where all graphs are captured up front, as `graphrt serve` does) on throwaway
     requests; the chooser then knows those times, and the pools, the request ids and the
-    stats are as before."""
+    stats are as before. With overlap each kind's steps run launched one behind the
+    other, as they will in use, and the last one launched is read before the next kind's
+    turn: a fourth step of each kind, nothing left in flight."""
     target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
     drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
     strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
-    graphs = runner.startswith("graph")
+    graphs, overlap = runner.startswith("graph"), runner.endswith("overlap")
+    kinds_launched_ahead = []
+    launch_ahead = Engine._launch_ahead
+
+    def spy(self, step):
+        ahead = launch_ahead(self, step)
+        kinds_launched_ahead.append(None if ahead is None else strategy._forced)
+        return ahead
+
+    monkeypatch.setattr(Engine, "_launch_ahead", spy)
     engine = cpu_engine(
         target, strategy, standin_device() if graphs else None,
         runner="graph" if graphs else "eager", max_context_len=64, graph_buckets=(1, 2, 4),
-        capture_all_graphs=runner == "graph-all",
+        capture_all_graphs=runner == "graph-all", overlap=overlap,
     )  # fmt: skip
     buckets = (1, 2, 4) if graphs else (1,)
-    timed = {"eager": {0, 1, 3}, "graph": {0, 3}, "graph-all": {0, 1, 2, 3}}[runner]
+    timed = {"eager": {0, 1, 3}, "graph": {0, 3}, "graph-all": {0, 1, 2, 3}}[runner.split("-o")[0]]
+    # Each kind, at each bucket: the 1st step launches the 2nd, the 2nd the 3rd, the 3rd
+    # the 4th (the 4th, read last, launches none).
+    assert kinds_launched_ahead == (([3] * 3 + [0] * 3) * len(buckets) if overlap else [])
+    assert engine._pending is None
     chooser = strategy.chooser
     for bucket in buckets:
         seconds = chooser._buckets[bucket].seconds
@@ -906,6 +922,8 @@ def test_the_engine_times_each_end_at_start_up_and_leaves_nothing_behind(
     engine.kv_pool.free(torch.tensor([1]))
     if graphs:
         replays = strategy.plain_graph.replays_per_size()
-        assert replays == {1: 3, 2: 3, 4: 3}
+        each = 4 if overlap else 3
+        assert replays == {1: each, 2: each, 4: each}
+        assert strategy.longest.round.replays_per_size() == replays
     (req,) = engine.generate([[1, 2, 3]], GREEDY)
     assert req.rid == 0 and len(req.output_ids) == GREEDY.max_new_tokens

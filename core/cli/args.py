@@ -341,10 +341,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--overlap",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="launch each decode step (plain, or a speculative round on one graph) before "
         "the last one's result is read, so the host prepares a step while the device runs "
-        "one (not yet measured on a GPU: off by default)",
+        "one (default: on for cuda, off on cpu)",
     )
     p.add_argument(
         "--max-graph-memory",

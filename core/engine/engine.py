@@ -11,6 +11,7 @@ in FIFO order, and one that could never fit is refused when it is added.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import operator
@@ -96,9 +97,9 @@ class EngineConfig:
     # the same requests before reading the last one's result (fed by it on the device),
     # so the host prepares a step while the device runs the one before; a request that
     # stopped meanwhile has its extra step dropped. Speculative steps hold two trees' KV
-    # slots a request. Off by default until measured on a GPU (on the CPU the host is
-    # the device: no gain).
-    overlap: bool = False
+    # slots a request. None: the device's default (``Device.overlap_by_default``: on
+    # for CUDA, measured there; off on the CPU, where the host is the device).
+    overlap: bool | None = None
 
     def __post_init__(self):
         sizes = ("max_running_requests", "max_prefill_tokens")
@@ -124,8 +125,9 @@ class EngineConfig:
         ):
             raise UsageError(f"graph_buckets must be a list of integers, got {buckets!r}")
         for name in ("graph_padding", "capture_all_graphs", "overlap"):
-            if not isinstance(getattr(self, name), bool):
-                raise UsageError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "overlap" and value is None):
+                raise UsageError(f"{name} must be True or False, got {value!r}")
         if self.runner not in (None, *RUNNERS):
             raise UsageError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
 
@@ -226,8 +228,11 @@ class Engine:
         _require_type("device", device, Device, "a graphrt Device (devices.current())", True)
         _require_type("strategy", strategy, DecodeStrategy, "a DecodeStrategy", optional=True)
         self.loaded = loaded
-        self.config = cfg = config or EngineConfig()
         self.device = device or devices.current()
+        cfg = config or EngineConfig()
+        if cfg.overlap is None:  # the device's default, settled here: config says what ran
+            cfg = dataclasses.replace(cfg, overlap=self.device.overlap_by_default)
+        self.config = cfg
         self.torch_device = self.device.torch_device()
         model = loaded.model
         param = next(model.parameters())
@@ -362,10 +367,10 @@ class Engine:
             return
         start = time.perf_counter()
         stats, self.stats = self.stats, EngineStats()
-        # Each kind is timed alone: a step launched ahead would run the next kind's turn.
-        overlap, self._overlap = self._overlap, False
-        # Enough tokens that none finishes: a round emits at most its steps + 1.
-        params = SamplingParams(max_new_tokens=1 + sum(k + 1 for k in kinds), ignore_eos=True)
+        # Enough tokens that none finishes: a round emits at most its steps + 1 (twice over
+        # with overlap: each run of a kind ends with one more step launched ahead).
+        tokens = sum(k + 1 for k in kinds) * (2 if self._overlap else 1)
+        params = SamplingParams(max_new_tokens=1 + tokens, ignore_eos=True)
         try:
             for size in sizes:
                 reqs = [Request(rid=-1 - i, prompt_ids=[0], params=params) for i in range(size)]
@@ -380,11 +385,12 @@ class Engine:
                 try:
                     while self.prefilling:
                         self._step(self._prefill_chunks())
-                    for kind in kinds:
+                    for i, kind in enumerate(kinds):
                         self.strategy.force_step(kind)
-                        self._step([])
+                        self._time_step(last_of_kind=i + 1 == len(kinds) or kinds[i + 1] != kind)
                 finally:
                     self.strategy.force_step(None)
+                    self._pending = None  # (a step that raised): its requests go below
                     for req in reqs:
                         if req in self.running:
                             self._release(req)
@@ -394,7 +400,21 @@ class Engine:
             self.ledger.recover(self.running)
             stats.step_timing_s = time.perf_counter() - start
             self.stats = stats
-            self._overlap = overlap
+
+    def _time_step(self, last_of_kind: bool) -> None:
+        """One start-up step of the kind forced. With overlap, a kind's steps run as they
+        will in use, each launched behind the one before (the first and the last, read
+        with nothing behind them, cost their host time too; the chooser keeps the fastest
+        sample): timed one at a time, the embedded pair's plain step on the H200 cost
+        0.31-0.52 ms where it ran at 0.21 launched ahead, and auto drafted at 0.79x."""
+        step, self._pending = self._pending, None
+        if step is None:
+            self._step([])
+        else:
+            self._settle(step)
+        if last_of_kind and self._pending is not None:  # not behind the next kind's turn
+            step, self._pending = self._pending, None
+            self._settle(step, launch_next=False)
 
     @property
     def req_pool(self) -> ReqToTokenPool:
@@ -710,9 +730,9 @@ class Engine:
         self.strategy.step_done(time.perf_counter() - start)
         return reqs
 
-    def _settle(self, step: LaunchedStep) -> list[Request]:
-        """Launch the next step behind ``step`` where one can go (``_launch_ahead``), then
-        wait for ``step``'s result and emit its tokens. A step's seconds run from the end
+    def _settle(self, step: LaunchedStep, launch_next: bool = True) -> list[Request]:
+        """Launch the next step behind ``step`` where one can go (``_launch_ahead``; not
+        with ``launch_next`` False), then wait for ``step``'s result and emit its tokens. A step's seconds run from the end
         of the one before it was settled (its host work overlapped that one's device
         time), less the launch of the step behind it, plus its own launch (made in the
         interval before, behind the step before it): each kind of step is charged its own
@@ -721,7 +741,7 @@ class Engine:
         H200 auto weighed the pair's plain steps at 0.52 ms and rounds of 4 at 0.53, ran
         rounds, and decoded at 0.79x reading each step (BENCHMARKS.md, stop 50)."""
         launching = time.perf_counter()
-        ahead = self._launch_ahead(step)
+        ahead = self._launch_ahead(step) if launch_next else None
         launch_s = time.perf_counter() - launching if ahead is not None else 0.0
         outcome = step.finish()
         self._emit(step.reqs, self._apply(step.reqs, outcome))

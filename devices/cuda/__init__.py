@@ -18,6 +18,9 @@ class CudaDevice(Device):
     # Of the memory free once the weights are loaded: the rest (15%) holds activations,
     # the graphs' intermediates, cuBLAS and Triton workspaces and the allocator's slack.
     kv_memory_fraction = 0.85
+    # Steps launched ahead of the read (H200, BENCHMARKS.md "Stop 51"): random:llama-1b
+    # 1.32x / 1.24x tokens/s at 1 / 8 prompts, the embedded pair's plain steps 2.10x.
+    overlap_by_default = True
 
     def is_available(self) -> bool:
         try:
