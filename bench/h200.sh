@@ -138,7 +138,8 @@ if [[ $what == tests || $what == all ]]; then
 fi
 
 if [[ $what == kernels ]]; then
-    python -m pytest tests/test_triton_fused.py tests/test_triton_ops.py tests/test_gemma4.py -m cuda \
+    python -m pytest tests/test_triton_fused.py tests/test_triton_ops.py tests/test_gemma4.py \
+        tests/test_centroid_ops.py tests/test_scaled_embed.py -m cuda \
         -q -p no:cacheprovider -ra ${2:+-k "$2"} 2>&1 \
         | tee "$OUT/tests-kernels.log" | tail -n 25
 fi

@@ -142,7 +142,7 @@ def test_greedy_tokens_follow_the_softcap_where_logits_reach_it(tmp_path):
 def test_hidden_and_embedding_are_what_the_assistant_reads(gemma4_tiny):
     """RunnerOutput.hidden is transformers' ``hidden_states[-1]`` (after the final norm),
     the h_t assisted generation feeds the assistant; embed_tokens_scaled is the target's
-    input embedding (scaled by sqrt(hidden))."""
+    input embedding (scaled by sqrt(hidden)) with that hidden beside it."""
     loaded = load_model(str(gemma4_tiny.path), CPU, torch.float32)
     (prompt,) = random_prompts([12], seed=33)
     hidden = _extend_hidden(ExtendHarness(loaded), prompt)
@@ -152,7 +152,7 @@ def test_hidden_and_embedding_are_what_the_assistant_reads(gemma4_tiny):
         hf_embed = gemma4_tiny.hf.get_input_embeddings()(ids)[0]
     assert rel_err(hidden, out.hidden_states[-1][0]) < RTOL
     model = loaded.model
-    assert torch.equal(model.embed_tokens_scaled(ids[0]), hf_embed)
+    assert torch.equal(model.embed_tokens_scaled(ids[0], hidden), torch.cat([hf_embed, hidden], -1))
     assert model.lm_head_weight is model.model.embed_tokens.weight  # tied
 
 

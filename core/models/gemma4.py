@@ -313,10 +313,16 @@ class Gemma4Backbone(nn.Module):
             self.per_layer_model_projection = Linear(c.hidden_size, n * ple, False, ops)
             self.per_layer_projection_norm = GemmaRMSNorm(ple, c.rms_norm_eps, ops=ops)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # The scale multiplies each whole row, after the ranks' rows are summed: exact.
+    def embed(self, input_ids: torch.Tensor, tail: torch.Tensor | None = None) -> torch.Tensor:
+        """The scaled token embedding (T, hidden), with ``tail`` (T, E) beside it when given
+        (T, hidden + E): one launch where the vocabulary is whole (a decode step's first
+        kernel; an MTP assistant's input, each of its draft steps)."""
         weight = self.embed_tokens.weight
-        return self.embed_tokens(input_ids) * self.embed_scale.to(weight.dtype)  # (T, hidden)
+        if self.tp.is_single:
+            return self.ops.scaled_embed(input_ids, weight, self.embed_scale, tail)
+        # The scale multiplies each whole row, after the ranks' rows are summed: exact.
+        x = self.embed_tokens(input_ids) * self.embed_scale.to(weight.dtype)  # (T, hidden)
+        return x if tail is None else torch.cat([x, tail.to(x.dtype)], dim=-1)
 
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """(T, layers, ple): token-identity embedding plus a projection of the scaled embedding."""
@@ -395,9 +401,10 @@ class Gemma4ForCausalLM(nn.Module):
             for t, layer in self.config.kv_producers.items()
         }
 
-    def embed_tokens_scaled(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The scaled token embedding (T, hidden), as the target feeds the assistant."""
-        return self.model.embed(input_ids)
+    def embed_tokens_scaled(self, input_ids: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        """[the scaled token embedding, ``tail``] (T, hidden + E), as the target feeds its
+        MTP assistant (``tail``: the hidden that produced each token)."""
+        return self.model.embed(input_ids, tail)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         return self.model(batch, attn)

@@ -282,9 +282,9 @@ class Gemma4AssistantForCausalLM(nn.Module):
         if not self._target:
             raise GraphrtError("the assistant is not bound to a target model (bind_target)")
         target = self._target[0]
-        emb = target.embed_tokens_scaled(batch.input_ids)  # (rows, backbone hidden)
-        seed = batch.spec_info.hidden.to(emb.dtype)  # (rows, backbone hidden)
-        x = self.pre_projection(torch.cat([emb, seed], dim=-1))  # (rows, hidden)
+        # (rows, 2 x backbone hidden): each token's embedding beside its seed hidden.
+        x = target.embed_tokens_scaled(batch.input_ids, batch.spec_info.hidden)
+        x = self.pre_projection(x)  # (rows, hidden)
         return run_layers(self.model.layers, x, None, batch, attn, self.model.norm)
 
     @property

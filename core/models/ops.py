@@ -77,6 +77,11 @@ class ModelOps:
     # weight[token] (rounded to the weight's dtype), the smallest id among equal ones:
     # the centroid-masked head's greedy draft token.
     selected_argmax: Callable[..., torch.Tensor]
+    # (input_ids (T,), table (V, H), scale () float32, tail (T, E) or None) -> (T, H [+ E])
+    # in the table's dtype: [table[input_ids] * scale, tail] with the scale rounded to the
+    # table's dtype first (Gemma's scaled embedding, as transformers'), the tail cast to
+    # it: an MTP assistant's input row, its token's embedding beside a hidden.
+    scaled_embed: Callable[..., torch.Tensor]
     # Every row's result independent of the rows beside it (``--batch-invariant``): the
     # model's attention layers then ask verify to round as decode (AttentionSpec).
     width_invariant: bool = False
@@ -195,6 +200,16 @@ def torch_float_logits(
     return out.copy_(logits)
 
 
+def torch_scaled_embed(
+    input_ids: torch.Tensor,
+    table: torch.Tensor,
+    scale: torch.Tensor,
+    tail: torch.Tensor | None = None,
+) -> torch.Tensor:
+    emb = F.embedding(input_ids, table) * scale.to(table.dtype)  # (T, H)
+    return emb if tail is None else torch.cat([emb, tail.to(table.dtype)], dim=-1)
+
+
 def torch_topk_set(x: torch.Tensor, k: int) -> torch.Tensor:
     # A stable descending sort keeps equal values in index order (torch.topk may not).
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k].sort(-1).values
@@ -268,4 +283,5 @@ TORCH_OPS = ModelOps(
     float_logits=torch_float_logits,
     topk_set=torch_topk_set,
     selected_argmax=torch_selected_argmax,
+    scaled_embed=torch_scaled_embed,
 )

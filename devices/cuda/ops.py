@@ -20,6 +20,7 @@ from graphrt.devices.cuda.triton_gemma import (
     float_logits,
     gemma_per_layer_inputs,
     gemma_residual_norm,
+    scaled_embed,
     selected_argmax,
     topk_set,
 )
@@ -204,6 +205,7 @@ TRITON_OPS = ModelOps(
     float_logits=float_logits,
     topk_set=topk_set,
     selected_argmax=selected_argmax,
+    scaled_embed=scaled_embed,
 )
 
 # Batch-invariant (``--batch-invariant``): a row's logits do not depend on how many rows

@@ -13,6 +13,8 @@ kernels a layer, each reading and writing the hidden row. Here:
 - ``float_logits``: the LM head's logits as float32, softcapped on the way
   (``tanh(logits / cap) * cap`` in the model dtype) when the model caps them: the
   LM head's three elementwise kernels and the cast in one.
+- ``scaled_embed``: the scaled token embedding, an MTP assistant's seed hidden beside it
+  (the gather, the scale and the concatenation: three launches a draft step in torch).
 - ``topk_set`` and ``selected_argmax``: the centroid-masked head's clusters (the top 32
   of 2,048 scores, one launch) and its greedy token (an MTP assistant's draft step) from
   their ~4k tokens, the weight rows gathered in registers: no (N, 4096, H) gather, no
@@ -118,6 +120,59 @@ def gemma_residual_norm(
         enable_fp_fusion=False,
     )
     return x, nxt
+
+
+EMBED_BLOCK = 1024  # output columns per program
+
+
+@triton.jit
+def _scaled_embed_kernel(
+    Ids,  # (T,) int
+    Table,  # (V, H) rows contiguous
+    Scale,  # () float32
+    Tail,  # (T, E) or a stand-in
+    Out,  # (T, H + E) contiguous, the table's dtype
+    stride_table,
+    stride_tail,
+    H,
+    E,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    dtype = Out.dtype.element_ty
+    in_emb = offs < H
+    token = tl.load(Ids + row).to(tl.int64)
+    emb = tl.load(Table + token * stride_table + offs, mask=in_emb, other=0.0).to(tl.float32)
+    scale = _round(tl.load(Scale).to(tl.float32), dtype)  # scale.to(dtype), as torch
+    emb = _round(emb * scale, dtype)
+    in_tail = (offs >= H) & (offs < H + E)
+    tail = tl.load(Tail + row * stride_tail + (offs - H), mask=in_tail, other=0.0)
+    tail = _round(tail.to(tl.float32), dtype)  # to nearest-even (the interpreter truncates)
+    out = tl.where(in_emb, emb, tail)
+    tl.store(Out + row * (H + E) + offs, out.to(dtype), mask=offs < H + E)
+
+
+def scaled_embed(
+    input_ids: torch.Tensor,
+    table: torch.Tensor,
+    scale: torch.Tensor,
+    tail: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[table[input_ids] * scale, tail] (T, H [+ E]) in the table's dtype, one launch
+    (``TORCH_OPS``' contract: the scale rounded to the table's dtype first, the tail cast)."""
+    rows, width = input_ids.shape[0], table.shape[1]
+    extra = 0 if tail is None else tail.shape[1]
+    assert table.stride(1) == 1 and scale.numel() == 1 and input_ids.dim() == 1
+    assert tail is None or (tail.shape[0] == rows and tail.stride(1) == 1), f"tail {tail.shape}"
+    out = torch.empty((rows, width + extra), dtype=table.dtype, device=table.device)
+    if rows:
+        grid = (rows, triton.cdiv(width + extra, EMBED_BLOCK))
+        _scaled_embed_kernel[grid](
+            input_ids, table, scale, out if tail is None else tail, out, table.stride(0),
+            0 if tail is None else tail.stride(0), width, extra, BLOCK=EMBED_BLOCK, num_warps=4,
+        )  # fmt: skip
+    return out
 
 
 SOFTCAP_BLOCK = 2048  # logits per program
