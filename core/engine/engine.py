@@ -98,7 +98,9 @@ class EngineConfig:
     # so the host prepares a step while the device runs the one before; a request that
     # stopped meanwhile has its extra step dropped. Speculative steps hold two trees' KV
     # slots a request. None: the device's default (``Device.overlap_by_default``: on
-    # for CUDA, measured there; off on the CPU, where the host is the device).
+    # for CUDA, measured there; off on the CPU, where the host is the device) for a
+    # strategy that takes it (``DecodeStrategy.overlap_by_default``: plain decoding;
+    # speculative decoding only when asked).
     overlap: bool | None = None
 
     def __post_init__(self):
@@ -230,8 +232,10 @@ class Engine:
         self.loaded = loaded
         self.device = device or devices.current()
         cfg = config or EngineConfig()
-        if cfg.overlap is None:  # the device's default, settled here: config says what ran
-            cfg = dataclasses.replace(cfg, overlap=self.device.overlap_by_default)
+        self.strategy = strategy or PlainDecode()
+        if cfg.overlap is None:  # the defaults', settled here: config says what ran
+            overlap = self.device.overlap_by_default and self.strategy.overlap_by_default
+            cfg = dataclasses.replace(cfg, overlap=overlap)
         self.config = cfg
         self.torch_device = self.device.torch_device()
         model = loaded.model
@@ -241,7 +245,6 @@ class Engine:
                 f"the model is on {param.device.type} but the engine's device is "
                 f"{self.device.name}: load it with load_model(..., device)"
             )
-        self.strategy = strategy or PlainDecode()
         kv_specs = model.kv_layer_specs()
         if not any(s.cache_index is not None for s in kv_specs):
             raise UsageError(
@@ -894,11 +897,11 @@ class Engine:
         with self._lock:
             if req in self.waiting:
                 self.waiting.remove(req)
-            elif req in self.running:
+            if req.finish_reason is None:  # first: a step in flight settled below keeps
+                req.finish_reason = reason  # nothing for it (its slot is gone)
+            if req in self.running:
                 self._release(req)
                 self._drop_idle_pending()
-            if req.finish_reason is None:
-                req.finish_reason = reason
 
     def _release(self, req: Request) -> None:
         self.ledger.release(req)

@@ -145,6 +145,9 @@ class DecodeStrategy(abc.ABC):
     # call's requests, ``Engine.await_all``, none waiting to join), so it ends when its
     # slowest request does.
     closed_batch: bool = False
+    # Whether engines launch this strategy's steps ahead of the read where the device does
+    # by default (``EngineConfig.overlap`` left None; ``Device.overlap_by_default``).
+    overlap_by_default: bool = True
 
     def extra_kv_slots(self) -> int:
         """Token slots a step holds per request beyond the request's own tokens."""
