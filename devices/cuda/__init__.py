@@ -19,7 +19,8 @@ class CudaDevice(Device):
     # the graphs' intermediates, cuBLAS and Triton workspaces and the allocator's slack.
     kv_memory_fraction = 0.85
     # Steps launched ahead of the read (H200, BENCHMARKS.md "Stop 51"): random:llama-1b
-    # 1.32x / 1.24x tokens/s at 1 / 8 prompts, the embedded pair's plain steps 2.10x.
+    # 1.23x / 1.34x tokens/s at 1 / 8 prompts, the embedded pair's plain steps 1.29x
+    # (stop 50: 1.32x / 1.24x, 2.10x). For plain decoding only: see MTPDecoding.
     overlap_by_default = True
 
     def is_available(self) -> bool:
