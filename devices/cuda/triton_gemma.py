@@ -127,11 +127,12 @@ EMBED_BLOCK = 1024  # output columns per program
 
 @triton.jit
 def _scaled_embed_kernel(
-    Ids,  # (T,) int
+    Ids,  # (T,) int, any stride
     Table,  # (V, H) rows contiguous
     Scale,  # () float32
     Tail,  # (T, E) or a stand-in
     Out,  # (T, H + E) contiguous, the table's dtype
+    stride_ids,
     stride_table,
     stride_tail,
     H,
@@ -142,7 +143,7 @@ def _scaled_embed_kernel(
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     dtype = Out.dtype.element_ty
     in_emb = offs < H
-    token = tl.load(Ids + row).to(tl.int64)
+    token = tl.load(Ids + row * stride_ids).to(tl.int64)
     emb = tl.load(Table + token * stride_table + offs, mask=in_emb, other=0.0).to(tl.float32)
     scale = _round(tl.load(Scale).to(tl.float32), dtype)  # scale.to(dtype), as torch
     emb = _round(emb * scale, dtype)
@@ -160,7 +161,10 @@ def scaled_embed(
     tail: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[table[input_ids] * scale, tail] (T, H [+ E]) in the table's dtype, one launch
-    (``TORCH_OPS``' contract: the scale rounded to the table's dtype first, the tail cast)."""
+    (``TORCH_OPS``' contract: the scale rounded to the table's dtype first, the tail cast).
+    ``input_ids`` may be a strided view: a one-graph round's roots are column 0 of its
+    (B, n) node ids (read with unit stride, rows past the first embedded other nodes'
+    ids: on the H200 those requests' drafts were all rejected)."""
     rows, width = input_ids.shape[0], table.shape[1]
     extra = 0 if tail is None else tail.shape[1]
     assert table.stride(1) == 1 and scale.numel() == 1 and input_ids.dim() == 1
@@ -169,8 +173,9 @@ def scaled_embed(
     if rows:
         grid = (rows, triton.cdiv(width + extra, EMBED_BLOCK))
         _scaled_embed_kernel[grid](
-            input_ids, table, scale, out if tail is None else tail, out, table.stride(0),
-            0 if tail is None else tail.stride(0), width, extra, BLOCK=EMBED_BLOCK, num_warps=4,
+            input_ids, table, scale, out if tail is None else tail, out, input_ids.stride(0),
+            table.stride(0), 0 if tail is None else tail.stride(0), width, extra,
+            BLOCK=EMBED_BLOCK, num_warps=4,
         )  # fmt: skip
     return out
 
