@@ -105,9 +105,10 @@ class MTPDecoding(DecodeStrategy):
     name = "speculative"
     # Rounds are launched ahead only when asked (``--overlap``): on the H200 the pair with
     # auto lengths decoded 3145 tok/s launched ahead against 3586 reading each step (stop
-    # 51, batch 1; each look, a round then a plain step, which cannot be launched behind
-    # a round, breaks the stream). (Stop 51's other reason, graph rounds drafting other
-    # tokens than eager ones, was not overlap: see ``scaled_embed``'s strided ids.)
+    # 51, batch 1, when a plain step after a round still waited for its read; not measured
+    # since plain steps follow rounds on the device). (Stop 51's other reason, graph
+    # rounds drafting other tokens than eager ones, was not overlap: see
+    # ``scaled_embed``'s strided ids.)
     overlap_by_default = False
 
     def __init__(
@@ -428,7 +429,7 @@ class MTPDecoding(DecodeStrategy):
     def _launch_plain(self, reqs, last_tokens, kv_lens) -> LaunchedStep | None:
         if self._later and self.plain_graph in self._later:
             return None
-        step = self.plain.launch(reqs, last_tokens, kv_lens)
+        step = self.plain.launch(reqs, last_tokens, kv_lens, self._most_emitted)
         if step is not None:
             settle = step.settle
 

@@ -26,6 +26,17 @@ from graphrt.core.host import to_device
 from graphrt.core.memory import ReqToTokenPool, TokenKVPool
 
 
+@dataclass(frozen=True)
+class LaggingLengths:
+    """A plain step launched behind a round not read yet: the host's ``kv_len`` lag by
+    what that round accepts, so positions come from the device and the host's
+    bookkeeping waits for the step's read (``Ledger.append_one``)."""
+
+    cached: torch.Tensor  # (B,) device: each request's cached length, the new position
+    slots: torch.Tensor  # (B,) host ids held for the new tokens (``Ledger.hold_host``)
+    in_flight: int  # the most tokens the round not read yet may emit: host bounds
+
+
 @dataclass
 class HeldSlots:
     """Token slots a step holds until it says which to keep: host and device copies."""
@@ -94,6 +105,7 @@ class Ledger:
         reqs: Sequence[Request],
         device: torch.device,
         last_tokens: torch.Tensor | None = None,
+        lagging: LaggingLengths | None = None,
     ) -> torch.Tensor:
         """One new slot per request at position ``kv_len``, in both tables; each
         ``kv_len`` grows by one. -> (6, B) device rows (one copy): slot, request slot,
@@ -101,30 +113,44 @@ class Ledger:
         token table's flat index of (request slot, position).
 
         ``last_tokens``: (B,) device tokens, each request's last where the host has not
-        read it yet (a step launched behind the one sampling it); None: ``output_ids``."""
+        read it yet (a step launched behind the one sampling it); None: ``output_ids``.
+        ``lagging``: behind a round not read yet, the positions are its device lengths
+        and the slots its held ones; the device table takes them now, while the host
+        mirror and each ``kv_len`` wait for ``keep`` (the step keeps its slots) once the
+        round before has been settled."""
         # Built and scattered in numpy: torch ops on a few ints cost microseconds each
         # (this took 13.7 us in torch, 5.9 in numpy, batch 1 on a 2-core CPU host).
         host_table = self.req_pool.host.numpy()
         rows = np.empty((6, len(reqs)), dtype=np.int64)
-        rows[0] = self.kv_pool.alloc_host(len(reqs)).numpy()
         rows[1] = [r.req_slot for r in reqs]
         rows[2] = [r.kv_len for r in reqs]
+        if lagging is None:
+            rows[0] = self.kv_pool.alloc_host(len(reqs)).numpy()
+        else:  # host placeholders, bounds of the device's values
+            rows[0] = lagging.slots.numpy()
+            rows[2] += lagging.in_flight
         if last_tokens is None:
             rows[3] = [r.output_ids[-1] for r in reqs]
         np.add(rows[2], 1, out=rows[4])
         np.add(rows[1] * host_table.shape[1], rows[2], out=rows[5])
-        host_table[rows[1], rows[2]] = rows[0]
+        if lagging is None:
+            host_table[rows[1], rows[2]] = rows[0]
         on_device = to_device(torch.from_numpy(rows), device)
         if last_tokens is not None:
             # A BAD_LOGITS mark (-1) becomes token 0, a valid input: that request fails
             # when its token is read, and this step's output for it is dropped.
             torch.clamp(last_tokens, min=0, out=on_device[3])
+        if lagging is not None:  # positions, lengths and table indices from the device's
+            on_device[2].copy_(lagging.cached)
+            torch.add(lagging.cached, 1, out=on_device[4])
+            torch.add(lagging.cached, on_device[1], alpha=host_table.shape[1], out=on_device[5])
         # One index_copy_ into the flattened table, not table[rows, cols] = slots: the
         # 2-D advanced-index assignment took 44 us of host time a step under the profiler
         # on an H200 host (indices broadcast and checked each call).
         self.req_pool.req_to_token.view(-1).index_copy_(0, on_device[5], on_device[0])
-        for r in reqs:
-            r.kv_len += 1
+        if lagging is None:
+            for r in reqs:
+                r.kv_len += 1
         return on_device
 
     def hold(self, n: int, device: torch.device) -> HeldSlots:

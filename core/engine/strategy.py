@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphrt.core.batch import ForwardBatch, ForwardMode
+from graphrt.core.engine.ledger import LaggingLengths
 from graphrt.core.engine.sampling import draw_tokens, greedy_tokens
 from graphrt.core.host import HostRead
 from graphrt.core.runners import (
@@ -64,13 +65,18 @@ class StepContext:
         return self.eager_runner.execute(batch), False
 
     def decode_batch(
-        self, reqs: Sequence[Request], last_tokens: torch.Tensor | None = None
+        self,
+        reqs: Sequence[Request],
+        last_tokens: torch.Tensor | None = None,
+        lagging: LaggingLengths | None = None,
     ) -> ForwardBatch:
         """The next decode batch for ``reqs`` (running requests): one new KV slot each,
-        from the ledger, at each request's next position. ``last_tokens``: see
-        ``Ledger.append_one``."""
-        rows = self.ledger.append_one(reqs, self.device, last_tokens)  # (6, B)
+        from the ledger, at each request's next position. ``last_tokens``, ``lagging``:
+        see ``Ledger.append_one`` (lagging, the host lengths are bounds: placeholders
+        for a graph whose attention reads the device's)."""
+        rows = self.ledger.append_one(reqs, self.device, last_tokens, lagging)  # (6, B)
         slots, req_slots, positions, input_ids, seq_lens, _ = rows
+        ahead = 0 if lagging is None else lagging.in_flight + 1  # (kv_len grows later)
         return ForwardBatch(
             mode=ForwardMode.DECODE,
             input_ids=input_ids,
@@ -78,7 +84,7 @@ class StepContext:
             req_pool_indices=req_slots,
             seq_lens=seq_lens.to(torch.int32),  # the new token is cached now
             out_cache_loc=slots,
-            seq_lens_cpu=[r.kv_len for r in reqs],
+            seq_lens_cpu=[r.kv_len + ahead for r in reqs],
             extend_lens_cpu=[1] * len(reqs),
             packed_rows=rows[:4],
         )
@@ -275,28 +281,54 @@ class PlainDecode(DecodeStrategy):
         reqs: list[Request],
         last_tokens: torch.Tensor | None = None,
         kv_lens: torch.Tensor | None = None,
+        in_flight: int = 0,
     ) -> LaunchedStep | None:
-        if kv_lens is not None:  # positions the host does not know: not ahead of the read
-            return None
-        batch = self.ctx.decode_batch(reqs, last_tokens)
+        """``DecodeStrategy.launch``; behind a round not read yet (``kv_lens``; a drafter's
+        plain step, ``in_flight`` the most that round may emit) only on a graph that reads
+        device lengths alone, where the context has room: the host knows no position."""
+        lagging = None
+        if kv_lens is not None:
+            if not self._launches_behind_a_round(reqs, in_flight):
+                return None
+            lagging = LaggingLengths(kv_lens, self.ctx.ledger.hold_host(len(reqs)), in_flight)
+        batch = self.ctx.decode_batch(reqs, last_tokens, lagging)
         # Views of the graph's outputs: sampled (or copied out) before the next replay.
         out, on_graph = self.ctx.forward(batch, self.graph_runner, clone=False)
+        assert on_graph or lagging is None, "a step behind a round ran eagerly"
         if not on_graph and self.after_forward is not None:
             self.after_forward(batch, out)  # the graph ran it already
         greedy = self.greedy_out[: len(reqs)] if on_graph else None
         # The read is queued now, before any step launched behind this one replays over
         # the graph's outputs (greedy tokens are a view of its greedy_out).
         tokens = draw_tokens(reqs, out.logits, greedy)
+        # Lagging, each request's slot is kept once the round before is settled, and the
+        # step behind this one takes its lengths from the device too.
+        kept = None if lagging is None else [[slot] for slot in lagging.slots.tolist()]
+        lengths = None if lagging is None else batch.seq_lens
 
         def settle(values: list) -> StepOutcome:
             return StepOutcome(
                 tokens=[[t] for t in values],
+                kept=kept,
                 graph_forwards=int(on_graph),
                 eager_forwards=int(not on_graph),
             )
 
         return LaunchedStep(
-            reqs=reqs, read=HostRead(tokens), settle=settle, feed=lambda: (tokens, None)
+            reqs=reqs, read=HostRead(tokens), settle=settle, feed=lambda: (tokens, lengths)
+        )
+
+    def _launches_behind_a_round(self, reqs: list[Request], in_flight: int) -> bool:
+        """Can a step of ``reqs`` go behind a round not read yet: a captured graph serves
+        the batch, its attention and backend take device lengths only (the host's are
+        bounds), and the furthest position the round may leave fits the context."""
+        ctx, runner = self.ctx, self.graph_runner
+        return (
+            runner is not None
+            and runner.serves(len(reqs))
+            and ctx.attn_backend.capture_safe
+            and not ctx.graph_backend.one_length_list
+            and all(r.kv_len + in_flight < ctx.max_context_len for r in reqs)
         )
 
     def cleanup(self) -> None:

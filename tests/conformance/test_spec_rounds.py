@@ -123,7 +123,11 @@ def _engine_pair(case, target, strategy_for, **overrides) -> tuple[Engine, Engin
     return pair[0], pair[1]
 
 
-def _assert_same_state(graph: Engine, eager: Engine, pairs, rtol: float) -> None:
+def _assert_same_state(
+    graph: Engine, eager: Engine, pairs, rtol: float, same_slots: bool = True
+) -> None:
+    """``same_slots`` False: a graph engine launching steps ahead holds more slots at a
+    time, so it allocates others; its tables must still point at the same KV."""
     for g, e in pairs:
         assert g.output_ids == e.output_ids
         assert g.spec_rounds == e.spec_rounds  # drafts and accepted tokens, round by round
@@ -134,15 +138,24 @@ def _assert_same_state(graph: Engine, eager: Engine, pairs, rtol: float) -> None
         slots = g.req_slot, e.req_slot
         g_table = graph.req_pool.req_to_token[slots[0], : g.kv_len]
         e_table = eager.req_pool.req_to_token[slots[1], : e.kv_len]
-        assert torch.equal(g_table, e_table)
+        assert torch.equal(g_table, e_table) or not same_slots
         assert torch.equal(g_table.cpu(), graph.req_pool.host[slots[0], : g.kv_len])
         for g_k, e_k in zip(graph.kv_pool.k_buffers, eager.kv_pool.k_buffers):
             assert rel_err(g_k[g_table], e_k[e_table]) <= rtol
 
 
-def _lockstep(graph: Engine, eager: Engine, prompts, rtol: float, before_decode=None, params=None):
+def _lockstep(
+    graph: Engine,
+    eager: Engine,
+    prompts,
+    rtol: float,
+    before_decode=None,
+    params=None,
+    same_slots: bool = True,
+):
     """Both engines step together over ``prompts`` (``params``: greedy, LIMITS tokens), equal
-    after every step; -> the graph engine's requests."""
+    after every step (``same_slots``: see ``_assert_same_state``); -> the graph engine's
+    requests."""
     params = params or [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in LIMITS]
     pairs = [(graph.add_request(p, s), eager.add_request(p, s)) for p, s in zip(prompts, params)]
     while graph.has_work or eager.has_work:
@@ -151,7 +164,7 @@ def _lockstep(graph: Engine, eager: Engine, prompts, rtol: float, before_decode=
             before_decode = None
         graph.step()
         eager.step()
-        _assert_same_state(graph, eager, pairs, rtol)
+        _assert_same_state(graph, eager, pairs, rtol, same_slots)
     for engine in (graph, eager):
         assert engine.kv_pool.available() == engine.kv_pool.num_slots
     return [g for g, _ in pairs]
@@ -470,7 +483,8 @@ def _overlap_pair(case, spec_models, order, one_graph, accept_rule, **config):
 
 
 # Auto lengths' scripted choices (0: a plain step): plain steps and rounds in runs, each
-# kind behind the other and itself (a plain step behind a round waits for its read).
+# kind behind the other and itself (a plain step behind a round takes its positions from
+# the round's device lengths, where rounds run on one graph).
 OVERLAP_ORDER = (0, 0, 0, 2, 2, 0, 0, 1, 3, 3, 3, 0, 0)
 
 
@@ -483,7 +497,7 @@ def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
     spec_case, spec_models, one_graph, temperature, monkeypatch
 ):
     """`--spec-steps auto` with plain steps between rounds (scripted), on graphs, each
-    step launched behind the one before where it can (plain steps; one-graph rounds,
+    step launched behind the one before where it can (plain steps and one-graph rounds,
     behind a round too, fed its accepted tokens and lengths on the device): the drafts,
     accepted tokens and output of every request equal those of an eager engine reading
     every step (greedy, and sampled: each request's stream draws the same whether its
@@ -507,6 +521,16 @@ def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
         return step
 
     monkeypatch.setattr(graph.strategy, "_launch_round", spy_round)
+    plains_behind_rounds = []
+    launch_plain = graph.strategy.plain.launch
+
+    def spy_plain(reqs, last_tokens=None, kv_lens=None, in_flight=0):
+        step = launch_plain(reqs, last_tokens, kv_lens, in_flight)
+        if step is not None and kv_lens is not None:
+            plains_behind_rounds.append(len(reqs))
+        return step
+
+    monkeypatch.setattr(graph.strategy.plain, "launch", spy_plain)
     prompts = random_prompts((9, 16, 12, 5), seed=16, vocab=target.model.vocab_size)
     limits = (6, 11, 16, 22)
     got, expected = (
@@ -532,6 +556,7 @@ def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
     assert graph.stats.graph_rounds == (graph.stats.spec_rounds if drafts_on_graphs else 0)
     one_graph_rounds = graph.strategy.variants[3].round is not None
     assert bool(rounds_behind_rounds) == one_graph_rounds  # where rounds have one graph
+    assert bool(plains_behind_rounds) == one_graph_rounds  # (the others are not in flight)
     assert graph._pending is None and graph.kv_pool.available() == graph.kv_pool.num_slots
 
 
@@ -542,9 +567,9 @@ def test_a_shorter_round_behind_a_longer_one_stays_inside_the_context(
     emit, its own length's worth, not the new round's: a round of 1 behind a round of 3
     that accepts everything, near the context's end, wrote its tree past the token
     table's last column (an index error here, a device assert on a GPU). A plain step
-    the chooser picks behind a round (which cannot be launched ahead) runs as chosen,
-    also where requests finished inside the round (its plan was chosen again, for the
-    requests left). Drafts, accepted tokens and outputs equal the eager engine's."""
+    the chooser picks behind a round runs as chosen (behind it where the context has room
+    for what the round may emit, else after its read), also where requests finished
+    inside the round (its plan was chosen again, for the requests left). Drafts, accepted tokens and outputs equal the eager engine's."""
     if spec_case.id == "cpu-compile":
         pytest.skip("inductor compiles each length's graphs: minutes on 2 cores")
     target, _ = spec_models()
@@ -576,6 +601,49 @@ def test_a_shorter_round_behind_a_longer_one_stays_inside_the_context(
     drafts_on_graphs = graph.attn_backend.capture_safe
     assert graph.stats.graph_rounds == (graph.stats.spec_rounds if drafts_on_graphs else 0)
     assert graph.stats.eager_steps == 1  # the prefill
+    assert graph._pending is None and graph.kv_pool.available() == graph.kv_pool.num_slots
+
+
+def test_plain_steps_behind_rounds_near_the_context_end(spec_case, spec_models, monkeypatch):
+    """A plain step launched behind a round not read yet stores its token at the position
+    the round leaves, which only the device knows: it is launched only where the furthest
+    position the round may leave fits the context, else after the round's read (its
+    token table entry goes through a flat index, which past a row's end would land in
+    the next request's row). Rounds and plain steps alternate (every draft accepted) up
+    to the context's end, in lockstep with an eager engine reading every step: the same
+    tokens, drafts and lengths after every step, each live request's table entries (on
+    the device and in the host mirror) pointing at the same KV. Every request runs into
+    the context's end."""
+    if spec_case.id == "cpu-compile":
+        pytest.skip("inductor compiles each length's graphs: minutes on 2 cores")
+    target, _ = spec_models()
+    graph, eager = _overlap_pair(
+        spec_case, spec_models, (3, 0), True, _accept_all, kv_pool_tokens=1024
+    )
+    if graph.strategy.longest.round is None:
+        pytest.skip("rounds on two graphs (or drafted eagerly) are not launched ahead")
+    behind = []  # per plain step asked behind a round: (launched, furthest position)
+    launch_plain = graph.strategy.plain.launch
+
+    def spy_plain(reqs, last_tokens=None, kv_lens=None, in_flight=0):
+        step = launch_plain(reqs, last_tokens, kv_lens, in_flight)
+        if kv_lens is not None:
+            behind.append((step is not None, max(r.kv_len for r in reqs) + in_flight))
+        return step
+
+    monkeypatch.setattr(graph.strategy.plain, "launch", spy_plain)
+    prompts = random_prompts((30, 41, 47, 50), seed=19, vocab=target.model.vocab_size)
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True)] * len(prompts)
+    reqs = _lockstep(graph, eager, prompts, spec_case.rtol, params=params, same_slots=False)
+    context = graph.max_context_len
+    assert all(r.finish_reason.value == "length" for r in reqs)
+    assert {len(r.prompt_ids) + len(r.output_ids) for r in reqs} == {context + 1}
+    launched = [furthest for ok, furthest in behind if ok]
+    assert launched and max(launched) < context  # launched, always inside the context
+    assert any(not ok for ok, _ in behind)  # and held back near its end
+    drafts_on_graphs = graph.attn_backend.capture_safe
+    assert graph.stats.graph_rounds == (graph.stats.spec_rounds if drafts_on_graphs else 0)
+    assert graph.stats.eager_steps == 1  # the prefill: every plain step replayed
     assert graph._pending is None and graph.kv_pool.available() == graph.kv_pool.num_slots
 
 
