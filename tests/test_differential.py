@@ -6,15 +6,24 @@ random prompt lengths and max_new_tokens (batches grow and shrink across the buc
 graphs replay padded, and in exact mode only at captured sizes), greedy and seeded
 sampled requests, eos stops and requests that reach the context's end; speculative
 rounds with the MTP drafter on graphs, and with an oracle drafter whose rounds accept
-0 to all drafts. The driver is tests/differential.py's ``run_schedule``: tests/soak.py
+0 to all drafts; auto lengths' plain steps and rounds launched ahead of their reads. The driver is tests/differential.py's ``run_schedule``: tests/soak.py
 runs the same one for 10,000 steps on the H200."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import differential
 import pytest
 import torch
-from helpers import CPU, OracleDraftRunner, cpu_engine, standin_device
+from helpers import (
+    CPU,
+    OracleDraftRunner,
+    cpu_engine,
+    cycling_chooser,
+    spy_launches,
+    standin_device,
+)
 
 from graphrt.core.models import load_model
 from graphrt.devices.cpu import CpuDevice
@@ -215,3 +224,48 @@ def test_the_driver_reports_the_seed_step_and_request_of_a_mismatch(llama):
     assert [(detail.request, detail.index)] == flipped and detail.engine == "faulty"
     message = detail.describe()
     assert message.startswith(f"seed 5 step {detail.step} request {detail.request} on faulty")
+
+
+@pytest.mark.graphs
+def test_auto_lengths_launched_ahead_equal_plain_greedy(gemma4_pair):
+    """Auto lengths (scripted: plain steps and rounds of 1 to 3 in runs, each kind behind
+    itself and the other) on one-graph rounds, every step launched behind the one before
+    where it can (``overlap``: a plain step behind a round too, at the round's device
+    lengths), under arrivals, eos stops and the context's end: greedy output equals an
+    eager engine's plain decoding, and every slot comes back."""
+    target, drafter = gemma4_pair
+    strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
+    strategy.chooser = cycling_chooser(3, (0, 0, 3, 3, 0, 1, 2, 2, 0, 3, 1, 0))
+    engines = {
+        "plain": cpu_engine(target, **engine_config(max_running_requests=4)),
+        "auto-overlap": graph_engine(
+            target,
+            "cuda-full",
+            strategy,
+            graph_buckets=(1, 2, 4),
+            max_running_requests=4,
+            overlap=True,
+            capture_all_graphs=True,
+        ),
+    }
+    graph = engines["auto-overlap"]
+    with pytest.MonkeyPatch.context() as patch:
+        _, launched_ahead = spy_launches(graph, patch)
+        behind_rounds = []
+        launch_plain = strategy.plain.launch
+
+        def spy_plain(reqs, last_tokens=None, kv_lens=None, in_flight=0):
+            step = launch_plain(reqs, last_tokens, kv_lens, in_flight)
+            behind_rounds.append(step is not None and kv_lens is not None)
+            return step
+
+        patch.setattr(strategy.plain, "launch", spy_plain)
+        sched = spec_schedule(33, target.model.vocab_size, requests=14)
+        sched = differential.Schedule(dataclasses.replace(sched.cfg, sampled=0.0))
+        result = differential.run_schedule(engines, sched, steps=10**6)
+    assert_no_mismatch(result)
+    assert result.finish_reasons["stop"] and result.finish_reasons["context"], result
+    assert launched_ahead and any(behind_rounds)
+    assert set(graph.stats.rounds_by_steps) == {1, 2, 3} and graph.stats.spec_plain_steps
+    assert graph.stats.spec_rounds == graph.stats.graph_rounds  # every round replayed
+    assert graph._pending is None
