@@ -173,11 +173,11 @@ if [[ $what == overlap ]]; then
             "llama1b-bs1|--model random:llama-1b --prompt-ids 1,2,3" \
             "llama1b-bs8|--model random:llama-1b $prompts8"; do
             name=${run%%|*}
-            for flag in --no-overlap ""; do
+            for flag in --no-overlap --overlap; do  # (a drafter's default is off)
                 graphrt generate ${run#*|} --max-new-tokens "${2:-300}" --ignore-eos $flag --json \
                     > "$OUT/run.json" 2> "$OUT/run.err" || tail -n 3 "$OUT/run.err"
                 python -c "import json,sys; s=json.load(open(sys.argv[1]))['stats']; print(f\"{sys.argv[2]:<28} {s['tokens_per_s']:9.1f} tok/s\", s.get('spec', ''))" \
-                    "$OUT/run.json" "$name ${flag:-(overlap, default)} $i" | tee -a "$OUT/overlap.txt"
+                    "$OUT/run.json" "$name $flag $i" | tee -a "$OUT/overlap.txt"
             done
         done
     done
