@@ -286,6 +286,7 @@ def gemma_per_layer_inputs(
     (num_tokens,) = input_ids.shape
     width = table.shape[1]
     per_layer = norm_weight.shape[0]
+    assert norm_weight.dim() == 1 and norm_weight.stride(0) == 1, f"norm weight {norm_weight.shape}"
     assert width % per_layer == 0, f"table width {width} is not layers x {per_layer}"
     assert proj.shape == (num_tokens, width) and proj.stride(1) == 1, f"proj {proj.shape}"
     assert table.stride(1) == 1 and table.dtype == proj.dtype and table_scale.numel() == 1

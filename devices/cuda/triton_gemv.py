@@ -465,6 +465,11 @@ def gemv(
         assert norm.weight.shape == (k,) and norm.weight.dtype == x.dtype, (
             f"norm weight {tuple(norm.weight.shape)} {norm.weight.dtype}, x {x.dtype} K={k}"
         )
+        assert norm.weight.stride(0) == 1, f"norm weight stride {norm.weight.stride()}"
+    if bias is not None:  # read with unit stride, both halves where gated
+        assert bias.shape == (weight.shape[0],) and bias.stride(0) == 1, (
+            f"bias {tuple(bias.shape)} (stride {bias.stride()}), weight {tuple(weight.shape)}"
+        )
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out

@@ -177,6 +177,11 @@ def qkv_rope(
         assert t is None or (
             t.shape == (num_tokens, num_kv_heads, head_dim) and t.dtype == q.dtype
         ), f"{name} {tuple(t.shape)} {t.dtype} vs q {tuple(q.shape)} {q.dtype}"
+    if norm is not None:  # per-head norm weights, read with unit stride
+        for name, w in (("q_weight", norm[0]), ("k_weight", norm[1])):
+            assert w is None or (w.shape == (head_dim,) and w.stride(0) == 1), (
+                f"{name} {tuple(w.shape)} (stride {w.stride()}), expected ({head_dim},), unit stride"
+            )
     v_heads = v is not None and (norm is not None or kv_write is not None)
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     k_out = v_out = None
