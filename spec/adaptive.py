@@ -360,9 +360,15 @@ class DraftChooser:
                 # never looked at: on an H200 auto kept drafting at batches 8 and 64
                 # where plain steps were 1.4x faster.
                 return 0
-        if not self.engine_rates.seen[0] and self._may_pay(bucket, refused):
-            if self._worth_a_look(reqs):
-                return self.max_steps  # no round ran yet: this one measures every position
+        if not self.engine_rates.seen[0]:  # no round ran yet: acceptance is a prior
+            if not self._worth_a_look(reqs):
+                # A round chosen on the prior alone is a look too, and a batch this short
+                # cannot pay one back: the README's 32 tokens on 2 CPU cores drafted rounds
+                # of 1 whenever start-up timed them under 1.6 plain steps (the prior and
+                # its optimism say 1.6 tokens), 0.93-0.97x `--no-draft`.
+                return 0
+            if self._may_pay(bucket, refused):
+                return self.max_steps  # this one measures every position
         again, size.look_again = size.look_again, None
         if again is not None and again not in refused:
             return again
