@@ -738,6 +738,30 @@ def test_no_look_where_too_few_tokens_are_left_to_pay_it_back():
         assert chosen[0] == (5 if looks else 0)
 
 
+def test_no_round_on_the_acceptance_prior_alone_where_too_few_tokens_are_left():
+    """Before any round ran, acceptance is a prior (with optimism: about 1.7 tokens a round
+    of 1), and a round chosen on it is a look: a batch with fewer than LOOK_HORIZON tokens
+    left takes plain steps only, open or closed, however cheap start-up timed the short
+    rounds (here 1.4 plain steps, under the prior's promise); a longer one drafts. On 2
+    CPU cores the README's 32 tokens ran rounds of 1 whenever start-up timed them under
+    1.6 plain steps."""
+    short = SamplingParams(max_new_tokens=LOOK_HORIZON - 1, ignore_eos=True)
+    for params, closed in ((short, False), (short, True), (LONG, False)):
+        chooser = DraftChooser(5)
+        _timed_at_start_up(chooser, 1, plain_ms=1.0, round_ms=6.0)  # 5 could never pay
+        for _ in range(3):
+            chooser.record(1, 1, 1.4e-3, timing=True)
+        req = _Req(0, params, [])
+        chosen = []
+        for _ in range(LOOK_HORIZON - 2):
+            k = chooser.choose(1, (req,), closed=closed)
+            chosen.append(k)
+            chooser.record(k, 1, linear(1.3, 0.1)(k), [(req, 1)] if k else [])
+            req.output_ids += [7] * (2 if k else 1)  # a round accepts one draft
+        drafted = any(chosen)
+        assert drafted == (params is LONG), (params.max_new_tokens, closed, chosen)
+
+
 def test_looks_stop_where_the_cap_or_the_context_leaves_too_few_tokens():
     """Tokens left are the request's cap less what it emitted, and no more than its
     context's room: a look stops paying back near either end."""
