@@ -283,8 +283,11 @@ class DraftChooser:
         self.engine_rates = Acceptance(max_steps, ENGINE_WEIGHT, max_evidence=MAX_EVIDENCE)
         self._requests: dict[int, Acceptance] = {}  # by request id, while it runs
         self.steps_by_count = [0] * (max_steps + 1)  # [k] = steps run with k draft steps
-        # What explain() says: bucket, tokens and seconds by count, closed or not.
+        # What explain() says: bucket, tokens and seconds by count, closed or not; or the
+        # bucket and tokens left of a batch that took plain steps before any round ran,
+        # too short to try one.
         self.last: tuple[int, list[float], list[float], bool] | None = None
+        self.untried: tuple[int, int] | None = None
         # Steps a plain winner is known to stay (see ``stays_plain``). Off under tensor
         # parallelism, whose ranks must agree on every step.
         self.streaks = True
@@ -361,11 +364,14 @@ class DraftChooser:
                 # where plain steps were 1.4x faster.
                 return 0
         if not self.engine_rates.seen[0]:  # no round ran yet: acceptance is a prior
-            if not self._worth_a_look(reqs):
+            left = _remaining(reqs, self.context_len)
+            if left < LOOK_HORIZON:
                 # A round chosen on the prior alone is a look too, and a batch this short
                 # cannot pay one back: the README's 32 tokens on 2 CPU cores drafted rounds
                 # of 1 whenever start-up timed them under 1.6 plain steps (the prior and
                 # its optimism say 1.6 tokens), 0.93-0.97x `--no-draft`.
+                if self.untried is None:  # what the batch had left when it started so
+                    self.last, self.untried = None, (bucket, left)
                 return 0
             if self._may_pay(bucket, refused):
                 return self.max_steps  # this one measures every position
@@ -483,7 +489,7 @@ class DraftChooser:
         # steps, each request a step or less from its end): "plain steps pay" there, after
         # a generate of rounds, said why the last step was plain, not why the rest drafted.
         if not optimistic and (self.last is None or max(tokens) > min(tokens)):
-            self.last = (bucket, tokens, seconds, self.closed)
+            self.last, self.untried = (bucket, tokens, seconds, self.closed), None
         return [t / s for t, s in zip(tokens, seconds)]
 
     def _finishing_tokens(self, reqs: Sequence[Request]) -> list[float]:
@@ -667,6 +673,13 @@ class DraftChooser:
     def explain(self) -> str:
         """One clause: what the last choice weighed (tokens and time a step, by step
         count, at its bucket), and which count pays."""
+        if self.untried is not None:
+            bucket, left = self.untried
+            return (
+                f"at batch {bucket}: no round has measured acceptance yet, and {left} tokens"
+                f" left are too few to win a first one back (under {LOOK_HORIZON}):"
+                " plain steps"
+            )
         if self.last is None:
             return "not measured yet"
         bucket, tokens, seconds, closed = self.last

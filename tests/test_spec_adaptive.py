@@ -760,6 +760,13 @@ def test_no_round_on_the_acceptance_prior_alone_where_too_few_tokens_are_left():
             req.output_ids += [7] * (2 if k else 1)  # a round accepts one draft
         drafted = any(chosen)
         assert drafted == (params is LONG), (params.max_new_tokens, closed, chosen)
+        why = chooser.explain()  # the summary line's: what it chose and why
+        if drafted:
+            assert "pay" in why and "too few" not in why, why
+        else:
+            assert why.startswith(
+                f"at batch 1: no round has measured acceptance yet, and {LOOK_HORIZON - 1} tokens left are too few"
+            ), why
 
 
 def test_looks_stop_where_the_cap_or_the_context_leaves_too_few_tokens():
