@@ -44,6 +44,10 @@
 #   bash bench/h200.sh tp [batch sizes|-]: all-reduce micro-bench, random:llama-8b decode at TP=1
 #     and (with 2 GPUs) TP=2 over each all-reduce
 #   bash bench/h200.sh tptests: the tensor-parallel CUDA tests
+#   bash bench/h200.sh recheck: one call after stops without a device (RECHECK_LIMIT seconds
+#     of tests, 300): the CUDA tests of what those stops changed (kernels, drafts graph vs
+#     eager, rounds and plain steps launched ahead), the round bench at batch 1 and 64, and
+#     the README command with --no-draft, auto, and auto --overlap
 #   bash bench/h200.sh serve [requests] [llama-1b,pair] [1,16,64] [check|nocheck]: graphrt
 #     serve (issue 23): the openai client's streams against offline greedy (embedded pair,
 #     drafting, float32), then the load test (bench/serve_load.py) on random:llama-1b and
@@ -474,6 +478,25 @@ if [[ $what == tptests ]]; then
             --device cuda > /dev/null 2> "$OUT/tp2-one-gpu.err"
         echo "generate --tp 2 on $gpus GPU: exit $?: $(tail -n 1 "$OUT/tp2-one-gpu.err")"
     fi
+fi
+
+if [[ $what == recheck ]]; then
+    timeout "${RECHECK_LIMIT:-300}" python -m pytest tests/test_scaled_embed.py tests/test_spec.py \
+        tests/test_triton_fused.py tests/test_gemma4.py tests/conformance/test_spec_rounds.py \
+        tests/conformance/test_overlap.py -m cuda -v -p no:cacheprovider -ra -n 8 --dist loadfile \
+        > "$OUT/tests-recheck.log" 2>&1
+    echo "recheck tests exit $?"; grep -E "\] (FAILED|ERROR)" "$OUT/tests-recheck.log" | sort -u | head -n 20
+    tail -n 2 "$OUT/tests-recheck.log"
+    graphrt bench --model random:gemma4-e2b --draft random:gemma4-e2b-assistant --dtype bfloat16 \
+        --prompt-len 512 --batch-sizes 1,64 --spec-steps 4 --spec-topk 1 --steps 30 --runners graph \
+        --out "$OUT/bench-recheck-spec.json" 2>&1 | grep -v Warning | tail -n 12
+    for flags in "--no-draft" "" "--overlap"; do
+        graphrt generate --prompt def_fibonacci $flags --max-new-tokens 300 --ignore-eos --json \
+            > "$OUT/run.json" 2> "$OUT/run.err" || tail -n 3 "$OUT/run.err"
+        python -c "import json,sys; s=json.load(open(sys.argv[1]))['stats']; print(f\"{sys.argv[2]:<22} {s['tokens_per_s']:9.1f} tok/s\", s.get('spec', ''))" \
+            "$OUT/run.json" "pair ${flags:-auto}"
+    done
+    rm -f "$OUT/run.json" "$OUT/run.err"
 fi
 
 if [[ $what == bench || $what == all ]]; then
