@@ -491,7 +491,7 @@ if [[ $what == recheck ]]; then
         --prompt-len 512 --batch-sizes 1,64 --spec-steps 4 --spec-topk 1 --steps 30 --runners graph \
         --out "$OUT/bench-recheck-spec.json" 2>&1 | grep -v Warning | tail -n 12
     for flags in "--no-draft" "" "--overlap"; do
-        graphrt generate --prompt def_fibonacci $flags --max-new-tokens 300 --ignore-eos --json \
+        graphrt generate --prompt "def fibonacci(n):" $flags --max-new-tokens 300 --ignore-eos --json \
             > "$OUT/run.json" 2> "$OUT/run.err" || tail -n 3 "$OUT/run.err"
         python -c "import json,sys; s=json.load(open(sys.argv[1]))['stats']; print(f\"{sys.argv[2]:<22} {s['tokens_per_s']:9.1f} tok/s\", s.get('spec', ''))" \
             "$OUT/run.json" "pair ${flags:-auto}"

@@ -27,16 +27,18 @@ each costs (the fastest of its samples, standing until the kind runs). Before an
 has measured acceptance, the longest rounds run first where they could pay at all (at an
 acceptance of ``OPTIMISTIC_RATE`` a position): they measure acceptance at every
 position; where even that would lose to plain steps, no round runs until exploration
-looks. A bucket start-up left unmeasured measures its own plain step, then starts its
-rounds from the nearest measured bucket's times, scaled. Another count still runs now
-and then, so the figures follow what changes (acceptance drifts with the text): after
-16 steps of the same winner, then 32, then every 64 (at most 1 step in 64 spent looking
-once the choice is stable), the runner-up and the longest rounds in turn (and first a
-plain step, where its time is still start-up's alone). A look's runner-up takes lengths
-never run at the bucket at their most hopeful cost (between a plain step and the
-longest rounds, where that is under the line), and runs one such twice in a row (its
-first step is left out). Looks (the optimistic first round too) are only taken while
-the batch has ``LOOK_HORIZON`` tokens or more left to pay them back.
+looks. A batch with fewer than ``LOOK_HORIZON`` tokens left runs no round before one has
+measured acceptance: a round on the prior alone is a look it cannot pay back. A bucket
+start-up left unmeasured measures its own plain step, then starts its rounds from the
+nearest measured bucket's times, scaled. Another count still runs now and then, so the
+figures follow what changes (acceptance drifts with the text): after 16 steps of the
+same winner, then 32, then every 64 (at most 1 step in 64 spent looking once the choice
+is stable), the runner-up and the longest rounds in turn (and first a plain step, where
+its time is still start-up's alone). A look's runner-up takes lengths never run at the
+bucket at their most hopeful cost (between a plain step and the longest rounds, where
+that is under the line), and runs one such twice in a row (its first step is left out).
+Looks (the optimistic first round too) are only taken while the batch has
+``LOOK_HORIZON`` tokens or more left to pay them back.
 
 A **closed batch** (``choose(closed=True)``: one call's requests, run to completion
 together, none waiting to join, as in ``Engine.generate``) ends when its slowest request
@@ -366,10 +368,8 @@ class DraftChooser:
         if not self.engine_rates.seen[0]:  # no round ran yet: acceptance is a prior
             left = _remaining(reqs, self.context_len)
             if left < LOOK_HORIZON:
-                # A round chosen on the prior alone is a look too, and a batch this short
-                # cannot pay one back: the README's 32 tokens on 2 CPU cores drafted rounds
-                # of 1 whenever start-up timed them under 1.6 plain steps (the prior and
-                # its optimism say 1.6 tokens), 0.93-0.97x `--no-draft`.
+                # A round chosen on the prior alone (with its optimism: 1.6 tokens a round
+                # of 1) is a look too, and a batch this short cannot pay one back.
                 if self.untried is None:  # what the batch had left when it started so
                     self.last, self.untried = None, (bucket, left)
                 return 0

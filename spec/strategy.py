@@ -202,11 +202,7 @@ class MTPDecoding(DecodeStrategy):
         args = (ctx.graph_backend, ctx.graph_config, ctx.device)
         # One graph a round needs device lengths in every op (capture-safe attention) and a
         # backend that rebinds no single host length list into all of them.
-        if (
-            self.cfg.one_graph
-            and ctx.attn_backend.capture_safe
-            and not ctx.graph_backend.one_length_list
-        ):
+        if self.cfg.one_graph and ctx.graphs_read_device_lengths:
             return self._setup_one_graph(ctx, args, plain_runners)
         verify = verify_round(
             target, ctx.attn_backend, self.tables(), ctx.max_context_len, self.accept_rule

@@ -1,13 +1,14 @@
 """Differential random testing (issue 10, item 6): one seeded random schedule served in
 lockstep by an eager engine and graph engines (the real CUDA full and breakable and NPU
-graph backends over the stand-in device module), request by request the same tokens.
-The schedule: arrivals between steps in bursts and lulls,
-random prompt lengths and max_new_tokens (batches grow and shrink across the buckets, so
-graphs replay padded, and in exact mode only at captured sizes), greedy and seeded
-sampled requests, eos stops and requests that reach the context's end; speculative
-rounds with the MTP drafter on graphs, and with an oracle drafter whose rounds accept
-0 to all drafts; auto lengths' plain steps and rounds launched ahead of their reads. The driver is tests/differential.py's ``run_schedule``: tests/soak.py
-runs the same one for 10,000 steps on the H200."""
+graph backends over the stand-in device module), request by request the same tokens. The
+schedule: arrivals between steps in bursts and lulls, random prompt lengths and
+max_new_tokens (batches grow and shrink across the buckets, so graphs replay padded, and
+in exact mode only at captured sizes), greedy and seeded sampled requests, eos stops and
+requests that reach the context's end; speculative rounds with the MTP drafter on
+graphs, and with an oracle drafter whose rounds accept 0 to all drafts; auto lengths'
+plain steps and rounds launched ahead of their reads. The driver is
+tests/differential.py's ``run_schedule``: tests/soak.py runs the same one for 10,000
+steps on the H200."""
 
 from __future__ import annotations
 

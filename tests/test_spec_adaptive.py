@@ -764,9 +764,8 @@ def test_no_round_on_the_acceptance_prior_alone_where_too_few_tokens_are_left():
         if drafted:
             assert "pay" in why and "too few" not in why, why
         else:
-            assert why.startswith(
-                f"at batch 1: no round has measured acceptance yet, and {LOOK_HORIZON - 1} tokens left are too few"
-            ), why
+            said = f"no round has measured acceptance yet, and {LOOK_HORIZON - 1} tokens left"
+            assert why.startswith(f"at batch 1: {said} are too few"), why
 
 
 def test_looks_stop_where_the_cap_or_the_context_leaves_too_few_tokens():

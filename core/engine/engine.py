@@ -735,14 +735,15 @@ class Engine:
 
     def _settle(self, step: LaunchedStep, launch_next: bool = True) -> list[Request]:
         """Launch the next step behind ``step`` where one can go (``_launch_ahead``; not
-        with ``launch_next`` False), then wait for ``step``'s result and emit its tokens. A step's seconds run from the end
-        of the one before it was settled (its host work overlapped that one's device
-        time), less the launch of the step behind it, plus its own launch (made in the
-        interval before, behind the step before it): each kind of step is charged its own
-        host work. Charged the next step's launch instead, a plain step before a round
-        paid for the round's launch and a round behind a plain step hid its own: on the
-        H200 auto weighed the pair's plain steps at 0.52 ms and rounds of 4 at 0.53, ran
-        rounds, and decoded at 0.79x reading each step (BENCHMARKS.md, stop 50)."""
+        with ``launch_next`` False), then wait for ``step``'s result and emit its tokens. A
+        step's seconds run from the end of the one before it was settled (its host work
+        overlapped that one's device time), less the launch of the step behind it, plus its
+        own launch (made in the interval before, behind the step before it): each kind of
+        step is charged its own host work. Charged the next step's launch instead, a plain
+        step before a round paid for the round's launch and a round behind a plain step hid
+        its own: on the H200 auto weighed the pair's plain steps at 0.52 ms and rounds of 4
+        at 0.53, ran rounds, and decoded at 0.79x reading each step (BENCHMARKS.md,
+        stop 50)."""
         launching = time.perf_counter()
         ahead = self._launch_ahead(step) if launch_next else None
         launch_s = time.perf_counter() - launching if ahead is not None else 0.0

@@ -7,10 +7,12 @@ everything. The engine calls it for plain steps and speculative rounds alike;
 strategies say what a step keeps and never touch the pools.
 
 The device token table (``req_to_token``, what kernels read) and its host mirror are
-written together, so freeing reads nothing back from the device. The one exception is
-named: a speculative round commits its accepted slots into the device table on the
-device (inside its graphs), and the ledger writes the mirror when the round's one host
-read tells it which they were (``keep``).
+written together, so freeing reads nothing back from the device. Two exceptions, each
+settled by ``keep``: a speculative round commits its accepted slots into the device
+table on the device (inside its graphs), and the ledger writes the mirror when the
+round's one host read tells it which they were; a plain step launched behind a round not
+read yet writes the device table at positions only the device knows (``LaggingLengths``),
+and the mirror once the round before is settled.
 """
 
 from __future__ import annotations
@@ -107,10 +109,10 @@ class Ledger:
         last_tokens: torch.Tensor | None = None,
         lagging: LaggingLengths | None = None,
     ) -> torch.Tensor:
-        """One new slot per request at position ``kv_len``, in both tables; each
-        ``kv_len`` grows by one. -> (6, B) device rows (one copy): slot, request slot,
-        position, last token, sequence length with the new token (position + 1), and the
-        token table's flat index of (request slot, position).
+        """One new slot per request at position ``kv_len``, in both tables; each ``kv_len``
+        grows by one (``lagging``: see below). -> (6, B) device rows (one copy): slot,
+        request slot, position, last token, sequence length with the new token
+        (position + 1), and the token table's flat index of (request slot, position).
 
         ``last_tokens``: (B,) device tokens, each request's last where the host has not
         read it yet (a step launched behind the one sampling it); None: ``output_ids``.
@@ -141,9 +143,10 @@ class Ledger:
             # when its token is read, and this step's output for it is dropped.
             torch.clamp(last_tokens, min=0, out=on_device[3])
         if lagging is not None:  # positions, lengths and table indices from the device's
-            on_device[2].copy_(lagging.cached)
-            torch.add(lagging.cached, 1, out=on_device[4])
-            torch.add(lagging.cached, on_device[1], alpha=host_table.shape[1], out=on_device[5])
+            cached = lagging.cached.long()  # (a plain step's lengths are int32)
+            on_device[2].copy_(cached)
+            torch.add(cached, 1, out=on_device[4])
+            torch.add(cached, on_device[1], alpha=host_table.shape[1], out=on_device[5])
         # One index_copy_ into the flattened table, not table[rows, cols] = slots: the
         # 2-D advanced-index assignment took 44 us of host time a step under the profiler
         # on an H200 host (indices broadcast and checked each call).

@@ -55,6 +55,17 @@ class StepContext:
     device: torch.device
     max_context_len: int
 
+    @property
+    def graphs_read_device_lengths(self) -> bool:
+        """Do captured graphs take every sequence length from the device: capture-safe
+        attention, and a backend that pushes no host length list into them (Ascend's
+        updatable ops)? Then a step may run on lengths only the device knows."""
+        return (
+            self.graph_backend is not None
+            and self.attn_backend.capture_safe
+            and not self.graph_backend.one_length_list
+        )
+
     def forward(
         self, batch: ForwardBatch, graph: BaseRunner | None, clone: bool = True
     ) -> tuple[RunnerOutput, bool]:
@@ -128,8 +139,9 @@ class LaunchedStep:
     # The read values -> what the step produced (the engine then settles it).
     settle: Callable[[list], StepOutcome]
     # -> (B,) each request's last token on the device, and (B,) its cached length after
-    # this step where the host cannot know it yet (a round's acceptance), else None: what
-    # a step launched behind this one is fed (``DecodeStrategy.launch``).
+    # this step where the host cannot know it yet (a round's acceptance, or a plain step
+    # behind one), else None: what a step launched behind this one is fed
+    # (``DecodeStrategy.launch``).
     feed: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
     # The strategy's bookkeeping of the step's seconds and outcome (its ``step_done``).
     record: Callable[[float, StepOutcome], None] | None = None
@@ -215,8 +227,8 @@ class DecodeStrategy(abc.ABC):
         can and it needs no capture; else None (the engine then calls ``decode``). Behind
         a step not read yet (``LaunchedStep.feed``): ``last_tokens``, (B,) each request's
         last token on the device; ``kv_lens``, (B,) its cached length on the device where
-        the host's ``kv_len`` is behind (after a round), else None. Its ``record`` stands
-        for ``step_done``."""
+        the host's ``kv_len`` is behind (a round not read yet), else None. Its ``record``
+        stands for ``step_done``."""
         return None
 
     def cleanup(self) -> None:  # noqa: B027
@@ -288,13 +300,13 @@ class PlainDecode(DecodeStrategy):
         device lengths alone, where the context has room: the host knows no position."""
         lagging = None
         if kv_lens is not None:
+            assert in_flight > 0, "behind a round: the most it may emit bounds the positions"
             if not self._launches_behind_a_round(reqs, in_flight):
                 return None
             lagging = LaggingLengths(kv_lens, self.ctx.ledger.hold_host(len(reqs)), in_flight)
         batch = self.ctx.decode_batch(reqs, last_tokens, lagging)
         # Views of the graph's outputs: sampled (or copied out) before the next replay.
         out, on_graph = self.ctx.forward(batch, self.graph_runner, clone=False)
-        assert on_graph or lagging is None, "a step behind a round ran eagerly"
         if not on_graph and self.after_forward is not None:
             self.after_forward(batch, out)  # the graph ran it already
         greedy = self.greedy_out[: len(reqs)] if on_graph else None
@@ -320,14 +332,14 @@ class PlainDecode(DecodeStrategy):
 
     def _launches_behind_a_round(self, reqs: list[Request], in_flight: int) -> bool:
         """Can a step of ``reqs`` go behind a round not read yet: a captured graph serves
-        the batch, its attention and backend take device lengths only (the host's are
-        bounds), and the furthest position the round may leave fits the context."""
+        the batch (``serves``: what ``can_run_graph`` asks of a decode batch, asked before
+        the ledger is touched), it takes device lengths only (the host's are bounds), and
+        the furthest position the round may leave fits the context."""
         ctx, runner = self.ctx, self.graph_runner
         return (
             runner is not None
+            and ctx.graphs_read_device_lengths
             and runner.serves(len(reqs))
-            and ctx.attn_backend.capture_safe
-            and not ctx.graph_backend.one_length_list
             and all(r.kv_len + in_flight < ctx.max_context_len for r in reqs)
         )
 

@@ -164,7 +164,7 @@ def scaled_embed(
     (``TORCH_OPS``' contract: the scale rounded to the table's dtype first, the tail cast).
     ``input_ids`` may be a strided view: a one-graph round's roots are column 0 of its
     (B, n) node ids (read with unit stride, rows past the first embedded other nodes'
-    ids: on the H200 those requests' drafts were all rejected)."""
+    ids, and their acceptance collapsed on the H200)."""
     rows, width = input_ids.shape[0], table.shape[1]
     extra = 0 if tail is None else tail.shape[1]
     assert table.stride(1) == 1 and scale.numel() == 1 and input_ids.dim() == 1

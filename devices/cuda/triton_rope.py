@@ -180,7 +180,7 @@ def qkv_rope(
     if norm is not None:  # per-head norm weights, read with unit stride
         for name, w in (("q_weight", norm[0]), ("k_weight", norm[1])):
             assert w is None or (w.shape == (head_dim,) and w.stride(0) == 1), (
-                f"{name} {tuple(w.shape)} (stride {w.stride()}), expected ({head_dim},), unit stride"
+                f"{name} {tuple(w.shape)}, stride {w.stride()}: ({head_dim},), unit stride"
             )
     v_heads = v is not None and (norm is not None or kv_write is not None)
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)

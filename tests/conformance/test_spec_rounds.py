@@ -1,16 +1,17 @@
 """Speculative rounds on every graph backend: a graph round equals an eager round.
 
-Two engines over the same Gemma 4 target and MTP assistant (made by transformers),
-one capturing rounds as graphs, one eager, step in lockstep. Rounds are captured as the
+Two engines over the same Gemma 4 target and MTP assistant (made by transformers), one
+capturing rounds as graphs, one eager, step in lockstep. Rounds are captured as the
 draft loop's graph and the verify forward's (``SpecConfig(one_graph=False)``, and every
 round on a breakable backend) in the first tests, as one graph a round (the default
-where attention is capture-safe: spec.round_graph) in the last ones. After every step they must agree on the drafts, the accepted and emitted
-tokens, each live request's token-table entries (device and host copies) and the KV
-stored at them. Cases: batches that shrink between rounds (padded replays), mixed
-accept lengths driven by an oracle drafter (the verify graph, acceptance and commit
-under every accept length), exact mode, and `--spec-steps auto` changing the draft
-length between rounds. float32: greedy near-ties between two
-kernels would make a bfloat16 comparison about rounding, not about graphrt.
+where attention is capture-safe: spec.round_graph) in the last ones. After every step
+they must agree on the drafts, the accepted and emitted tokens, each live request's
+token-table entries (device and host copies) and the KV stored at them. Cases: batches
+that shrink between rounds (padded replays), mixed accept lengths driven by an oracle
+drafter (the verify graph, acceptance and commit under every accept length), exact mode,
+and `--spec-steps auto` changing the draft length between rounds. float32: greedy
+near-ties between two kernels would make a bfloat16 comparison about rounding, not about
+graphrt.
 
 The CPU compile backend compiles the rounds' graphs through dynamo's "aot_eager" backend
 (harness.without_inductor): dynamo's capture and AOT functionalisation as inductor gets
@@ -19,6 +20,8 @@ code is checked against eager at every decode bucket in test_replay.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -354,10 +357,11 @@ def test_one_graph_rounds_equal_eager_rounds(spec_case, spec_models, mode, topk)
     """One graph a round (the default): each round replays one graph (the draft loop, the
     verify batch of its tree, verify and the round's tail) and equals an eager round in
     drafts, accepted and emitted tokens, token table and KV, as the batch shrinks (padded
-    replays), greedy, sampled, chains and trees (topk 2 and 3), and with auto lengths changing between rounds (each
-    length's graphs captured before the first step that chooses it), with one request
-    opted out of drafting. Attention that is not capture-safe, and a backend that pushes
-    one host length list into every op (the NPU stand-in's updatable ops), keep the
+    replays), greedy, sampled, chains and trees (topk 2 and 3), and with auto lengths
+    changing between rounds (each length's graphs captured before the first step that
+    chooses it), with one request opted out of drafting. Attention that is not capture-safe,
+    and a backend that pushes one host length list into every op (the NPU stand-in's
+    updatable ops), keep the
     two-graph round."""
     if spec_case.id == "cpu-compile":
         pytest.skip(
@@ -488,6 +492,47 @@ def _overlap_pair(case, spec_models, order, one_graph, accept_rule, **config):
 OVERLAP_ORDER = (0, 0, 0, 2, 2, 0, 0, 1, 3, 3, 3, 0, 0)
 
 
+@dataclasses.dataclass
+class _Launch:
+    kind: str  # "round" or "plain"
+    launched: bool  # False: declined (the engine then runs the step after the read)
+    fed_lengths: bool  # behind a step whose lengths only the device knows
+    furthest: int | None  # fed: the furthest position it writes, read from the device
+
+
+def _spy_step_launches(graph: Engine, monkeypatch) -> list[_Launch]:
+    """Every round and plain step ``graph``'s strategy is asked to launch, in order."""
+    launches: list[_Launch] = []
+    launch_round, launch_plain = graph.strategy._launch_round, graph.strategy.plain.launch
+
+    def record(kind, step, kv_lens):
+        furthest = None if kv_lens is None else int(kv_lens.max())
+        launches.append(_Launch(kind, step is not None, kv_lens is not None, furthest))
+        return step
+
+    def spy_round(reqs, variant, last_tokens, kv_lens):
+        return record("round", launch_round(reqs, variant, last_tokens, kv_lens), kv_lens)
+
+    def spy_plain(reqs, last_tokens=None, kv_lens=None, in_flight=0):
+        return record("plain", launch_plain(reqs, last_tokens, kv_lens, in_flight), kv_lens)
+
+    monkeypatch.setattr(graph.strategy, "_launch_round", spy_round)
+    monkeypatch.setattr(graph.strategy.plain, "launch", spy_plain)
+    return launches
+
+
+def _behind_rounds(launches: list[_Launch], kind: str) -> list[_Launch]:
+    """The steps of ``kind`` asked to launch right behind a round launched ahead of its
+    read (its lengths fed from the device)."""
+    behind, before = [], None
+    for launch in launches:
+        if launch.kind == kind and launch.fed_lengths and before == "round":
+            behind.append(launch)
+        if launch.launched:
+            before = launch.kind
+    return behind
+
+
 @pytest.mark.parametrize(
     ("one_graph", "temperature"),
     [(False, 0.0), (True, 0.0), (True, 0.8)],
@@ -511,26 +556,7 @@ def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
     engines = _overlap_pair(spec_case, spec_models, OVERLAP_ORDER, one_graph, _accept_some)
     graph, eager = engines
     _, launched_ahead = spy_launches(graph, monkeypatch)
-    rounds_behind_rounds = []
-    launch_round = graph.strategy._launch_round
-
-    def spy_round(reqs, variant, last_tokens, kv_lens):
-        step = launch_round(reqs, variant, last_tokens, kv_lens)
-        if step is not None and kv_lens is not None:
-            rounds_behind_rounds.append(len(reqs))
-        return step
-
-    monkeypatch.setattr(graph.strategy, "_launch_round", spy_round)
-    plains_behind_rounds = []
-    launch_plain = graph.strategy.plain.launch
-
-    def spy_plain(reqs, last_tokens=None, kv_lens=None, in_flight=0):
-        step = launch_plain(reqs, last_tokens, kv_lens, in_flight)
-        if step is not None and kv_lens is not None:
-            plains_behind_rounds.append(len(reqs))
-        return step
-
-    monkeypatch.setattr(graph.strategy.plain, "launch", spy_plain)
+    launches = _spy_step_launches(graph, monkeypatch)
     prompts = random_prompts((9, 16, 12, 5), seed=16, vocab=target.model.vocab_size)
     limits = (6, 11, 16, 22)
     got, expected = (
@@ -555,21 +581,24 @@ def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
     drafts_on_graphs = graph.attn_backend.capture_safe  # (a breakable backend's: eagerly)
     assert graph.stats.graph_rounds == (graph.stats.spec_rounds if drafts_on_graphs else 0)
     one_graph_rounds = graph.strategy.variants[3].round is not None
-    assert bool(rounds_behind_rounds) == one_graph_rounds  # where rounds have one graph
-    assert bool(plains_behind_rounds) == one_graph_rounds  # (the others are not in flight)
+    # Where rounds have one graph, rounds and plain steps both went behind rounds.
+    for kind in ("round", "plain"):
+        behind = [launch.launched for launch in _behind_rounds(launches, kind)]
+        assert any(behind) == one_graph_rounds, (kind, launches)
     assert graph._pending is None and graph.kv_pool.available() == graph.kv_pool.num_slots
 
 
 def test_a_shorter_round_behind_a_longer_one_stays_inside_the_context(
     spec_case, spec_models, monkeypatch
 ):
-    """A round launched behind one not read yet must leave room for what that one may
-    emit, its own length's worth, not the new round's: a round of 1 behind a round of 3
-    that accepts everything, near the context's end, wrote its tree past the token
-    table's last column (an index error here, a device assert on a GPU). A plain step
-    the chooser picks behind a round runs as chosen (behind it where the context has room
-    for what the round may emit, else after its read), also where requests finished
-    inside the round (its plan was chosen again, for the requests left). Drafts, accepted tokens and outputs equal the eager engine's."""
+    """A round launched behind one not read yet must leave room for what that one may emit,
+    its own length's worth, not the new round's: a round of 1 behind a round of 3 that
+    accepts everything, near the context's end, wrote its tree past the token table's last
+    column (an index error here, a device assert on a GPU). A plain step the chooser picks
+    behind a round runs as chosen (behind it where the context has room for what the round
+    may emit, else after its read), also where requests finished inside the round (its plan
+    was chosen again, for the requests left). Drafts, accepted tokens and outputs equal the
+    eager engine's."""
     if spec_case.id == "cpu-compile":
         pytest.skip("inductor compiles each length's graphs: minutes on 2 cores")
     target, _ = spec_models()
@@ -622,25 +651,19 @@ def test_plain_steps_behind_rounds_near_the_context_end(spec_case, spec_models, 
     )
     if graph.strategy.longest.round is None:
         pytest.skip("rounds on two graphs (or drafted eagerly) are not launched ahead")
-    behind = []  # per plain step asked behind a round: (launched, furthest position)
-    launch_plain = graph.strategy.plain.launch
-
-    def spy_plain(reqs, last_tokens=None, kv_lens=None, in_flight=0):
-        step = launch_plain(reqs, last_tokens, kv_lens, in_flight)
-        if kv_lens is not None:
-            behind.append((step is not None, max(r.kv_len for r in reqs) + in_flight))
-        return step
-
-    monkeypatch.setattr(graph.strategy.plain, "launch", spy_plain)
+    launches = _spy_step_launches(graph, monkeypatch)
     prompts = random_prompts((30, 41, 47, 50), seed=19, vocab=target.model.vocab_size)
     params = [SamplingParams(max_new_tokens=40, ignore_eos=True)] * len(prompts)
     reqs = _lockstep(graph, eager, prompts, spec_case.rtol, params=params, same_slots=False)
     context = graph.max_context_len
     assert all(r.finish_reason.value == "length" for r in reqs)
     assert {len(r.prompt_ids) + len(r.output_ids) for r in reqs} == {context + 1}
-    launched = [furthest for ok, furthest in behind if ok]
-    assert launched and max(launched) < context  # launched, always inside the context
-    assert any(not ok for ok, _ in behind)  # and held back near its end
+    behind = _behind_rounds(launches, "plain")
+    # Launched behind rounds, each at positions inside the context (read from the device:
+    # a position past it would have gone into the next request's row), and held back
+    # where the round might have left none.
+    assert any(b.launched for b in behind) and any(not b.launched for b in behind)
+    assert max(b.furthest for b in behind if b.launched) < context
     drafts_on_graphs = graph.attn_backend.capture_safe
     assert graph.stats.graph_rounds == (graph.stats.spec_rounds if drafts_on_graphs else 0)
     assert graph.stats.eager_steps == 1  # the prefill: every plain step replayed
