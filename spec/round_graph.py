@@ -98,8 +98,8 @@ def round_batch(
     Behind a step not read yet (``DecodeStrategy.launch``): ``last_tokens`` (B,) are the
     roots and ``cached_lens`` (B,), where given, the cached lengths, on the device, written
     over the host's (a few device ops after the copy); the host lengths, there only as
-    placeholders, are then bounds: ``in_flight`` is the most the round not read yet may
-    emit."""
+    placeholders, are then bounds: ``in_flight`` is the most the step not read yet may
+    add to a request's cache (``LaunchedStep.uncounted``)."""
     bs, n = len(reqs), num_nodes
     ahead = in_flight if cached_lens is not None else 0
     after = [r.kv_len + ahead + n for r in reqs]  # each request's length after the round

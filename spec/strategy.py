@@ -142,12 +142,6 @@ class MTPDecoding(DecodeStrategy):
         return self.variants[self.cfg.num_steps]
 
     @property
-    def _most_emitted(self) -> int:
-        """The most tokens a round (of any length this strategy runs) adds to a request's
-        cache: its drafts, all accepted, and the bonus token."""
-        return self.cfg.num_steps + 1
-
-    @property
     def draft_graph(self) -> GraphRunner | None:
         return self.longest.draft
 
@@ -408,24 +402,26 @@ class MTPDecoding(DecodeStrategy):
         reqs: list[Request],
         last_tokens: torch.Tensor | None = None,
         kv_lens: torch.Tensor | None = None,
+        in_flight: int = 0,
     ) -> LaunchedStep | None:
         """A plain step, or a round on its one graph, queued without its read; None where
         neither can go (the engine then calls ``decode``, on the same plan)."""
         steps = self._planned_steps(reqs)
         if steps:
-            step = self._launch_round(reqs, self.variants[steps], last_tokens, kv_lens)
+            variant = self.variants[steps]
+            step = self._launch_round(reqs, variant, last_tokens, kv_lens, in_flight)
         else:
-            step = self._launch_plain(reqs, last_tokens, kv_lens)
+            step = self._launch_plain(reqs, last_tokens, kv_lens, in_flight)
         if step is None:
             self._planned = (reqs, steps)  # for the engine's next step: not chosen again
         else:
             step.record = self._recorder(reqs, steps)
         return step
 
-    def _launch_plain(self, reqs, last_tokens, kv_lens) -> LaunchedStep | None:
+    def _launch_plain(self, reqs, last_tokens, kv_lens, in_flight) -> LaunchedStep | None:
         if self._later and self.plain_graph in self._later:
             return None
-        step = self.plain.launch(reqs, last_tokens, kv_lens, self._most_emitted)
+        step = self.plain.launch(reqs, last_tokens, kv_lens, in_flight)
         if step is not None:
             settle = step.settle
 
@@ -438,20 +434,24 @@ class MTPDecoding(DecodeStrategy):
         return step
 
     def _launch_round(
-        self, reqs: list[Request], variant: RoundGraphs, last_tokens, kv_lens
+        self, reqs: list[Request], variant: RoundGraphs, last_tokens, kv_lens, in_flight=0
     ) -> LaunchedStep | None:
-        """``one_graph_round``'s launch, its settling left for later; behind a round not
-        read yet only where the context has room for both rounds' trees."""
+        """``one_graph_round``'s launch, its settling left for later; behind a step whose
+        lengths only the device knows (``kv_lens``) only where the context has room for
+        both steps' tokens."""
         graph = self._round_graph(reqs, variant)  # None where none is captured (yet)
         if graph is None:
             return None
-        # Behind a round not read yet, the context must hold what that one may still emit
-        # (its length's worth: at most the longest rounds', whatever this one's) and
-        # this round's tree.
-        room = self.ctx.max_context_len - variant.cfg.num_draft_tokens - self._most_emitted
-        if kv_lens is not None and any(r.kv_len > room for r in reqs):
-            return None
-        packed, held, batch = self._queue_round(reqs, variant, graph, last_tokens, kv_lens)
+        # Behind a step not read yet, the context must hold what that one may still add
+        # (``in_flight``: its own length's worth, not this round's) and this round's tree.
+        if kv_lens is not None:
+            assert in_flight > 0, "behind a round: the most it may emit bounds the positions"
+            room = self.ctx.max_context_len - variant.cfg.num_draft_tokens - in_flight
+            if any(r.kv_len > room for r in reqs):
+                return None
+        packed, held, batch = self._queue_round(
+            reqs, variant, graph, last_tokens, kv_lens, in_flight
+        )
         num_steps, n = variant.cfg.num_steps, variant.cfg.num_draft_tokens
 
         def settle(values: list) -> StepOutcome:
@@ -465,7 +465,9 @@ class MTPDecoding(DecodeStrategy):
             last = packed.gather(1, (accepted + 1 + n).unsqueeze(1)).squeeze(1)
             return last, batch.seq_lens - n + accepted + 1  # (B,) each
 
-        return LaunchedStep(reqs=reqs, read=HostRead(packed), settle=settle, feed=feed)
+        return LaunchedStep(
+            reqs=reqs, read=HostRead(packed), settle=settle, feed=feed, uncounted=num_steps + 1
+        )
 
     def _recorder(self, reqs: list[Request], steps: int):
         """A launched step's ``record``: what ``decode`` and ``step_done`` record."""
@@ -551,7 +553,13 @@ class MTPDecoding(DecodeStrategy):
         return graph if graph is not None and graph.serves(len(reqs)) else None
 
     def _queue_round(
-        self, reqs, variant: RoundGraphs, graph: GraphRunner, last_tokens=None, kv_lens=None
+        self,
+        reqs: list[Request],
+        variant: RoundGraphs,
+        graph: GraphRunner,
+        last_tokens: torch.Tensor | None = None,
+        kv_lens: torch.Tensor | None = None,
+        in_flight: int = 0,
     ) -> tuple[torch.Tensor, HeldSlots, ForwardBatch]:
         """A one-graph round's inputs (one copy; fed behind a step not read yet: see
         ``round_batch``) and its replay; -> (its packed result, not read; its held slots;
@@ -561,7 +569,7 @@ class MTPDecoding(DecodeStrategy):
         held_host = self.ctx.ledger.hold_host(len(reqs) * n)
         batch = round_batch(
             reqs, n, held_host, rows, self.ctx.max_context_len, self.ctx.device,
-            last_tokens, kv_lens, self._most_emitted,
+            last_tokens, kv_lens, in_flight,
         )  # fmt: skip
         for req in reqs:  # every node draws from its request's stream (see verify)
             req.draws += n

@@ -392,8 +392,8 @@ def spy_launches(engine, monkeypatch) -> tuple[list[int], list[int]]:
     then decodes the step) counts in neither."""
     every, ahead, launch = [], [], engine.strategy.launch
 
-    def spy(reqs, last_tokens=None, kv_lens=None):
-        step = launch(reqs, last_tokens, kv_lens)
+    def spy(reqs, last_tokens=None, kv_lens=None, in_flight=0):
+        step = launch(reqs, last_tokens, kv_lens, in_flight)
         if step is not None:
             every.append(len(reqs))
             if last_tokens is not None:

@@ -794,7 +794,7 @@ class Engine:
             tokens = tokens.index_select(0, index)
             kv_lens = None if kv_lens is None else kv_lens.index_select(0, index)
         self.strategy.closed_batch = self._closed(reqs)
-        ahead = self.strategy.launch(reqs, tokens, kv_lens)
+        ahead = self.strategy.launch(reqs, tokens, kv_lens, step.uncounted)
         self.stats.launched_ahead += ahead is not None
         return ahead
 

@@ -36,7 +36,7 @@ class LaggingLengths:
 
     cached: torch.Tensor  # (B,) device: each request's cached length, the new position
     slots: torch.Tensor  # (B,) host ids held for the new tokens (``Ledger.hold_host``)
-    in_flight: int  # the most tokens the round not read yet may emit: host bounds
+    in_flight: int  # the most tokens the host has not counted yet: host bounds
 
 
 @dataclass

@@ -145,6 +145,11 @@ class LaunchedStep:
     feed: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
     # The strategy's bookkeeping of the step's seconds and outcome (its ``step_done``).
     record: Callable[[float, StepOutcome], None] | None = None
+    # The most tokens the step may add to a request's cache that the host has not counted
+    # (its ``kv_len`` grows when the step is settled): a round's drafts and bonus token, a
+    # plain step's one behind a round; 0 for a plain step counted at its launch. What the
+    # positions of a step launched behind it are bounded by (``DecodeStrategy.launch``).
+    uncounted: int = 0
     start: float = 0.0  # perf_counter() from which the step's seconds count
     # Host seconds its launch took, behind the step before (``Engine._settle``): charged to
     # this step, not to that one. 0 for a step launched on its own (its seconds hold it).
@@ -222,13 +227,15 @@ class DecodeStrategy(abc.ABC):
         reqs: list[Request],
         last_tokens: torch.Tensor | None = None,
         kv_lens: torch.Tensor | None = None,
+        in_flight: int = 0,
     ) -> LaunchedStep | None:
         """Queue the next step of ``reqs`` without reading its result, where this strategy
         can and it needs no capture; else None (the engine then calls ``decode``). Behind
         a step not read yet (``LaunchedStep.feed``): ``last_tokens``, (B,) each request's
         last token on the device; ``kv_lens``, (B,) its cached length on the device where
-        the host's ``kv_len`` is behind (a round not read yet), else None. Its ``record``
-        stands for ``step_done``."""
+        the host's ``kv_len`` is behind (a round not read yet), else None, and then
+        ``in_flight`` bounds how far (that step's ``uncounted``). Its ``record`` stands
+        for ``step_done``."""
         return None
 
     def cleanup(self) -> None:  # noqa: B027
@@ -295,9 +302,9 @@ class PlainDecode(DecodeStrategy):
         kv_lens: torch.Tensor | None = None,
         in_flight: int = 0,
     ) -> LaunchedStep | None:
-        """``DecodeStrategy.launch``; behind a round not read yet (``kv_lens``; a drafter's
-        plain step, ``in_flight`` the most that round may emit) only on a graph that reads
-        device lengths alone, where the context has room: the host knows no position."""
+        """``DecodeStrategy.launch``; behind a round not read yet (``kv_lens``: a drafter's
+        plain step) only on a graph that reads device lengths alone, where the context has
+        room for all that round may emit: the host knows no position."""
         lagging = None
         if kv_lens is not None:
             assert in_flight > 0, "behind a round: the most it may emit bounds the positions"
@@ -327,7 +334,11 @@ class PlainDecode(DecodeStrategy):
             )
 
         return LaunchedStep(
-            reqs=reqs, read=HostRead(tokens), settle=settle, feed=lambda: (tokens, lengths)
+            reqs=reqs,
+            read=HostRead(tokens),
+            settle=settle,
+            feed=lambda: (tokens, lengths),
+            uncounted=0 if lagging is None else 1,
         )
 
     def _launches_behind_a_round(self, reqs: list[Request], in_flight: int) -> bool:

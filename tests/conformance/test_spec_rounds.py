@@ -510,8 +510,9 @@ def _spy_step_launches(graph: Engine, monkeypatch) -> list[_Launch]:
         launches.append(_Launch(kind, step is not None, kv_lens is not None, furthest))
         return step
 
-    def spy_round(reqs, variant, last_tokens, kv_lens):
-        return record("round", launch_round(reqs, variant, last_tokens, kv_lens), kv_lens)
+    def spy_round(reqs, variant, last_tokens, kv_lens, in_flight=0):
+        step = launch_round(reqs, variant, last_tokens, kv_lens, in_flight)
+        return record("round", step, kv_lens)
 
     def spy_plain(reqs, last_tokens=None, kv_lens=None, in_flight=0):
         return record("plain", launch_plain(reqs, last_tokens, kv_lens, in_flight), kv_lens)
