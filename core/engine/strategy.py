@@ -321,7 +321,8 @@ class PlainDecode(DecodeStrategy):
         # the graph's outputs (greedy tokens are a view of its greedy_out).
         tokens = draw_tokens(reqs, out.logits, greedy)
         # Lagging, each request's slot is kept once the round before is settled, and the
-        # step behind this one takes its lengths from the device too.
+        # step behind this one takes its lengths from the device too. (The slots are the
+        # ledger's host ids: no device read.)
         kept = None if lagging is None else [[slot] for slot in lagging.slots.tolist()]
         lengths = None if lagging is None else batch.seq_lens
 
