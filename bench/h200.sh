@@ -45,9 +45,11 @@
 #     and (with 2 GPUs) TP=2 over each all-reduce
 #   bash bench/h200.sh tptests: the tensor-parallel CUDA tests
 #   bash bench/h200.sh recheck: one call after stops without a device (RECHECK_LIMIT seconds
-#     of tests, 330): the CUDA tests of what those stops changed (the embedding kernel,
-#     drafts graph vs eager, rounds and plain steps launched ahead), the round bench at
-#     batch 1 and 64, and the README command with --no-draft, auto, and auto --overlap
+#     of tests, 330): first `cold` (below: its main-thread compiles by phase have not run on
+#     a device yet), then the CUDA tests of what those stops changed (the embedding kernel,
+#     drafts graph vs eager, rounds and plain steps launched ahead, first prompts' prefill
+#     compiled ahead), the round bench at batch 1 and 64, and the README command with
+#     --no-draft, auto, and auto --overlap
 #   bash bench/h200.sh serve [requests] [llama-1b,pair] [1,16,64] [check|nocheck]: graphrt
 #     serve (issue 23): the openai client's streams against offline greedy (embedded pair,
 #     drafting, float32), then the load test (bench/serve_load.py) on random:llama-1b and
@@ -337,7 +339,7 @@ if [[ $what == splits ]]; then
         | grep -v Warning | grep -E "^ +[0-9]|== prompt|wrote"
 fi
 
-if [[ $what == cold ]]; then
+if [[ $what == cold || $what == recheck ]]; then
     # Issue 21: the README's first command from empty Triton and graphrt caches (every
     # kernel compiles, every GEMV shape is timed), then again (caches warm): wall time from
     # the shell, and where the seconds go (bench/cold_start.py).
@@ -484,7 +486,7 @@ if [[ $what == recheck ]]; then
     # (A bare machine compiles every kernel these tests launch: the files are few, the
     # workers the lane's, so the bench and the three runs below still fit the call.)
     timeout "${RECHECK_LIMIT:-330}" python -m pytest tests/test_scaled_embed.py tests/test_spec.py \
-        tests/conformance/test_spec_rounds.py tests/conformance/test_overlap.py -m cuda -v \
+        tests/test_compile_ahead.py tests/conformance/test_spec_rounds.py tests/conformance/test_overlap.py -m cuda -v \
         -p no:cacheprovider -ra -n "${CUDA_WORKERS:-14}" --dist loadfile \
         > "$OUT/tests-recheck.log" 2>&1
     echo "recheck tests exit $?"; grep -E "\] (FAILED|ERROR)" "$OUT/tests-recheck.log" | sort -u | head -n 20

@@ -90,6 +90,43 @@ def test_plain_decode_buckets_run_dry_before_capture_and_leave_no_trace(events, 
 
 
 @pytest.mark.graphs
+def test_first_prompts_prefill_dry_after_the_buckets_and_leave_no_trace(
+    events, monkeypatch, llama_gqa_untied
+):
+    """Beside its graphs' buckets, last, the engine hands the backend prefills of a first
+    prompt (``DRY_PREFILL_PROMPTS``: one request, and two) on throwaway requests, all
+    before the first capture. They leave nothing behind: the first requests get the
+    request and KV slots an eager engine gives them, and the same tokens."""
+    from graphrt.core.engine import prefill
+
+    dry_prefill = prefill._dry_prefill
+
+    def recording(ledger, forward, device, lens):
+        dry_prefill(ledger, forward, device, lens)
+        events.append(("prefill", tuple(lens)))
+
+    monkeypatch.setattr(prefill, "_dry_prefill", recording)
+    loaded = load_model(str(llama_gqa_untied.path), CPU, torch.float32)
+    engine = _engine(loaded)
+    prefills = [("prefill", lens) for lens in prefill.DRY_PREFILL_PROMPTS]
+    assert [e[0] for e in events] == ["dry"] * len(BUCKETS) + ["prefill"] * 2 + ["capture"]
+    assert events[len(BUCKETS) : -1] == prefills
+    eager = cpu_engine(loaded, max_context_len=48)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    placed = []
+    for e in (engine, eager):
+        reqs = [e.add_request(p, params) for p in PROMPTS]
+        e.step()  # the prefill: request slots, and each prompt's KV slots in the table
+        placed.append(
+            [(r.req_slot, e.req_pool.host[r.req_slot, : r.kv_len].tolist()) for r in reqs]
+        )
+        e.run_until_finished(reqs)
+        placed.append([r.output_ids for r in reqs])
+    assert placed[0] == placed[2] and placed[1] == placed[3]
+    assert engine.stats.graph_steps > 0
+
+
+@pytest.mark.graphs
 @pytest.mark.parametrize("one_graph", [True, False], ids=["one-graph", "two-graph"])
 def test_speculative_runners_run_dry_together_and_lazy_ones_before_their_capture(
     events, gemma4_tiny, gemma4_assistant, one_graph
@@ -118,7 +155,7 @@ def test_speculative_runners_run_dry_together_and_lazy_ones_before_their_capture
 PROBE = r"""
 import json, sys, threading
 import torch, triton.compiler
-compiles = {"ahead": 0, "setup": 0}
+compiles = {"ahead": 0, "setup": 0, "run": []}
 phase = {"now": None}
 real = triton.compiler.compile
 
@@ -126,6 +163,8 @@ def counting(src, *args, **kwargs):
     on_pool = threading.current_thread() is not threading.main_thread()
     if phase["now"] == "setup":
         compiles["ahead" if on_pool else "setup"] += 1
+    elif phase["now"] == "run":  # the first prompts' prefill and the steps after it
+        compiles["run"].append(getattr(getattr(src, "fn", None), "__name__", "?"))
     return real(src, *args, **kwargs)
 
 triton.compiler.compile = counting
@@ -141,7 +180,9 @@ engine = Engine(loaded, EngineConfig(runner="graph", graph_buckets=(1, 2, 4), **
 phase["now"] = None
 prompts = [[5, 6, 7], [9, 10], [3, 4, 11, 12], [8]]
 params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+phase["now"] = "run"
 graph = [r.output_ids for r in engine.generate(prompts, params)]
+phase["now"] = None
 steps = engine.stats.graph_steps
 eager = Engine(loaded, EngineConfig(runner="eager", **config), device)
 print(json.dumps(dict(compiles, graph=graph, graph_steps=steps,
@@ -154,7 +195,9 @@ print(json.dumps(dict(compiles, graph=graph, graph_steps=steps,
 def test_cuda_engine_compiles_every_kernel_ahead_on_threads(llama_gqa_untied, tmp_path):
     """From empty Triton and GEMV-tuner caches: while the engine sets up, every Triton
     kernel compiles on the compile-ahead pool's threads and none on the main thread (the
-    warm-ups and captures find them all); the graphs then give the eager engine's tokens."""
+    warm-ups and captures find them all), and none when the first prompts prefill and
+    decode (their prefill ran dry beside the graphs: ``DRY_PREFILL_PROMPTS``); the graphs
+    then give the eager engine's tokens."""
     import json
     import os
     import subprocess
@@ -169,6 +212,7 @@ def test_cuda_engine_compiles_every_kernel_ahead_on_threads(llama_gqa_untied, tm
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["ahead"] > 0 and result["setup"] == 0, result
+    assert result["run"] == [], f"compiled at the first prefill or step: {result['run']}"
     assert result["graph_steps"] > 0
     assert result["graph"] == result["eager"]
 

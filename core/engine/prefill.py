@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.engine.ledger import Ledger
-from graphrt.core.engine.request import Request
+from graphrt.core.engine.request import Request, SamplingParams
 from graphrt.core.host import to_device
 
 Chunk = tuple[Request, int]  # a request and how many of its prompt tokens this step takes
+
+# The prompts (token counts, one a request) of the prefills an engine hands its graph
+# backend to compile ahead beside its graphs (``dry_prefills``). A device that compiles a
+# kernel at its first launch compiles one for each specialisation: Triton's by each int
+# argument that is 1 or a multiple of 16 (rows, requests), and the matmul path by rows
+# (up to 16 the GEMV may serve, then cuBLAS). One request of 9 tokens and two of 9 + 8
+# cover a first prompt of either path alone or beside others; a prompt of one token or
+# of a multiple of 16 still compiles its own kernels at its first prefill.
+DRY_PREFILL_PROMPTS = ((9,), (9, 8))
 
 
 def prefill_chunks(prefilling: Sequence[Request], budget: int) -> list[Chunk]:
@@ -55,3 +65,36 @@ def prefill_batch(ledger: Ledger, chunks: list[Chunk], device: torch.device) -> 
         extend_lens_cpu=lens,
         logits_indices=to_device(last_rows[torch.tensor(done)], device),
     )
+
+
+def dry_prefills(
+    ledger: Ledger,
+    forward: Callable[[ForwardBatch], object],
+    device: torch.device,
+    max_context_len: int,
+) -> Iterator[Callable[[], None]]:
+    """The prefills of ``DRY_PREFILL_PROMPTS`` that the ledger has room for, each as a
+    closure that runs ``forward`` on throwaway requests and gives their slots back: for a
+    graph backend's ``compile_ahead``, which runs them dry (what they compute, KV
+    included, is garbage in slots freed after). The caller makes the free lists fresh
+    again afterwards (``Ledger.recover``): requests then get the slots they would have
+    got without these."""
+    for lens in DRY_PREFILL_PROMPTS:
+        fits = ledger.fits(sum(lens)) and len(lens) <= ledger.req_pool.available()
+        if fits and max(lens) < max_context_len:
+            yield functools.partial(_dry_prefill, ledger, forward, device, lens)
+
+
+def _dry_prefill(ledger, forward, device, lens: Sequence[int]) -> None:
+    params = SamplingParams(max_new_tokens=1)
+    reqs = [Request(rid=-1 - i, prompt_ids=[0] * n, params=params) for i, n in enumerate(lens)]
+    admitted = []
+    try:
+        for req in reqs:
+            req.kv_budget = len(req.prompt_ids)
+            ledger.admit(req)
+            admitted.append(req)
+        forward(prefill_batch(ledger, list(zip(reqs, lens)), device))
+    finally:
+        for req in admitted:
+            ledger.release(req)

@@ -17,7 +17,10 @@ derived from a Triton kernel's output except through ops that keep it in range (
 top-k). An index out of range would raise a device-side assert and end the process.
 Nothing a dry run writes may outlive it: the warm-ups that follow rewrite every buffer a
 graph reads. The GEMV tuner times nothing during a dry run (``dry()``); it compiles
-every candidate instead, and the warm-up that follows times them.
+every candidate instead, and the warm-up that follows times them (a dry prefill's
+shapes: the first real prefill). The engine's dry prefills (core/engine/prefill.py's
+``dry_prefills``, a first prompt's kernels) hold to the same rules: their positions and
+slots are the host's, and the throwaway requests' garbage KV sits in slots freed after.
 """
 
 from __future__ import annotations
