@@ -74,6 +74,15 @@ class StepTimes:
             k = 0 if cell["mode"] == "plain" else int(cell["mode"])
             row = self.ms.setdefault(cell["batch_size"], [0.0] * (MAX_STEPS + 1))
             row[k] = cell["step_ms"]["plain" if k == 0 else str(k)]
+        for row in self.ms.values():  # lengths a matrix left out (1, 3, 5): between theirs
+            measured = [k for k, ms in enumerate(row) if ms]
+            for k, ms in enumerate(row):
+                if not ms and measured[0] < k < measured[-1]:
+                    lo = max(m for m in measured if m < k)
+                    hi = min(m for m in measured if m > k)
+                    row[k] = row[lo] + (row[hi] - row[lo]) * (k - lo) / (hi - lo)
+            if not all(row):
+                raise SystemExit(f"{path}: {model} lacks the step times of lengths {row}")
 
     def __call__(self, bucket: int, k: int, rng: random.Random) -> float:
         nearest = min(self.ms, key=lambda b: abs(b - bucket))
