@@ -49,7 +49,7 @@
 #     a device yet), then the CUDA tests of what those stops changed (the embedding kernel,
 #     drafts graph vs eager, rounds and plain steps launched ahead, first prompts' prefill
 #     compiled ahead), the round bench at batch 1 and 64, and the README command with
-#     --no-draft, auto, and auto --overlap
+#     --no-draft, auto (steps launched ahead: the CUDA default), and auto --no-overlap
 #   bash bench/h200.sh serve [requests] [llama-1b,pair] [1,16,64] [check|nocheck]: graphrt
 #     serve (issue 23): the openai client's streams against offline greedy (embedded pair,
 #     drafting, float32), then the load test (bench/serve_load.py) on random:llama-1b and
@@ -179,7 +179,7 @@ if [[ $what == overlap ]]; then
             "llama1b-bs1|--model random:llama-1b --prompt-ids 1,2,3" \
             "llama1b-bs8|--model random:llama-1b $prompts8"; do
             name=${run%%|*}
-            for flag in --no-overlap --overlap; do  # (a drafter's default is off)
+            for flag in --no-overlap --overlap; do  # (each explicit)
                 graphrt generate ${run#*|} --max-new-tokens "${2:-300}" --ignore-eos $flag --json \
                     > "$OUT/run.json" 2> "$OUT/run.err" || tail -n 3 "$OUT/run.err"
                 python -c "import json,sys; s=json.load(open(sys.argv[1]))['stats']; print(f\"{sys.argv[2]:<28} {s['tokens_per_s']:9.1f} tok/s\", s.get('spec', ''))" \
@@ -494,7 +494,7 @@ if [[ $what == recheck ]]; then
     graphrt bench --model random:gemma4-e2b --draft random:gemma4-e2b-assistant --dtype bfloat16 \
         --prompt-len 512 --batch-sizes 1,64 --spec-steps 4 --spec-topk 1 --steps 30 --runners graph \
         --out "$OUT/bench-recheck-spec.json" 2>&1 | grep -v Warning | tail -n 12
-    for flags in "--no-draft" "" "--overlap"; do
+    for flags in "--no-draft" "" "--no-overlap"; do
         graphrt generate --prompt "def fibonacci(n):" $flags --max-new-tokens 300 --ignore-eos --json \
             > "$OUT/run.json" 2> "$OUT/run.err" || tail -n 3 "$OUT/run.err"
         python -c "import json,sys; s=json.load(open(sys.argv[1]))['stats']; print(f\"{sys.argv[2]:<22} {s['tokens_per_s']:9.1f} tok/s\", s.get('spec', ''))" \

@@ -103,13 +103,6 @@ class RoundGraphs:
 
 class MTPDecoding(DecodeStrategy):
     name = "speculative"
-    # Rounds are launched ahead only when asked (``--overlap``): on the H200 the pair with
-    # auto lengths decoded 3145 tok/s launched ahead against 3586 reading each step (stop
-    # 51, batch 1, when a plain step after a round still waited for its read; not measured
-    # since plain steps follow rounds on the device). (Stop 51's other reason, graph
-    # rounds drafting other tokens than eager ones, was not overlap: see
-    # ``scaled_embed``'s strided ids.)
-    overlap_by_default = False
 
     def __init__(
         self,

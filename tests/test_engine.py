@@ -402,13 +402,14 @@ def test_overlap_left_unset_takes_the_devices_default(loaded):
     engine.generate(random_prompts((5, 9), seed=3), GREEDY)
     assert engine.stats.launched_ahead > 0
     assert cpu_engine(loaded, device=Overlapping(), overlap=False).config.overlap is False
-    # A strategy that does not take the default (speculative decoding: only when asked).
+    # Both strategies take the device's default (speculative decoding too, since stop
+    # 53); one that does not reads each step unless asked.
     from graphrt.core.engine.strategy import PlainDecode
     from graphrt.spec import MTPDecoding
 
     class ReadEachStep(PlainDecode):
         overlap_by_default = False
 
-    assert PlainDecode.overlap_by_default and not MTPDecoding.overlap_by_default
+    assert PlainDecode.overlap_by_default and MTPDecoding.overlap_by_default
     engine = cpu_engine(loaded, ReadEachStep(), Overlapping(), max_context_len=64)
     assert engine.config.overlap is False

@@ -345,7 +345,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="launch each decode step (plain, or a speculative round on one graph) before "
         "the last one's result is read, so the host prepares a step while the device runs "
-        "one (default: on for cuda without a drafter, off on cpu)",
+        "one (default: on for cuda, off on cpu; --no-overlap reads each step)",
     )
     p.add_argument(
         "--max-graph-memory",

@@ -99,8 +99,8 @@ class EngineConfig:
     # stopped meanwhile has its extra step dropped. Speculative steps hold two trees' KV
     # slots a request. None: the device's default (``Device.overlap_by_default``: on
     # for CUDA, measured there; off on the CPU, where the host is the device) for a
-    # strategy that takes it (``DecodeStrategy.overlap_by_default``: plain decoding;
-    # speculative decoding only when asked).
+    # strategy that takes it (``DecodeStrategy.overlap_by_default``: plain and
+    # speculative decoding).
     overlap: bool | None = None
 
     def __post_init__(self):

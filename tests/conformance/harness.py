@@ -330,6 +330,10 @@ def case_device(case: GraphCase):
     base = CudaDevice if case.device.type == "cuda" else CpuDevice
 
     class CaseDevice(base):
+        # A stand-in takes the defaults of the device it stands in for (steps launched
+        # ahead on CUDA), so the CPU lane runs what the CUDA lane runs.
+        overlap_by_default = (CudaDevice if "cuda" in case.id else base).overlap_by_default
+
         def create_attention_backend(self, kv_pool, req_to_token_pool):
             return case.make_attention(kv_pool, req_to_token_pool)
 

@@ -112,7 +112,10 @@ AUTO_ORDER = (3, 1, 0, 2, 1, 3, 0, 2, 2)  # auto lengths' scripted choices (0: a
 
 def _engine_pair(case, target, strategy_for, **overrides) -> tuple[Engine, Engine]:
     """A graph engine and an eager one over ``target`` for the lockstep tests, each with a
-    strategy of its own from ``strategy_for()``; ``overrides``: the graph engine's config."""
+    strategy of its own from ``strategy_for()``; ``overrides``: the graph engine's config.
+    Each reads every step (``overlap`` False, whatever the device's default): launching
+    ahead, the graph engine would hold a second tree's slots and allocate others than the
+    eager one (``_overlap_pair`` pairs those)."""
     pair = []
     for graphs in (True, False):
         config = EngineConfig(
@@ -120,7 +123,7 @@ def _engine_pair(case, target, strategy_for, **overrides) -> tuple[Engine, Engin
             max_context_len=64,
             runner="graph" if graphs else "eager",
             graph_buckets=buckets_for(case),
-            **(overrides if graphs else {}),
+            **({"overlap": False, **overrides} if graphs else {}),
         )
         pair.append(Engine(target, config, case_device(case), strategy_for()))
     return pair[0], pair[1]
