@@ -45,7 +45,7 @@
 #     and (with 2 GPUs) TP=2 over each all-reduce
 #   bash bench/h200.sh tptests: the tensor-parallel CUDA tests
 #   bash bench/h200.sh recheck: one call after stops without a device (RECHECK_LIMIT seconds
-#     of tests, 330): first `cold` (below: its main-thread compiles by phase have not run on
+#     of tests, 300): first `cold` (below: its main-thread compiles by phase have not run on
 #     a device yet), then the CUDA tests of what those stops changed (the embedding kernel,
 #     drafts graph vs eager, rounds and plain steps launched ahead, first prompts' prefill
 #     compiled ahead), the round bench at batch 1 and 64, and the README command with
@@ -484,8 +484,9 @@ fi
 
 if [[ $what == recheck ]]; then
     # (A bare machine compiles every kernel these tests launch: the files are few, the
-    # workers the lane's, so the bench and the three runs below still fit the call.)
-    timeout "${RECHECK_LIMIT:-330}" python -m pytest tests/test_scaled_embed.py tests/test_spec.py \
+    # workers the lane's, so `cold` above (about 30 s), the tests, the bench and the three
+    # runs below fit one 600 s call.)
+    timeout "${RECHECK_LIMIT:-300}" python -m pytest tests/test_scaled_embed.py tests/test_spec.py \
         tests/test_compile_ahead.py tests/conformance/test_spec_rounds.py tests/conformance/test_overlap.py -m cuda -v \
         -p no:cacheprovider -ra -n "${CUDA_WORKERS:-14}" --dist loadfile \
         > "$OUT/tests-recheck.log" 2>&1

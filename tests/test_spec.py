@@ -577,6 +577,7 @@ def test_cuda_round_waits_on_the_device_once(
     # before it (capture synchronises): the rounds counted come after.
     engine.step()
     rounds0 = engine.stats.graph_rounds, engine.stats.spec_rounds
+    forwards0 = engine.stats.graph_steps  # one a round (every request's round in one graph)
     waits = []
     wait = HostRead.wait
 
@@ -603,8 +604,10 @@ def test_cuda_round_waits_on_the_device_once(
     assert all(r.error is None for r in reqs), [r.error for r in reqs]
     graph_rounds = engine.stats.graph_rounds - rounds0[0]
     assert graph_rounds == engine.stats.spec_rounds - rounds0[1] > 0
-    if overlap:  # a round launched during the step before settles in the steps counted
-        assert engine.stats.launched_ahead > 0 and len(waits) == graph_rounds >= 3
+    if overlap:  # a round launched in the step before settles in the steps counted, and a
+        # round launched past the requests' end settles inside a step: a wait each round
+        forwards = engine.stats.graph_steps - forwards0
+        assert engine.stats.launched_ahead > 0 and len(waits) == forwards >= 3
     else:
         assert len(waits) == rounds >= 3
     assert engine.kv_pool.available() == engine.kv_pool.num_slots

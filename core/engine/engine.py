@@ -852,11 +852,18 @@ class Engine:
             self.ledger.keep(keeping, kept)
         if outcome.released is not None:
             self.ledger.free(outcome.released)
-        for req, log in zip(reqs, outcome.rounds or ()):
-            if not req.finished:
-                req.spec_rounds.append(
-                    {"draft_tokens": log.draft_tokens, "accepted_tokens": log.accepted_tokens}
-                )
+        rounds = list(zip(reqs, outcome.rounds or ()))
+        if any(req.finished for req, _ in rounds):
+            # Rounds of requests that stopped before this step settled (a step launched past
+            # their end): dropped, so no acceptance figure counts them.
+            rounds = [(req, log) for req, log in rounds if not req.finished]
+            graph_rounds = len(rounds) if outcome.graph_rounds else 0
+            live = [log for _, log in rounds]
+            outcome = dataclasses.replace(outcome, rounds=live, graph_rounds=graph_rounds)
+        for req, log in rounds:
+            req.spec_rounds.append(
+                {"draft_tokens": log.draft_tokens, "accepted_tokens": log.accepted_tokens}
+            )
         self.stats.record_step(outcome)
         return outcome.tokens
 

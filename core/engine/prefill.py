@@ -18,10 +18,11 @@ Chunk = tuple[Request, int]  # a request and how many of its prompt tokens this 
 # The prompts (token counts, one a request) of the prefills an engine hands its graph
 # backend to compile ahead beside its graphs (``dry_prefills``). A device that compiles a
 # kernel at its first launch compiles one for each specialisation: Triton's by each int
-# argument that is 1 or a multiple of 16 (rows, requests), and the matmul path by rows
-# (up to 16 the GEMV may serve, then cuBLAS). One request of 9 tokens and two of 9 + 8
-# cover a first prompt of either path alone or beside others; a prompt of one token or
-# of a multiple of 16 still compiles its own kernels at its first prefill.
+# argument that is 1 or a multiple of 16 (on CUDA the GEMV's rows, the extend kernel's
+# requests; other kernels take rows in their grid alone), and the matmul path by rows
+# (by default up to 16 the GEMV may serve, then cuBLAS). One request of 9 tokens and two
+# of 9 + 8 cover a first prompt of either path alone or beside others; a prompt of 16
+# tokens still compiles its own GEMV at its first prefill.
 DRY_PREFILL_PROMPTS = ((9,), (9, 8))
 
 
@@ -85,7 +86,12 @@ def dry_prefills(
             yield functools.partial(_dry_prefill, ledger, forward, device, lens)
 
 
-def _dry_prefill(ledger, forward, device, lens: Sequence[int]) -> None:
+def _dry_prefill(
+    ledger: Ledger,
+    forward: Callable[[ForwardBatch], object],
+    device: torch.device,
+    lens: Sequence[int],
+) -> None:
     params = SamplingParams(max_new_tokens=1)
     reqs = [Request(rid=-1 - i, prompt_ids=[0] * n, params=params) for i, n in enumerate(lens)]
     admitted = []

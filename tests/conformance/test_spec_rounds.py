@@ -113,7 +113,7 @@ AUTO_ORDER = (3, 1, 0, 2, 1, 3, 0, 2, 2)  # auto lengths' scripted choices (0: a
 def _engine_pair(case, target, strategy_for, **overrides) -> tuple[Engine, Engine]:
     """A graph engine and an eager one over ``target`` for the lockstep tests, each with a
     strategy of its own from ``strategy_for()``; ``overrides``: the graph engine's config.
-    Each reads every step (``overlap`` False, whatever the device's default): launching
+    Both read every step (``overlap`` False, whatever the device's default): launching
     ahead, the graph engine would hold a second tree's slots and allocate others than the
     eager one (``_overlap_pair`` pairs those)."""
     pair = []
@@ -123,7 +123,7 @@ def _engine_pair(case, target, strategy_for, **overrides) -> tuple[Engine, Engin
             max_context_len=64,
             runner="graph" if graphs else "eager",
             graph_buckets=buckets_for(case),
-            **({"overlap": False, **overrides} if graphs else {}),
+            **({"overlap": False, **overrides} if graphs else {"overlap": False}),
         )
         pair.append(Engine(target, config, case_device(case), strategy_for()))
     return pair[0], pair[1]
@@ -579,6 +579,10 @@ def test_auto_lengths_plain_steps_launch_ahead_between_rounds(
     )
     assert [r.output_ids for r in got] == [r.output_ids for r in expected]
     assert [r.spec_rounds for r in got] == [r.spec_rounds for r in expected]
+    # Rounds launched past a request's end count in no acceptance figure.
+    for name in ("spec_rounds", "accept_histogram", "rounds_by_steps", "drafted_per_position"):
+        assert getattr(graph.stats, name) == getattr(eager.stats, name), name
+    assert graph.stats.spec_rounds == sum(len(r.spec_rounds) for r in got)
     assert graph.strategy.chooser.step == eager.strategy.chooser.step  # once a step
     assert launched_ahead and set(graph.stats.rounds_by_steps) == {1, 2, 3}
     assert graph.stats.eager_steps == 1  # the prefill: every plain step and verify replayed
