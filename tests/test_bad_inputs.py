@@ -111,7 +111,7 @@ def test_cuda_all_reduce_choice_is_checked_by_the_device(monkeypatch):
 
 
 def test_a_cold_triton_cache_gets_one_status_line_before_loading(tmp_path, monkeypatch, capsys):
-    """A first run compiles every kernel (half a minute on a bare H200): said before the
+    """A first run compiles every kernel (16 s on a bare H200): said before the
     silence, once, and not when the cache holds anything."""
     pytest.importorskip("triton")
     from graphrt.devices.cpu import CpuDevice

@@ -84,7 +84,8 @@ class CudaDevice(Device):
             return None
         return (
             f"compiling GPU kernels: Triton's cache ({cache}) is empty, so this first start "
-            "takes about half a minute; later starts reuse it"
+            "takes longer (16 s for the embedded pair on an H200, more for larger "
+            "models); later starts reuse it"
         )
 
     def model_ops(self, batch_invariant: bool = False):
