@@ -41,6 +41,8 @@
 #   bash bench/h200.sh lanes [steps]: the CUDA lane beside capture_oom and soakspec (one call)
 #   bash bench/h200.sh prefill [lengths] [profile]: prefill tokens/s against transformers
 #     (bench/prefill.py; profile: where each length's time goes, in $OUT/prefill.log)
+#   bash bench/h200.sh sdpa: one layer's prefill attention through SDPA by backend and call
+#     (bench/sdpa_prefill.py: graphrt's call, K/V expanded, a chunk split in two), both shapes
 #   bash bench/h200.sh tp [batch sizes|-]: all-reduce micro-bench, random:llama-8b decode at TP=1
 #     and (with 2 GPUs) TP=2 over each all-reduce
 #   bash bench/h200.sh tptests: the tensor-parallel CUDA tests
@@ -364,6 +366,14 @@ if [[ $what == prefill ]]; then
         --out "$OUT/prefill.json" ${3:+--profile} 2>&1 | grep -v "Warn\|USDT\|warn_once" \
         > "$OUT/prefill.log"
     grep -E "^ +[0-9]+ graphrt" "$OUT/prefill.log"
+fi
+
+if [[ $what == sdpa ]]; then
+    # Issue 21: which SDPA backend graphrt's long prefill chunks get, and what the others cost.
+    for shape in llama-1b gemma-global; do
+        (cd bench && python sdpa_prefill.py --shape "$shape") 2>&1 | grep -v Warning \
+            | tee "$OUT/sdpa-$shape.log"
+    done
 fi
 
 if [[ $what == profile ]]; then
