@@ -437,15 +437,13 @@ class MTPDecoding(DecodeStrategy):
             return None
         # Behind a step not read yet, the context must hold what that one may still add
         # (``in_flight``: its own length's worth, not this round's) and this round's tree.
-        if kv_lens is not None:
-            assert in_flight > 0, "behind a round: the most it may emit bounds the positions"
-            room = self.ctx.max_context_len - variant.cfg.num_draft_tokens - in_flight
-            if any(r.kv_len > room for r in reqs):
-                return None
+        n = variant.cfg.num_draft_tokens
+        if kv_lens is not None and not self.ctx.room_behind(reqs, in_flight, n):
+            return None
         packed, held, batch = self._queue_round(
             reqs, variant, graph, last_tokens, kv_lens, in_flight
         )
-        num_steps, n = variant.cfg.num_steps, variant.cfg.num_draft_tokens
+        num_steps = variant.cfg.num_steps
 
         def settle(values: list) -> StepOutcome:
             outcome = self.settle_rows(reqs, values, held, num_steps)

@@ -38,6 +38,9 @@ class LaggingLengths:
     slots: torch.Tensor  # (B,) host ids held for the new tokens (``Ledger.hold_host``)
     in_flight: int  # the most tokens the host has not counted yet: host bounds
 
+    def __post_init__(self):  # the host reads these ids as a list: never a device read
+        assert self.slots.device.type == "cpu", f"held slots on {self.slots.device}"
+
 
 @dataclass
 class HeldSlots:

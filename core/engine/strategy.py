@@ -66,6 +66,13 @@ class StepContext:
             and not self.graph_backend.one_length_list
         )
 
+    def room_behind(self, reqs: Sequence[Request], in_flight: int, tokens: int) -> bool:
+        """Can a step caching ``tokens`` more a request go behind one not read yet, which
+        may add up to ``in_flight`` the host has not counted (``LaunchedStep.uncounted``)?
+        Its furthest position must stay inside the context for every request."""
+        assert in_flight > 0, "behind a step not read yet: what it may add bounds positions"
+        return all(r.kv_len + in_flight + tokens <= self.max_context_len for r in reqs)
+
     def forward(
         self, batch: ForwardBatch, graph: BaseRunner | None, clone: bool = True
     ) -> tuple[RunnerOutput, bool]:
@@ -307,7 +314,6 @@ class PlainDecode(DecodeStrategy):
         room for all that round may emit: the host knows no position."""
         lagging = None
         if kv_lens is not None:
-            assert in_flight > 0, "behind a round: the most it may emit bounds the positions"
             if not self._launches_behind_a_round(reqs, in_flight):
                 return None
             lagging = LaggingLengths(kv_lens, self.ctx.ledger.hold_host(len(reqs)), in_flight)
@@ -352,7 +358,7 @@ class PlainDecode(DecodeStrategy):
             runner is not None
             and ctx.graphs_read_device_lengths
             and runner.serves(len(reqs))
-            and all(r.kv_len + in_flight < ctx.max_context_len for r in reqs)
+            and ctx.room_behind(reqs, in_flight, 1)
         )
 
     def cleanup(self) -> None:
