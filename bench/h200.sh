@@ -355,7 +355,11 @@ if [[ $what == cold || $what == recheck ]]; then
         grep -E "set up|tok/s" "$OUT/first-$run.txt" | head -n 3
         sed -n '/^== /,$p' "$OUT/first-$run.txt" | head -n 24
     done
-    cp "$GRAPHRT_CACHE_DIR"/*.json "$OUT/" 2>/dev/null  # the GEMV tuner's choices
+    # The GEMV tuner's choices (devices/cuda/gemv_choices/ ships a card's): its file name
+    # holds torch's '+', which the device tool does not bring back.
+    for f in "$GRAPHRT_CACHE_DIR"/*.json; do
+        [[ -f $f ]] && cp "$f" "$OUT/$(basename "$f" | tr -c 'A-Za-z0-9._\n-' _)"
+    done
     TRITON_CACHE_DIR=${kept[0]} GRAPHRT_CACHE_DIR=${kept[1]}
 fi
 

@@ -9,7 +9,8 @@ itself and ran cuDNN's flash kernel (stop 38's profile: 10.1 ms of 16 layers at 
 graphrt's 22.5 in the extend kernel then). Variants, each checked against float32 math
 first (max abs error), then timed (median of CUDA events, us a layer):
 
-- ``graphrt``: ``_causal`` as shipped, SDPA choosing its backend;
+- ``graphrt``: the reference's ``_causal``, SDPA choosing its backend (CUDA serves a chunk
+  after cached keys as ``split-cudnn`` below since stop 54, a whole prompt as this);
 - ``expanded``: K/V expanded to every query head first (timed with the copy), then
   ``is_causal`` for a whole prompt, ``CausalBias`` for a chunk;
 - ``split``: a chunk as two calls merged by their log-sum-exps (its cached keys, all
@@ -103,11 +104,17 @@ def split(q, key, value, scale, kernel: str):
 
 
 def reference(q, key, value, scale):
+    """float32 math, one query head at a time: all heads' scores at once would take 34 GB
+    (x3 with the mask and softmax) for a chunk of 8,192 after 24,576 on llama-1b's 32."""
     n, length = q.shape[2], key.shape[2]
-    key, value = expand(key, q.shape[1]).float(), expand(value, q.shape[1]).float()
-    scores = (q.float() @ key.transpose(-1, -2)) * scale
+    group = q.shape[1] // key.shape[1]
     visible = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
-    return torch.softmax(scores.masked_fill(~visible, -math.inf), -1) @ value
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # (1, H, n, D)
+    for h in range(q.shape[1]):
+        k, v = key[0, h // group].float(), value[0, h // group].float()  # (L, D)
+        scores = (q[0, h].float() @ k.T) * scale  # (n, L)
+        out[0, h] = torch.softmax(scores.masked_fill_(~visible, -math.inf), -1) @ v
+    return out
 
 
 def main() -> None:

@@ -362,6 +362,63 @@ def test_cuda_device_picks_triton_when_importable(monkeypatch):
     assert type(fallback) is TorchAttentionBackend
 
 
+@needs_triton
+def test_chunk_after_cached_keys_merges_two_calls_by_their_log_sum_exps(monkeypatch):
+    """CUDA serves a long chunk after cached keys as two cuDNN calls (the cached keys, the
+    chunk's own causally) merged by their log-sum-exps: the merge, with a float32 math
+    stand-in for cuDNN here, equals the reference's one masked call; whole prompts, head
+    dim 512 and float32 keep the reference's call, and a refused call turns it off."""
+    import math
+
+    from graphrt.core.attention.torch_ref import _causal
+    from graphrt.devices.cuda import attention as cuda_attention
+
+    calls = []
+
+    def math_with_lse(q, key, value, causal, scale):  # (1, H, n, D) x (1, H, L, D)
+        calls.append((key.shape[2], causal))
+        scores = (q.float() @ key.float().transpose(-1, -2)) * scale
+        if causal:
+            n = q.shape[2]
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+        out = torch.softmax(scores, -1) @ value.float()
+        return out.to(q.dtype), torch.logsumexp(scores, -1, keepdim=True)
+
+    monkeypatch.setattr(cuda_attention, "_cudnn_with_lse", math_with_lse)
+    pools = Pools((16,), 2, 1, 8, torch.bfloat16, "cpu")
+    backend = cuda_attention.TritonAttentionBackend(pools.kv_pool, pools.req_pool)
+    gen = torch.Generator().manual_seed(0)
+
+    def case(heads, kv_heads, n, length, dim, dtype=torch.bfloat16):
+        q = torch.randn(1, heads, n, dim, generator=gen).to(dtype)
+        key, value = (torch.randn(1, kv_heads, length, dim, generator=gen).to(dtype) for _ in "kv")
+        return q, key, value
+
+    q, key, value = case(8, 2, 6, 11, 16)
+    got = backend._causal_sdpa(q, key, value, 0.3, True)
+    want = _causal(q.float(), key.float(), value.float(), 0.3, True)
+    assert calls == [(5, False), (6, True)]
+    assert got.dtype == torch.bfloat16 and rel_err(got.float(), want) < 1e-2
+    calls.clear()
+    for heads, kv_heads, n, length, dim, dtype in (
+        (8, 2, 6, 6, 16, torch.bfloat16),  # a whole prompt: is_causal, one call
+        (4, 1, 6, 11, 512, torch.bfloat16),  # Gemma 4's full layers: the split was slower
+        (8, 2, 6, 11, 16, torch.float32),  # cuDNN takes no float32
+    ):
+        q, key, value = case(heads, kv_heads, n, length, dim, dtype)
+        got = backend._causal_sdpa(q, key, value, 0.3, heads != kv_heads)
+        assert torch.equal(got, _causal(q, key, value, 0.3, heads != kv_heads))
+    assert calls == []
+
+    def refused(*args):
+        raise RuntimeError("cuDNN SDPA: no engine for these inputs")
+
+    monkeypatch.setattr(cuda_attention, "_cudnn_with_lse", refused)
+    q, key, value = case(8, 2, 6, 11, 16)
+    got = backend._causal_sdpa(q, key, value, 0.3, True)
+    assert torch.equal(got, _causal(q, key, value, 0.3, True)) and not backend._merge_chunks
+
+
 # ---- CUDA lane -----------------------------------------------------------------------
 
 # (tolerance against the torch reference, against float64 naive attention)
@@ -402,6 +459,38 @@ def test_cuda_extend_matches_reference_and_naive(dtype, head_dim, window, group,
     assert out.dtype == dtype
     assert rel_err(out, ref) < tol_ref
     assert rel_err(out, naive) < tol_naive
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
+@pytest.mark.parametrize("head_dim, group", [(64, 4), (512, 8)])
+def test_cuda_extend_through_sdpa_launches_without_a_wait_on_fused_kernels(head_dim, group):
+    """Long chunks' SDPA calls (a whole prompt, one after a cached prefix) launch without
+    a host read (a 0-dim device index did one a layer: pytorch#105641) and on fused
+    kernels only: at Gemma 4's head dim 512 a GQA call would fall to the math kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from graphrt.devices.cuda.attention import TritonAttentionBackend
+
+    num_kv_heads = 2
+    chunks = [(0, 600), (700, 600), (0, 37)]
+    pools = Pools((head_dim,), num_kv_heads, len(chunks), 1400, torch.bfloat16, "cuda", seed=3)
+    batch = extend_batch(pools, chunks)
+    spec = AttentionSpec(group * num_kv_heads, num_kv_heads, head_dim, head_dim**-0.5, 0)
+    q, k, v = pools.qkv(batch.num_tokens, spec)
+    backend = TritonAttentionBackend(pools.kv_pool, pools.req_pool, sdpa_min_chunk=500)
+    backend.init_forward_metadata(batch)  # (its host-to-device copies come before)
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with sdpa_kernel(fused):
+            out = backend.forward(q, k, v, spec, batch).view(-1, spec.num_heads, head_dim)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    naive = naive_extend(pools, q.view(batch.num_tokens, -1, head_dim), spec, batch)
+    assert rel_err(out, naive) < CUDA_TOLERANCES[torch.bfloat16][1]
 
 
 @pytest.mark.cuda

@@ -409,8 +409,8 @@ def test_the_tuners_choices_survive_the_process_on_disk(tmp_path):
 @needs_triton
 def test_shipped_choices_serve_a_fresh_machine_after_its_own(tmp_path):
     """A card's shipped choices (devices/cuda/gemv_choices) answer where the machine's own
-    cache has none, under the same candidates only; its own cache answers first. The
-    shipped H200 file holds configurations this code can build."""
+    cache has none, under the same candidates only; its own cache answers first. Each
+    shipped card's file holds configurations this code can build."""
     from graphrt.devices.cuda.gemv_tuner import CUBLAS, GemvTuner, _disk_key, shipped_path
     from graphrt.devices.cuda.triton_gemv import GemvConfig, configs_for
 
@@ -430,8 +430,9 @@ def test_shipped_choices_serve_a_fresh_machine_after_its_own(tmp_path):
     again = GemvTuner()
     again.use_cache(tmp_path / "own.json", shipped)
     assert again.recall(key, candidates) == candidates[1]
-    h200 = json.loads(shipped_path("NVIDIA H200").read_text())
-    assert h200 and all(v is None or GemvConfig(**v) for v in h200.values())
+    for card in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+        choices = json.loads(shipped_path(card).read_text())
+        assert choices and all(v is None or GemvConfig(**v) for v in choices.values()), card
 
 
 def test_non_decode_matmuls_stay_with_torch():

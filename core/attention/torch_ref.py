@@ -27,6 +27,11 @@ class TorchAttentionMetadata:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    # The longest head dim whose prefill SDPA call may leave K/V at their own heads
+    # (``enable_gqa``); longer ones get K/V expanded to every query head first. None: any
+    # (the CPU's kernels take GQA at every head dim). A device whose fused kernels refuse
+    # GQA beyond some head dim sets it: SDPA would fall back to its math kernel.
+    sdpa_gqa_max_head_dim: int | None = None
 
     def __init__(self, kv_pool, req_to_token_pool, capture_safe: bool = True):
         super().__init__(kv_pool, req_to_token_pool)
@@ -128,7 +133,8 @@ class TorchAttentionBackend(AttentionBackend):
         return out.transpose(1, 2).reshape(bs * n, spec.num_heads, spec.head_dim).to(q.dtype)
 
     def _extend(self, q: torch.Tensor, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
-        # One SDPA per request (prefill runs eager). Host lengths only: no syncs.
+        # One SDPA per request (prefill runs eager). Host lengths and no 0-dim device
+        # index (see _extend_request): no syncs.
         out = torch.empty_like(q)
         start = 0
         for i, n_new in enumerate(batch.extend_lens_cpu):
@@ -155,14 +161,22 @@ class TorchAttentionBackend(AttentionBackend):
         new = slice(start, start + n_new)
         # The chunk's first query (position ``prefix``) sees keys past prefix - window.
         first = 0 if window is None else max(0, prefix - window + 1)
-        slots = torch.cat(
-            [req_to_token[batch.req_pool_indices[i], first:prefix], batch.out_cache_loc[new]]
-        )  # (L,): positions first .. prefix + n_new - 1
+        # HAZARD: the row through a (1,) index, never req_pool_indices[i]: indexing with a
+        # 0-dim device tensor reads it to the host (pytorch#105641), a wait on the device
+        # every layer (16 a step of an 8k llama-1b prompt, 10 of its 52 ms on an H100).
+        row = req_to_token[batch.req_pool_indices[i : i + 1], first:prefix][0]
+        # (L,): positions first .. prefix + n_new - 1
+        slots = torch.cat([row, batch.out_cache_loc[new]])
         key = k_buf[slots].transpose(0, 1).unsqueeze(0)  # (1, Hkv, L, D)
         value = v_buf[slots].transpose(0, 1).unsqueeze(0)
+        limit = self.sdpa_gqa_max_head_dim
+        if gqa and limit is not None and spec.head_dim > limit:
+            group = spec.num_heads // spec.num_kv_heads
+            key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+            gqa = False
         q_i = q[new].transpose(0, 1).unsqueeze(0).to(key.dtype)  # (1, H, n, D)
         if window is None:
-            o = _causal(q_i, key, value, spec.scaling, gqa)
+            o = self._causal_sdpa(q_i, key, value, spec.scaling, gqa)
         else:
             q_pos = batch.positions[new].unsqueeze(1)  # (n, 1)
             k_pos = torch.cat([torch.arange(first, prefix, device=q.device), q_pos[:, 0]])
@@ -171,6 +185,12 @@ class TorchAttentionBackend(AttentionBackend):
                 q_i, key, value, attn_mask=visible, scale=spec.scaling, enable_gqa=gqa
             )
         out[new] = o[0].transpose(0, 1).to(q.dtype)
+
+    def _causal_sdpa(
+        self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, gqa: bool
+    ) -> torch.Tensor:
+        """A chunk's causal attention (see _causal); a device may serve it otherwise."""
+        return _causal(q, key, value, scale, gqa)
 
 
 def _causal(
