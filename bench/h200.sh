@@ -3,6 +3,7 @@
 # generate, and the decode benchmark. Logs and JSON under $OUT; a short
 # table prints last. Usage: bash bench/h200.sh [tests|bench|spec|all] [bench runners] [spec topks]
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
+#   bash bench/h200.sh pytest "FILES [pytest args]": those CUDA tests (CUDA_WORKERS, 8)
 #   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
 #   bash bench/h200.sh round [topk] [kernels listed] [batch sizes]: bench/profile_round.py
 #   bash bench/h200.sh ab DIR "MODE ARGS": MODE with this tree's package, then DIR's, twice
@@ -150,6 +151,13 @@ if [[ $what == kernels ]]; then
         tests/test_centroid_ops.py tests/test_scaled_embed.py -m cuda \
         -q -p no:cacheprovider -ra ${2:+-k "$2"} 2>&1 \
         | tee "$OUT/tests-kernels.log" | tail -n 25
+fi
+
+if [[ $what == pytest ]]; then
+    # Some CUDA tests with this tree's package and the carried caches: the files or pytest
+    # arguments in $2, in CUDA_WORKERS processes (8).
+    python -m pytest $2 -m cuda -q -p no:cacheprovider -ra -n "${CUDA_WORKERS:-8}" \
+        --dist loadfile 2>&1 | tee "$OUT/tests-pytest.log" | tail -n 15
 fi
 
 if [[ $what == auto ]]; then
