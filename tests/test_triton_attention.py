@@ -465,13 +465,23 @@ def test_cuda_extend_matches_reference_and_naive(dtype, head_dim, window, group,
 @needs_gpu
 @needs_triton
 @pytest.mark.parametrize("head_dim, group", [(64, 4), (512, 8)])
-def test_cuda_extend_through_sdpa_launches_without_a_wait_on_fused_kernels(head_dim, group):
+def test_cuda_extend_through_sdpa_launches_without_a_wait_on_fused_kernels(
+    head_dim, group, monkeypatch
+):
     """Long chunks' SDPA calls (a whole prompt, one after a cached prefix) launch without
     a host read (a 0-dim device index did one a layer: pytorch#105641) and on fused
-    kernels only: at Gemma 4's head dim 512 a GQA call would fall to the math kernel."""
+    kernels only: at Gemma 4's head dim 512 a GQA call would fall to the math kernel.
+    The chunk after its prefix takes cuDNN's two calls at head dim 64 (none refused)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from graphrt.devices.cuda import attention as cuda_attention
     from graphrt.devices.cuda.attention import TritonAttentionBackend
+
+    merged = []
+    real = cuda_attention._cudnn_with_lse
+    monkeypatch.setattr(
+        cuda_attention, "_cudnn_with_lse", lambda *a: (merged.append(a[3]), real(*a))[1]
+    )
 
     num_kv_heads = 2
     chunks = [(0, 600), (700, 600), (0, 37)]
@@ -491,6 +501,7 @@ def test_cuda_extend_through_sdpa_launches_without_a_wait_on_fused_kernels(head_
         torch.cuda.set_sync_debug_mode(0)
     naive = naive_extend(pools, q.view(batch.num_tokens, -1, head_dim), spec, batch)
     assert rel_err(out, naive) < CUDA_TOLERANCES[torch.bfloat16][1]
+    assert merged == ([False, True] if head_dim <= 256 else []) and backend._merge_chunks
 
 
 @pytest.mark.cuda
