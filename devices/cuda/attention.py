@@ -53,6 +53,8 @@ from graphrt.devices.cuda.triton_verify_onepass import onepass_verify_attention
 # 8,192 tokens; the kernel 62 against 181 at 512, where SDPA's dozen host-side ops a call
 # also count). Windowed layers keep the kernel: SDPA would need an n x L mask there.
 SDPA_MIN_CHUNK = 4096
+# The longest head dim SDPA's flash and cuDNN kernels take (Hopper, torch 2.11).
+FUSED_SDPA_MAX_HEAD_DIM = 256
 
 
 @dataclass
@@ -75,11 +77,11 @@ class TritonAttentionMetadata(TorchAttentionMetadata):
 
 class TritonAttentionBackend(TorchAttentionBackend):
     name = "triton"
-    # SDPA's flash and cuDNN kernels take head dims up to 256; the memory-efficient one
+    # Past flash's and cuDNN's head dims only the memory-efficient kernel is left, which
     # takes Gemma 4's 512 but no GQA, so a GQA call fell to the math kernel: 31.7 ms a
     # layer for an 8k prompt against 5.3 with K/V expanded (H100, torch 2.11,
     # bench/sdpa_prefill.py --shape gemma-global).
-    sdpa_gqa_max_head_dim = 256
+    sdpa_gqa_max_head_dim = FUSED_SDPA_MAX_HEAD_DIM
 
     def __init__(
         self,
@@ -247,7 +249,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
         in both). Not at Gemma 4's head dim 512, where the split was slower (19.2 against
         17.0 ms), nor float32, which cuDNN does not take."""
         n, length, head_dim = q.shape[2], key.shape[2], q.shape[3]
-        if n == length or head_dim > 256 or q.dtype == torch.float32 or not self._merge_chunks:
+        wide = head_dim > FUSED_SDPA_MAX_HEAD_DIM
+        if n == length or wide or q.dtype == torch.float32 or not self._merge_chunks:
             return super()._causal_sdpa(q, key, value, scale, gqa)
         if gqa:  # (cuDNN's calls below take as many KV heads as query heads)
             group = q.shape[1] // key.shape[1]
