@@ -255,7 +255,9 @@ class TritonAttentionBackend(TorchAttentionBackend):
         if gqa:  # (cuDNN's calls below take as many KV heads as query heads)
             group = q.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-        cached = length - n
+        # The layouts bench/sdpa_prefill.py checked the merge on: q contiguous (the chunk's
+        # rows come strided, (1, H, n, D) over (n, H, D)), K/V expanded and sliced.
+        q, cached = q.contiguous(), length - n
         try:
             o1, lse1 = _cudnn_with_lse(q, key[:, :, :cached], value[:, :, :cached], False, scale)
             o2, lse2 = _cudnn_with_lse(q, key[:, :, cached:], value[:, :, cached:], True, scale)
