@@ -51,8 +51,10 @@
 #     of tests, 300): first `cold` (below: its main-thread compiles by phase have not run on
 #     a device yet), then the CUDA tests of what those stops changed (the embedding kernel,
 #     drafts graph vs eager, rounds and plain steps launched ahead, first prompts' prefill
-#     compiled ahead), the round bench at batch 1 and 64, and the README command with
-#     --no-draft, auto (steps launched ahead: the CUDA default), and auto --no-overlap
+#     compiled ahead, long prefill chunks on SDPA), the round bench at batch 1 and 64, and
+#     the README command with --no-draft, auto (steps launched ahead: the CUDA default),
+#     and auto --no-overlap; then
+#     prefill against transformers at 512, 8k and 32k (stop 54's attention changes)
 #   bash bench/h200.sh serve [requests] [llama-1b,pair] [1,16,64] [check|nocheck]: graphrt
 #     serve (issue 23): the openai client's streams against offline greedy (embedded pair,
 #     drafting, float32), then the load test (bench/serve_load.py) on random:llama-1b and
@@ -509,7 +511,8 @@ if [[ $what == recheck ]]; then
     # workers the lane's, so `cold` above (about 30 s), the tests, the bench and the three
     # runs below fit one 600 s call.)
     timeout "${RECHECK_LIMIT:-300}" python -m pytest tests/test_scaled_embed.py tests/test_spec.py \
-        tests/test_compile_ahead.py tests/conformance/test_spec_rounds.py tests/conformance/test_overlap.py -m cuda -v \
+        tests/test_compile_ahead.py tests/conformance/test_spec_rounds.py tests/conformance/test_overlap.py \
+        tests/test_triton_attention.py -m cuda -v \
         -p no:cacheprovider -ra -n "${CUDA_WORKERS:-14}" --dist loadfile \
         > "$OUT/tests-recheck.log" 2>&1
     echo "recheck tests exit $?"; grep -E "\] (FAILED|ERROR)" "$OUT/tests-recheck.log" | sort -u | head -n 20
@@ -524,6 +527,9 @@ if [[ $what == recheck ]]; then
             "$OUT/run.json" "pair ${flags:-auto}"
     done
     rm -f "$OUT/run.json" "$OUT/run.err"
+    # Stop 54's prefill changes (no wait a layer, long chunks on cuDNN): against transformers.
+    python bench/prefill.py --model random:llama-1b --lens 512,8192,32768 \
+        --out "$OUT/prefill.json" 2>&1 | grep -E "^ +[0-9]+ graphrt"
 fi
 
 if [[ $what == bench || $what == all ]]; then
