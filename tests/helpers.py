@@ -179,6 +179,22 @@ def chi2_stat(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return stat, int(keep.sum())
 
 
+# Ops that read a tensor's value to the host (item(), int(t), a 0-dim tensor used as an
+# index, nonzero): on a GPU each is a wait on the device. tolist() and .cpu(), the engine's
+# one intended read a step, dispatch none of them on the CPU.
+HOST_READS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero"})
+
+
+def host_reads(run) -> list[str]:
+    """The HOST_READS ops ``run()`` dispatches, seen through torch.profiler (not a dispatch
+    mode: torch's CausalBias cannot be made under one)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    names = [event.name for event in prof.events()]
+    assert "aten::empty" in names or "aten::add" in names  # (it records aten ops)
+    return [name for name in names if name in HOST_READS]
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max|a - b| / max|b|: the parity metric of DESIGN.md ("within 1e-4 relative")."""
     actual, expected = actual.double(), expected.double()

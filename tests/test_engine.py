@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from helpers import CPU, cpu_engine, random_prompts
+from helpers import CPU, cpu_engine, host_reads, random_prompts
 
 from graphrt.core.engine import Engine, FinishReason, SamplingParams
 from graphrt.core.engine.sampling import filtered_probs, sample, sampling_rows
@@ -413,3 +413,18 @@ def test_overlap_left_unset_takes_the_devices_default(loaded):
     assert PlainDecode.overlap_by_default and MTPDecoding.overlap_by_default
     engine = cpu_engine(loaded, ReadEachStep(), Overlapping(), max_context_len=64)
     assert engine.config.overlap is False
+
+
+def test_a_decode_step_reads_no_value_to_the_host_but_its_tokens(llama_gqa_untied):
+    """A plain step over greedy and sampled rows reads no tensor value to the host beyond
+    its tokens (tolist, none of HOST_READS): on CUDA a stray read is a wait on the device
+    that also stops the next step being launched ahead."""
+    engine = cpu_engine(load_model(str(llama_gqa_untied.path), CPU, torch.float32))
+    engine.add_requests(random_prompts([5, 9], seed=1), SamplingParams(max_new_tokens=8))
+    sampled = SamplingParams(max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9)
+    engine.add_requests(random_prompts([7], seed=2), sampled)
+    for _ in range(3):  # prefill, then plain steps
+        engine.step()
+    before = [len(r.output_ids) for r in engine.running]
+    assert host_reads(engine.step) == []
+    assert [len(r.output_ids) for r in engine.running] == [n + 1 for n in before]

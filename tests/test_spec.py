@@ -14,6 +14,7 @@ from helpers import (
     cli_error_line,
     cpu_engine,
     hf_greedy,
+    host_reads,
     needs_gpu,
     random_prompts,
 )
@@ -624,3 +625,19 @@ def test_cli_spec_bench_refuses_a_missing_out_directory_before_running(
         assert main([*argv[:3], *draft, "--out", str(out), "--device", "cpu"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "does not exist" in err[0], err
+
+
+@pytest.mark.parametrize("topk", [1, 3])
+def test_a_round_reads_no_value_to_the_host_but_its_outcome(gemma4_tiny, gemma4_assistant, topk):
+    """A speculative round (drafts, verify, acceptance, greedy and sampled rows) reads no
+    tensor value to the host beyond its packed outcome (none of HOST_READS): on CUDA a
+    stray read is a wait on the device inside the round."""
+    engine = spec_engine(gemma4_tiny, gemma4_assistant, 3, topk)
+    engine.add_requests(random_prompts([9, 16], seed=1), SamplingParams(max_new_tokens=20))
+    sampled = SamplingParams(max_new_tokens=20, temperature=0.8)
+    engine.add_requests(random_prompts([12], seed=2), sampled)
+    for _ in range(3):  # prefill, then rounds
+        engine.step()
+    rounds, running = engine.stats.spec_rounds, len(engine.running)
+    assert host_reads(engine.step) == []
+    assert engine.stats.spec_rounds == rounds + running  # (one a request)
