@@ -35,7 +35,8 @@ from extend_blocks import timed_us
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from graphrt.core.attention.torch_ref import _causal
+from graphrt.core.attention.torch_ref import _causal, expand_kv_heads
+from graphrt.devices.cuda.attention import cudnn_with_lse, merge_by_lse
 
 SHAPES = {"llama-1b": (32, 8, 64), "gemma-global": (8, 1, 512)}  # heads, KV heads, head_dim
 CASES = {  # name: (cached tokens, new tokens)
@@ -52,15 +53,10 @@ BACKENDS = {
 }
 
 
-def expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
-    """(1, Hkv, L, D) -> (1, heads, L, D), each KV head repeated for its query group."""
-    return kv.repeat_interleave(heads // kv.shape[1], 1)
-
-
 def expanded(q, key, value, scale):
     """K/V expanded, then SDPA: ``is_causal`` for a whole prompt, lower-right otherwise."""
     n, length = q.shape[2], key.shape[2]
-    key, value = expand(key, q.shape[1]), expand(value, q.shape[1])
+    key, value = expand_kv_heads(key, value, q.shape[1])
     mask = None if n == length else causal_lower_right(n, length)
     return F.scaled_dot_product_attention(
         q, key, value, attn_mask=mask, is_causal=n == length, scale=scale
@@ -68,39 +64,35 @@ def expanded(q, key, value, scale):
 
 
 def with_lse(q, key, value, causal: bool, scale: float, kernel: str):
-    """SDPA's output and log-sum-exp, (1, H, n, D) and (1, H, n) float32, from ``kernel``
-    (flash or cudnn, as aten returns them; math on the CPU, for the check)."""
+    """SDPA's output and log-sum-exp, (1, H, n, D) and (1, H, n, 1) float32, from ``kernel``
+    (flash as aten returns them, or cuDNN as graphrt calls it; math on the CPU, the check)."""
     if not q.is_cuda:
         scores = (q.float() @ key.float().transpose(-1, -2)) * scale
         if causal:
             n = q.shape[2]
             scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
-        lse = torch.logsumexp(scores, -1)
+        lse = torch.logsumexp(scores, -1, keepdim=True)
         return (torch.softmax(scores, -1) @ value.float()).to(q.dtype), lse
-    if kernel == "flash":
-        out = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, key, value, 0.0, causal, False, scale=scale
-        )
-    else:
-        out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, key, value, None, True, 0.0, causal, False, scale=scale
-        )
-    return out[0], out[1].float().reshape(q.shape[:3])  # (cuDNN's has a trailing 1)
+    if kernel == "cudnn":
+        return cudnn_with_lse(q, key, value, causal, scale)
+    out = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, key, value, 0.0, causal, False, scale=scale
+    )
+    return out[0], out[1].float().reshape(*q.shape[:3], 1)
 
 
 def split(q, key, value, scale, kernel: str):
     """A chunk after cached keys as two calls merged by their log-sum-exps (a whole prompt:
     one ``is_causal`` call)."""
     n, length = q.shape[2], key.shape[2]
-    key, value = expand(key, q.shape[1]), expand(value, q.shape[1])
+    key, value = expand_kv_heads(key, value, q.shape[1])
     if n == length:
         return with_lse(q, key, value, True, scale, kernel)[0]
     cached = length - n
-    o1, l1 = with_lse(q, key[:, :, :cached], value[:, :, :cached], False, scale, kernel)
-    o2, l2 = with_lse(q, key[:, :, cached:], value[:, :, cached:], True, scale, kernel)
-    top = torch.maximum(l1, l2)
-    w1, w2 = torch.exp(l1 - top).unsqueeze(-1), torch.exp(l2 - top).unsqueeze(-1)
-    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
+    return merge_by_lse(
+        *with_lse(q, key[:, :, :cached], value[:, :, :cached], False, scale, kernel),
+        *with_lse(q, key[:, :, cached:], value[:, :, cached:], True, scale, kernel),
+    )
 
 
 def reference(q, key, value, scale):

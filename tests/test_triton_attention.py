@@ -384,7 +384,7 @@ def test_chunk_after_cached_keys_merges_two_calls_by_their_log_sum_exps(monkeypa
         out = torch.softmax(scores, -1) @ value.float()
         return out.to(q.dtype), torch.logsumexp(scores, -1, keepdim=True)
 
-    monkeypatch.setattr(cuda_attention, "_cudnn_with_lse", math_with_lse)
+    monkeypatch.setattr(cuda_attention, "cudnn_with_lse", math_with_lse)
     pools = Pools((16,), 2, 1, 8, torch.bfloat16, "cpu")
     backend = cuda_attention.TritonAttentionBackend(pools.kv_pool, pools.req_pool)
     gen = torch.Generator().manual_seed(0)
@@ -413,7 +413,7 @@ def test_chunk_after_cached_keys_merges_two_calls_by_their_log_sum_exps(monkeypa
     def refused(*args):
         raise RuntimeError("cuDNN SDPA: no engine for these inputs")
 
-    monkeypatch.setattr(cuda_attention, "_cudnn_with_lse", refused)
+    monkeypatch.setattr(cuda_attention, "cudnn_with_lse", refused)
     q, key, value = case(8, 2, 6, 11, 16)
     got = backend._causal_sdpa(q, key, value, 0.3, True)
     assert torch.equal(got, _causal(q, key, value, 0.3, True)) and not backend._merge_chunks
@@ -478,9 +478,9 @@ def test_cuda_extend_through_sdpa_launches_without_a_wait_on_fused_kernels(
     from graphrt.devices.cuda.attention import TritonAttentionBackend
 
     merged = []
-    real = cuda_attention._cudnn_with_lse
+    real = cuda_attention.cudnn_with_lse
     monkeypatch.setattr(
-        cuda_attention, "_cudnn_with_lse", lambda *a: (merged.append(a[3]), real(*a))[1]
+        cuda_attention, "cudnn_with_lse", lambda *a: (merged.append(a[3]), real(*a))[1]
     )
 
     num_kv_heads = 2

@@ -171,8 +171,7 @@ class TorchAttentionBackend(AttentionBackend):
         value = v_buf[slots].transpose(0, 1).unsqueeze(0)
         limit = self.sdpa_gqa_max_head_dim
         if gqa and limit is not None and spec.head_dim > limit:
-            group = spec.num_heads // spec.num_kv_heads
-            key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+            key, value = expand_kv_heads(key, value, spec.num_heads)
             gqa = False
         q_i = q[new].transpose(0, 1).unsqueeze(0).to(key.dtype)  # (1, H, n, D)
         if window is None:
@@ -210,8 +209,16 @@ def _causal(
     from torch.nn.attention.bias import causal_lower_right
 
     if gqa:  # CausalBias's kernels take as many KV heads as query heads
-        group = q.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+        key, value = expand_kv_heads(key, value, q.shape[1])
     return F.scaled_dot_product_attention(
         q, key, value, attn_mask=causal_lower_right(n, length), scale=scale
     )
+
+
+def expand_kv_heads(
+    key: torch.Tensor, value: torch.Tensor, num_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V (1, Hkv, L, D) -> (1, num_heads, L, D) each, every KV head repeated for its
+    group of query heads: for SDPA kernels that take no GQA."""
+    group = num_heads // key.shape[1]
+    return key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)

@@ -34,7 +34,11 @@ from dataclasses import dataclass, fields
 import torch
 
 from graphrt.core.attention.base import AttentionSpec, KVWrite
-from graphrt.core.attention.torch_ref import TorchAttentionBackend, TorchAttentionMetadata
+from graphrt.core.attention.torch_ref import (
+    TorchAttentionBackend,
+    TorchAttentionMetadata,
+    expand_kv_heads,
+)
 from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.errors import GraphrtError
 from graphrt.devices.cuda.triton_decode import (
@@ -253,20 +257,17 @@ class TritonAttentionBackend(TorchAttentionBackend):
         if n == length or wide or q.dtype == torch.float32 or not self._merge_chunks:
             return super()._causal_sdpa(q, key, value, scale, gqa)
         if gqa:  # (cuDNN's calls below take as many KV heads as query heads)
-            group = q.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+            key, value = expand_kv_heads(key, value, q.shape[1])
         # The layouts bench/sdpa_prefill.py checked the merge on: q contiguous (the chunk's
         # rows come strided, (1, H, n, D) over (n, H, D)), K/V expanded and sliced.
         q, cached = q.contiguous(), length - n
         try:
-            o1, lse1 = _cudnn_with_lse(q, key[:, :, :cached], value[:, :, :cached], False, scale)
-            o2, lse2 = _cudnn_with_lse(q, key[:, :, cached:], value[:, :, cached:], True, scale)
+            cached_part = cudnn_with_lse(q, key[:, :, :cached], value[:, :, :cached], False, scale)
+            own_part = cudnn_with_lse(q, key[:, :, cached:], value[:, :, cached:], True, scale)
         except RuntimeError:  # this torch or cuDNN refuses the call: the reference's, from now
             self._merge_chunks = False
             return super()._causal_sdpa(q, key, value, scale, False)
-        top = torch.maximum(lse1, lse2)  # (1, H, n, 1)
-        w1, w2 = torch.exp(lse1 - top), torch.exp(lse2 - top)
-        return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)  # (1, H, n, D)
+        return merge_by_lse(*cached_part, *own_part)  # (1, H, n, D)
 
     # ---- scratch -----------------------------------------------------------------
 
@@ -305,7 +306,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
         return scratch
 
 
-def _cudnn_with_lse(
+def cudnn_with_lse(
     q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cuDNN's SDPA with its log-sum-exp (the public call returns no log-sum-exp):
@@ -314,3 +315,13 @@ def _cudnn_with_lse(
         q, key, value, None, True, 0.0, causal, False, scale=scale
     )
     return out[0], out[1].float().reshape(*q.shape[:3], 1)
+
+
+def merge_by_lse(
+    out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
+) -> torch.Tensor:
+    """Attention over two disjoint sets of keys, (1, H, n, D) each with its (1, H, n, 1)
+    log-sum-exp, as one over both: each weighed by its share of the softmax's sum."""
+    top = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - top), torch.exp(lse2 - top)
+    return ((out1.float() * w1 + out2.float() * w2) / (w1 + w2)).to(out1.dtype)
