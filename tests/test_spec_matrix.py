@@ -9,15 +9,24 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def test_the_matrix_measures_the_pairs_cells_and_traces_auto(tmp_path, monkeypatch):
+@pytest.fixture
+def matrix(monkeypatch):
     spec = importlib.util.spec_from_file_location("spec_matrix", BENCH / "spec_matrix.py")
-    matrix = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "spec_matrix", matrix)  # its dataclasses look it up
-    spec.loader.exec_module(matrix)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "spec_matrix", module)  # its dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_matrix_measures_the_pairs_cells_and_traces_auto(matrix, tmp_path, monkeypatch):
     out, trace = tmp_path / "matrix.json", tmp_path / "trace.jsonl"
     # 72 tokens: auto tries no round (so weighs nothing) in a batch with fewer than 64
     # left before one has measured acceptance.
@@ -38,3 +47,30 @@ def test_the_matrix_measures_the_pairs_cells_and_traces_auto(tmp_path, monkeypat
     assert {line["cell"] for line in lines} == labels
     weighed = [line for line in lines if line["tokens"] is not None]
     assert weighed and all(len(line["weighed_ms"]) == 6 for line in weighed)
+
+
+@pytest.mark.parametrize("rate", [0.5, 0.7, 0.9])
+def test_the_oracle_accepts_each_row_at_its_rate_round_after_round(matrix, rate):
+    """Every row of every round passes draft depth d with frequency rate ** d, within
+    about one round in the count: the matrix compares modes at their expected acceptance
+    (independent coins miss by 0.03 in 300 rounds; a row's 128 tokens once accepted 15%
+    over expectation and auto read as 0.87 of the best mode)."""
+    batch, nodes, rounds = 8, 6, 300
+    seen = []
+    oracle = matrix.CoinAcceptance(lambda tree, forced, room: seen.append(forced), "cpu")
+    oracle.rate.fill_(rate)
+    tree = SimpleNamespace(
+        tokens=torch.arange(1, nodes + 1).repeat(batch, 1),  # (B, n) a chain's drafts
+        depth=torch.arange(nodes).repeat(batch, 1),
+    )
+    target = torch.zeros(batch, nodes, dtype=torch.long)  # never what was drafted
+    for _ in range(rounds):
+        oracle(tree, target, torch.full((batch,), 100))
+    forced = torch.stack(seen)  # (rounds, B, n)
+    passed = forced[:, :, :-1] == tree.tokens[:, 1:]  # (rounds, B, n - 1): depths 1..n-1
+    chains = passed.int().cumprod(-1).bool()  # a depth passes only where its parent did
+    assert torch.equal(chains, passed)
+    expected = rate ** torch.arange(1, nodes, dtype=torch.float64)
+    by_row = passed.double().mean(0)  # (B, n - 1)
+    assert (by_row - expected).abs().max() < 2.5 / rounds
+    assert not torch.equal(passed[:, 0], passed[:, 1])  # rows accept apart
