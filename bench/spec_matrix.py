@@ -7,8 +7,8 @@ Rows: models x batch sizes; columns: plain decoding, rounds of 1 to 5 draft step
 - ``oracle-<rate>``: random:gemma4-e2b with its random assistant, whose drafts an oracle
   accepts at a set rate per position (``CoinAcceptance``): the assistant's draft graph and
   the verify graph run as ever (their cost is real), and each drafted node counts as the
-  target's own token with probability ``rate`` given its parent's (a low-discrepancy
-  sequence a row, so that every mode accepts at its expectation, not at its luck).
+  target's own token with probability ``rate`` given its parent's (a stratified
+  stream a row, so that every mode accepts close to its expectation, not at its luck).
 
 Each cell: one engine per mode (all built first, graphs captured once, reused across
 cells), its requests of ``--tokens`` new tokens each, after one warm-up generate at that
@@ -71,17 +71,20 @@ class CoinAcceptance:
 
     The engines' acceptance rule (``MTPDecoding(accept_rule=...)``): the assistant's
     drafts stay as drafted, and node d of a chain counts as the target's own token where
-    ``u < rate ** d``, one ``u`` a row and round, after which the real acceptance walks
-    the path, commits it and emits it. So a round accepts at least d drafts with
+    ``u < rate ** d``, one uniform ``u`` a row and round, after which the real acceptance
+    walks the path, commits it and emits it. So a round accepts at least d drafts with
     probability ``rate ** d``, as independent coins per position would give.
 
-    ``u`` is a row's Weyl sequence (its round count times the golden ratio's fraction,
-    offset by the row), not a random draw: over N rounds a row's accept lengths match
-    their expectation within about 1/N, where coins drift by 1/sqrt(N). With coins, one
+    ``u`` comes from a stratified stream: each block of ``STRATA`` rounds takes one value
+    from each 1/STRATA of [0, 1), in a random order, so a row's accept lengths match their
+    expectation over a few blocks where coins drift by 1/sqrt(rounds). With coins, one
     request's 128 tokens at rate 0.9 accepted 5.38 a round in rounds of 5 (expected 4.69)
     and auto's rounds 4.45, which read as auto at 0.87 of the best mode (H100, stop 53):
-    a measure of luck, not of the chooser. The rows' offsets spread a round's ``u`` over
-    the batch, so a batch accepts close to its expectation every round.
+    a measure of luck, not of the chooser. Not a Weyl sequence (round x golden ratio,
+    tried): its rounds alternate (at rate 0.5 a round after an accepting one accepted
+    with probability 0.24), which misleads a chooser that follows recent acceptance; here
+    neighbouring rounds correlate by -1/(STRATA - 1). Each row reads its own part of the
+    stream.
 
     Comparing drafts with a greedy continuation computed beforehand does not work in
     bfloat16 on a random target: its top logits are within rounding of each other, so
@@ -90,25 +93,30 @@ class CoinAcceptance:
     this measures speed only. Costs a few small kernels a round inside the verify graph.
     Chains only (topk 1)."""
 
-    GOLDEN = 0.6180339887498949  # the golden ratio's fraction: the Weyl step of least discrepancy
-    ROW_OFFSET = 0.4142135623730951  # sqrt(2)'s fraction: rows' sequences start apart
+    STRATA = 32  # rounds a block; its u values are one per stratum of [0, 1)
+    BLOCKS = 4096
+    ROW_STRIDE = 97  # blocks between rows' starts (coprime to BLOCKS: every row apart)
     MAX_ROWS = 4096
 
-    def __init__(self, real_accept, device):
+    def __init__(self, real_accept, device, seed: int = 0):
         self.real_accept = real_accept
         self.rate = torch.zeros((), device=device)  # a device scalar: captured graphs read it
+        generator = torch.Generator().manual_seed(seed)
+        order = torch.rand(self.BLOCKS, self.STRATA, generator=generator).argsort(dim=1)
+        jitter = torch.rand(self.BLOCKS, self.STRATA, generator=generator)
+        self.stream = ((order + jitter) / self.STRATA).flatten().to(device)  # (BLOCKS*STRATA,)
+        rows = torch.arange(self.MAX_ROWS, device=device)
+        self.starts = rows * self.ROW_STRIDE * self.STRATA % self.stream.numel()
         # Each row's rounds so far: state the captured graphs advance on every replay.
-        # float64: the fraction of round x golden keeps 1e-12 of precision to 1e4 rounds.
-        self.rounds = torch.zeros(self.MAX_ROWS, dtype=torch.float64, device=device)
-        rows = torch.arange(self.MAX_ROWS, dtype=torch.float64, device=device)
-        self.row_offsets = torch.frac(rows * self.ROW_OFFSET)
+        self.rounds = torch.zeros(self.MAX_ROWS, dtype=torch.long, device=device)
         self.max_context_len = 0  # set per engine (acceptance is given the context's room)
 
     def __call__(self, tree, target_tokens, max_accept):
         batch = tree.tokens.shape[0]
-        u = torch.frac(self.rounds[:batch] * self.GOLDEN + self.row_offsets[:batch])  # (B,)
+        at = (self.starts[:batch] + self.rounds[:batch]) % self.stream.numel()
+        u = self.stream[at]  # (B,)
         self.rounds[:batch] += 1
-        passed = u.unsqueeze(1) < self.rate.double() ** tree.depth  # (B, n); depth 0 passes
+        passed = u.unsqueeze(1) < self.rate**tree.depth  # (B, n); depth 0 passes
         # A chain's node j + 1 hangs off node j: where it passes, the target "emitted" it.
         forced = target_tokens.clone()
         forced[:, :-1] = torch.where(passed[:, 1:], tree.tokens[:, 1:], target_tokens[:, :-1])

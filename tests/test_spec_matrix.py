@@ -50,12 +50,13 @@ def test_the_matrix_measures_the_pairs_cells_and_traces_auto(matrix, tmp_path, m
 
 
 @pytest.mark.parametrize("rate", [0.5, 0.7, 0.9])
-def test_the_oracle_accepts_each_row_at_its_rate_round_after_round(matrix, rate):
-    """Every row of every round passes draft depth d with frequency rate ** d, within
-    about one round in the count: the matrix compares modes at their expected acceptance
-    (independent coins miss by 0.03 in 300 rounds; a row's 128 tokens once accepted 15%
-    over expectation and auto read as 0.87 of the best mode)."""
-    batch, nodes, rounds = 8, 6, 300
+def test_the_oracle_accepts_each_row_near_its_rate_with_rounds_unlinked(matrix, rate):
+    """Every row passes draft depth d with frequency close to rate ** d (well inside
+    independent coins' spread), and a round's acceptance says next to nothing of the
+    next one's. Coins drifted: a row's 128 tokens once accepted 15% over expectation and
+    auto read as 0.87 of the best mode. A Weyl sequence fails the second check: its
+    rounds alternate, which misleads a chooser that follows recent acceptance."""
+    batch, nodes, rounds = 8, 6, 320
     seen = []
     oracle = matrix.CoinAcceptance(lambda tree, forced, room: seen.append(forced), "cpu")
     oracle.rate.fill_(rate)
@@ -72,5 +73,11 @@ def test_the_oracle_accepts_each_row_at_its_rate_round_after_round(matrix, rate)
     assert torch.equal(chains, passed)
     expected = rate ** torch.arange(1, nodes, dtype=torch.float64)
     by_row = passed.double().mean(0)  # (B, n - 1)
-    assert (by_row - expected).abs().max() < 2.5 / rounds
-    assert not torch.equal(passed[:, 0], passed[:, 1])  # rows accept apart
+    coins_spread = (expected * (1 - expected) / rounds).sqrt()  # one standard deviation
+    misses = (by_row - expected).abs() / coins_spread  # coins: 0.8 on average, up to 2-3
+    assert misses.mean() < 0.3 and misses.max() < 1.0
+    first = passed[:, :, 0].double()  # (rounds, B): accepted the first draft
+    now, after = first[:-1] - first.mean(0), first[1:] - first.mean(0)
+    lag_one = (now * after).mean(0) / (now * now).mean(0)  # (B,) autocorrelation
+    assert lag_one.mean().abs() < 0.1  # a Weyl sequence at rate 0.5: -0.53
+    assert not torch.equal(passed[:, 0], passed[:, 1])  # rows read apart
