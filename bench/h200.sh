@@ -359,7 +359,9 @@ if [[ $what == cold || $what == recheck ]]; then
     TRITON_CACHE_DIR=$(mktemp -d) GRAPHRT_CACHE_DIR=$(mktemp -d)
     for run in cold warm; do
         start=$(date +%s.%N)
-        python bench/cold_start.py > "$OUT/first-$run.txt" 2>&1
+        # (the cold run also lists its captures' costliest calls, last in its file)
+        python bench/cold_start.py $([[ $run == cold ]] && echo --profile-captures 30) \
+            > "$OUT/first-$run.txt" 2>&1
         rc=$? wall=$(python -c "print(round($(date +%s.%N) - $start, 1))")
         echo "first command ($run): exit $rc, $wall s wall"
         grep -E "set up|tok/s" "$OUT/first-$run.txt" | head -n 3
