@@ -86,6 +86,14 @@ def _cases():
                 {**rope, "NORM": normed, "WRITE_KV": write, "TORCH_CUDA_MATH": True},
                 None,
             )
+    rows = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 64, "ROT_DIM": 64}
+    for write in (False, True):  # prefill widths' plain rope (a program per group of heads)
+        yield (
+            f"rope_rows-write{write}",
+            triton_rope._rope_rows_kernel,
+            {**rows, "BLOCK_HQ": 32, "BLOCK_HKV": 8, "BLOCK_D": 64, "WRITE_KV": write},
+            None,
+        )
     for scalar, nxt in ((False, False), (True, True)):
         yield (
             f"residual_norm-{scalar}-{nxt}",

@@ -214,6 +214,7 @@ def interpreter_results() -> dict:
 
     The interpreter costs ~5 ms per program on 2 cores: shapes stay small.
     """
+    from graphrt.devices.cuda import triton_rope
     from graphrt.devices.cuda.ops import TRITON_OPS
 
     results = {}
@@ -221,6 +222,12 @@ def interpreter_results() -> dict:
         results.update(
             run_cases(TRITON_OPS, dtype, CPU_NORM_SHAPES, CPU_SILU_SHAPES, CPU_ROPE_SHAPES, "cpu")
         )
+    # Prefill widths' plain rope (a program per token and group of heads, from
+    # ROWS_FROM_TOKENS tokens) on the same shapes, forced from one token: bitwise too.
+    triton_rope.ROWS_FROM_TOKENS = 1
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = run_cases(TRITON_OPS, dtype, [], [], CPU_ROPE_SHAPES, "cpu")
+        results.update({key.replace("/", "/rows-", 1): m for key, m in rows.items()})
     return results
 
 
@@ -228,8 +235,10 @@ def interpreter_results() -> dict:
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_ops_under_interpreter_match_reference():
     results = run_under_triton_interpreter(__file__)
-    # 2 dtypes x (3 norm shapes x 3 outputs + 3 act shapes x 2 + 3 rope shapes x 5 outputs)
-    assert len(results) == 2 * (9 + 6 + 15)
+    # 2 dtypes x (3 norm shapes x 3 outputs + 3 act shapes x 2 + 3 rope shapes x 5 outputs,
+    # per-head and rows kernels)
+    assert len(results) == 2 * (9 + 6 + 15 + 15)
+    assert sum("/rows-" in key for key in results) == 2 * 15
     bad = violations(results)
     assert not bad, bad
 

@@ -1,7 +1,9 @@
 """Rotary embeddings for q and k, every head of a token in one launch: plain (Llama
 family, ``triton_rope``) or after Gemma's q/k/v RMSNorms (``gemma_qkv_norm_rope``),
 one kernel for both. Either can store k and v straight into the KV cache instead of
-returning them (``KVWrite``: one launch fewer per layer).
+returning them (``KVWrite``: one launch fewer per layer). Plain rope over a prefill's
+many tokens (``ROWS_FROM_TOKENS``) runs a program per token and group of heads instead
+of one per token and head (``_rope_rows_kernel``), with the same bits.
 
 Arithmetic: transformers' rotate-half rope with the tables cast to the activation
 dtype and each product and the sum rounded to it (``triton_ops._round``), after the
@@ -22,6 +24,29 @@ from graphrt.devices.cuda.triton_ops import (
     _norm_num_warps,
     _round,
 )
+
+
+@triton.jit
+def _rotated(x, xp, offs, cos_row, sin_row, dtype: tl.constexpr, ROT_DIM: tl.constexpr):
+    """x (float32 values of ``dtype``) rotated at lanes ``offs`` < ROT_DIM, given each
+    lane's partner ``xp`` (float32, of ``dtype``); lanes past ROT_DIM pass through. The
+    reference casts the tables to the activation dtype, then rounds each product and the
+    sum to it (three torch kernels): so does this. Any shape: lanes on the last axis."""
+    rot = offs < ROT_DIM
+    first_half = offs < ROT_DIM // 2
+    # cat(-x2, x1); a sign multiply, not 0 - x, so that -0.0 stays torch.neg's.
+    rotated = tl.where(first_half, -1.0, 1.0) * xp
+    cos = _round(tl.load(cos_row + offs, mask=rot, other=0.0).to(tl.float32), dtype)
+    sin = _round(tl.load(sin_row + offs, mask=rot, other=0.0).to(tl.float32), dtype)
+    a = _round(x * cos, dtype)
+    b = _round(rotated * sin, dtype)
+    return tl.where(rot, _round(a + b, dtype), x)
+
+
+@triton.jit
+def _partner(offs, ROT_DIM: tl.constexpr):
+    """The lane each rotated lane pairs with (rotate-half)."""
+    return tl.where(offs < ROT_DIM // 2, offs + ROT_DIM // 2, offs - ROT_DIM // 2)
 
 
 @triton.jit
@@ -52,23 +77,14 @@ def _rope_head(
         x = _round(x, dtype)  # the norm's output, as rope reads it
     if ROPE:
         rot = offs < ROT_DIM
-        first_half = offs < ROT_DIM // 2
-        partner = tl.where(first_half, offs + ROT_DIM // 2, offs - ROT_DIM // 2)
+        partner = _partner(offs, ROT_DIM)
         xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
         if NORM:  # the partner lane normed again from memory (same inv_rms: same value)
             xp = xp * inv_rms
             if HAS_WEIGHT:
                 xp = xp * tl.load(weight + partner, mask=rot, other=0.0).to(tl.float32)
             xp = _round(xp, dtype)
-        # cat(-x2, x1); a sign multiply, not 0 - x, so that -0.0 stays torch.neg's.
-        rotated = tl.where(first_half, -1.0, 1.0) * xp
-        # The reference casts the tables to the activation dtype, then rounds each
-        # product and the sum to it (three torch kernels).
-        cos = _round(tl.load(cos_row + offs, mask=rot, other=0.0).to(tl.float32), dtype)
-        sin = _round(tl.load(sin_row + offs, mask=rot, other=0.0).to(tl.float32), dtype)
-        a = _round(x * cos, dtype)
-        b = _round(rotated * sin, dtype)
-        x = tl.where(rot, _round(a + b, dtype), x)
+        x = _rotated(x, xp, offs, cos_row, sin_row, dtype, ROT_DIM)
     # x holds values of the activation dtype; the cache's dtype may differ (a cast).
     tl.store(dst + offs, x.to(dst.dtype.element_ty), mask=mask)
 
@@ -150,6 +166,116 @@ def _qkv_rope_kernel(
         )  # fmt: skip
 
 
+# From this many tokens a plain rope (no norm) takes one program per token and group of
+# heads (q, k, v), not one per token and head: an 8k-token prefill of llama-1b launched
+# 393k one-warp programs of 64 values each, 239 us a layer on the H200 (3.8 of its 43.5
+# ms), about ten times its bytes' time. Below it (decode, and verify up to 42 requests
+# of 6 rows) a program per head, whose parallelism a few tokens need. Both give the
+# same bits (rope is elementwise: the same operations in the same order on each value);
+# the normed rope keeps a program per head at every width (its row sums' order is the
+# kernel's).
+ROWS_FROM_TOKENS = 256
+
+
+@triton.jit
+def _rope_rows(
+    src,  # this token's first head of the group; heads ``stride_src`` apart
+    stride_src,
+    dst,  # where the first head goes; heads ``stride_dst`` apart (the dst's dtype)
+    stride_dst,
+    num_heads,
+    cos_row,  # this token's R table values
+    sin_row,
+    ROPE: tl.constexpr,  # False: v, stored as it is
+    HEAD_DIM: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """``_rope_head``'s plain rope on every head of a group at once: (BLOCK_H, BLOCK_D)."""
+    dtype = src.dtype.element_ty
+    offs = tl.arange(0, BLOCK_D)[None, :]
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    live = heads < num_heads
+    mask = live & (offs < HEAD_DIM)
+    x = tl.load(src + heads * stride_src + offs, mask=mask, other=0.0).to(tl.float32)
+    if ROPE:  # (one row of each table serves every head)
+        partner = src + heads * stride_src + _partner(offs, ROT_DIM)
+        xp = tl.load(partner, mask=live & (offs < ROT_DIM), other=0.0).to(tl.float32)
+        x = _rotated(x, xp, offs, cos_row, sin_row, dtype, ROT_DIM)
+    tl.store(dst + heads * stride_dst + offs, x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_rows_kernel(
+    # The per-head kernel's parameters, in its order (one argument list launches
+    # either); the norm's (QWeight, KWeight, eps) and VOut go unread: plain rope only.
+    Positions,  # (T,)
+    Q,  # (T, H, D)
+    K,  # (T, Hkv, D)
+    V,  # (T, Hkv, D), read by the v programs (launched when WRITE_KV)
+    QWeight,
+    KWeight,
+    QOut,  # (T, H, D) contiguous
+    KOut,  # (T, Hkv, D) contiguous, written unless WRITE_KV
+    VOut,
+    KCache,  # (slots, Hkv, D), written when WRITE_KV
+    VCache,
+    Loc,  # (T,) token slots, read when WRITE_KV
+    Cos,  # (P, R)
+    Sin,
+    eps,
+    stride_pos,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cos,
+    stride_sin,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_slot,
+    stride_vc_head,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)  # 0: q's heads, 1: k's, 2: v's (launched when WRITE_KV)
+    pos = tl.load(Positions + t * stride_pos).to(tl.int64)
+    cos_row = Cos + pos * stride_cos
+    sin_row = Sin + pos * stride_sin
+    if group == 0:
+        _rope_rows(
+            Q + t * stride_qt, stride_qh, QOut + t * NUM_Q_HEADS * HEAD_DIM, HEAD_DIM,
+            NUM_Q_HEADS, cos_row, sin_row, True, HEAD_DIM, ROT_DIM, BLOCK_HQ, BLOCK_D,
+        )  # fmt: skip
+    elif WRITE_KV:
+        slot = tl.load(Loc + t).to(tl.int64)
+        if group == 1:
+            _rope_rows(
+                K + t * stride_kt, stride_kh, KCache + slot * stride_kc_slot, stride_kc_head,
+                NUM_KV_HEADS, cos_row, sin_row, True, HEAD_DIM, ROT_DIM, BLOCK_HKV, BLOCK_D,
+            )  # fmt: skip
+        else:
+            _rope_rows(
+                V + t * stride_vt, stride_vh, VCache + slot * stride_vc_slot, stride_vc_head,
+                NUM_KV_HEADS, cos_row, sin_row, False, HEAD_DIM, ROT_DIM, BLOCK_HKV, BLOCK_D,
+            )  # fmt: skip
+    else:
+        _rope_rows(
+            K + t * stride_kt, stride_kh, KOut + t * NUM_KV_HEADS * HEAD_DIM, HEAD_DIM,
+            NUM_KV_HEADS, cos_row, sin_row, True, HEAD_DIM, ROT_DIM, BLOCK_HKV, BLOCK_D,
+        )  # fmt: skip
+
+
 def qkv_rope(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -193,48 +319,33 @@ def qkv_rope(
         return q_out, k_out, v_out
     k_in = q if k is None else k
     v_in = k_in if v is None else v
-    q_weight, k_weight, eps = norm if norm is not None else (q, None, 0.0)
     block = triton.next_power_of_2(head_dim)
+    q_weight, k_weight, eps = norm if norm is not None else (q, None, 0.0)
+    args = (
+        positions, q, k_in, v_in, q_weight, q_weight if k_weight is None else k_weight,
+        q_out, q_out if k_out is None else k_out, q_out if v_out is None else v_out,
+        caches[0], caches[1], positions if kv_write is None else kv_write.loc, cos, sin,
+        float(eps), positions.stride(0), q.stride(0), q.stride(1), k_in.stride(0),
+        k_in.stride(1), v_in.stride(0), v_in.stride(1), cos.stride(0), sin.stride(0),
+        caches[0].stride(0), caches[0].stride(1), caches[1].stride(0), caches[1].stride(1),
+    )  # fmt: skip
+    shape = dict(
+        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT_DIM=rot_dim,
+        BLOCK_D=block, WRITE_KV=kv_write is not None, enable_fp_fusion=False,
+    )  # fmt: skip
+    if norm is None and num_tokens >= ROWS_FROM_TOKENS:
+        groups = 1 + (num_kv_heads > 0) + v_heads  # q's heads; k's; v's (stored only)
+        block_hq = triton.next_power_of_2(num_heads)
+        _rope_rows_kernel[(num_tokens, groups)](
+            *args, **shape, BLOCK_HQ=block_hq,
+            BLOCK_HKV=triton.next_power_of_2(max(num_kv_heads, 1)),
+            num_warps=max(1, min(8, block_hq * block // 512)),  # 32 heads of 64: 4 warps
+        )  # fmt: skip
+        return q_out, k_out, v_out
     _qkv_rope_kernel[(num_tokens, num_heads + num_kv_heads * (2 if v_heads else 1))](
-        positions,
-        q,
-        k_in,
-        v_in,
-        q_weight,
-        q_weight if k_weight is None else k_weight,
-        q_out,
-        q_out if k_out is None else k_out,
-        q_out if v_out is None else v_out,
-        caches[0],
-        caches[1],
-        positions if kv_write is None else kv_write.loc,
-        cos,
-        sin,
-        float(eps),
-        positions.stride(0),
-        q.stride(0),
-        q.stride(1),
-        k_in.stride(0),
-        k_in.stride(1),
-        v_in.stride(0),
-        v_in.stride(1),
-        cos.stride(0),
-        sin.stride(0),
-        caches[0].stride(0),
-        caches[0].stride(1),
-        caches[1].stride(0),
-        caches[1].stride(1),
-        NUM_Q_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        ROT_DIM=rot_dim,
-        BLOCK_D=block,
-        NORM=norm is not None,
-        WRITE_KV=kv_write is not None,
-        TORCH_CUDA_MATH=not _INTERPRETED,
+        *args, **shape, NORM=norm is not None, TORCH_CUDA_MATH=not _INTERPRETED,
         num_warps=_norm_num_warps(block),
-        enable_fp_fusion=False,
-    )
+    )  # fmt: skip
     return q_out, k_out, v_out
 
 
