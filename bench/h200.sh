@@ -54,7 +54,8 @@
 #     compiled ahead, long prefill chunks on SDPA), the round bench at batch 1 and 64, and
 #     the README command with --no-draft, auto (steps launched ahead: the CUDA default),
 #     and auto --no-overlap; then
-#     prefill against transformers at 512, 8k and 32k (stop 54's attention changes)
+#     prefill against transformers at 512, 8k and 32k (stop 54's attention changes; stop
+#     55's prefill rope and token-table write: tests/test_triton_ops.py and parity run too)
 #   bash bench/h200.sh serve [requests] [llama-1b,pair] [1,16,64] [check|nocheck]: graphrt
 #     serve (issue 23): the openai client's streams against offline greedy (embedded pair,
 #     drafting, float32), then the load test (bench/serve_load.py) on random:llama-1b and
@@ -514,7 +515,7 @@ if [[ $what == recheck ]]; then
     # runs below fit one 600 s call.)
     timeout "${RECHECK_LIMIT:-300}" python -m pytest tests/test_scaled_embed.py tests/test_spec.py \
         tests/test_compile_ahead.py tests/conformance/test_spec_rounds.py tests/conformance/test_overlap.py \
-        tests/test_triton_attention.py -m cuda -v \
+        tests/test_triton_attention.py tests/test_triton_ops.py tests/test_models_parity.py -m cuda -v \
         -p no:cacheprovider -ra -n "${CUDA_WORKERS:-14}" --dist loadfile \
         > "$OUT/tests-recheck.log" 2>&1
     echo "recheck tests exit $?"; grep -E "\] (FAILED|ERROR)" "$OUT/tests-recheck.log" | sort -u | head -n 20
