@@ -120,6 +120,10 @@ save_caches() {
 {
     date -u +%FT%TZ
     python -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers', transformers.__version__)"
+    # torch's kernels for this card as SASS (sm_90) or only PTX (compute_90: the driver
+    # compiles each at its first launch on a fresh machine; a suspect for the cold start's
+    # 4.6 s of graph captures)
+    python -c "import torch; print('torch arch list', torch.cuda.get_arch_list())"
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 } | tee "$OUT/versions.txt"
 
