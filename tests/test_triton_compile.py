@@ -62,7 +62,8 @@ def _cases():
     from graphrt.devices.cuda import triton_gemma, triton_gemv, triton_ops, triton_rope
 
     norm = {"D": 2048, "BLOCK": 2048, "TORCH_CUDA_MATH": True}
-    rope = {"NUM_Q_HEADS": 8, "NUM_KV_HEADS": 1, "HEAD_DIM": 256, "ROT_DIM": 256, "BLOCK_D": 256}
+    rope = {"NUM_Q_HEADS": 8, "NUM_KV_HEADS": 1, "HEAD_DIM": 256, "ROT_DIM": 256, "BLOCK_D": 256,
+            "GROUPED": False, "BLOCK_HQ": 8, "BLOCK_HKV": 1}  # fmt: skip
     gemv = {"BLOCK_N": 16, "BLOCK_K": 256, "HAS_BIAS": False, "PRECISE": True}
     yield "rms_norm", triton_ops._rms_norm_kernel, norm, None
     yield (
@@ -86,12 +87,14 @@ def _cases():
                 {**rope, "NORM": normed, "WRITE_KV": write, "TORCH_CUDA_MATH": True},
                 None,
             )
-    rows = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 64, "ROT_DIM": 64}
+    grouped = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 64, "ROT_DIM": 64,
+               "BLOCK_D": 64, "NORM": False, "TORCH_CUDA_MATH": True, "GROUPED": True,
+               "BLOCK_HQ": 32, "BLOCK_HKV": 8}  # fmt: skip
     for write in (False, True):  # prefill widths' plain rope (a program per group of heads)
         yield (
-            f"rope_rows-write{write}",
-            triton_rope._rope_rows_kernel,
-            {**rows, "BLOCK_HQ": 32, "BLOCK_HKV": 8, "BLOCK_D": 64, "WRITE_KV": write},
+            f"qkv_rope-grouped-write{write}",
+            triton_rope._qkv_rope_kernel,
+            {**grouped, "WRITE_KV": write},
             None,
         )
     for scalar, nxt in ((False, False), (True, True)):

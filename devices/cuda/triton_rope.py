@@ -3,7 +3,7 @@ family, ``triton_rope``) or after Gemma's q/k/v RMSNorms (``gemma_qkv_norm_rope`
 one kernel for both. Either can store k and v straight into the KV cache instead of
 returning them (``KVWrite``: one launch fewer per layer). Plain rope over a prefill's
 many tokens (``ROWS_FROM_TOKENS``) runs a program per token and group of heads instead
-of one per token and head (``_rope_rows_kernel``), with the same bits.
+of one per token and head (``_qkv_rope_kernel``'s GROUPED programs), with the same bits.
 
 Arithmetic: transformers' rotate-half rope with the tables cast to the activation
 dtype and each product and the sum rounded to it (``triton_ops._round``), after the
@@ -89,83 +89,6 @@ def _rope_head(
     tl.store(dst + offs, x.to(dst.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _qkv_rope_kernel(
-    Positions,  # (T,)
-    Q,  # (T, H, D)
-    K,  # (T, Hkv, D)
-    V,  # (T, Hkv, D), read by the v programs (launched when V_HEADS)
-    QWeight,  # (D,), read when NORM
-    KWeight,
-    QOut,  # (T, H, D) contiguous
-    KOut,  # (T, Hkv, D) contiguous, written unless WRITE_KV
-    VOut,
-    KCache,  # (slots, Hkv, D), written when WRITE_KV
-    VCache,
-    Loc,  # (T,) token slots, read when WRITE_KV
-    Cos,  # (P, R)
-    Sin,
-    eps,
-    stride_pos,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_cos,
-    stride_sin,
-    stride_kc_slot,
-    stride_kc_head,
-    stride_vc_slot,
-    stride_vc_head,
-    NUM_Q_HEADS: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    ROT_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NORM: tl.constexpr,
-    WRITE_KV: tl.constexpr,
-    TORCH_CUDA_MATH: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)  # q heads, then k heads, then (when launched) v heads
-    pos = tl.load(Positions + t * stride_pos).to(tl.int64)
-    cos_row = Cos + pos * stride_cos
-    sin_row = Sin + pos * stride_sin
-    if WRITE_KV:
-        slot = tl.load(Loc + t).to(tl.int64)
-    if h < NUM_Q_HEADS:
-        src = Q + t * stride_qt + h * stride_qh
-        dst = QOut + (t * NUM_Q_HEADS + h) * HEAD_DIM
-        _rope_head(
-            src, dst, QWeight, cos_row, sin_row, eps, NORM, NORM, True,
-            HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
-        )  # fmt: skip
-    elif h < NUM_Q_HEADS + NUM_KV_HEADS:
-        kv_h = h - NUM_Q_HEADS
-        src = K + t * stride_kt + kv_h * stride_kh
-        if WRITE_KV:
-            dst = KCache + slot * stride_kc_slot + kv_h * stride_kc_head
-        else:
-            dst = KOut + (t * NUM_KV_HEADS + kv_h) * HEAD_DIM
-        _rope_head(
-            src, dst, KWeight, cos_row, sin_row, eps, NORM, NORM, True,
-            HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
-        )  # fmt: skip
-    else:  # v: normed without a scale (Gemma) or as it is (stored only)
-        kv_h = h - NUM_Q_HEADS - NUM_KV_HEADS
-        src = V + t * stride_vt + kv_h * stride_vh
-        if WRITE_KV:
-            dst = VCache + slot * stride_vc_slot + kv_h * stride_vc_head
-        else:
-            dst = VOut + (t * NUM_KV_HEADS + kv_h) * HEAD_DIM
-        _rope_head(
-            src, dst, QWeight, cos_row, sin_row, eps, NORM, False, False,
-            HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
-        )  # fmt: skip
-
-
 # From this many tokens a plain rope (no norm) takes one program per token and group of
 # heads (q, k, v), not one per token and head: an 8k-token prefill of llama-1b launched
 # 393k one-warp programs of 64 values each, 239 us a layer on the H200 (3.8 of its 43.5
@@ -207,14 +130,48 @@ def _rope_rows(
 
 
 @triton.jit
-def _rope_rows_kernel(
-    # The per-head kernel's parameters, in its order (one argument list launches
-    # either); the norm's (QWeight, KWeight, eps) and VOut go unread: plain rope only.
+def _rope_groups(
+    t, Q, K, V, QOut, KOut, KCache, VCache, Loc, cos_row, sin_row, stride_qt, stride_qh,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_slot, stride_kc_head,
+    stride_vc_slot, stride_vc_head,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ROT_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    BLOCK_D: tl.constexpr, WRITE_KV: tl.constexpr,
+):  # fmt: skip
+    """``_qkv_rope_kernel``'s GROUPED programs: token ``t``'s q heads, k heads or v heads
+    (stored only), each group as one tile."""
+    group = tl.program_id(1)  # 0: q's heads, 1: k's, 2: v's (launched when WRITE_KV)
+    if group == 0:
+        _rope_rows(
+            Q + t * stride_qt, stride_qh, QOut + t * NUM_Q_HEADS * HEAD_DIM, HEAD_DIM,
+            NUM_Q_HEADS, cos_row, sin_row, True, HEAD_DIM, ROT_DIM, BLOCK_HQ, BLOCK_D,
+        )  # fmt: skip
+    elif WRITE_KV:
+        slot = tl.load(Loc + t).to(tl.int64)
+        if group == 1:
+            _rope_rows(
+                K + t * stride_kt, stride_kh, KCache + slot * stride_kc_slot, stride_kc_head,
+                NUM_KV_HEADS, cos_row, sin_row, True, HEAD_DIM, ROT_DIM, BLOCK_HKV, BLOCK_D,
+            )  # fmt: skip
+        else:
+            _rope_rows(
+                V + t * stride_vt, stride_vh, VCache + slot * stride_vc_slot, stride_vc_head,
+                NUM_KV_HEADS, cos_row, sin_row, False, HEAD_DIM, ROT_DIM, BLOCK_HKV, BLOCK_D,
+            )  # fmt: skip
+    else:
+        _rope_rows(
+            K + t * stride_kt, stride_kh, KOut + t * NUM_KV_HEADS * HEAD_DIM, HEAD_DIM,
+            NUM_KV_HEADS, cos_row, sin_row, True, HEAD_DIM, ROT_DIM, BLOCK_HKV, BLOCK_D,
+        )  # fmt: skip
+
+
+@triton.jit
+def _qkv_rope_kernel(
     Positions,  # (T,)
     Q,  # (T, H, D)
     K,  # (T, Hkv, D)
-    V,  # (T, Hkv, D), read by the v programs (launched when WRITE_KV)
-    QWeight,
+    V,  # (T, Hkv, D), read by the v programs (launched when V_HEADS)
+    QWeight,  # (D,), read when NORM
     KWeight,
     QOut,  # (T, H, D) contiguous
     KOut,  # (T, Hkv, D) contiguous, written unless WRITE_KV
@@ -243,37 +200,59 @@ def _rope_rows_kernel(
     HEAD_DIM: tl.constexpr,
     ROT_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    NORM: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    TORCH_CUDA_MATH: tl.constexpr,
+    # A program per token and group of heads (plain rope only: ROWS_FROM_TOKENS), the
+    # groups' heads padded to BLOCK_HQ and BLOCK_HKV; else a program per token and head.
+    GROUPED: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)  # 0: q's heads, 1: k's, 2: v's (launched when WRITE_KV)
     pos = tl.load(Positions + t * stride_pos).to(tl.int64)
     cos_row = Cos + pos * stride_cos
     sin_row = Sin + pos * stride_sin
-    if group == 0:
-        _rope_rows(
-            Q + t * stride_qt, stride_qh, QOut + t * NUM_Q_HEADS * HEAD_DIM, HEAD_DIM,
-            NUM_Q_HEADS, cos_row, sin_row, True, HEAD_DIM, ROT_DIM, BLOCK_HQ, BLOCK_D,
+    if GROUPED:
+        _rope_groups(
+            t, Q, K, V, QOut, KOut, KCache, VCache, Loc, cos_row, sin_row, stride_qt,
+            stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_slot,
+            stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS, NUM_KV_HEADS,
+            HEAD_DIM, ROT_DIM, BLOCK_HQ, BLOCK_HKV, BLOCK_D, WRITE_KV,
         )  # fmt: skip
-    elif WRITE_KV:
-        slot = tl.load(Loc + t).to(tl.int64)
-        if group == 1:
-            _rope_rows(
-                K + t * stride_kt, stride_kh, KCache + slot * stride_kc_slot, stride_kc_head,
-                NUM_KV_HEADS, cos_row, sin_row, True, HEAD_DIM, ROT_DIM, BLOCK_HKV, BLOCK_D,
-            )  # fmt: skip
-        else:
-            _rope_rows(
-                V + t * stride_vt, stride_vh, VCache + slot * stride_vc_slot, stride_vc_head,
-                NUM_KV_HEADS, cos_row, sin_row, False, HEAD_DIM, ROT_DIM, BLOCK_HKV, BLOCK_D,
-            )  # fmt: skip
     else:
-        _rope_rows(
-            K + t * stride_kt, stride_kh, KOut + t * NUM_KV_HEADS * HEAD_DIM, HEAD_DIM,
-            NUM_KV_HEADS, cos_row, sin_row, True, HEAD_DIM, ROT_DIM, BLOCK_HKV, BLOCK_D,
-        )  # fmt: skip
+        h = tl.program_id(1)  # q heads, then k heads, then (when launched) v heads
+        if WRITE_KV:
+            slot = tl.load(Loc + t).to(tl.int64)
+        if h < NUM_Q_HEADS:
+            src = Q + t * stride_qt + h * stride_qh
+            dst = QOut + (t * NUM_Q_HEADS + h) * HEAD_DIM
+            _rope_head(
+                src, dst, QWeight, cos_row, sin_row, eps, NORM, NORM, True,
+                HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
+            )  # fmt: skip
+        elif h < NUM_Q_HEADS + NUM_KV_HEADS:
+            kv_h = h - NUM_Q_HEADS
+            src = K + t * stride_kt + kv_h * stride_kh
+            if WRITE_KV:
+                dst = KCache + slot * stride_kc_slot + kv_h * stride_kc_head
+            else:
+                dst = KOut + (t * NUM_KV_HEADS + kv_h) * HEAD_DIM
+            _rope_head(
+                src, dst, KWeight, cos_row, sin_row, eps, NORM, NORM, True,
+                HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
+            )  # fmt: skip
+        else:  # v: normed without a scale (Gemma) or as it is (stored only)
+            kv_h = h - NUM_Q_HEADS - NUM_KV_HEADS
+            src = V + t * stride_vt + kv_h * stride_vh
+            if WRITE_KV:
+                dst = VCache + slot * stride_vc_slot + kv_h * stride_vc_head
+            else:
+                dst = VOut + (t * NUM_KV_HEADS + kv_h) * HEAD_DIM
+            _rope_head(
+                src, dst, QWeight, cos_row, sin_row, eps, NORM, False, False,
+                HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
+            )  # fmt: skip
 
 
 def qkv_rope(
@@ -321,7 +300,7 @@ def qkv_rope(
     v_in = k_in if v is None else v
     block = triton.next_power_of_2(head_dim)
     q_weight, k_weight, eps = norm if norm is not None else (q, None, 0.0)
-    args = (
+    args = (  # (the kernel's tensors and strides, in its order)
         positions, q, k_in, v_in, q_weight, q_weight if k_weight is None else k_weight,
         q_out, q_out if k_out is None else k_out, q_out if v_out is None else v_out,
         caches[0], caches[1], positions if kv_write is None else kv_write.loc, cos, sin,
@@ -329,22 +308,20 @@ def qkv_rope(
         k_in.stride(1), v_in.stride(0), v_in.stride(1), cos.stride(0), sin.stride(0),
         caches[0].stride(0), caches[0].stride(1), caches[1].stride(0), caches[1].stride(1),
     )  # fmt: skip
-    shape = dict(
-        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT_DIM=rot_dim,
-        BLOCK_D=block, WRITE_KV=kv_write is not None, enable_fp_fusion=False,
-    )  # fmt: skip
-    if norm is None and num_tokens >= ROWS_FROM_TOKENS:
-        groups = 1 + (num_kv_heads > 0) + v_heads  # q's heads; k's; v's (stored only)
-        block_hq = triton.next_power_of_2(num_heads)
-        _rope_rows_kernel[(num_tokens, groups)](
-            *args, **shape, BLOCK_HQ=block_hq,
-            BLOCK_HKV=triton.next_power_of_2(max(num_kv_heads, 1)),
-            num_warps=max(1, min(8, block_hq * block // 512)),  # 32 heads of 64: 4 warps
-        )  # fmt: skip
-        return q_out, k_out, v_out
-    _qkv_rope_kernel[(num_tokens, num_heads + num_kv_heads * (2 if v_heads else 1))](
-        *args, **shape, NORM=norm is not None, TORCH_CUDA_MATH=not _INTERPRETED,
-        num_warps=_norm_num_warps(block),
+    grouped = norm is None and num_tokens >= ROWS_FROM_TOKENS
+    block_hq = triton.next_power_of_2(num_heads)
+    if grouped:  # q's heads; k's; v's (stored only): a program each
+        programs = 1 + (num_kv_heads > 0) + v_heads
+        num_warps = max(1, min(8, block_hq * block // 512))  # 32 heads of 64: 4 warps
+    else:  # a head a program
+        programs = num_heads + num_kv_heads * (2 if v_heads else 1)
+        num_warps = _norm_num_warps(block)
+    _qkv_rope_kernel[(num_tokens, programs)](
+        *args, NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        ROT_DIM=rot_dim, BLOCK_D=block, NORM=norm is not None, WRITE_KV=kv_write is not None,
+        TORCH_CUDA_MATH=not _INTERPRETED, GROUPED=grouped, BLOCK_HQ=block_hq,
+        BLOCK_HKV=triton.next_power_of_2(max(num_kv_heads, 1)), num_warps=num_warps,
+        enable_fp_fusion=False,
     )  # fmt: skip
     return q_out, k_out, v_out
 
