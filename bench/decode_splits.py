@@ -7,6 +7,11 @@ table.
 
 Run on the device: python bench/decode_splits.py [--shape llama-1b|gemma4-sliding|gemma4-global]
 [--contexts 512,2048,8192,32768] [--batch-sizes 1,8,64] [--splits 8,16,32,64,128]
+
+``--launches 64:4:2,64:4:3,128:8:3`` instead times the engine's rule with stage 1
+launched as BLOCK_N:num_warps:num_stages (the first is the reference), with the KV read's
+TB/s and whether each output equals the reference's bits; ``--contiguous`` gives every
+request consecutive slots instead of scattered ones.
 """
 
 from __future__ import annotations
@@ -28,14 +33,24 @@ SHAPES = {"llama-1b": (32, 8, 64), "gemma4-sliding": (8, 1, 256), "gemma4-global
 
 
 def layer_us(
-    shape: str, bs: int, ctx: int, splits: int | None, rest_chunk: int | None
-) -> tuple[float, float]:
-    """One layer's decode attention over ``bs`` rows of ``ctx`` keys, us, and of that the
-    combine alone: ``splits`` for every row, or (None) the engine's rule, its combine
-    taking ``rest_chunk`` splits a step past the first 16 (None: the default)."""
+    shape: str,
+    bs: int,
+    ctx: int,
+    splits: int | None,
+    rest_chunk: int | None,
+    launch: tuple[int, ...] | None = None,
+    contiguous: bool = False,
+) -> tuple[float, float, torch.Tensor]:
+    """One layer's decode attention over ``bs`` rows of ``ctx`` keys, us, of that the
+    combine alone, and the output: ``splits`` for every row, or (None) the engine's
+    rule, its combine taking ``rest_chunk`` splits a step past the first 16 (None: the
+    default); ``launch``: stage 1's (BLOCK_N, num_warps, num_stages)."""
     heads, kv_heads, head_dim = SHAPES[shape]
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    slots = 1 + torch.randperm(bs * ctx, device=dev)  # scattered, as a pool's are
+    torch.manual_seed(0)  # the same K, V and q for every launch compared
+    slots = 1 + torch.arange(bs * ctx, device=dev)
+    if not contiguous:
+        slots = slots[torch.randperm(bs * ctx, device=dev)]  # scattered, as a pool's are
     k = torch.randn(bs * ctx + 1, kv_heads, head_dim, device=dev, dtype=dtype)
     v = torch.randn_like(k)
     table = torch.zeros(bs + 1, ctx, dtype=torch.int64, device=dev)
@@ -46,11 +61,12 @@ def layer_us(
     out = torch.empty_like(q)
     max_splits = max_kv_splits(131072) if splits is None else splits
     short = {} if splits is None else {"short_splits": splits}  # fixed: short = most
+    stage1 = dict(zip(("block_n", "num_warps", "num_stages"), launch or ()))
     scratch = allocate_decode_scratch(bs, heads, head_dim, dev, max_splits)
 
     def run():
         decode_attention(
-            q, k, v, table, reqs, lens, out, *scratch, head_dim**-0.5, rest_chunk=rest_chunk,
+            q, k, v, table, reqs, lens, out, *scratch, head_dim**-0.5, rest_chunk=rest_chunk, **stage1,
             **short,
         )  # fmt: skip
 
@@ -61,7 +77,34 @@ def layer_us(
     # do_bench_cudagraph runs on a side stream that does not wait for this one.
     torch.cuda.synchronize()
     total = triton.testing.do_bench_cudagraph(run, rep=50) * 1e3
-    return total, triton.testing.do_bench_cudagraph(combine, rep=50) * 1e3
+    combine_us = triton.testing.do_bench_cudagraph(combine, rep=50) * 1e3
+    run()
+    return total, combine_us, out.clone()
+
+
+def sweep_launches(args: argparse.Namespace) -> None:
+    """The engine's rule with each of ``--launches``: us a layer, TB/s of its KV read, and
+    whether the output equals the first launch's bit for bit."""
+    launches = [tuple(int(x) for x in c.split(":")) for c in args.launches.split(",")]
+    heads, kv_heads, head_dim = SHAPES[args.shape]
+    print(
+        f"{args.shape}, {'contiguous' if args.contiguous else 'scattered'} slots, bf16; us a "
+        "layer / KV TB/s (= same bits as the first, ! differ), by BLOCK_N:warps:stages"
+    )
+    print(f"{'batch':>5} {'context':>7} " + " ".join(f"{args.launches.split(',')[i]:>15}"
+                                                 for i in range(len(launches))))  # fmt: skip
+    for bs in (int(b) for b in args.batch_sizes.split(",")):
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            kv_bytes = 2 * bs * ctx * kv_heads * head_dim * 2
+            if kv_bytes > 16 << 30:
+                continue
+            cells, reference = [], None
+            for launch in launches:
+                us, _, out = layer_us(args.shape, bs, ctx, None, None, launch, args.contiguous)
+                same = reference is None or torch.equal(out, reference)
+                reference = out if reference is None else reference
+                cells.append(f"{us:7.1f} / {kv_bytes / us / 1e6:4.2f}{'=' if same else '!'}")
+            print(f"{bs:>5} {ctx:>7} " + " ".join(f"{c:>15}" for c in cells), flush=True)
 
 
 def _label(splits: int | None, rest_chunk: int | None) -> str:
@@ -78,7 +121,12 @@ def main() -> None:
         "--rest-chunk", type=int, default=None,
         help="also time the length rule with the combine taking this many splits a step",
     )  # fmt: skip
+    parser.add_argument("--launches", help="BLOCK_N:num_warps:num_stages,... (see above)")
+    parser.add_argument("--contiguous", action="store_true", help="consecutive slots a request")
     args = parser.parse_args()
+    if args.launches:
+        sweep_launches(args)
+        return
     heads, kv_heads, head_dim = SHAPES[args.shape]
     # (splits, rest chunk): fixed counts, the length rule, and with --rest-chunk its variant
     columns = [(int(s), None) for s in args.splits.split(",")] + [(None, None)]
@@ -95,7 +143,7 @@ def main() -> None:
                 continue
             cells = []
             for s, rest in columns:
-                us, combine_us = layer_us(args.shape, bs, ctx, s, rest)
+                us, combine_us, _ = layer_us(args.shape, bs, ctx, s, rest)
                 cells.append(f"{us:7.1f} / {combine_us:5.1f}")
             print(f"{bs:>5} {ctx:>7} " + " ".join(f"{c:>15}" for c in cells), flush=True)
 

@@ -20,6 +20,11 @@
 #   bash bench/h200.sh splits: decode attention by KV split count and context (issue 21;
 #     bench/decode_splits.py, the combine's narrower step beside), then the decode step
 #     against the context (graphrt bench --prompt-len 512,2048,8192,32768)
+#   bash bench/h200.sh launches ["B:W:S,..." llama] ["B:W:S,..." gemma]: decode attention's
+#     stage 1 by BLOCK_N:num_warps:num_stages (bench/decode_splits.py --launches), llama-1b's
+#     shape, Gemma 4's sliding layers (window 512 in the engine), its full layers
+#   bash bench/h200.sh context [batch sizes] [prompt lengths]: the decode step against the
+#     context alone (graphrt bench, random:llama-1b, graphs; 1,8 at 8192,32768): `ab`'s unit
 #   bash bench/h200.sh auto [tokens]: the README's command with and without drafting, and
 #     bench/profile_auto.py (auto vs --no-draft vs rounds of 5, side by side in one process)
 #   bash bench/h200.sh overlap [tokens]: --overlap's CUDA tests, then generate with and without
@@ -378,6 +383,22 @@ if [[ $what == cold || $what == recheck ]]; then
         [[ -f $f ]] && cp "$f" "$OUT/$(basename "$f" | tr -c 'A-Za-z0-9._\n-' _)"
     done
     TRITON_CACHE_DIR=${kept[0]} GRAPHRT_CACHE_DIR=${kept[1]}
+fi
+
+if [[ $what == context ]]; then
+    graphrt bench --model random:llama-1b --batch-sizes "${2:-1,8}" --runners graph --steps 30 \
+        --prompt-len "${3:-8192,32768}" --out "$OUT/bench-llama-1b-context.json" 2>&1 \
+        | grep -v Warning | grep -E "^ +[0-9]|== prompt"
+fi
+
+if [[ $what == launches ]]; then
+    for run in "llama-1b|${2:-64:4:2,64:4:3,128:4:2,128:4:3}|" \
+        "gemma4-sliding|${3:-32:4:2,32:4:3}|" "gemma4-global|${3:-32:4:2,32:4:3,16:4:3}|"; do
+        IFS='|' read -r shape launches flag <<< "$run"
+        python bench/decode_splits.py --shape "$shape" --contexts 512,8192,32768 \
+            --launches "$launches" $flag 2>&1 | grep -v Warning \
+            | tee -a "$OUT/decode-launches.log"
+    done
 fi
 
 if [[ $what == prefill ]]; then

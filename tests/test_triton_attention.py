@@ -718,6 +718,46 @@ def test_kernels_compile_for_sm90_with_rows_that_double_their_splits():
 
 
 @needs_triton
+@pytest.mark.parametrize(
+    "head_dim, cache", [(64, "bf16"), (256, "bf16"), (512, "bf16"), (256, "fp32"), (512, "fp32")]
+)
+def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache):
+    """Stage 1 of decode attention as the engine launches it (its BLOCK_N and pipeline
+    stages; pointers and strides aligned) compiles for sm_90 within one SM's shared
+    memory: more would fail at the first launch on the GPU, after minutes of start-up.
+    With three stages (default_stages) a block's K and V gathers are cp.async copies,
+    not loads the loop waits for: what the third stage is for."""
+    import triton
+
+    from graphrt.devices.cuda import triton_decode as td
+    from graphrt.devices.cuda.offline_compile import (
+        ATTENTION_POINTERS,
+        H200_SHARED_BYTES,
+        compile_for_h200,
+    )
+
+    size = {"bf16": 2, "fp32": 4}[cache]
+    block_n = td.default_block_n(head_dim, size)
+    stage1 = dict(
+        KV_GROUP=8, BLOCK_G=16, **td.split_constants(128), BLOCK_N=block_n, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION="ieee" if size == 4 else "tf32",
+    )  # fmt: skip
+    pointers = ATTENTION_POINTERS | {"K": f"*{cache}", "V": f"*{cache}"}
+    stages = td.default_stages(block_n, head_dim, size)
+    # Gemma 4's 16-bit tiles of 32 KB and more take a third stage (measured, default_stages)
+    assert stages == (3 if head_dim >= 256 and size == 2 else 2)
+    compiled = compile_for_h200(td._decode_partial_kernel, stage1, 4, pointers, stages, True)
+    assert compiled.metadata.shared <= H200_SHARED_BYTES, (stages, compiled.metadata.shared)
+    ptx = compiled.asm["ptx"]
+    if stages == 3:
+        # The loop's global loads: the token table's slots and q only (at two stages,
+        # 19 at head_dim 64, 74 at 512: every K and V vector).
+        tile = 2 * block_n * head_dim * size  # a block's K and V, 16 bytes a thread a copy
+        assert ptx.count("cp.async.cg") >= tile // (128 * 16), ptx.count("cp.async.cg")
+        assert ptx.count("ld.global") <= 10, ptx.count("ld.global")
+
+
+@needs_triton
 def test_split_counts_follow_a_rows_length_never_the_batch():
     """The host's mirror of the kernels' split rule (the kernels' own counts are checked
     against it under the interpreter, tests/test_triton_verify.py): 16 splits up to 8,191

@@ -28,10 +28,19 @@ ATTENTION_POINTERS = {
 H200_SHARED_BYTES = 232448
 
 
-def compile_for_h200(kernel, constants: dict, num_warps: int, pointers: dict | None = None):
+def compile_for_h200(
+    kernel,
+    constants: dict,
+    num_warps: int,
+    pointers: dict | None = None,
+    num_stages: int | None = None,
+    aligned: bool = False,
+):
     """``kernel`` compiled for sm_90 with ``constants`` (its constexpr arguments); other
-    arguments are the named pointers, ``sm_scale`` float32, the rest int32. Raises
-    Triton's CompilationError where the kernel does not compile; the result's
+    arguments are the named pointers, ``sm_scale`` float32, the rest int32. ``aligned``:
+    every pointer and integer divisible by 16, as a launch specialises them (its loads
+    then vectorise and pipeline through cp.async, and their shared memory counts).
+    Raises Triton's CompilationError where the kernel does not compile; the result's
     ``metadata.shared`` is the shared memory a launch asks for."""
     pointers = ATTENTION_POINTERS if pointers is None else pointers
     signature = {
@@ -39,8 +48,13 @@ def compile_for_h200(kernel, constants: dict, num_warps: int, pointers: dict | N
         for n in kernel.arg_names
     }
     constexprs = {(i,): constants[n] for i, n in enumerate(kernel.arg_names) if n in constants}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=H200, options={"num_warps": num_warps})
+    divisible = [
+        (i,) for i, n in enumerate(kernel.arg_names) if signature[n] not in ("constexpr", "fp32")
+    ]
+    attrs = {i: [["tt.divisibility", 16]] for i in divisible} if aligned else None
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
+    return triton.compile(source, target=H200, options=options)
 
 
 def registers_and_stack(compiled) -> tuple[int, int]:

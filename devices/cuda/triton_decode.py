@@ -483,6 +483,24 @@ def default_block_n(head_dim: int, element_size: int) -> int:
     return 64 if 2 * 64 * block_d * element_size <= TILE_BYTES else 32
 
 
+def default_stages(block_n: int, head_dim: int, element_size: int) -> int:
+    """Stage 1's software-pipeline stages: 3 for 16-bit K plus V tiles of TILE_BYTES
+    (Gemma 4's head_dim 256 and 512), else 2. The stages change no bit.
+
+    A block's gather takes its address from a load (the token table): at two stages
+    its K and V are plain loads the loop waits for, at three they are cp.async copies
+    issued a block ahead (the PTX, tests/test_triton_attention.py). Measured on an H100
+    (bench/decode_splits.py --launches, us a layer at 2 / 3 stages): Gemma 4's sliding
+    layers 7.4 / 6.6, 8.5 / 7.9 and 32.5 / 26.6 at 1, 8 and 64 requests of 512 keys
+    (their window); its full layers 36.0 / 26.4 at one request of 8k keys, 259 / 231 at 8
+    of 32k, 12.1 / 12.6 at 8 of 512. llama-1b's 16 KB tiles gain as much at long rows
+    (75.3 / 68.2 at 8 requests of 8k) but lose at short ones (8.6 / 10.3 at 8 of 512,
+    51.9 / 64.4 at 64), so they keep two. 32-bit caches (exact, not fast) keep two."""
+    block_d = max(triton.next_power_of_2(head_dim), MIN_DOT)
+    wide = 2 * block_n * block_d * element_size >= TILE_BYTES
+    return 3 if wide and element_size == 2 else 2
+
+
 def decode_attention(
     q: torch.Tensor,  # (B, H, D)
     k_buffer: torch.Tensor,  # (num_slots + 1, Hkv, D)
@@ -500,6 +518,8 @@ def decode_attention(
     programs: int | None = None,  # stage 1's programs along the splits; None: split_programs
     short_splits: int = NUM_KV_SPLITS,  # a short row's splits (at most the scratch's)
     rest_chunk: int | None = None,  # the combine's step over a long row's splits
+    num_warps: int = 4,  # stage 1's launch (bench/decode_splits.py --launches sweeps them)
+    num_stages: int | None = None,  # None: default_stages
 ) -> torch.Tensor:
     """Attention of each row's one query over its visible cached keys; returns ``out``.
 
@@ -520,6 +540,8 @@ def decode_attention(
     if block_n is None:
         block_n = default_block_n(head_dim, k_buffer.element_size())
     assert block_n >= MIN_DOT and block_n == triton.next_power_of_2(block_n), block_n
+    if num_stages is None:
+        num_stages = default_stages(block_n, head_dim, k_buffer.element_size())
     window = 0 if sliding_window is None else int(sliding_window)
     assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
     group = num_heads // num_kv_heads
@@ -556,8 +578,8 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(k_buffer.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return combine_splits(partial_out, partial_lse, partial_splits, out, short_splits, rest_chunk)
 
