@@ -376,6 +376,10 @@ if [[ $what == cold || $what == recheck ]]; then
         echo "first command ($run): exit $rc, $wall s wall"
         grep -E "set up|tok/s" "$OUT/first-$run.txt" | head -n 3
         sed -n '/^== /,$p' "$OUT/first-$run.txt" | head -n 24
+        # The cold captures' profile in this log too: the file may not come back (the
+        # device tool brings 8 files; stop 56's did not).
+        [[ $run == cold ]] && sed -n '/^graph captures, the/,$p' "$OUT/first-$run.txt" \
+            | grep -E "ncalls|^ +[0-9]" | cut -c1-160 | head -n 34
     done
     # The GEMV tuner's choices (devices/cuda/gemv_choices/ ships a card's): its file name
     # holds torch's '+', which the device tool does not bring back.
