@@ -40,11 +40,13 @@ def layer_us(
     rest_chunk: int | None,
     launch: tuple[int, ...] | None = None,
     contiguous: bool = False,
+    timed: bool = True,
 ) -> tuple[float, float, torch.Tensor]:
     """One layer's decode attention over ``bs`` rows of ``ctx`` keys, us, of that the
     combine alone, and the output: ``splits`` for every row, or (None) the engine's
     rule, its combine taking ``rest_chunk`` splits a step past the first 16 (None: the
-    default); ``launch``: stage 1's (BLOCK_N, num_warps, num_stages)."""
+    default); ``launch``: stage 1's (BLOCK_N, num_warps, num_stages). ``timed=False``:
+    two launches and no timing (0 us), for a profiler to read one (``--once``)."""
     heads, kv_heads, head_dim = SHAPES[shape]
     dev, dtype = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)  # the same K, V and q for every launch compared
@@ -74,6 +76,10 @@ def layer_us(
         combine_splits(*scratch, out, **short, rest_chunk=rest_chunk)
 
     run()  # the scratch the combine reads
+    if not timed:
+        run()
+        torch.cuda.synchronize()
+        return 0.0, 0.0, out.clone()
     # do_bench_cudagraph runs on a side stream that does not wait for this one.
     torch.cuda.synchronize()
     total = triton.testing.do_bench_cudagraph(run, rep=50) * 1e3
@@ -100,7 +106,10 @@ def sweep_launches(args: argparse.Namespace) -> None:
                 continue
             cells, reference = [], None
             for launch in launches:
-                us, _, out = layer_us(args.shape, bs, ctx, None, None, launch, args.contiguous)
+                us, _, out = layer_us(
+                    args.shape, bs, ctx, None, None, launch, args.contiguous, not args.once
+                )
+                us = us or float("nan")  # --once: not timed
                 same = reference is None or torch.equal(out, reference)
                 reference = out if reference is None else reference
                 cells.append(f"{us:7.1f} / {kv_bytes / us / 1e6:4.2f}{'=' if same else '!'}")
@@ -123,6 +132,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--launches", help="BLOCK_N:num_warps:num_stages,... (see above)")
     parser.add_argument("--contiguous", action="store_true", help="consecutive slots a request")
+    parser.add_argument(
+        "--once", action="store_true",
+        help="with --launches: launch each twice, untimed (for ncu: bash bench/h200.sh ncu)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.launches:
         sweep_launches(args)

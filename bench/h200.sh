@@ -23,6 +23,9 @@
 #   bash bench/h200.sh launches ["B:W:S,..." llama] ["B:W:S,..." gemma]: decode attention's
 #     stage 1 by BLOCK_N:num_warps:num_stages (bench/decode_splits.py --launches), llama-1b's
 #     shape, Gemma 4's sliding layers (window 512 in the engine), its full layers
+#   bash bench/h200.sh ncu ["B:W:S,..."]: where decode attention's stage 1 waits, by Nsight
+#     Compute (Firecracker hosts; --clock-control none, as METHOD.md asks): llama-1b's shape
+#     at 8 requests of 8k keys and one of 32k, for each launch (64:4:2,64:4:3,128:4:2)
 #   bash bench/h200.sh context [batch sizes] [prompt lengths]: the decode step against the
 #     context alone (graphrt bench, random:llama-1b, graphs; 1,8 at 8192,32768): `ab`'s unit
 #   bash bench/h200.sh auto [tokens]: the README's command with and without drafting, and
@@ -393,6 +396,22 @@ if [[ $what == context ]]; then
     graphrt bench --model random:llama-1b --batch-sizes "${2:-1,8}" --runners graph --steps 30 \
         --prompt-len "${3:-8192,32768}" --out "$OUT/bench-llama-1b-context.json" 2>&1 \
         | grep -v Warning | grep -E "^ +[0-9]|== prompt"
+fi
+
+if [[ $what == ncu ]]; then
+    profiler=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+    for cell in "8|8192" "1|32768"; do
+        IFS='|' read -r bs ctx <<< "$cell"
+        # each launch twice (--once): its first compiles, both are profiled
+        "$profiler" --clock-control none -k regex:_decode_partial_kernel --section SpeedOfLight \
+            --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+            --section LaunchStats --section SchedulerStats \
+            python bench/decode_splits.py --once --batch-sizes "$bs" --contexts "$ctx" \
+            --launches "${2:-64:4:2,64:4:3,128:4:2}" > "$OUT/ncu-$bs-$ctx.log" 2>&1
+        echo "== ncu, llama-1b, $bs requests of $ctx keys: exit $?"
+        grep -E "_decode_partial_kernel|Duration|DRAM Throughput|L2 Hit|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit (Reg|Shared)|Warp Cycles Per Issued|Issued Warp|No Eligible|Active Warps Per" \
+            "$OUT/ncu-$bs-$ctx.log" | cut -c1-120 | head -n 90
+    done
 fi
 
 if [[ $what == launches ]]; then
