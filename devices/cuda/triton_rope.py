@@ -130,38 +130,53 @@ def _rope_rows(
 
 
 @triton.jit
+def _kv_heads_at(
+    Cache, Out, Loc, t, stride_slot, stride_head,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_KV: tl.constexpr,
+):  # fmt: skip
+    """Where token ``t``'s k (or v) heads go: (head 0's address, the stride between
+    heads): its KV cache slot (WRITE_KV), else its rows of the contiguous output."""
+    if WRITE_KV:
+        at = Cache + tl.load(Loc + t).to(tl.int64) * stride_slot
+        between = stride_head
+    else:
+        at = Out + t * NUM_KV_HEADS * HEAD_DIM
+        between = HEAD_DIM
+    return at, between
+
+
+@triton.jit
 def _rope_groups(
-    t, Q, K, V, QOut, KOut, KCache, VCache, Loc, cos_row, sin_row, stride_qt, stride_qh,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_slot, stride_kc_head,
+    t, Q, K, V, QOut, KOut, VOut, KCache, VCache, Loc, cos_row, sin_row, stride_qt,
+    stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_slot, stride_kc_head,
     stride_vc_slot, stride_vc_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROT_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
     BLOCK_D: tl.constexpr, WRITE_KV: tl.constexpr,
 ):  # fmt: skip
     """``_qkv_rope_kernel``'s GROUPED programs: token ``t``'s q heads, k heads or v heads
-    (stored only), each group as one tile."""
-    group = tl.program_id(1)  # 0: q's heads, 1: k's, 2: v's (launched when WRITE_KV)
+    (plain rope: v is launched only to be stored), each group as one tile."""
+    group = tl.program_id(1)  # 0: q's heads, 1: k's, 2: v's
     if group == 0:
         _rope_rows(
             Q + t * stride_qt, stride_qh, QOut + t * NUM_Q_HEADS * HEAD_DIM, HEAD_DIM,
             NUM_Q_HEADS, cos_row, sin_row, True, HEAD_DIM, ROT_DIM, BLOCK_HQ, BLOCK_D,
         )  # fmt: skip
-    elif WRITE_KV:
-        slot = tl.load(Loc + t).to(tl.int64)
-        if group == 1:
-            _rope_rows(
-                K + t * stride_kt, stride_kh, KCache + slot * stride_kc_slot, stride_kc_head,
-                NUM_KV_HEADS, cos_row, sin_row, True, HEAD_DIM, ROT_DIM, BLOCK_HKV, BLOCK_D,
-            )  # fmt: skip
-        else:
-            _rope_rows(
-                V + t * stride_vt, stride_vh, VCache + slot * stride_vc_slot, stride_vc_head,
-                NUM_KV_HEADS, cos_row, sin_row, False, HEAD_DIM, ROT_DIM, BLOCK_HKV, BLOCK_D,
-            )  # fmt: skip
-    else:
+    elif group == 1:
+        dst, stride_dst = _kv_heads_at(
+            KCache, KOut, Loc, t, stride_kc_slot, stride_kc_head, NUM_KV_HEADS, HEAD_DIM, WRITE_KV
+        )
         _rope_rows(
-            K + t * stride_kt, stride_kh, KOut + t * NUM_KV_HEADS * HEAD_DIM, HEAD_DIM,
-            NUM_KV_HEADS, cos_row, sin_row, True, HEAD_DIM, ROT_DIM, BLOCK_HKV, BLOCK_D,
+            K + t * stride_kt, stride_kh, dst, stride_dst, NUM_KV_HEADS, cos_row, sin_row,
+            True, HEAD_DIM, ROT_DIM, BLOCK_HKV, BLOCK_D,
+        )  # fmt: skip
+    else:
+        dst, stride_dst = _kv_heads_at(
+            VCache, VOut, Loc, t, stride_vc_slot, stride_vc_head, NUM_KV_HEADS, HEAD_DIM, WRITE_KV
+        )
+        _rope_rows(
+            V + t * stride_vt, stride_vh, dst, stride_dst, NUM_KV_HEADS, cos_row, sin_row,
+            False, HEAD_DIM, ROT_DIM, BLOCK_HKV, BLOCK_D,
         )  # fmt: skip
 
 
@@ -215,15 +230,13 @@ def _qkv_rope_kernel(
     sin_row = Sin + pos * stride_sin
     if GROUPED:
         _rope_groups(
-            t, Q, K, V, QOut, KOut, KCache, VCache, Loc, cos_row, sin_row, stride_qt,
+            t, Q, K, V, QOut, KOut, VOut, KCache, VCache, Loc, cos_row, sin_row, stride_qt,
             stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_slot,
             stride_kc_head, stride_vc_slot, stride_vc_head, NUM_Q_HEADS, NUM_KV_HEADS,
             HEAD_DIM, ROT_DIM, BLOCK_HQ, BLOCK_HKV, BLOCK_D, WRITE_KV,
         )  # fmt: skip
     else:
         h = tl.program_id(1)  # q heads, then k heads, then (when launched) v heads
-        if WRITE_KV:
-            slot = tl.load(Loc + t).to(tl.int64)
         if h < NUM_Q_HEADS:
             src = Q + t * stride_qt + h * stride_qh
             dst = QOut + (t * NUM_Q_HEADS + h) * HEAD_DIM
@@ -233,25 +246,25 @@ def _qkv_rope_kernel(
             )  # fmt: skip
         elif h < NUM_Q_HEADS + NUM_KV_HEADS:
             kv_h = h - NUM_Q_HEADS
-            src = K + t * stride_kt + kv_h * stride_kh
-            if WRITE_KV:
-                dst = KCache + slot * stride_kc_slot + kv_h * stride_kc_head
-            else:
-                dst = KOut + (t * NUM_KV_HEADS + kv_h) * HEAD_DIM
+            dst, stride_dst = _kv_heads_at(
+                KCache, KOut, Loc, t, stride_kc_slot, stride_kc_head, NUM_KV_HEADS, HEAD_DIM,
+                WRITE_KV,
+            )  # fmt: skip
             _rope_head(
-                src, dst, KWeight, cos_row, sin_row, eps, NORM, NORM, True,
-                HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
+                K + t * stride_kt + kv_h * stride_kh, dst + kv_h * stride_dst, KWeight,
+                cos_row, sin_row, eps, NORM, NORM, True, HEAD_DIM, ROT_DIM, BLOCK_D,
+                TORCH_CUDA_MATH,
             )  # fmt: skip
         else:  # v: normed without a scale (Gemma) or as it is (stored only)
             kv_h = h - NUM_Q_HEADS - NUM_KV_HEADS
-            src = V + t * stride_vt + kv_h * stride_vh
-            if WRITE_KV:
-                dst = VCache + slot * stride_vc_slot + kv_h * stride_vc_head
-            else:
-                dst = VOut + (t * NUM_KV_HEADS + kv_h) * HEAD_DIM
+            dst, stride_dst = _kv_heads_at(
+                VCache, VOut, Loc, t, stride_vc_slot, stride_vc_head, NUM_KV_HEADS, HEAD_DIM,
+                WRITE_KV,
+            )  # fmt: skip
             _rope_head(
-                src, dst, QWeight, cos_row, sin_row, eps, NORM, False, False,
-                HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
+                V + t * stride_vt + kv_h * stride_vh, dst + kv_h * stride_dst, QWeight,
+                cos_row, sin_row, eps, NORM, False, False, HEAD_DIM, ROT_DIM, BLOCK_D,
+                TORCH_CUDA_MATH,
             )  # fmt: skip
 
 
