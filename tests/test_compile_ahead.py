@@ -154,10 +154,22 @@ def test_speculative_runners_run_dry_together_and_lazy_ones_before_their_capture
 
 PROBE = r"""
 import json, sys, threading
-import torch, triton.compiler
-compiles = {"ahead": 0, "setup": 0, "run": []}
+import torch, triton.compiler, triton.runtime.build
+compiles = {"ahead": 0, "setup": 0, "run": [], "launchers_ahead": 0, "launchers_main": []}
 phase = {"now": None}
 real = triton.compiler.compile
+real_build = triton.runtime.build._build
+
+def counting_build(name, *args, **kwargs):
+    # gcc building a C module (cache misses only): kernels' launchers, first launches'
+    if name == "__triton_launcher" and phase["now"] is not None:
+        if threading.current_thread() is threading.main_thread():
+            compiles["launchers_main"].append(phase["now"])
+        else:
+            compiles["launchers_ahead"] += 1
+    return real_build(name, *args, **kwargs)
+
+triton.runtime.build._build = counting_build
 
 def counting(src, *args, **kwargs):
     on_pool = threading.current_thread() is not threading.main_thread()
@@ -194,8 +206,8 @@ print(json.dumps(dict(compiles, graph=graph, graph_steps=steps,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_cuda_engine_compiles_every_kernel_ahead_on_threads(llama_gqa_untied, tmp_path):
     """From empty Triton and GEMV-tuner caches: while the engine sets up, every Triton
-    kernel compiles on the compile-ahead pool's threads and none on the main thread (the
-    warm-ups and captures find them all), and none when the first prompts prefill and
+    kernel compiles, and its C launcher builds, on the compile-ahead pool's threads, none on
+    the main thread (the warm-ups and captures find them all), and none when the first prompts prefill and
     decode (their prefill ran dry beside the graphs: ``DRY_PREFILL_PROMPTS``); the graphs
     then give the eager engine's tokens."""
     import json
@@ -213,6 +225,9 @@ def test_cuda_engine_compiles_every_kernel_ahead_on_threads(llama_gqa_untied, tm
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["ahead"] > 0 and result["setup"] == 0, result
     assert result["run"] == [], f"compiled at the first prefill or step: {result['run']}"
+    # Their C launchers (gcc, about 0.3 s each) were built on the pool too, not at the
+    # first launches on the main thread (the captures, the first prefill).
+    assert result["launchers_ahead"] > 0 and result["launchers_main"] == [], result
     assert result["graph_steps"] > 0
     assert result["graph"] == result["eager"]
 
@@ -245,3 +260,40 @@ def test_compile_ahead_runs_each_dry_and_restores_launches(caplog):
     with ThreadPoolExecutor(1) as pool, AsyncCompileMode(pool):
         assert ahead.compile_ahead([lambda: run(0)]) == 0
     assert seen == []
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_launchers_build_once_per_signature_on_the_pool(monkeypatch, caplog):
+    """After the compiles, each distinct launcher (a kernel's signature and tensor
+    descriptors) is built once, on the pool's threads, not the caller's; a build that fails
+    is left to the kernel's first launch (logged, not raised)."""
+    import logging
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from triton.runtime.driver import driver
+
+    from graphrt.devices.cuda import compile_ahead as ahead
+
+    built = []
+
+    def launcher_cls(src, metadata):
+        built.append((src.signature["x"], threading.current_thread().name))
+        if src.signature["x"] == "*bf16":
+            raise RuntimeError("gcc failed")
+
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(launcher_cls=launcher_cls))
+
+    def kernel(x, block):  # two constexpr values of one signature share a launcher
+        signature = {"x": x, "n": "i32", "BLOCK": "constexpr"}
+        return SimpleNamespace(src=SimpleNamespace(signature=signature, constants={"BLOCK": block}),
+                               metadata=SimpleNamespace(tensordesc_meta=None), name=x)  # fmt: skip
+
+    kernels = [kernel("*fp32", 16), kernel("*fp32", 32), kernel("*bf16", 16), None]
+    with caplog.at_level(logging.DEBUG, logger=ahead.__name__):
+        with ThreadPoolExecutor(2, thread_name_prefix="triton-compile") as pool:
+            ahead._build_launchers(pool, kernels)
+    assert sorted(x for x, _ in built) == ["*bf16", "*fp32"]
+    assert all(name.startswith("triton-compile") for _, name in built)
+    assert "launcher of *bf16 not built ahead: gcc failed" in caplog.text

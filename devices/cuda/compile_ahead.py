@@ -7,8 +7,9 @@ passes and ptxas release the GIL, so threads compile side by side (1.8x on 2 cor
 
 ``compile_ahead(runs)`` calls each of ``runs`` (a graph bucket's forward, as its capture
 will warm it up) with every Triton launch turned into a compile-only warm-up, queued on a
-thread pool through Triton's ``AsyncCompileMode``. It then waits for the compiles. The
-warm-ups and captures that follow find every kernel compiled.
+thread pool through Triton's ``AsyncCompileMode``. It then waits for the compiles, and
+builds each kernel's C launcher on the same threads (``_build_launchers``). The warm-ups
+and captures that follow find every kernel compiled and launchable.
 
 HAZARD (dry runs compute garbage): no Triton kernel runs during them, so their outputs
 hold whatever the allocator left there, and the torch ops in between compute from that.
@@ -89,8 +90,42 @@ def compile_ahead(runs: Iterable[Callable[[], Any]], threads: int | None = None)
                 except Exception as e:  # noqa: BLE001 (the warm-ups compile the rest, or fail)
                     log.warning("compiling ahead stopped (%s); the warm-ups compile the rest", e)
             queued = len(mode.raw_futures)
+        _build_launchers(pool, [k.kernel for k in mode.future_kernels.values()])
     log.info(
         "compiled %d Triton kernels ahead on %d threads in %.1f s",
         queued, threads, time.perf_counter() - start,
     )  # fmt: skip
     return queued
+
+
+def _build_launchers(pool: ThreadPoolExecutor, kernels: list[Any]) -> None:
+    """Build the C launchers of compiled ``kernels`` on ``pool``, one per distinct launcher.
+
+    Triton builds a kernel's launcher (C source from its signature, through gcc: about 0.3 s,
+    kept in Triton's cache by its source) at the kernel's first launch, on the launching
+    thread. On a fresh H100 that was 3.9 of the first captures' 4.2 s (12 builds for the
+    README's first command; bench/cold_start.py, stop 57). Built here, side by side, the
+    first launches find them in the cache. The launcher's source depends on the signature
+    alone (constexpr markers included) and tensor descriptors: one build per distinct pair,
+    since two threads building one source would both run gcc. A failure here only leaves
+    that build to the first launch, as before."""
+    kernels = [k for k in kernels if k is not None]
+    if not kernels:
+        return
+    try:
+        from triton.runtime.driver import driver
+
+        make_launcher = driver.active.launcher_cls
+    except (ImportError, AttributeError, RuntimeError):  # another Triton, or no GPU driver
+        return
+    distinct = {}
+    for kernel in kernels:
+        signature = getattr(kernel.src, "signature", None)
+        tensordesc = getattr(kernel.metadata, "tensordesc_meta", None)
+        distinct.setdefault((repr(signature), repr(tensordesc)), kernel)
+    builds = [pool.submit(make_launcher, k.src, k.metadata) for k in distinct.values()]
+    for kernel, build in zip(distinct.values(), builds, strict=True):
+        try:
+            build.result()
+        except Exception as e:  # noqa: BLE001 (its first launch builds it, or says why)
+            log.debug("launcher of %s not built ahead: %s", getattr(kernel, "name", "?"), e)
