@@ -84,7 +84,7 @@ class CudaDevice(Device):
             return None
         return (
             f"compiling GPU kernels: Triton's cache ({cache}) is empty, so this first start "
-            "takes longer (16 s for the embedded pair on an H200, more for larger "
+            "takes longer (about 12 s for the embedded pair on an H100, more for larger "
             "models); later starts reuse it"
         )
 
