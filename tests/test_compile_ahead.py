@@ -202,6 +202,15 @@ print(json.dumps(dict(compiles, graph=graph, graph_steps=steps,
 """
 
 
+def _builds_launchers() -> bool:
+    """Whether this Triton builds a C launcher a kernel signature (gcc; up to 3.6)."""
+    import inspect
+
+    from triton.backends.nvidia import driver
+
+    return "__triton_launcher" in inspect.getsource(driver.CudaLauncher)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_cuda_engine_compiles_every_kernel_ahead_on_threads(llama_gqa_untied, tmp_path):
@@ -226,8 +235,11 @@ def test_cuda_engine_compiles_every_kernel_ahead_on_threads(llama_gqa_untied, tm
     assert result["ahead"] > 0 and result["setup"] == 0, result
     assert result["run"] == [], f"compiled at the first prefill or step: {result['run']}"
     # Their C launchers (gcc, about 0.3 s each) were built on the pool too, not at the
-    # first launches on the main thread (the captures, the first prefill).
-    assert result["launchers_ahead"] > 0 and result["launchers_main"] == [], result
+    # first launches on the main thread (the captures, the first prefill). Triton 3.7
+    # launches through one launcher it builds with the driver: no launcher builds at all.
+    assert result["launchers_main"] == [], result
+    if _builds_launchers():
+        assert result["launchers_ahead"] > 0, result
     assert result["graph_steps"] > 0
     assert result["graph"] == result["eager"]
 

@@ -108,7 +108,8 @@ def _build_launchers(pool: ThreadPoolExecutor, kernels: list[Any]) -> None:
     first launches find them in the cache. The launcher's source depends on the signature
     alone (constexpr markers included) and tensor descriptors: one build per distinct pair,
     since two threads building one source would both run gcc. A failure here only leaves
-    that build to the first launch, as before."""
+    that build to the first launch, as before. (Triton 3.7 launches through one launcher
+    of its driver's: nothing to build, and this costs a few objects.)"""
     kernels = [k for k in kernels if k is not None]
     if not kernels:
         return
