@@ -223,11 +223,11 @@ def interpreter_results() -> dict:
             run_cases(TRITON_OPS, dtype, CPU_NORM_SHAPES, CPU_SILU_SHAPES, CPU_ROPE_SHAPES, "cpu")
         )
     # Prefill widths' plain rope (a program per token and group of heads, from
-    # ROWS_FROM_TOKENS tokens) on the same shapes, forced from one token: bitwise too.
-    triton_rope.ROWS_FROM_TOKENS = 1
+    # GROUPED_FROM_TOKENS tokens) on the same shapes, forced from one token: bitwise too.
+    triton_rope.GROUPED_FROM_TOKENS = 1
     for dtype in (torch.float32, torch.bfloat16):
-        rows = run_cases(TRITON_OPS, dtype, [], [], CPU_ROPE_SHAPES, "cpu")
-        results.update({key.replace("/", "/rows-", 1): m for key, m in rows.items()})
+        grouped = run_cases(TRITON_OPS, dtype, [], [], CPU_ROPE_SHAPES, "cpu")
+        results.update({key.replace("/", "/grouped-", 1): m for key, m in grouped.items()})
     return results
 
 
@@ -236,9 +236,9 @@ def interpreter_results() -> dict:
 def test_ops_under_interpreter_match_reference():
     results = run_under_triton_interpreter(__file__)
     # 2 dtypes x (3 norm shapes x 3 outputs + 3 act shapes x 2 + 3 rope shapes x 5 outputs,
-    # per-head and rows kernels)
+    # per-head and grouped programs)
     assert len(results) == 2 * (9 + 6 + 15 + 15)
-    assert sum("/rows-" in key for key in results) == 2 * 15
+    assert sum("/grouped-" in key for key in results) == 2 * 15
     bad = violations(results)
     assert not bad, bad
 

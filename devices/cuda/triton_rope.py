@@ -2,7 +2,7 @@
 family, ``triton_rope``) or after Gemma's q/k/v RMSNorms (``gemma_qkv_norm_rope``),
 one kernel for both. Either can store k and v straight into the KV cache instead of
 returning them (``KVWrite``: one launch fewer per layer). Plain rope over a prefill's
-many tokens (``ROWS_FROM_TOKENS``) runs a program per token and group of heads instead
+many tokens (``GROUPED_FROM_TOKENS``) runs a program per token and group of heads instead
 of one per token and head (``_qkv_rope_kernel``'s GROUPED programs), with the same bits.
 
 Arithmetic: transformers' rotate-half rope with the tables cast to the activation
@@ -97,7 +97,7 @@ def _rope_head(
 # same bits (rope is elementwise: the same operations in the same order on each value);
 # the normed rope keeps a program per head at every width (its row sums' order is the
 # kernel's).
-ROWS_FROM_TOKENS = 256
+GROUPED_FROM_TOKENS = 256
 
 
 @triton.jit
@@ -218,7 +218,7 @@ def _qkv_rope_kernel(
     NORM: tl.constexpr,
     WRITE_KV: tl.constexpr,
     TORCH_CUDA_MATH: tl.constexpr,
-    # A program per token and group of heads (plain rope only: ROWS_FROM_TOKENS), the
+    # A program per token and group of heads (plain rope only: GROUPED_FROM_TOKENS), the
     # groups' heads padded to BLOCK_HQ and BLOCK_HKV; else a program per token and head.
     GROUPED: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
@@ -321,7 +321,7 @@ def qkv_rope(
         k_in.stride(1), v_in.stride(0), v_in.stride(1), cos.stride(0), sin.stride(0),
         caches[0].stride(0), caches[0].stride(1), caches[1].stride(0), caches[1].stride(1),
     )  # fmt: skip
-    grouped = norm is None and num_tokens >= ROWS_FROM_TOKENS
+    grouped = norm is None and num_tokens >= GROUPED_FROM_TOKENS
     block_hq = triton.next_power_of_2(num_heads)
     if grouped:  # q's heads; k's; v's (stored only): a program each
         programs = 1 + (num_kv_heads > 0) + v_heads
