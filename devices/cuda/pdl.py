@@ -6,14 +6,23 @@ exited); it must run ``griddepcontrol.wait`` before touching what that kernel wr
 In a decode step inside a CUDA graph this hides each launch's ramp-up: a GEMV reads
 its weight tile, which no kernel writes, while the previous kernel finishes.
 
-The contract every kernel launched with PDL keeps (``triton_gemv``):
+The contract every kernel launched with PDL keeps (``triton_gemv``; checked in the
+source by tests/test_pdl_contract.py):
 - before the wait it reads only tensors no kernel writes (weights, biases, norm
   weights) and stores nothing;
 - it always waits, even when it reads nothing of its predecessor's: the wait is what
-  orders it after the kernel before that one, too.
+  orders it after the kernel before that one, too;
+- it is launched with ``launch_options()``, so its ``USE_PDL`` constexpr (the wait) and
+  the launch attribute never disagree: a kernel compiled without the wait but launched
+  with PDL would read half-written inputs.
 Kernels that only let their successor start early (``gdc_launch_dependents``, e.g. the
 attention combine before the o projection) need no wait of their own for that; a
 kernel launched without PDL waits for its predecessor as usual.
+
+Only the GEMV waits: the other kernels of a step have nothing to read before the wait.
+Launched with PDL as well (each waiting, then releasing its successor), they gained
+nothing on an H200 (stop 58, BENCHMARKS.md: Gemma 4's batch-1 step 2.395 ms against
+2.331 and 2.306 without; PDL on or off moved the step 0.096 ms, as with the GEMV alone).
 
 ``ENABLED`` is read at every launch, so a benchmark can compare with and without
 (bench/profile_step.py); graphs keep what was set when they were captured.
@@ -36,3 +45,8 @@ def _supported() -> bool:
 
 
 ENABLED = _supported()
+
+
+def launch_options() -> dict[str, bool]:
+    """A PDL kernel's ``USE_PDL`` constexpr and its launch attribute, as ``ENABLED`` is now."""
+    return {"USE_PDL": ENABLED, "launch_pdl": ENABLED}

@@ -507,10 +507,9 @@ def gemv(
         NORM=norm is not None,
         ACT=activation_code(act),
         PRECISE=not _INTERPRETED,
-        USE_PDL=pdl.ENABLED,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         enable_fp_fusion=False,
-        launch_pdl=pdl.ENABLED,
+        **pdl.launch_options(),
     )
     return out

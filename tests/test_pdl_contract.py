@@ -1,0 +1,103 @@
+"""Every Triton kernel launched with programmatic dependent launch keeps pdl.py's contract.
+
+A kernel launched with ``launch_pdl`` that touched its inputs before ``griddepcontrol.wait``
+would read the previous kernel's outputs half written: inside a CUDA graph on an H200 a
+race that shows as an occasional wrong token, never on the CPU lane (the interpreter
+skips the PTX). So the contract is checked in the source: before its wait a kernel that
+takes ``USE_PDL`` names no pointer but its weights' and stores nothing, and every launch
+of such a kernel passes ``pdl.launch_options()``, so the wait (a constexpr) and the launch
+attribute never disagree.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+CUDA = Path(__file__).resolve().parents[1] / "devices" / "cuda"
+# Pointers no kernel of a step writes: a PDL kernel may read them before its wait.
+WEIGHTS = {"W", "Weight", "NormWeight", "Bias"}
+
+
+def _kernels():
+    for path in sorted(CUDA.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and any(
+                ast.unparse(d) == "triton.jit" for d in node.decorator_list
+            ):
+                yield node
+
+
+def _params(fn: ast.FunctionDef) -> list[str]:
+    return [a.arg for a in fn.args.args]
+
+
+def _pdl_kernels() -> dict[str, ast.FunctionDef]:
+    return {fn.name: fn for fn in _kernels() if "USE_PDL" in _params(fn)}
+
+
+def _pointers(fn: ast.FunctionDef) -> set[str]:
+    """Tensor arguments: capitalised (the kernels' naming) and not constexpr, less the
+    GEMV's sizes M, N, K (scalars)."""
+    return {
+        a.arg
+        for a in fn.args.args
+        if a.arg[0].isupper() and a.annotation is None and a.arg not in ("M", "N", "K")
+    }
+
+
+def _names(node: ast.AST) -> set[str]:
+    """Names a statement reads, but not a pointer's ``.dtype`` (a type, not memory)."""
+    types = {
+        id(n.value) for n in ast.walk(node) if isinstance(n, ast.Attribute) and n.attr == "dtype"
+    }
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and id(n) not in types}
+
+
+def _before_wait(fn: ast.FunctionDef) -> list[ast.stmt]:
+    """The kernel's statements up to the one holding its first ``gdc_wait()``."""
+    for i, stmt in enumerate(fn.body):
+        if "gdc_wait()" in ast.unparse(stmt):
+            return fn.body[:i]
+    raise AssertionError(f"{fn.name} takes USE_PDL but never waits (griddepcontrol.wait)")
+
+
+def test_the_gemv_is_launched_with_pdl():
+    assert "_gemv_kernel" in _pdl_kernels()  # the parse found the kernels
+
+
+@pytest.mark.parametrize("name", sorted(_pdl_kernels()))
+def test_a_pdl_kernel_reads_only_weights_before_its_wait(name):
+    fn = _pdl_kernels()[name]
+    pointers = _pointers(fn)
+    early = _before_wait(fn)
+    # Names bound before the wait from activation pointers would carry them past it.
+    touched = set().union(*(_names(s) for s in early)) if early else set()
+    assert not (touched & (pointers - WEIGHTS)), (
+        f"{name} names {sorted(touched & (pointers - WEIGHTS))} before its wait"
+    )
+    assert not any("tl.store" in ast.unparse(s) for s in early), f"{name} stores before its wait"
+
+
+def test_every_launch_of_a_pdl_kernel_passes_launch_options():
+    pdl_kernels = set(_pdl_kernels())
+    launched = set()
+    for path in sorted(CUDA.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            # kernel[grid](...)
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)):
+                continue
+            kernel = ast.unparse(node.func.value)
+            keywords = [ast.unparse(k) for k in node.keywords]
+            where = f"{path.name}:{node.lineno} {kernel}"
+            if kernel not in pdl_kernels:
+                assert not any(k.startswith("launch_pdl=") for k in keywords), (
+                    f"{where} is launched with PDL but takes no USE_PDL (it never waits)"
+                )
+                continue
+            launched.add(kernel)
+            assert "**pdl.launch_options()" in keywords, f"{where} launches without launch_options"
+            assert not any(k.startswith(("USE_PDL=", "launch_pdl=")) for k in keywords), where
+    assert launched == pdl_kernels
