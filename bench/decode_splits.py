@@ -10,8 +10,10 @@ Run on the device: python bench/decode_splits.py [--shape llama-1b|gemma4-slidin
 
 ``--launches 64:4:2,64:4:3,128:8:3`` instead times the engine's rule with stage 1
 launched as BLOCK_N:num_warps:num_stages (the first is the reference), with the KV read's
-TB/s and whether each output equals the reference's bits; ``--contiguous`` gives every
-request consecutive slots instead of scattered ones.
+TB/s and whether each output equals the reference's bits; ``64:4:2+128@2048`` launches
+stage 1 twice, rows of 2,048 visible keys and more on 128-key blocks (``decode_attention``'s
+``long_rows``); ``--contiguous`` gives every request consecutive slots instead of
+scattered ones.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def layer_us(
     ctx: int,
     splits: int | None,
     rest_chunk: int | None,
-    launch: tuple[int, ...] | None = None,
+    launch: tuple[int, ...] | None = None,  # see parse_launch
     contiguous: bool = False,
     timed: bool = True,
 ) -> tuple[float, float, torch.Tensor]:
@@ -64,6 +66,9 @@ def layer_us(
     max_splits = max_kv_splits(131072) if splits is None else splits
     short = {} if splits is None else {"short_splits": splits}  # fixed: short = most
     stage1 = dict(zip(("block_n", "num_warps", "num_stages"), launch or ()))
+    if launch and len(launch) == 5:  # (..., long rows' BLOCK_N, from keys)
+        stage1 = dict(zip(("block_n", "num_warps", "num_stages"), launch[:3]))
+        stage1["long_rows"] = (launch[4], launch[3])
     scratch = allocate_decode_scratch(bs, heads, head_dim, dev, max_splits)
 
     def run():
@@ -88,10 +93,20 @@ def layer_us(
     return total, combine_us, out.clone()
 
 
+def parse_launch(text: str) -> tuple[int, ...]:
+    """ "64:4:2" -> (64, 4, 2); "64:4:2+128@2048" -> (64, 4, 2, 128, 2048)."""
+    first, _, long_rows = text.partition("+")
+    launch = tuple(int(x) for x in first.split(":"))
+    if long_rows:
+        block_n, _, from_keys = long_rows.partition("@")
+        launch += (int(block_n), int(from_keys))
+    return launch
+
+
 def sweep_launches(args: argparse.Namespace) -> None:
     """The engine's rule with each of ``--launches``: us a layer, TB/s of its KV read, and
     whether the output equals the first launch's bit for bit."""
-    launches = [tuple(int(x) for x in c.split(":")) for c in args.launches.split(",")]
+    launches = [parse_launch(c) for c in args.launches.split(",")]
     heads, kv_heads, head_dim = SHAPES[args.shape]
     print(
         f"{args.shape}, {'contiguous' if args.contiguous else 'scattered'} slots, bf16; us a "

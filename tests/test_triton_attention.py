@@ -189,21 +189,32 @@ def interpreter_results() -> dict:
         wide_q[:, :, :head_dim] = q.view(-1, num_heads, head_dim)
         scratch = allocate_decode_scratch(8, num_heads, head_dim, torch.device("cpu"), 3)
         scratch[0].fill_(float("nan"))  # empty splits store no output: never read
-        direct = torch.empty(batch.batch_size, num_heads, head_dim)
-        decode_attention(
-            wide_q[:, :, :head_dim],
-            pools.kv_pool.k_buffers[0],
-            pools.kv_pool.v_buffers[0],
-            pools.req_pool.req_to_token,
-            batch.req_pool_indices,
-            batch.seq_lens,
-            direct,
-            *scratch,
-            spec.scaling,
-            window,
-            block_n=16,
+        launches = {"short": {"block_n": 16}, "two": {"block_n": 16, "long_rows": (50, 32)},
+                    "wide": {"block_n": 32}}  # fmt: skip
+        outs = {}
+        for name, launch in launches.items():
+            outs[name] = torch.empty(batch.batch_size, num_heads, head_dim)
+            decode_attention(
+                wide_q[:, :, :head_dim], pools.kv_pool.k_buffers[0], pools.kv_pool.v_buffers[0],
+                pools.req_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, outs[name],
+                *scratch, spec.scaling, window, **launch,
+            )  # fmt: skip
+        short, two, wide = outs["short"], outs["two"], outs["wide"]
+        errors[f"{case}/3_splits_vs_naive"] = rel_err(short, naive)
+        # Rows of 50 visible keys and more (70) in a second launch of 32-key blocks (the
+        # other launch's programs skip them): each row's output is, bit for bit, one
+        # launch's at its class's block size. Without a window the two sizes give both
+        # classes other bits (37 and 70 keys walk several blocks), so a launch that
+        # served the other class's rows would show.
+        visible = batch.seq_lens if window is None else batch.seq_lens.clamp(max=window)
+        long = visible >= 50
+        flags[f"{case}/long_rows_bits"] = (
+            torch.equal(two[long], wide[long])
+            and torch.equal(two[~long], short[~long])
+            and (window is not None or not torch.equal(short[long], wide[long]))
+            and (window is not None or not torch.equal(short[~long], wide[~long]))
         )
-        errors[f"{case}/3_splits_vs_naive"] = rel_err(direct, naive)
+        errors[f"{case}/long_rows_vs_naive"] = rel_err(two, naive)
 
     # Scratch (last case, G = 2): sized for the graph batch once graphs are set up, one
     # pair shared by the layers of one (H, D) whatever their window; results unchanged.
@@ -329,10 +340,11 @@ def extend_results(triton_backend_cls) -> dict:
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_decode_kernel_under_interpreter_matches_reference_and_naive():
     results = run_under_triton_interpreter(__file__)
-    # Per case: 3 errors and 2 flags; the two 3-split launches; scratch and store flags.
+    # Per case: 3 errors and 2 flags; the two launcher cases' 3-split and long-row
+    # launches (2 errors and a flag each); scratch and store flags.
     num_cases = len(INTERPRETER_CASES)
-    assert len(results["errors"]) == 3 * num_cases + 2
-    assert len(results["flags"]) == 2 * num_cases + 4
+    assert len(results["errors"]) == 3 * num_cases + 4
+    assert len(results["flags"]) == 2 * num_cases + 6
     too_far = {name: err for name, err in results["errors"].items() if not err < 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]

@@ -67,6 +67,8 @@ MAX_KV_SPLITS = 128
 TARGET_PROGRAMS = 1024
 # tl.dot on NVIDIA GPUs needs an inner dimension >= 16, and before triton 3.7 M, N >= 16.
 MIN_DOT = 16
+# A row class's upper bound when it has none (visible keys are int32).
+ALL_KEYS = 2**31 - 1
 # One K tile plus one V tile per loop step stays within this many bytes, so two
 # pipeline stages fit shared memory with room for a second program per SM.
 TILE_BYTES = 32 * 1024
@@ -249,6 +251,8 @@ def _decode_partial_kernel(
     PartialSplits,  # (>= B,) int32: each row's split count, for the combine
     sm_scale,
     window,  # 0 = no sliding window
+    min_keys,  # this launch's rows: min_keys <= visible keys < max_keys (the others'
+    max_keys,  # programs return at once: another launch, of another BLOCK_N, serves them)
     stride_qb,
     stride_qh,
     stride_kt,
@@ -281,6 +285,8 @@ def _decode_partial_kernel(
     req = tl.load(ReqPoolIndices + b).to(tl.int64)
     # Key j is visible to the query at p = seq_len - 1 iff j > p - window.
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    if (seq_len - lo < min_keys) | (seq_len - lo >= max_keys):
+        return
     num_splits = _row_splits(seq_len - lo, MIN_SPLITS, DOUBLINGS, SPLIT_KEYS)
     if (kv_h == 0) & (tl.program_id(2) == 0):
         tl.store(PartialSplits + b, num_splits)
@@ -520,12 +526,20 @@ def decode_attention(
     rest_chunk: int | None = None,  # the combine's step over a long row's splits
     num_warps: int = 4,  # stage 1's launch (bench/decode_splits.py --launches sweeps them)
     num_stages: int | None = None,  # None: default_stages
+    long_rows: tuple[int, int] | None = None,  # (from keys, BLOCK_N): see below
 ) -> torch.Tensor:
     """Attention of each row's one query over its visible cached keys; returns ``out``.
 
     The scratch's third dimension S is the most splits a row gets (``row_splits``).
     Shapes are checked on the host only (no device sync), so this may be called inside
     a graph capture.
+
+    ``long_rows`` = (from_keys, block_n): rows of at least from_keys visible keys run in
+    a second stage-1 launch on blocks of block_n keys, the others as without; a row's
+    bits are those of one launch at its class's block size. Measured on an H100 (stop
+    58, BENCHMARKS.md "Long context"): 128-key blocks from 2,048 keys take llama-1b's
+    attention 12-20% down at 8k and 32k keys, but the second launch costs 1.8-6.6 us a
+    layer where no row is long. Not the engine's default: bench/decode_splits.py.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -537,50 +551,35 @@ def decode_attention(
         return out
 
     block_d = max(triton.next_power_of_2(head_dim), MIN_DOT)
+    size = k_buffer.element_size()
     if block_n is None:
-        block_n = default_block_n(head_dim, k_buffer.element_size())
-    assert block_n >= MIN_DOT and block_n == triton.next_power_of_2(block_n), block_n
-    if num_stages is None:
-        num_stages = default_stages(block_n, head_dim, k_buffer.element_size())
+        block_n = default_block_n(head_dim, size)
     window = 0 if sliding_window is None else int(sliding_window)
     assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
     group = num_heads // num_kv_heads
     programs = programs or split_programs(bs * num_kv_heads, max_splits, short_splits)
-
-    _decode_partial_kernel[(bs, num_kv_heads, programs)](
-        q,
-        k_buffer,
-        v_buffer,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
-        partial_out,
-        partial_lse,
-        partial_splits,
-        float(sm_scale),
-        window,
-        q.stride(0),
-        q.stride(1),
-        k_buffer.stride(0),
-        k_buffer.stride(1),
-        v_buffer.stride(0),
-        v_buffer.stride(1),
-        req_to_token.stride(0),
-        partial_out.stride(0),
-        partial_out.stride(1),
-        partial_out.stride(2),
-        partial_lse.stride(0),
-        partial_lse.stride(1),
-        KV_GROUP=group,
-        BLOCK_G=max(triton.next_power_of_2(group), MIN_DOT),
-        **split_constants(max_splits, short_splits),
-        BLOCK_N=block_n,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        DOT_PRECISION=dot_precision(k_buffer.dtype),
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    # Row classes by visible keys: [lo, hi) and their block size. One class unless
+    # ``long_rows`` = (from_keys, block_n) gives rows of from_keys keys and more larger
+    # blocks in a second launch (each launch's programs skip the other class's rows).
+    classes = [(0, ALL_KEYS, block_n)]
+    if long_rows is not None:
+        classes = [(0, long_rows[0], block_n), (long_rows[0], ALL_KEYS, long_rows[1])]
+    for min_keys, max_keys, class_block_n in classes:
+        assert class_block_n >= MIN_DOT, class_block_n
+        assert class_block_n == triton.next_power_of_2(class_block_n), class_block_n
+        stages = num_stages or default_stages(class_block_n, head_dim, size)
+        _decode_partial_kernel[(bs, num_kv_heads, programs)](
+            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, partial_out,
+            partial_lse, partial_splits, float(sm_scale), window, min_keys, max_keys,
+            q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+            v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
+            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+            partial_lse.stride(0), partial_lse.stride(1),
+            KV_GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), MIN_DOT),
+            **split_constants(max_splits, short_splits), BLOCK_N=class_block_n,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=dot_precision(k_buffer.dtype),
+            num_warps=num_warps, num_stages=stages,
+        )  # fmt: skip
     return combine_splits(partial_out, partial_lse, partial_splits, out, short_splits, rest_chunk)
 
 
