@@ -364,18 +364,26 @@ class MTPDecoding(DecodeStrategy):
     def captures_before(self, reqs: list[Request]) -> Sequence[GraphRunner]:
         steps = self._planned_steps(reqs)
         self._planned = (reqs, steps)
+        # A plain step of a batch with a long row: the plain steps' own graphs for them.
+        plain = list(self.plain.captures_before(reqs)) if steps == 0 and self.plain else []
         if not self._later:  # everything captured: the usual step (an O(batch) scan less)
-            return ()
+            return plain
         needs = self._needs(steps, steps == 0 or all(r.params.greedy for r in reqs))
         now = [r for r in needs if r in self._later]
         self._later = [r for r in self._later if r not in now]
-        return now
+        return now + plain
+
+    def plain_runner_for(self, batch: ForwardBatch) -> GraphRunner | None:
+        return self.plain.plain_runner_for(batch) if self.plain else None
 
     def deferred_captures(self) -> Sequence[GraphRunner]:
         later, self._later = self._later, []
-        return later
+        return later + list(self.plain.deferred_captures() if self.plain else ())
 
     def refuse_capture(self, runner: GraphRunner) -> None:
+        if self.plain is not None and runner is self.plain.long_runner:
+            self.plain.refuse_capture(runner)  # its long batches stay on the plain graphs
+            return
         # With auto lengths, the lengths needing it are not chosen again (for that kind of
         # batch); a fixed length's round, or a plain step, runs that piece eagerly.
         self._refused.append(runner)

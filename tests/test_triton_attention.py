@@ -12,6 +12,7 @@ and the backend inside a CUDA graph against eager, bitwise.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -142,6 +143,7 @@ def interpreter_results() -> dict:
 
     The interpreter takes ~0.5 s per launch on 2 cores: the launch count is kept small.
     """
+    from graphrt.devices.cuda import attention as cuda_attention
     from graphrt.devices.cuda.attention import TritonAttentionBackend
     from graphrt.devices.cuda.triton_decode import (
         allocate_decode_scratch,
@@ -215,6 +217,18 @@ def interpreter_results() -> dict:
             and (window is not None or not torch.equal(short[~long], wide[~long]))
         )
         errors[f"{case}/long_rows_vs_naive"] = rel_err(two, naive)
+        if window is None:
+            # The backend's decode of a batch flagged long_rows (the long rows' graphs):
+            # rows of LONG_ROW_KEYS keys and more on long_block_n's blocks (both patched
+            # small here), the others as in an unflagged batch, bit for bit.
+            cuda_attention.LONG_ROW_KEYS, cuda_attention.long_block_n = 50, lambda d, s: 16
+            flagged = dataclasses.replace(batch, long_rows=True)
+            long_out = run_decode(triton_backend, pools, q, k, v, spec, flagged)
+            flags[f"{case}/backend_long_rows"] = (
+                torch.equal(long_out[~long], out[~long])
+                and not torch.equal(long_out[long], out[long])
+                and rel_err(long_out, naive) < 1e-5
+            )
 
     # Scratch (last case, G = 2): sized for the graph batch once graphs are set up, one
     # pair shared by the layers of one (H, D) whatever their window; results unchanged.
@@ -341,10 +355,11 @@ def extend_results(triton_backend_cls) -> dict:
 def test_decode_kernel_under_interpreter_matches_reference_and_naive():
     results = run_under_triton_interpreter(__file__)
     # Per case: 3 errors and 2 flags; the two launcher cases' 3-split and long-row
-    # launches (2 errors and a flag each); scratch and store flags.
+    # launches (2 errors and a flag each), and the backend's long rows (without a
+    # window: a flag); scratch and store flags.
     num_cases = len(INTERPRETER_CASES)
     assert len(results["errors"]) == 3 * num_cases + 4
-    assert len(results["flags"]) == 2 * num_cases + 6
+    assert len(results["flags"]) == 2 * num_cases + 7
     too_far = {name: err for name, err in results["errors"].items() if not err < 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]

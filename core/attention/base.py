@@ -8,13 +8,14 @@ hooks a graph runner calls around capture and replay. Models call
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from graphrt.core.batch import ForwardBatch
 from graphrt.core.graph_breaks import run_breakable
-from graphrt.core.memory import ReqToTokenPool, TokenKVPool
+from graphrt.core.memory import KVLayerSpec, ReqToTokenPool, TokenKVPool
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,12 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def init_metadata_for_replay(self, batch: ForwardBatch) -> None:
         """Refresh the static buffers for a replay: no host syncs, no allocations."""
+
+    def long_row_keys(self, layers: Sequence[KVLayerSpec]) -> int | None:
+        """Rows of this many visible keys and more run on a schedule of their own in some of
+        ``layers`` (a batch flagged ``long_rows``): worth decode graphs of their own, taken
+        when a batch's longest row reaches it. None (the default): one schedule for all."""
+        return None
 
     def seq_len_fill_value(self) -> int:
         """Sequence length given to padding rows; must keep their attention finite."""

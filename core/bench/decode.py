@@ -229,11 +229,13 @@ def _time_graphrt(engine, cfg, bs, params, bandwidth, sync, report) -> BatchResu
         step = partial(engine.eager_runner.execute, batch)
         result.eager_ms = median_ms(step, sync, cfg.steps, cfg.warmup)
         result.eager_kernels = count_kernels(step, sync, device)  # profiled after, never timed
-    if "graph" in cfg.runners and engine.graph_runner is not None:
-        if not engine.graph_runner.can_run_graph(batch):
+    # The runner a decode step of the batch takes (long rows: graphs of their own).
+    runner = engine.decode_graph_runner(reqs, batch) if "graph" in cfg.runners else None
+    if runner is not None:
+        if not runner.can_run_graph(batch):
             report(f"batch {bs}: no captured graph fits; graph timing skipped")
         else:
-            step = partial(engine.graph_runner.execute, batch)
+            step = partial(runner.execute, batch)
             result.graph_ms = median_ms(step, sync, cfg.steps, cfg.warmup)
             result.graph_kernels = count_kernels(step, sync, device)
             if getattr(engine.loaded.model, "tp", SINGLE).size > 1:

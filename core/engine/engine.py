@@ -505,6 +505,13 @@ class Engine:
         """The next decode batch for ``reqs`` (running requests); one new KV slot each."""
         return self.ctx.decode_batch(reqs)
 
+    def decode_graph_runner(self, reqs: list[Request], batch: ForwardBatch) -> GraphRunner | None:
+        """The graph runner a plain decode step of ``batch`` (of ``reqs``) runs on, as the
+        strategy picks it (a batch with a long row: ``PlainDecode.long_runner``), its graphs
+        captured first if start-up left them out: what a benchmark of such steps times."""
+        self._capture_needed(reqs)
+        return self.strategy.plain_runner_for(batch)
+
     @staticmethod
     def _kv_bytes_per_token(kv_specs, dtype) -> int:
         per_token = sum(

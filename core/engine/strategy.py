@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,7 @@ from graphrt.core.runners import (
     GraphRunnerConfig,
     RunnerOutput,
 )
+from graphrt.core.runners.graph import DECODE_SHAPE, LONG_DECODE_SHAPE
 
 if TYPE_CHECKING:
     from graphrt.core.attention.base import AttentionBackend
@@ -248,6 +249,11 @@ class DecodeStrategy(abc.ABC):
     def cleanup(self) -> None:  # noqa: B027
         """Drop captured graphs."""
 
+    def plain_runner_for(self, batch: ForwardBatch) -> GraphRunner | None:
+        """The graph runner a plain decode step of ``batch`` takes (flagging the batch as
+        that runner's graphs are)."""
+        return self.graph_runner
+
     @contextlib.contextmanager
     def bench_pieces(self, reqs: list[Request]) -> Iterator[dict[str, Callable[[bool], bool]]]:
         """The pieces of one step over ``reqs`` that `graphrt bench` times apart, by name in
@@ -267,6 +273,12 @@ class PlainDecode(DecodeStrategy):
     ``after_forward(batch, out)``, where given, runs on every step's forward output, inside
     the decode graph where one replays (device ops only): a drafter taking plain steps
     writes its next seeds there, with no launch of its own.
+
+    Where the attention backend runs long rows on a schedule of their own
+    (``AttentionBackend.long_row_keys``), batches whose longest row reaches it take decode
+    graphs of their own (``long_runner``), captured when a batch first needs them: an
+    engine that never sees long rows never captures them, and short batches never pay
+    for the long rows' schedule (on CUDA a second attention launch a layer).
     """
 
     name = "plain"
@@ -274,6 +286,9 @@ class PlainDecode(DecodeStrategy):
     def __init__(self, after_forward: Callable[[ForwardBatch, RunnerOutput], None] | None = None):
         self.after_forward = after_forward
         self.greedy_out: torch.Tensor | None = None  # (rows,) the graphs' greedy tokens
+        self.long_runner: GraphRunner | None = None  # batches with a long row (see above)
+        self.long_row_keys: int | None = None
+        self._long_deferred = False  # the long runner waits for captures_before
 
     def setup(self, ctx: StepContext) -> Sequence[GraphRunner]:
         self.ctx = ctx
@@ -289,15 +304,54 @@ class PlainDecode(DecodeStrategy):
             if user is not None:
                 user(batch, out)
 
-        self.graph_runner = GraphRunner(
-            ctx.loaded.model,
-            ctx.attn_backend,
-            ctx.graph_backend,
-            ctx.graph_config,
-            ctx.device,
-            after_forward=after,
-        )
+        def runner(shape=DECODE_SHAPE) -> GraphRunner:
+            return GraphRunner(
+                ctx.loaded.model,
+                ctx.attn_backend,
+                ctx.graph_backend,
+                ctx.graph_config,
+                ctx.device,
+                shape,
+                after_forward=after,
+            )
+
+        self.graph_runner = runner()
+        keys = ctx.attn_backend.long_row_keys(ctx.loaded.model.kv_layer_specs())
+        if keys is not None and keys < ctx.max_context_len:
+            self.long_row_keys, self.long_runner = keys, runner(LONG_DECODE_SHAPE)
+            self._long_deferred = True
         return (self.graph_runner,)
+
+    def captures_before(self, reqs: list[Request]) -> Sequence[GraphRunner]:
+        if self._long_deferred and self._has_long_row(r.kv_len + 1 for r in reqs):
+            self._long_deferred = False
+            return (self.long_runner,)
+        return ()
+
+    def deferred_captures(self) -> Sequence[GraphRunner]:
+        if not self._long_deferred:
+            return ()
+        self._long_deferred = False
+        return (self.long_runner,)
+
+    def refuse_capture(self, runner: GraphRunner) -> None:
+        # Long batches stay on the plain graphs, which serve long rows too (slower).
+        assert runner is self.long_runner, runner
+        self.long_runner, self._long_deferred = None, False
+
+    def _has_long_row(self, lengths: Iterable[int]) -> bool:
+        return self.long_row_keys is not None and max(lengths, default=0) >= self.long_row_keys
+
+    def plain_runner_for(self, batch: ForwardBatch) -> GraphRunner | None:
+        """The runner of ``batch`` (its sequence lengths after the step, or bounds on them),
+        flagging it ``long_rows`` when that is the long rows' runner (an eager forward
+        then takes their schedule too)."""
+        long = self.long_runner
+        if long is not None and self._has_long_row(batch.seq_lens_cpu):
+            if long.serves(batch.batch_size):  # (a bucket whose capture failed: not)
+                batch.long_rows = True
+                return long
+        return self.graph_runner
 
     def decode(self, reqs: list[Request]) -> StepOutcome:
         return self.launch(reqs).finish()
@@ -311,7 +365,15 @@ class PlainDecode(DecodeStrategy):
     ) -> LaunchedStep | None:
         """``DecodeStrategy.launch``; behind a round not read yet (``kv_lens``: a drafter's
         plain step) only on a graph that reads device lengths alone, where the context has
-        room for all that round may emit: the host knows no position."""
+        room for all that round may emit: the host knows no position. Not behind a step
+        where the batch reaches the long rows' graphs before their capture: the engine
+        captures them before its next step (``captures_before``); a step not behind one
+        (``decode``, or the engine's just after ``captures_before``) runs on the graphs
+        captured, the plain ones serving long rows too."""
+        behind = last_tokens is not None
+        if behind and self._long_deferred:
+            if self._has_long_row(r.kv_len + 1 + in_flight for r in reqs):
+                return None
         lagging = None
         if kv_lens is not None:
             if not self._launches_behind_a_round(reqs, in_flight):
@@ -319,7 +381,7 @@ class PlainDecode(DecodeStrategy):
             lagging = LaggingLengths(kv_lens, self.ctx.ledger.hold_host(len(reqs)), in_flight)
         batch = self.ctx.decode_batch(reqs, last_tokens, lagging)
         # Views of the graph's outputs: sampled (or copied out) before the next replay.
-        out, on_graph = self.ctx.forward(batch, self.graph_runner, clone=False)
+        out, on_graph = self.ctx.forward(batch, self.plain_runner_for(batch), clone=False)
         if not on_graph and self.after_forward is not None:
             self.after_forward(batch, out)  # the graph ran it already
         greedy = self.greedy_out[: len(reqs)] if on_graph else None
@@ -362,5 +424,6 @@ class PlainDecode(DecodeStrategy):
         )
 
     def cleanup(self) -> None:
-        if self.graph_runner is not None:
-            self.graph_runner.cleanup()
+        for runner in (self.graph_runner, self.long_runner):
+            if runner is not None:
+                runner.cleanup()

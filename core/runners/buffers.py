@@ -40,6 +40,7 @@ class GraphShape:
     spec_info: type | None = None  # built from ``fields`` by keyword, one slice per field
     fields: tuple[StaticField, ...] = ()
     variant: str | None = None  # tells apart graphs of one shape that compute different things
+    long_rows: bool = False  # its batches are flagged ForwardBatch.long_rows
 
 
 class GraphInputBuffers:
@@ -83,6 +84,7 @@ class GraphInputBuffers:
             seq_lens_cpu=[self._pad_len(seq_len_fill)] * size,
             extend_lens_cpu=[width] * size,
             spec_info=spec_info,
+            long_rows=self.shape.long_rows,
         )
 
     def copy_from(self, batch: ForwardBatch, static: ForwardBatch, seq_len_fill: int) -> None:

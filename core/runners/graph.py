@@ -28,6 +28,8 @@ from graphrt.core.runners.buckets import pad_to_bucket, select_buckets
 from graphrt.core.runners.buffers import GraphInputBuffers, GraphShape
 
 DECODE_SHAPE = GraphShape()  # plain decode: one token per request, no per-round inputs
+# Plain decode of batches with a long row (AttentionBackend.long_row_keys): graphs of their own.
+LONG_DECODE_SHAPE = GraphShape(variant="long-rows", long_rows=True)
 
 log = logging.getLogger(__name__)
 

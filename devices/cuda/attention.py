@@ -29,6 +29,7 @@ one-pass verify kernel cuts a request's prefix by the batch's programs too.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -41,10 +42,13 @@ from graphrt.core.attention.torch_ref import (
 )
 from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.errors import GraphrtError
+from graphrt.core.memory import KVLayerSpec
 from graphrt.devices.cuda.triton_decode import (
+    LONG_ROW_KEYS,
     NUM_KV_SPLITS,
     allocate_decode_scratch,
     decode_attention,
+    long_block_n,
     max_kv_splits,
     store_kv,
 )
@@ -105,6 +109,14 @@ class TritonAttentionBackend(TorchAttentionBackend):
         # NOTE: captured graphs keep raw pointers into scratch; a buffer replaced by
         # a larger one stays referenced here so it is never freed under a graph.
         self._retired: list[tuple[torch.Tensor, ...]] = []
+
+    def long_row_keys(self, layers: Sequence[KVLayerSpec]) -> int | None:
+        """LONG_ROW_KEYS where some layer with a cache of its own takes larger blocks for
+        long rows (``long_block_n``): decode then launches stage 1 twice in batches flagged
+        ``long_rows`` (once a layer in the others)."""
+        size = self.kv_pool.dtype.itemsize
+        own = [spec for spec in layers if spec.cache_index is not None]
+        return LONG_ROW_KEYS if any(long_block_n(s.head_dim, size) for s in own) else None
 
     # ---- metadata hooks ----------------------------------------------------------
 
@@ -225,6 +237,10 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 onepass_verify_attention(*args)
         else:  # DECODE, and DRAFT rows (which wrote nothing above)
             scratch = self._scratch_for(spec.num_heads, spec.head_dim, self._splits(spec), q)
+            long_rows = None  # width-invariant models keep one block size (verify reuses it)
+            if batch.long_rows and not spec.width_invariant:
+                block_n = long_block_n(spec.head_dim, k_buffer.element_size())
+                long_rows = None if block_n is None else (LONG_ROW_KEYS, block_n)
             decode_attention(
                 q,
                 k_buffer,
@@ -237,6 +253,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 spec.scaling,
                 spec.sliding_window,
                 short_splits=self.num_kv_splits,
+                long_rows=long_rows,
             )
         return out.view(-1, spec.num_heads * spec.head_dim)
 

@@ -21,8 +21,8 @@ kernel launched without PDL waits for its predecessor as usual.
 
 Only the GEMV waits: the other kernels of a step have nothing to read before the wait.
 Launched with PDL as well (each waiting, then releasing its successor), they gained
-nothing on an H200 (stop 58, BENCHMARKS.md: Gemma 4's batch-1 step 2.395 ms against
-2.331 and 2.306 without; PDL on or off moved the step 0.096 ms, as with the GEMV alone).
+nothing on an H200 (BENCHMARKS.md, stop 58: Gemma 4's batch-1 step replayed in 2.395 ms
+with them against 2.331 and 2.306 without).
 
 ``ENABLED`` is read at every launch, so a benchmark can compare with and without
 (bench/profile_step.py); graphs keep what was set when they were captured.

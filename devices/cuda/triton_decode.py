@@ -489,6 +489,23 @@ def default_block_n(head_dim: int, element_size: int) -> int:
     return 64 if 2 * 64 * block_d * element_size <= TILE_BYTES else 32
 
 
+# Rows of this many visible keys and more attend on larger blocks where ``long_block_n``
+# gives one (decode_attention's ``long_rows``; the engine's decode graphs for batches with
+# such a row). Measured on an H100 (stop 58, llama-1b's shape, one layer): 128-key
+# blocks 15-21% less than 64 from 2k keys, equal or more below (stop 57).
+LONG_ROW_KEYS = 2048
+
+
+def long_block_n(head_dim: int, element_size: int) -> int | None:
+    """The block size of rows of LONG_ROW_KEYS keys and more, where one was measured to
+    pay: twice the default for 16-bit caches of head_dim <= 64 (llama-1b's); None for
+    the others (one block size for all rows)."""
+    block_d = max(triton.next_power_of_2(head_dim), MIN_DOT)
+    if element_size != 2 or block_d > 64:
+        return None
+    return 2 * default_block_n(head_dim, element_size)
+
+
 def default_stages(block_n: int, head_dim: int, element_size: int) -> int:
     """Stage 1's software-pipeline stages: 3 for 16-bit K plus V tiles of TILE_BYTES
     (Gemma 4's head_dim 256 and 512), else 2. The stages change no bit.
@@ -539,7 +556,8 @@ def decode_attention(
     bits are those of one launch at its class's block size. Measured on an H100 (stop
     58, BENCHMARKS.md "Long context"): 128-key blocks from 2,048 keys take llama-1b's
     attention 12-20% down at 8k and 32k keys, but the second launch costs 1.8-6.6 us a
-    layer where no row is long. Not the engine's default: bench/decode_splits.py.
+    layer where no row is long, so the engine launches it only in decode graphs of
+    batches with a long row (``PlainDecode.long_runner``, ``long_block_n``).
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
