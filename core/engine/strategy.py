@@ -292,6 +292,8 @@ class PlainDecode(DecodeStrategy):
 
     def setup(self, ctx: StepContext) -> Sequence[GraphRunner]:
         self.ctx = ctx
+        keys = ctx.attn_backend.long_row_keys(ctx.loaded.model.kv_layer_specs())
+        self.long_row_keys = keys if keys is not None and keys < ctx.max_context_len else None
         if ctx.graph_backend is None:
             return ()
         rows = max(ctx.ledger.req_pool.max_requests, ctx.graph_config.max_bs)
@@ -316,10 +318,8 @@ class PlainDecode(DecodeStrategy):
             )
 
         self.graph_runner = runner()
-        keys = ctx.attn_backend.long_row_keys(ctx.loaded.model.kv_layer_specs())
-        if keys is not None and keys < ctx.max_context_len:
-            self.long_row_keys, self.long_runner = keys, runner(LONG_DECODE_SHAPE)
-            self._long_deferred = True
+        if self.long_row_keys is not None:
+            self.long_runner, self._long_deferred = runner(LONG_DECODE_SHAPE), True
         return (self.graph_runner,)
 
     def captures_before(self, reqs: list[Request]) -> Sequence[GraphRunner]:
@@ -343,15 +343,16 @@ class PlainDecode(DecodeStrategy):
         return self.long_row_keys is not None and max(lengths, default=0) >= self.long_row_keys
 
     def plain_runner_for(self, batch: ForwardBatch) -> GraphRunner | None:
-        """The runner of ``batch`` (its sequence lengths after the step, or bounds on them),
-        flagging it ``long_rows`` when that is the long rows' runner (an eager forward
-        then takes their schedule too)."""
+        """The runner of ``batch`` (its sequence lengths after the step, or bounds on them):
+        with a long row, the long rows' where they serve it. Such a batch is flagged
+        ``long_rows`` whatever runs it, so an eager forward of it (an eager engine's, or a
+        size no graph serves) takes the schedule their graphs do."""
+        if not self._has_long_row(batch.seq_lens_cpu):
+            return self.graph_runner
+        batch.long_rows = True
         long = self.long_runner
-        if long is not None and self._has_long_row(batch.seq_lens_cpu):
-            if long.serves(batch.batch_size):  # (a bucket whose capture failed: not)
-                batch.long_rows = True
-                return long
-        return self.graph_runner
+        # (Not captured yet or refused, or a bucket whose capture failed: the plain graphs.)
+        return long if long is not None and long.serves(batch.batch_size) else self.graph_runner
 
     def decode(self, reqs: list[Request]) -> StepOutcome:
         return self.launch(reqs).finish()

@@ -351,16 +351,12 @@ ENGINE_BUCKETS = (1, 4)  # case_engine's: batches of 5 and more run eagerly, 2 a
 
 def case_engine(case: GraphCase, loaded, graphs: bool, **overrides):
     """An Engine over the case's backends, the harness's pool and context sizes, graphs
-    (at ENGINE_BUCKETS unless ``overrides`` say) or eager."""
+    (at ENGINE_BUCKETS) or eager; ``overrides``: other EngineConfig fields or sizes."""
     from graphrt.core.engine import Engine, EngineConfig
 
-    config = EngineConfig(
-        max_running_requests=MAX_REQUESTS,
-        max_context_len=CONTEXT,
-        kv_pool_tokens=KV_SLOTS,
-        runner="graph" if graphs else "eager",
-        **{"graph_buckets": ENGINE_BUCKETS, **overrides},
-    )
+    sizes = {"max_running_requests": MAX_REQUESTS, "max_context_len": CONTEXT,
+             "kv_pool_tokens": KV_SLOTS, "graph_buckets": ENGINE_BUCKETS}  # fmt: skip
+    config = EngineConfig(runner="graph" if graphs else "eager", **{**sizes, **overrides})
     return Engine(loaded, config, case_device(case))
 
 

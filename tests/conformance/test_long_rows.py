@@ -86,8 +86,10 @@ def test_long_batches_take_their_own_graphs_captured_when_first_needed(case, loa
     assert sum(engine.graph_runner.replays_per_size().values()) - plain_before == 3
     assert _long_runner_replays(engine) == 8
     assert any(engine.attn_backend.flags)  # the long graphs' capture saw the flag
-    reference = case_engine(case, loaded, graphs=False).generate(prompts, params)
+    eager = case_engine(case, loaded, graphs=False)
+    reference = eager.generate(prompts, params)
     assert [r.output_ids for r in out] == [r.output_ids for r in reference]
+    assert any(eager.attn_backend.flags)  # an eager engine's long batches: the same schedule
 
 
 def test_a_server_captures_the_long_rows_graphs_up_front(case, loaded):
@@ -150,3 +152,32 @@ def test_the_decode_bench_times_the_runner_a_step_takes(case, loaded):
         assert runner.can_run_graph(batch) and batch.long_rows == (prompt_len == 30)
         for req in reqs:
             engine.abort(req)
+
+
+@pytest.mark.cuda
+def test_on_cuda_long_batches_replay_their_graphs_with_eager_engines_tokens(monkeypatch):
+    """The CUDA device's own pair (full graphs, Triton attention) in bfloat16, the long-row
+    count lowered to 256 keys (llama-tiny's context is 1,024): the long rows' graphs are
+    captured mid-run and replayed, their second launch in every layer, and the tokens
+    equal an eager engine's, whose long batches take the same schedule."""
+    import torch
+
+    from graphrt.devices.cuda import attention as cuda_attention
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setattr(cuda_attention, "LONG_ROW_KEYS", 256)
+    case = next(c for c in CASES if c.id == "cuda-full-triton-bfloat16")
+    loaded = load_model("random:llama-tiny", case.device, case.dtype)
+    sizes = {"max_context_len": 1024, "kv_pool_tokens": 4096}
+    engine = case_engine(case, loaded, graphs=True, **sizes)
+    long_runner = engine.strategy.long_runner
+    assert long_runner is not None and long_runner.captured_sizes == []
+    prompts = random_prompts((250, 200), seed=7, vocab=loaded.model.vocab_size)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    out = engine.generate(prompts, params)
+    # The longer row: 251..261 keys after its 11 decode steps, 256 from the sixth on.
+    assert sum(engine.graph_runner.replays_per_size().values()) == 5
+    assert sum(long_runner.replays_per_size().values()) == 6
+    reference = case_engine(case, loaded, graphs=False, **sizes).generate(prompts, params)
+    assert [r.output_ids for r in out] == [r.output_ids for r in reference]
