@@ -390,6 +390,30 @@ def test_cuda_device_picks_triton_when_importable(monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize(
+    "dtype, head_dims, want",
+    [
+        (torch.bfloat16, (64,), 2048),  # llama-1b's: measured (stop 58)
+        (torch.float16, (16, 64), 2048),
+        (torch.float32, (64,), None),  # exact caches keep one block size
+        (torch.bfloat16, (128,), None),  # 64 KB long tiles: not measured
+        (torch.bfloat16, (256, 512), None),  # Gemma 4's
+    ],
+)
+def test_cuda_long_row_keys_only_where_the_long_block_was_measured(dtype, head_dims, want):
+    """The engine captures decode graphs for long rows only where the CUDA backend gives
+    them another block size: 16-bit caches of head_dim up to 64."""
+    from graphrt.devices.cuda.attention import TritonAttentionBackend
+
+    layers = [KVLayerSpec(2, d, i) for i, d in enumerate(head_dims)]
+    pools = Pools(head_dims, 2, 1, 4, dtype, "cpu")
+    backend = TritonAttentionBackend(pools.kv_pool, pools.req_pool)
+    assert backend.long_row_keys(layers) == want
+    # A layer reading another's cache (Gemma 4's shared KV) brings no schedule of its own.
+    assert backend.long_row_keys([KVLayerSpec(2, 64, None)]) is None
+
+
+@needs_triton
 def test_chunk_after_cached_keys_merges_two_calls_by_their_log_sum_exps(monkeypatch):
     """CUDA serves a long chunk after cached keys as two cuDNN calls (the cached keys, the
     chunk's own causally) merged by their log-sum-exps: the merge, with a float32 math
