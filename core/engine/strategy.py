@@ -31,6 +31,7 @@ from graphrt.core.runners import (
     EagerRunner,
     GraphRunner,
     GraphRunnerConfig,
+    GraphShape,
     RunnerOutput,
 )
 from graphrt.core.runners.graph import DECODE_SHAPE, LONG_DECODE_SHAPE
@@ -306,7 +307,7 @@ class PlainDecode(DecodeStrategy):
             if user is not None:
                 user(batch, out)
 
-        def runner(shape=DECODE_SHAPE) -> GraphRunner:
+        def runner(shape: GraphShape) -> GraphRunner:
             return GraphRunner(
                 ctx.loaded.model,
                 ctx.attn_backend,
@@ -317,7 +318,7 @@ class PlainDecode(DecodeStrategy):
                 after_forward=after,
             )
 
-        self.graph_runner = runner()
+        self.graph_runner = runner(DECODE_SHAPE)
         if self.long_row_keys is not None:
             self.long_runner, self._long_deferred = runner(LONG_DECODE_SHAPE), True
         return (self.graph_runner,)
@@ -372,9 +373,12 @@ class PlainDecode(DecodeStrategy):
         (``decode``, or the engine's just after ``captures_before``) runs on the graphs
         captured, the plain ones serving long rows too."""
         behind = last_tokens is not None
-        if behind and self._long_deferred:
-            if self._has_long_row(r.kv_len + 1 + in_flight for r in reqs):
-                return None
+        if (
+            behind
+            and self._long_deferred
+            and self._has_long_row(r.kv_len + 1 + in_flight for r in reqs)
+        ):
+            return None
         lagging = None
         if kv_lens is not None:
             if not self._launches_behind_a_round(reqs, in_flight):
