@@ -31,7 +31,12 @@ from graphrt.devices.cuda.triton_decode import (
 )
 
 # name -> (query heads, KV heads, head_dim)
-SHAPES = {"llama-1b": (32, 8, 64), "gemma4-sliding": (8, 1, 256), "gemma4-global": (8, 1, 512)}
+SHAPES = {
+    "llama-1b": (32, 8, 64),
+    "llama-8b": (32, 8, 128),
+    "gemma4-sliding": (8, 1, 256),
+    "gemma4-global": (8, 1, 512),
+}
 
 
 def layer_us(

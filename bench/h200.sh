@@ -26,8 +26,8 @@
 #   bash bench/h200.sh ncu ["B:W:S,..."]: where decode attention's stage 1 waits, by Nsight
 #     Compute (Firecracker hosts; --clock-control none, as METHOD.md asks): llama-1b's shape
 #     at 8 requests of 8k keys and one of 32k, for each launch (64:4:2,64:4:3,128:4:2)
-#   bash bench/h200.sh context [batch sizes] [prompt lengths]: the decode step against the
-#     context alone (graphrt bench, random:llama-1b, graphs; 1,8 at 8192,32768): `ab`'s unit
+#   bash bench/h200.sh context [batch sizes] [prompt lengths] [model]: the decode step against
+#     the context alone (graphrt bench, random:llama-1b, graphs; 1,8 at 8192,32768): `ab`'s unit
 #   bash bench/h200.sh auto [tokens]: the README's command with and without drafting, and
 #     bench/profile_auto.py (auto vs --no-draft vs rounds of 5, side by side in one process)
 #   bash bench/h200.sh overlap [tokens]: --overlap's CUDA tests, then generate with and without
@@ -393,8 +393,8 @@ if [[ $what == cold || $what == recheck ]]; then
 fi
 
 if [[ $what == context ]]; then
-    graphrt bench --model random:llama-1b --batch-sizes "${2:-1,8}" --runners graph --steps 30 \
-        --prompt-len "${3:-8192,32768}" --out "$OUT/bench-llama-1b-context.json" 2>&1 \
+    graphrt bench --model "random:${4:-llama-1b}" --batch-sizes "${2:-1,8}" --runners graph \
+        --steps 30 --prompt-len "${3:-8192,32768}" --out "$OUT/bench-${4:-llama-1b}-context.json" 2>&1 \
         | grep -v Warning | grep -E "^ +[0-9]|== prompt"
 fi
 

@@ -6,7 +6,7 @@ GEMV where it won, programmatic dependent launch where the card has it), the sam
 without PDL, and with every matmul on cuBLAS (the same fused elementwise ops).
 
 Run on the device: python bench/profile_step.py [models, default random:llama-1b]
-[batch sizes, default 1,32]
+[batch sizes, default 1,32] [prompt length, default 512] [variants, default all three]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from graphrt.core.models import load_model
 def main() -> None:
     models = (sys.argv[1] if len(sys.argv) > 1 else "random:llama-1b").split(",")
     sizes = [int(s) for s in (sys.argv[2] if len(sys.argv) > 2 else "1,32").split(",")]
+    prompt_len = int(sys.argv[3]) if len(sys.argv) > 3 else 512
     device = devices.current("cuda")
     from graphrt.devices.cuda import pdl
 
@@ -37,12 +38,16 @@ def main() -> None:
         "no-pdl": (tuned, False),
         "cublas": (cublas_matmuls(tuned), pdl.ENABLED),
     }
+    if len(sys.argv) > 4:
+        variants = {name: variants[name] for name in sys.argv[4].split(",")}
     summary, tokens = [], {}
     for model in models:
         for variant, (ops, pdl_on) in variants.items():
             pdl.ENABLED = pdl_on  # read at each launch: the graphs captured below keep it
             loaded = load_model(model, device, torch.bfloat16, ops=ops)
-            cfg = DecodeBenchConfig(batch_sizes=tuple(sizes), max_running_requests=max(sizes))
+            cfg = DecodeBenchConfig(
+                batch_sizes=tuple(sizes), prompt_len=prompt_len, max_running_requests=max(sizes)
+            )
             engine = make_engine(loaded, device, cfg, graphs=True)
             print(
                 f"== {model} [{variant}] ops={ops.name} attention={engine.attn_backend.name}"
@@ -50,7 +55,9 @@ def main() -> None:
             )
             tokens[model, variant] = greedy_tokens(engine, loaded.model)
             for bs in sizes:
-                replay, kernels = profile_batch(engine, bs, device.synchronize, loaded.model)
+                replay, kernels = profile_batch(
+                    engine, bs, device.synchronize, loaded.model, prompt_len
+                )
                 summary.append(
                     f"{model:<22} {variant:<7} bs {bs:>3}: replay {replay:.3f} ms, {kernels} kernels"
                 )
@@ -68,8 +75,9 @@ def main() -> None:
     for line in summary:
         print(line)
     for model in models:  # one kernel set, launched with and without PDL: same bits
-        same = tokens[model, "tuned"] == tokens[model, "no-pdl"]
-        print(f"{model}: greedy tokens with PDL == without: {same}")
+        if (model, "tuned") in tokens and (model, "no-pdl") in tokens:
+            same = tokens[model, "tuned"] == tokens[model, "no-pdl"]
+            print(f"{model}: greedy tokens with PDL == without: {same}")
 
 
 def greedy_tokens(engine, model) -> list[list[int]]:
@@ -94,16 +102,16 @@ def cublas_matmuls(ops):
     )
 
 
-def profile_batch(engine, bs: int, sync, model) -> tuple[float, int]:
-    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+def profile_batch(engine, bs: int, sync, model, prompt_len: int) -> tuple[float, int]:
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     reqs = [
-        engine.add_request(torch.randint(0, model.vocab_size, (512,)).tolist(), params)
+        engine.add_request(torch.randint(0, model.vocab_size, (prompt_len,)).tolist(), params)
         for _ in range(bs)
     ]
     while engine.prefill_pending:
         engine.step()
     batch = engine.build_decode_batch(reqs)
-    runner = engine.graph_runner
+    runner = engine.decode_graph_runner(reqs, batch)  # a batch with a long row: its own
     execute = median_ms(lambda: runner.execute(batch), sync, 100, 10)
     load = median_ms(lambda: runner.load_batch(batch), sync, 100, 10)
     runner.load_batch(batch)

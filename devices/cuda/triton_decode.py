@@ -491,8 +491,13 @@ def default_block_n(head_dim: int, element_size: int) -> int:
 
 # Rows of this many visible keys and more attend on larger blocks where ``long_block_n``
 # gives one (decode_attention's ``long_rows``; the engine's decode graphs for batches with
-# such a row). Measured on an H100 (stop 58, llama-1b's shape, one layer): 128-key
-# blocks 15-21% less than 64 from 2k keys, equal or more below (stop 57).
+# such a row). Measured on an H100: llama-1b's shape (head_dim 64), 128-key blocks
+# 15-21% less than 64 from 2k keys, equal or more below (stops 57-58), and its step 1.55
+# -> 1.28-1.36x the floor at 8 requests of 32k (stop 59). Not taken (stop 59): head_dim
+# 128, whose default 64-key blocks on three stages already read 2.6-2.8 TB/s in Llama 3
+# 8B's step (stage 1 at 8 x 32k: 12.43 ms a step, 12.12 on 128-key blocks; the second
+# launch cost 1% at batch 1), and Gemma 4's full layers (512), twice as slow on 64-key
+# blocks as on 32 at four warps, 2-10% slower at eight.
 LONG_ROW_KEYS = 2048
 
 
