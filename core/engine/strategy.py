@@ -294,6 +294,11 @@ class PlainDecode(DecodeStrategy):
     def setup(self, ctx: StepContext) -> Sequence[GraphRunner]:
         self.ctx = ctx
         keys = ctx.attn_backend.long_row_keys(ctx.loaded.model.kv_layer_specs())
+        if (
+            getattr(ctx.loaded.model, "ops", None) is not None
+            and ctx.loaded.model.ops.width_invariant
+        ):
+            keys = None  # --batch-invariant: one block size for every row (verify reuses it)
         self.long_row_keys = keys if keys is not None and keys < ctx.max_context_len else None
         if ctx.graph_backend is None:
             return ()

@@ -93,6 +93,18 @@ def test_long_batches_take_their_own_graphs_captured_when_first_needed(case, loa
     assert any(eager.attn_backend.flags)  # an eager engine's long batches: the same schedule
 
 
+def test_batch_invariant_models_take_no_long_rows_graphs(case, loaded, monkeypatch):
+    """--batch-invariant keeps one block size for every row (its verify reuses decode's),
+    so the engine neither captures nor flags long batches: there is nothing to gain."""
+    ops = dataclasses.replace(loaded.model.ops, width_invariant=True)
+    monkeypatch.setattr(loaded.model, "ops", ops)
+    engine = case_engine(case, loaded, graphs=True)
+    assert engine.strategy.long_runner is None and engine.strategy.deferred_captures() == ()
+    prompts = random_prompts((20, 22), seed=6, vocab=loaded.model.vocab_size)
+    engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert not any(engine.attn_backend.flags)
+
+
 def test_a_server_captures_the_long_rows_graphs_up_front(case, loaded):
     engine = case_engine(case, loaded, graphs=True)
     assert engine.strategy.deferred_captures() == (engine.strategy.long_runner,)
