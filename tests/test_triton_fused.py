@@ -610,27 +610,36 @@ CUDA_GEMV_SHAPES = [
 ]
 
 
+# Every GEMV configuration is checked in bfloat16, the first of each path in the other
+# dtypes. Each configuration x epilogue x dtype is a compile (150 s for all of bfloat16's
+# in one test, the CUDA lane's longest): bfloat16's run as GEMV_SHARDS tests of every
+# GEMV_SHARDS-th configuration, and the Gemma 4 ops as one more, so the lane's workers
+# share them.
+GEMV_SHARDS = 4
+FUSED_PARTS = [(torch.float32, "first"), (torch.float16, "first"), (torch.bfloat16, "gemma")]
+FUSED_PARTS += [(torch.bfloat16, f"gemv{i}") for i in range(GEMV_SHARDS)]
+
+
 @pytest.mark.cuda
 @needs_gpu
 @needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_cuda_fused_kernels_match_reference(dtype):
+@pytest.mark.parametrize("dtype, part", FUSED_PARTS, ids=lambda p: str(p).removeprefix("torch."))
+def test_cuda_fused_kernels_match_reference(dtype, part):
     from graphrt.devices.cuda.ops import TRITON_OPS
     from graphrt.devices.cuda.triton_gemv import configs_for
 
-    results = gemma_cases(TRITON_OPS, dtype, CUDA_GEMMA_SHAPES, "cuda", seed=1)
-    # Every configuration in bfloat16; the first of each path in the other dtypes (each
-    # configuration x epilogue x dtype is a compile: minutes for all of them).
-    every = dtype == torch.bfloat16
-    results.update(
-        gemv_cases(
-            dtype,
-            CUDA_GEMV_SHAPES,
-            lambda rows: configs_for(rows) if every else configs_for(rows)[:1],
-            "cuda",
-            seed=2,
-        )
-    )
+    results = {}
+    if part in ("first", "gemma"):
+        results.update(gemma_cases(TRITON_OPS, dtype, CUDA_GEMMA_SHAPES, "cuda", seed=1))
+    if part != "gemma":
+        shard = None if part == "first" else int(part.removeprefix("gemv"))
+
+        def configs(rows):
+            every = configs_for(rows)
+            return every[:1] if shard is None else every[shard::GEMV_SHARDS]
+
+        results.update(gemv_cases(dtype, CUDA_GEMV_SHAPES, configs, "cuda", seed=2))
+    assert results, part
     bad = {key: m for key, m in results.items() if not m["ok"]}
     assert not bad, bad
 
@@ -638,20 +647,24 @@ def test_cuda_fused_kernels_match_reference(dtype):
 @pytest.mark.cuda
 @needs_gpu
 @needs_triton
+@pytest.mark.parametrize("path", ["tiles0", "tiles1", "rows"])
+@pytest.mark.parametrize("k", [1536, 8192])  # one K chunk for some configurations, several for all
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_cuda_gemv_rows_are_batch_invariant(dtype):
+def test_cuda_gemv_rows_are_batch_invariant(dtype, k, path):
     """Every tile configuration (16 to 128 rows, mma and wgmma) gives a row the bits it
     gets alone in the first 16-row tile, at any M; every row-path configuration gives a
-    row its own one-row bits."""
+    row its own one-row bits. The tiles run in two halves (each with the first tile, the
+    bits every other must give): their compiles took 100 s in one test."""
     from graphrt.devices.cuda.triton_gemv import DOT_CONFIGS, ROW_CONFIGS, TILE_CONFIGS
 
-    results = {}
-    for k in (1536, 8192):  # one K chunk for some configurations, several for all
+    if path == "rows":
+        results = gemv_invariance(dtype, ROW_CONFIGS, "cuda", (2, 6), k=k, seed=k)
+    else:
         tiles = DOT_CONFIGS + TILE_CONFIGS
-        results.update(gemv_invariance(dtype, tiles, "cuda", (3, 16, 40, 130), k, k, True))
-        results.update(gemv_invariance(dtype, ROW_CONFIGS, "cuda", (2, 6), k=k, seed=k))
+        half = tiles[:1] + tiles[1:][int(path.removeprefix("tiles")) :: 2]
+        results = gemv_invariance(dtype, half, "cuda", (3, 16, 40, 130), k, k, True)
     bad = [key for key, m in results.items() if not m["ok"]]
-    assert not bad, bad
+    assert results and not bad, bad
 
 
 @pytest.mark.cuda
