@@ -12,7 +12,13 @@ cold), at M = 2 .. 16 rows:
 
 and checks that split-K gives the same bits launch after launch.
 
+``--one-row`` instead times decode at batch 1 (issue 21's batch-1 target): each row-path
+configuration (``ROW_CONFIGS``, and ``--extra N:K:W,...`` to try) on every projection, us
+and weight TB/s, against the device's copy bandwidth: how far a batch-1 step's GEMVs are
+from the floor, projection by projection.
+
     python bench/gemv_widths.py [--model gemma4-e2b] [--rows 2,5,8,16] [--out f.json]
+    python bench/gemv_widths.py --model llama-1b --one-row [--extra 16:1024:8,32:512:8]
 """
 
 from __future__ import annotations
@@ -22,10 +28,17 @@ import json
 
 import torch
 
+from graphrt.core.bench.timing import copy_bandwidth_gbps
 from graphrt.core.models.ops import PreNorm
 from graphrt.devices.cuda.gemv_tuner import GemvTuner
 from graphrt.devices.cuda.ops import cublas_linear, cublas_linear_act_mul
-from graphrt.devices.cuda.triton_gemv import DOT_CONFIGS, ROW_CONFIGS, SPLIT_CONFIGS, gemv
+from graphrt.devices.cuda.triton_gemv import (
+    DOT_CONFIGS,
+    ROW_CONFIGS,
+    SPLIT_CONFIGS,
+    GemvConfig,
+    gemv,
+)
 
 # (name, N, K, epilogue, calls a step): the projections of a decode step as the models call
 # them (Gemma 4 norms in its own kernels; Llama fuses norm and residual into the GEMV).
@@ -49,6 +62,13 @@ SHAPES = {
         ("gate_up", 16384, 2048, "gated-norm", 16),
         ("down", 2048, 8192, "residual", 16),
         ("lm head", 128256, 2048, "plain", 1),
+    ],
+    "llama-8b": [
+        ("qkv", 6144, 4096, "norm", 32),
+        ("o", 4096, 4096, "residual", 32),
+        ("gate_up", 14336, 4096, "gated-norm", 32),
+        ("down", 4096, 14336, "residual", 32),
+        ("lm head", 128256, 4096, "plain", 1),
     ],
 }
 
@@ -80,15 +100,56 @@ def _case(n: int, k: int, epilogue: str, max_rows: int):
     return weight, run
 
 
+def one_row(model: str, extra: str | None, tuner: GemvTuner) -> dict:
+    """Each row-path configuration on each projection at M = 1: us and weight TB/s (weights
+    read cold, calls back to back in a graph as in a step), and the step's projections at
+    the best of them against the copy bandwidth."""
+    dev = torch.device("cuda")
+    copy_tbs = copy_bandwidth_gbps(dev, torch.cuda.synchronize) / 1e3
+    configs = list(ROW_CONFIGS)
+    for text in extra.split(",") if extra else ():
+        block_n, block_k, warps = (int(x) for x in text.split(":"))
+        configs.append(GemvConfig(block_n, block_k, num_warps=warps, block_m=1))
+    tags = [f"{c.block_n}x{c.block_k}w{c.num_warps}" for c in configs]
+    print(f"{model}, M = 1, bf16: us / weight TB/s by row-path configuration; copy bandwidth "
+          f"{copy_tbs:.2f} TB/s")  # fmt: skip
+    print(f"{'projection':>10} {'MB':>7} " + " ".join(f"{t:>13}" for t in tags) + "   best/floor")
+    report, best_us, floor_us = [], 0.0, 0.0
+    for name, n, k, epilogue, calls in SHAPES[model]:
+        weight, run = _case(n, k, epilogue, 1)
+        cells = []
+        for i, config in enumerate(configs):
+            tuner._time((name, 1, i), (config,), weight, lambda c, w, run=run: run(c, 1, w))
+            cells.append(tuner.timings[(name, 1, i)][1] * 1e3)
+        mb, floor = weight.nbytes / 1e6, weight.nbytes / copy_tbs / 1e6
+        best = min(cells)
+        print(f"{name:>10} {mb:>7.1f} " + " ".join(f"{us:>6.1f} / {mb / us:4.2f}"
+              for us in cells) + f"   {best / floor:.2f}x", flush=True)  # fmt: skip
+        best_us, floor_us = best_us + calls * best, floor_us + calls * floor
+        report.append(dict(projection=name, n=n, k=k, calls=calls, mb=mb, floor_us=floor,
+                           us=dict(zip(tags, cells))))  # fmt: skip
+    print(f"a step's projections at M = 1: {best_us:.0f} us at the best configurations, "
+          f"{floor_us:.0f} at the copy bandwidth ({best_us / floor_us:.2f}x)")  # fmt: skip
+    return {"model": model, "copy_tbs": copy_tbs, "one_row": report, "step_us": best_us}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="gemma4-e2b", choices=sorted(SHAPES))
     parser.add_argument("--rows", default="2,5,8,16")
+    parser.add_argument("--one-row", action="store_true", help="decode at batch 1 (above)")
+    parser.add_argument("--extra", help="with --one-row: more row-path configurations, N:K:W")
     parser.add_argument("--out")
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
     tuner = GemvTuner()
+    if args.one_row:
+        result = one_row(args.model, args.extra, tuner)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return
     report = []
     print(f"{'projection':>14} {'M':>3} {'cuBLAS us':>9} {'tile us':>8} {'split us':>8} "
           f"{'split config':>16} {'1 row us':>8} {'same bits':>9}")  # fmt: skip

@@ -15,6 +15,9 @@
 #     one attention layer (bench/attention_layer.py) and the round of 4 at batch 1, 8, 64
 #   bash bench/h200.sh widths [model]: GEMV CUDA tests, then bench/gemv_widths.py (cuBLAS,
 #     tiles and split-K tiles at verify widths)
+#   bash bench/h200.sh onerow [models] [N:K:W,...]: decode's GEMVs at batch 1, each row-path
+#     configuration (and those given) on each projection, us and TB/s against the copy
+#     bandwidth (bench/gemv_widths.py --one-row; llama-1b,llama-8b,gemma4-e2b)
 #   bash bench/h200.sh cold: the README's first command from empty caches, then warm, with
 #     where the seconds go (bench/cold_start.py)
 #   bash bench/h200.sh splits: decode attention by KV split count and context (issue 21;
@@ -264,6 +267,16 @@ if [[ $what == invariant ]]; then
                 --steps 50 $flag --out "$OUT/bench-${model#random:}${flag:+-invariant}.json" \
                 2>&1 | grep -v Warning | tail -n 5
         done
+    done
+fi
+
+if [[ $what == onerow ]]; then
+    # Issue 21's batch-1 targets: how far each projection's GEMV is from the copy bandwidth.
+    models=${2:-llama-1b,llama-8b,gemma4-e2b}
+    for model in ${models//,/ }; do
+        python bench/gemv_widths.py --model "$model" --one-row ${3:+--extra "$3"} \
+            --out "$OUT/gemv-one-row-$model.json" 2>&1 | grep -v Warning \
+            | tee -a "$OUT/gemv-one-row.log"
     done
 fi
 
