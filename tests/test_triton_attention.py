@@ -782,14 +782,23 @@ def test_kernels_compile_for_sm90_with_rows_that_double_their_splits():
 
 @needs_triton
 @pytest.mark.parametrize(
-    "head_dim, cache", [(64, "bf16"), (256, "bf16"), (512, "bf16"), (256, "fp32"), (512, "fp32")]
+    "head_dim, cache, long, want_stages",
+    [
+        (64, "bf16", False, 2),  # llama-1b's 16 KB tiles
+        (64, "bf16", True, 3),  # its long rows' 128-key blocks (long_block_n): 32 KB
+        (128, "bf16", False, 3),  # Llama 3 8B's: 32 KB
+        (256, "bf16", False, 3),  # Gemma 4's
+        (512, "bf16", False, 3),
+        (256, "fp32", False, 2),  # exact caches keep two
+        (512, "fp32", False, 2),
+    ],
 )
-def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache):
-    """Stage 1 of decode attention as the engine launches it (its BLOCK_N and pipeline
-    stages; pointers and strides aligned) compiles for sm_90 within one SM's shared
-    memory: more would fail at the first launch on the GPU, after minutes of start-up.
-    With three stages (default_stages) a block's K and V gathers are cp.async copies,
-    not loads the loop waits for: what the third stage is for."""
+def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache, long, want_stages):
+    """Stage 1 of decode attention as the engine launches it (its BLOCK_N, the long rows'
+    where ``long``, and pipeline stages; pointers and strides aligned) compiles for sm_90
+    within one SM's shared memory: more would fail at the first launch on the GPU, after
+    minutes of start-up. With three stages (default_stages) a block's K and V gathers are
+    cp.async copies, not loads the loop waits for: what the third stage is for."""
     import triton
 
     from graphrt.devices.cuda import triton_decode as td
@@ -800,15 +809,15 @@ def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache):
     )
 
     size = {"bf16": 2, "fp32": 4}[cache]
-    block_n = td.default_block_n(head_dim, size)
+    block_n = td.long_block_n(head_dim, size) if long else td.default_block_n(head_dim, size)
     stage1 = dict(
         KV_GROUP=8, BLOCK_G=16, **td.split_constants(128), BLOCK_N=block_n, HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION="ieee" if size == 4 else "tf32",
     )  # fmt: skip
     pointers = ATTENTION_POINTERS | {"K": f"*{cache}", "V": f"*{cache}"}
     stages = td.default_stages(block_n, head_dim, size)
-    # Gemma 4's 16-bit tiles of 32 KB and more take a third stage (measured, default_stages)
-    assert stages == (3 if head_dim >= 256 and size == 2 else 2)
+    # 16-bit K plus V tiles of 32 KB and more take a third stage (measured, default_stages)
+    assert stages == want_stages
     compiled = compile_for_h200(td._decode_partial_kernel, stage1, 4, pointers, stages, True)
     assert compiled.metadata.shared <= H200_SHARED_BYTES, (stages, compiled.metadata.shared)
     ptx = compiled.asm["ptx"]

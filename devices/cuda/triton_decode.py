@@ -512,8 +512,9 @@ def long_block_n(head_dim: int, element_size: int) -> int | None:
 
 
 def default_stages(block_n: int, head_dim: int, element_size: int) -> int:
-    """Stage 1's software-pipeline stages: 3 for 16-bit K plus V tiles of TILE_BYTES
-    (Gemma 4's head_dim 256 and 512), else 2. The stages change no bit.
+    """Stage 1's software-pipeline stages: 3 for 16-bit K plus V tiles of TILE_BYTES and
+    more (Gemma 4's head_dim 256 and 512, head_dim 128 as Llama 3 8B's, llama-1b's long
+    rows' 128-key blocks), else 2. The stages change no bit.
 
     A block's gather takes its address from a load (the token table): at two stages
     its K and V are plain loads the loop waits for, at three they are cp.async copies

@@ -102,6 +102,8 @@ def test_batch_invariant_models_take_no_long_rows_graphs(case, loaded, monkeypat
     assert engine.strategy.long_runner is None and engine.strategy.deferred_captures() == ()
     prompts = random_prompts((20, 22), seed=6, vocab=loaded.model.vocab_size)
     engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    # The longer row reaches 24 keys in the run: all 7 decode steps on the plain graphs.
+    assert sum(engine.graph_runner.replays_per_size().values()) == 7
     assert not any(engine.attn_backend.flags)
 
 
