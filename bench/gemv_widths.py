@@ -41,7 +41,8 @@ from graphrt.devices.cuda.triton_gemv import (
 )
 
 # (name, N, K, epilogue, calls a step): the projections of a decode step as the models call
-# them (Gemma 4 norms in its own kernels; Llama fuses norm and residual into the GEMV).
+# them (Gemma 4 norms in its own kernels; Llama fuses norm and residual into the GEMV). N
+# counts outputs: a gated projection reads 2N weight rows, gate then up.
 SHAPES = {
     "gemma4-e2b": [  # 35 layers, every 5th full; the last 20 share KV (q only) and MLP x2
         ("qkv sliding", 2560, 1536, "plain", 12),
@@ -50,8 +51,8 @@ SHAPES = {
         ("q full", 4096, 1536, "plain", 4),
         ("o sliding", 1536, 2048, "plain", 28),
         ("o full", 1536, 4096, "plain", 7),
-        ("gate_up", 12288, 1536, "gated", 15),
-        ("gate_up wide", 24576, 1536, "gated", 20),
+        ("gate_up", 6144, 1536, "gated", 15),
+        ("gate_up wide", 12288, 1536, "gated", 20),
         ("down", 1536, 6144, "plain", 15),
         ("down wide", 1536, 12288, "plain", 20),
         ("lm head", 262144, 1536, "plain", 1),
@@ -59,7 +60,7 @@ SHAPES = {
     "llama-1b": [
         ("qkv", 3072, 2048, "norm", 16),
         ("o", 2048, 2048, "residual", 16),
-        ("gate_up", 16384, 2048, "gated-norm", 16),
+        ("gate_up", 8192, 2048, "gated-norm", 16),
         ("down", 2048, 8192, "residual", 16),
         ("lm head", 128256, 2048, "plain", 1),
     ],

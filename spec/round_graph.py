@@ -36,6 +36,7 @@ from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.engine.request import Request
 from graphrt.core.engine.sampling import SamplingRows
 from graphrt.core.host import to_device
+from graphrt.core.models.ops import model_ops
 from graphrt.core.runners import GraphShape, StaticField
 from graphrt.core.runners.base import RunnerOutput, forward_model
 from graphrt.spec.config import SpecConfig
@@ -190,6 +191,9 @@ def captured_round(
         )
         attn.init_metadata_for_capture(batch)
         out = forward_model(target, attn, batch)
-        return (round_tail(out.logits, out.hidden, batch, tables, max_context_len, accept_rule),)
+        packed = round_tail(
+            out.logits, out.hidden, batch, tables, max_context_len, accept_rule, model_ops(target)
+        )
+        return (packed,)
 
     return forward

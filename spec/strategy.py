@@ -50,6 +50,7 @@ from graphrt.core.engine.strategy import (
 from graphrt.core.errors import UsageError
 from graphrt.core.host import HostRead, read_host, to_device
 from graphrt.core.models.loader import LoadedModel
+from graphrt.core.models.ops import model_ops
 from graphrt.core.runners import EagerRunner, GraphRunner, RunnerOutput
 from graphrt.core.runners.buckets import pad_to_bucket
 from graphrt.spec.accept import accept
@@ -646,8 +647,9 @@ class MTPDecoding(DecodeStrategy):
         out = self.ctx.eager_runner.execute(batch)
         tables, max_context_len = self.tables(), self.ctx.max_context_len
         packed = round_tail(
-            out.logits, out.hidden, batch, tables, max_context_len, self.accept_rule
-        )
+            out.logits, out.hidden, batch, tables, max_context_len, self.accept_rule,
+            model_ops(self.ctx.loaded.model),
+        )  # fmt: skip
         return packed, False
 
     def tables(self) -> RoundTables:

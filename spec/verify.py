@@ -19,6 +19,7 @@ import torch
 from graphrt.core.attention.base import AttentionBackend
 from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.engine.sampling import SamplingRows, greedy_tokens, repeat_rows, sample
+from graphrt.core.models.ops import ModelOps, model_ops
 from graphrt.core.runners import GraphShape, StaticField
 from graphrt.core.runners.base import forward_model
 from graphrt.spec.accept import Acceptance, accept, commit_kv
@@ -128,6 +129,7 @@ def round_tail(
     tables: RoundTables,
     max_context_len: int,
     accept_rule: AcceptRule = accept,
+    ops: ModelOps | None = None,  # the target's: its greedy sampler
 ) -> torch.Tensor:
     """Acceptance, commit and the next seeds on the device; -> packed (B, 1 + 3n) int64:
     accepted drafts, path nodes, emitted tokens, drafted tokens (the host's one read)."""
@@ -149,7 +151,7 @@ def round_tail(
         )  # fmt: skip
         target_tokens = sample(logits, repeat_rows(rows, n)).view(bs, n)
     else:
-        target_tokens = greedy_tokens(logits).view(bs, n)  # (B, n)
+        target_tokens = greedy_tokens(logits, ops).view(bs, n)  # (B, n)
     acc = accept_rule(tree, target_tokens, (max_context_len - 1) - kv_lens)
     slots = batch.req_pool_indices
     commit_kv(tables.req_to_token, slots, kv_lens, batch.out_cache_loc.view(bs, n), acc)
@@ -171,6 +173,9 @@ def verify_round(
 
     def forward(batch: ForwardBatch) -> tuple[torch.Tensor]:
         out = forward_model(target, attn, batch)
-        return (round_tail(out.logits, out.hidden, batch, tables, max_context_len, accept_rule),)
+        packed = round_tail(
+            out.logits, out.hidden, batch, tables, max_context_len, accept_rule, model_ops(target)
+        )
+        return (packed,)
 
     return forward

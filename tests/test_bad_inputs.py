@@ -350,6 +350,10 @@ def test_rows_with_nan_or_inf_logits_are_marked_and_minus_inf_is_not(device):
     )  # fmt: skip
     expected = [1, BAD_LOGITS, BAD_LOGITS, 1, BAD_LOGITS, BAD_LOGITS, 0]  # ties: the first
     assert greedy_tokens(logits).tolist() == expected  # greedy batches, verify's tail
+    if device == "cuda":  # the decode graphs' greedy sampler: Triton's
+        from graphrt.devices.cuda.ops import TRITON_OPS
+
+        assert greedy_tokens(logits, TRITON_OPS).tolist() == expected
     greedy_rows = sampling_rows([SamplingParams()] * 7, [0] * 7, [0] * 7, torch.device(device))
     assert sample(logits, greedy_rows).tolist() == expected  # temperature-0 rows of a mix
     params = [SamplingParams(temperature=0.7, seed=1)] * 7

@@ -59,7 +59,13 @@ def compile_for_sm90(kernel, constexprs: dict, types: dict | None = None):
 
 
 def _cases():
-    from graphrt.devices.cuda import triton_gemma, triton_gemv, triton_ops, triton_rope
+    from graphrt.devices.cuda import (
+        triton_argmax,
+        triton_gemma,
+        triton_gemv,
+        triton_ops,
+        triton_rope,
+    )
 
     norm = {"D": 2048, "BLOCK": 2048, "TORCH_CUDA_MATH": True}
     rope = {"NUM_Q_HEADS": 8, "NUM_KV_HEADS": 1, "HEAD_DIM": 256, "ROT_DIM": 256, "BLOCK_D": 256,
@@ -118,11 +124,18 @@ def _cases():
         {"Clusters": "*i64", "Top": "*i64", "PartialMax": "*fp32", "PartialToken": "*i64"},
     )
     yield "topk_set", triton_gemma._topk_set_kernel, {"K": 32, "BLOCK_C": 2048}, {"Out": "*i64"}
+    for mark_bad in (False, True):  # the centroid head's second stage, greedy decoding's
+        yield (
+            f"blocks_best-{mark_bad}",
+            triton_argmax._blocks_best_kernel,
+            {"BLOCK_P": 32, "MARK_BAD": mark_bad, "BAD": -1},
+            {"PartialMax": "*fp32", "PartialToken": "*i64", "Out": "*i64"},
+        )
     yield (
-        "selected_argmax",
-        triton_gemma._selected_argmax_kernel,
-        {"BLOCK_P": 32},
-        {"PartialMax": "*fp32", "PartialToken": "*i64", "Out": "*i64"},
+        "row_best",
+        triton_argmax._row_best_kernel,
+        {"BLOCK": 4096},
+        {"Logits": "*fp32", "PartialMax": "*fp32", "PartialToken": "*i64"},
     )
     yield (
         "per_layer_inputs",
@@ -139,6 +152,7 @@ def _cases():
         (True, False, 1, True, False, True),
         (False, False, 0, True, True, True),
         (False, False, 0, False, True, False),
+        (True, False, 1, True, False, False),  # the norm over several chunks
     )
     # Split-K (tiles only: the last split of a tile sums them all) on the multi-chunk ones.
     for rows, split in ((1, 1), (16, 1), (16, 4)):
@@ -156,6 +170,7 @@ def _cases():
                 {
                     **gemv,
                     "SPLIT_K": split,
+                    "ROW_K": 2048 if rows == 1 and norm and not one_chunk else 0,
                     "BLOCK_M": rows,
                     "GATED": gated,
                     "HAS_UP": up,

@@ -30,6 +30,7 @@ from graphrt.core.bench.timing import (
 )
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.engine.sampling import greedy_tokens
+from graphrt.core.models.ops import model_ops
 from graphrt.core.parallel.group import SINGLE
 
 
@@ -250,13 +251,15 @@ def _time_graphrt(engine, cfg, bs, params, bandwidth, sync, report) -> BatchResu
 
 
 def _nan_check_ms(engine, batch, sync) -> float | None:
-    """What greedy_tokens (argmax with the NaN/Inf mark) costs over a bare argmax, on the
-    logits one step of ``batch`` produces. Never below 0: the profiler's noise is not a gain.
-    None where the profiler records no kernels (CPU), without running the step."""
+    """What the engine's greedy sampler (argmax with the NaN/Inf mark, on the model's ops:
+    CUDA's Triton kernels) costs over torch's bare argmax, on the logits one step of
+    ``batch`` produces. Never below 0: the profiler's noise is not a gain. None where the
+    profiler records no kernels (CPU), without running the step."""
     if kernel_activity(engine.torch_device) is None:
         return None
     logits = engine.eager_runner.execute(batch).logits
-    checked = device_ms(lambda: greedy_tokens(logits), sync, engine.torch_device)
+    ops = model_ops(engine.loaded.model)
+    checked = device_ms(lambda: greedy_tokens(logits, ops), sync, engine.torch_device)
     bare = device_ms(lambda: logits.argmax(-1), sync, engine.torch_device)
     if checked is None or bare is None:
         return None

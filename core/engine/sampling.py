@@ -22,6 +22,7 @@ import torch
 
 from graphrt.core.engine.request import Request, SamplingParams
 from graphrt.core.host import read_host, to_device
+from graphrt.core.models.ops import BAD_LOGITS, TORCH_OPS, ModelOps
 
 _MASK32 = 0xFFFFFFFF
 _NOISE_BITS = 24  # a float32 holds 24 bits exactly: U = (h + 0.5) / 2^24 is never 0 or 1
@@ -90,21 +91,11 @@ def repeat_rows(rows: SamplingRows, n: int) -> SamplingRows:
     )
 
 
-# The token of a row whose logits hold NaN or +Inf (broken weights, an overflow): it rides
-# the step's one host read with the others, and the host fails that request in one line
-# instead of emitting the argmax of garbage. Never an input: the request stops first.
-BAD_LOGITS = -1
-
-
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """(R, V) logits -> (R,) int64 argmax tokens, BAD_LOGITS where a row holds NaN or +Inf:
-    one max reduction gives the argmax and the row's max (a NaN propagates through both,
-    a +Inf is the max), then ``max < inf``, false for NaN and +Inf alone (-Inf, a
-    ruled-out token, is fine). No second pass over the logits: a one-row amax over a
-    262k vocabulary cost as much as the argmax. Device ops only: capture-safe, no sync
-    (a decode graph computes it; see PlainDecode)."""
-    top, tokens = logits.max(dim=-1)  # ties: the first maximum, as argmax
-    return torch.where(top < float("inf"), tokens, BAD_LOGITS)
+def greedy_tokens(logits: torch.Tensor, ops: ModelOps | None = None) -> torch.Tensor:
+    """(R, V) logits -> (R,) int64 argmax tokens, BAD_LOGITS where a row holds NaN or +Inf
+    (``ModelOps.greedy_tokens``), through the model's ``ops`` where given (CUDA: two
+    Triton launches), else torch's."""
+    return (ops or TORCH_OPS).greedy_tokens(logits)
 
 
 def sample(

@@ -26,6 +26,7 @@ from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.engine.ledger import LaggingLengths
 from graphrt.core.engine.sampling import draw_tokens, greedy_tokens
 from graphrt.core.host import HostRead
+from graphrt.core.models.ops import model_ops
 from graphrt.core.runners import (
     BaseRunner,
     EagerRunner,
@@ -294,10 +295,8 @@ class PlainDecode(DecodeStrategy):
     def setup(self, ctx: StepContext) -> Sequence[GraphRunner]:
         self.ctx = ctx
         keys = ctx.attn_backend.long_row_keys(ctx.loaded.model.kv_layer_specs())
-        if (
-            getattr(ctx.loaded.model, "ops", None) is not None
-            and ctx.loaded.model.ops.width_invariant
-        ):
+        ops = model_ops(ctx.loaded.model)
+        if ops is not None and ops.width_invariant:
             keys = None  # --batch-invariant: one block size for every row (verify reuses it)
         self.long_row_keys = keys if keys is not None and keys < ctx.max_context_len else None
         if ctx.graph_backend is None:
@@ -308,7 +307,7 @@ class PlainDecode(DecodeStrategy):
 
         def after(batch: ForwardBatch, out: RunnerOutput) -> None:
             # Closes over the buffer, not the strategy: the runner must not hold its owner.
-            greedy[: out.logits.shape[0]] = greedy_tokens(out.logits)
+            greedy[: out.logits.shape[0]] = greedy_tokens(out.logits, ops)
             if user is not None:
                 user(batch, out)
 

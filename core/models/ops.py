@@ -77,6 +77,9 @@ class ModelOps:
     # weight[token] (rounded to the weight's dtype), the smallest id among equal ones:
     # the centroid-masked head's greedy draft token.
     selected_argmax: Callable[..., torch.Tensor]
+    # (logits (N, V)) -> (N,) int64: each row's argmax (the smallest id among equal
+    # maxima), BAD_LOGITS where the row holds NaN or +Inf: the greedy sampler.
+    greedy_tokens: Callable[[torch.Tensor], torch.Tensor]
     # (input_ids (T,), table (V, H), scale () float32, tail (T, E) or None) -> (T, H [+ E])
     # in the table's dtype: [table[input_ids] * scale, tail] with the scale rounded to the
     # table's dtype first (Gemma's scaled embedding, as transformers'), the tail cast to
@@ -85,6 +88,12 @@ class ModelOps:
     # Every row's result independent of the rows beside it (``--batch-invariant``): the
     # model's attention layers then ask verify to round as decode (AttentionSpec).
     width_invariant: bool = False
+
+
+def model_ops(model) -> ModelOps | None:
+    """The ops table a model runs on (every model of core/models holds one), None for a
+    model without one: callers then take ``TORCH_OPS``."""
+    return getattr(model, "ops", None)
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -215,6 +224,22 @@ def torch_topk_set(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k].sort(-1).values
 
 
+# The token of a row whose logits hold NaN or +Inf (broken weights, an overflow): it rides
+# the step's one host read with the others, and the host fails that request in one line
+# instead of emitting the argmax of garbage. Never an input: the request stops first.
+BAD_LOGITS = -1
+
+
+def torch_greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """One max reduction gives the argmax and the row's max (a NaN propagates through both,
+    a +Inf is the max), then ``max < inf``, false for NaN and +Inf alone (-Inf, a ruled-out
+    token, is fine). No second pass over the logits: a one-row amax over a 262k vocabulary
+    cost as much as the argmax. Device ops only: capture-safe, no sync (a decode graph
+    computes it; see PlainDecode)."""
+    top, tokens = logits.max(dim=-1)  # ties: the first maximum, as argmax
+    return torch.where(top < float("inf"), tokens, BAD_LOGITS)
+
+
 def torch_selected_argmax(
     hidden: torch.Tensor, weight: torch.Tensor, clusters: torch.Tensor, top: torch.Tensor
 ) -> torch.Tensor:
@@ -283,5 +308,6 @@ TORCH_OPS = ModelOps(
     float_logits=torch_float_logits,
     topk_set=torch_topk_set,
     selected_argmax=torch_selected_argmax,
+    greedy_tokens=torch_greedy_tokens,
     scaled_embed=torch_scaled_embed,
 )

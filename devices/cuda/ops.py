@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from graphrt.core.models.ops import ModelOps, PreNorm, torch_act_mul, torch_linear_act_mul
 from graphrt.devices.cuda.gemv_tuner import TUNER
+from graphrt.devices.cuda.triton_argmax import greedy_tokens
 from graphrt.devices.cuda.triton_gemma import (
     float_logits,
     gemma_per_layer_inputs,
@@ -205,6 +206,7 @@ TRITON_OPS = ModelOps(
     float_logits=float_logits,
     topk_set=topk_set,
     selected_argmax=selected_argmax,
+    greedy_tokens=greedy_tokens,
     scaled_embed=scaled_embed,
 )
 

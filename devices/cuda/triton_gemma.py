@@ -18,7 +18,7 @@ kernels a layer, each reading and writing the hidden row. Here:
 - ``topk_set`` and ``selected_argmax``: the centroid-masked head's clusters (the top 32
   of 2,048 scores, one launch) and its greedy token (an MTP assistant's draft step) from
   their ~4k tokens, the weight rows gathered in registers: no (N, 4096, H) gather, no
-  logits row, two launches.
+  logits row, two launches (the second is ``triton_argmax``'s, as greedy decoding's).
 
 Arithmetic and rounding are transformers' (see ``core/models/ops.py`` for the
 reference and ``triton_ops`` for the rounding rules): every value torch
@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from graphrt.devices.cuda import compile_ahead, pdl
+from graphrt.devices.cuda.triton_argmax import _first_best, blocks_best
 from graphrt.devices.cuda.triton_ops import (
     _INTERPRETED,
     _gemma_inv_rms,
@@ -419,38 +420,9 @@ def _selected_max_kernel(
         ).to(tl.float32)  # (BLOCK_S, BLOCK_H): the selected rows' chunk, gathered
         logits += tl.sum(w * h[None, :], axis=1)
     logits = logits.to(Weight.dtype.element_ty).to(tl.float32)
-    logits = tl.where(mask_s, logits, float("-inf"))
-    nan = logits != logits
-    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
-    best = tl.max(tl.where(nan, float("-inf"), logits), axis=0)
-    at_best = tl.where(any_nan, nan, mask_s & (logits == best))
-    token = tl.min(tl.where(at_best, tokens, vocab), axis=0)
-    best = tl.where(any_nan, float("nan"), best)
+    best, token = _first_best(logits, tokens, mask_s, vocab)
     tl.store(PartialMax + row * blocks + block, best)
     tl.store(PartialToken + row * blocks + block, token)
-
-
-@triton.jit
-def _selected_argmax_kernel(
-    PartialMax,  # (N, P) float32
-    PartialToken,  # (N, P) int64
-    Out,  # (N,) int64
-    blocks,  # P
-    vocab,
-    BLOCK_P: tl.constexpr,
-):
-    """The row's maximum over its blocks' and the smallest token id holding it (a NaN
-    block's first, where one holds a NaN)."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_P)
-    mask = offs < blocks
-    best = tl.load(PartialMax + row * blocks + offs, mask=mask, other=float("-inf"))
-    tokens = tl.load(PartialToken + row * blocks + offs, mask=mask, other=vocab)
-    nan = mask & (best != best)
-    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
-    top = tl.max(tl.where(nan, float("-inf"), best), axis=0)
-    at_top = tl.where(any_nan, nan, mask & (best == top))
-    tl.store(Out + row, tl.min(tl.where(at_top, tokens, vocab), axis=0))
 
 
 def selected_argmax(
@@ -469,9 +441,8 @@ def selected_argmax(
     assert weight.shape[1] == width and weight.stride(1) == 1 and hidden.stride(1) == 1
     assert clusters.is_contiguous() and clusters.dtype == top.dtype == torch.int64
     assert top.shape[0] == rows and top.stride(1) == 1
-    out = torch.empty(rows, dtype=torch.int64, device=hidden.device)
     if rows == 0:
-        return out
+        return torch.empty(0, dtype=torch.int64, device=hidden.device)
     block_s = min(SELECTED_BLOCK, triton.next_power_of_2(selected))
     blocks = triton.cdiv(selected, block_s)
     partial_max = torch.empty((rows, blocks), dtype=torch.float32, device=hidden.device)
@@ -495,15 +466,7 @@ def selected_argmax(
         BLOCK_S=block_s,
         num_warps=4,
     )
-    _selected_argmax_kernel[(rows,)](
-        partial_max,
-        partial_token,
-        out,
-        blocks,
-        weight.shape[0],
-        BLOCK_P=triton.next_power_of_2(blocks),
-        num_warps=1,
-    )
+    out = blocks_best(partial_max, partial_token, weight.shape[0], mark_bad=False)
     if compile_ahead.dry():  # nothing ran: the next draft step embeds these ids (HAZARD there)
         out.zero_()
     return out

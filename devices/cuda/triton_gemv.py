@@ -167,17 +167,32 @@ def _load_w(w_rows, up_offset, k0, K, n_mask, BLOCK_K: tl.constexpr, GATED: tl.c
 
 @triton.jit
 def _inv_rms_rows(
-    x_rows, m_mask, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE: tl.constexpr
+    x_rows,
+    m_mask,
+    K,
+    eps,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISE: tl.constexpr,
+    ROW_K: tl.constexpr = 0,
 ):
-    """(BLOCK_M, 1) float32 inv_rms of the x rows, as the RMSNorm kernel computes it."""
+    """(BLOCK_M, 1) float32 inv_rms of the x rows, as the RMSNorm kernel computes it.
+    ``ROW_K`` (the row path, a power of two >= K): the whole row in one load, so the norm
+    costs one memory latency after the PDL wait, not one per BLOCK_K chunk."""
     if BLOCK_M == 1:
-        sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+        if ROW_K > 0:
+            offs_k = tl.arange(0, ROW_K)
             mask = m_mask[:, None] & (offs_k < K)[None, :]
             x = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-            sq += x * x
-        sum_sq = tl.sum(sq, axis=1)[:, None]
+            sum_sq = tl.sum(x * x, axis=1)[:, None]
+        else:
+            sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask = m_mask[:, None] & (offs_k < K)[None, :]
+                x = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+                sq += x * x
+            sum_sq = tl.sum(sq, axis=1)[:, None]
     else:
         # The diagonal of x @ x.T on tensor cores (16-bit products are exact): the MMAs add
         # in k order whatever the tile, so a row's sum does not depend on BLOCK_M, BLOCK_K or
@@ -235,6 +250,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # K <= BLOCK_K: the weight tile is loaded before the PDL wait
     SPLIT_K: tl.constexpr,  # tiles only: programs along K per output tile (1: none)
+    ROW_K: tl.constexpr,  # the row path's norm over several chunks: x's row in one load
     GATED: tl.constexpr,
     HAS_UP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -268,6 +284,9 @@ def _gemv_kernel(
     # One chunk: the whole weight tile is read first, overlapping the previous kernel's tail.
     if ONE_CHUNK:
         w_first, w_up_first = _load_w(w_rows, up_offset, 0, K, n_mask, BLOCK_K, GATED)
+        if NORM and BLOCK_M == 1:  # the norm's weight too (a weight: never written)
+            offs_k = tl.arange(0, BLOCK_K)
+            g_first = tl.load(NormWeight + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's outputs (x, up, residual) are ready
     if BLOCK_M == 1:
@@ -280,17 +299,21 @@ def _gemv_kernel(
             row_m = row + offs_m  # (1,)
             m_mask = row_m < M
             x_rows = X + row_m[:, None] * stride_xm  # (1, 1)
-            row_inv_rms = tl.zeros((1, 1), dtype=tl.float32)
-            if NORM:
-                row_inv_rms = _inv_rms_rows(x_rows, m_mask, K, eps, 1, BLOCK_K, PRECISE)
             part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             part_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             if ONE_CHUNK:
-                x = _load_x(x_rows, m_mask, NormWeight, row_inv_rms, 0, K, BLOCK_K, NORM, dtype)
+                # x read once: its sum of squares and its normalised values both from it
+                x = _load_x(x_rows, m_mask, NormWeight, None, 0, K, BLOCK_K, False, dtype)
+                if NORM:
+                    row_inv_rms = inv_rms(tl.sum(x * x, axis=1)[:, None], K, eps, PRECISE)
+                    x = _round(g_first[None, :] * _round(x * row_inv_rms, dtype), dtype)
                 part += x * w_first.to(tl.float32)
                 if GATED:
                     part_up += x * w_up_first.to(tl.float32)
             else:
+                row_inv_rms = tl.zeros((1, 1), dtype=tl.float32)
+                if NORM:
+                    row_inv_rms = _inv_rms_rows(x_rows, m_mask, K, eps, 1, BLOCK_K, PRECISE, ROW_K)
                 for k0 in range(0, K, BLOCK_K):
                     x = _load_x(
                         x_rows, m_mask, NormWeight, row_inv_rms, k0, K, BLOCK_K, NORM, dtype
@@ -434,6 +457,18 @@ def _splits(config: GemvConfig, k: int, tiles: int, gated: bool, device: torch.d
     return k_per_split, splits, partial, arrived
 
 
+# The row path's norm reads x's row in one load up to this K (a float32 register each 128
+# columns a thread at four warps); wider rows sum chunk by chunk.
+ROW_K_MAX = 8192
+
+
+def _row_k(config: GemvConfig, k: int, norm: bool) -> int:
+    """``ROW_K``: x's row in one load for the row path's norm over several chunks, else 0."""
+    if not norm or config.block_m != 1 or k <= config.block_k or k > ROW_K_MAX:
+        return 0
+    return triton.next_power_of_2(k)
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -500,6 +535,7 @@ def gemv(
         BLOCK_K=config.block_k,
         ONE_CHUNK=k <= config.block_k,
         SPLIT_K=splits,
+        ROW_K=_row_k(config, k, norm is not None),
         GATED=gated,
         HAS_UP=up is not None,
         HAS_BIAS=bias is not None,
