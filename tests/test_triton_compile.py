@@ -70,7 +70,8 @@ def _cases():
     norm = {"D": 2048, "BLOCK": 2048, "TORCH_CUDA_MATH": True}
     rope = {"NUM_Q_HEADS": 8, "NUM_KV_HEADS": 1, "HEAD_DIM": 256, "ROT_DIM": 256, "BLOCK_D": 256,
             "GROUPED": False, "BLOCK_HQ": 8, "BLOCK_HKV": 1}  # fmt: skip
-    gemv = {"BLOCK_N": 16, "BLOCK_K": 256, "HAS_BIAS": False, "PRECISE": True}
+    gemv = {"BLOCK_N": 16, "BLOCK_K": 256, "HAS_BIAS": False, "PRECISE": True, "ROPE": False,
+            "HEAD_DIM": 1, "Q_ROWS": 0, "KV_ROWS": 0}  # fmt: skip
     yield "rms_norm", triton_ops._rms_norm_kernel, norm, None
     yield (
         "gemma_norm",
@@ -182,6 +183,26 @@ def _cases():
                 },
                 {"M": "i32", "N": "i32", "K": "i32"},
             )
+
+    # Llama's q/k/v with rope and the KV write in the epilogue: the row path (norm fused, its
+    # weight read before the PDL wait) and a tile, several chunks, and split-K's tile.
+    rope = {**gemv, "ROPE": True, "HEAD_DIM": 64, "Q_ROWS": 2048, "KV_ROWS": 512, "GATED": False,
+            "HAS_UP": False, "ACT": 0, "HAS_RESIDUAL": False, "NORM": True, "ROW_K": 0}  # fmt: skip
+    for rows, split, one_chunk, bias in ((1, 1, True, False), (1, 1, False, True),
+                                         (16, 1, False, True), (16, 4, False, False)):  # fmt: skip
+        yield (
+            f"gemv_rope-M{rows}-split{split}-onechunk{one_chunk}-bias{bias}",
+            triton_gemv._gemv_kernel,
+            {
+                **rope,
+                "BLOCK_M": rows,
+                "SPLIT_K": split,
+                "ONE_CHUNK": one_chunk,
+                "USE_PDL": one_chunk,
+                "HAS_BIAS": bias,
+            },  # fmt: skip
+            {"M": "i32", "N": "i32", "K": "i32"},
+        )
 
 
 def _case_ids():

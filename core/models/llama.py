@@ -62,6 +62,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, ops)
         self.qk_norm = c.qk_norm
         self.rotary = rotary
+        self.ops = ops
         self.spec = AttentionSpec(
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -77,13 +78,23 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """x + o_proj(attention(norm(x))): the residual stream after the attention block."""
         s = self.spec
+        kv_write = attn.kv_write_target(s, batch)
+        if kv_write is not None and not self.qk_norm:
+            # The projection, rope and the KV write as one op (CUDA at decode sizes: one
+            # GEMV launch where there were two, the GEMV and the rope kernel).
+            q = self.ops.linear_rope(
+                x, self.qkv_proj.weight, self.qkv_proj.bias, norm=norm,
+                positions=batch.positions, cos=self.rotary.cos, sin=self.rotary.sin,
+                kv_write=kv_write, num_heads=s.num_heads,
+            )  # fmt: skip
+            out = attn.attend(q.flatten(1), None, None, s, batch)  # (T, H*D)
+            return self.o_proj(out, residual=x)
         q, k, v = self.qkv_proj(x, norm).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, s.num_heads, s.head_dim)  # (T, H, D)
         k = k.view(-1, s.num_kv_heads, s.head_dim)  # (T, Hkv, D)
         if self.qk_norm:  # over head_dim: (T*H, D) rows for the norm kernel
             q = self.q_norm(q.reshape(-1, s.head_dim)).view(-1, s.num_heads, s.head_dim)
             k = self.k_norm(k.reshape(-1, s.head_dim)).view(-1, s.num_kv_heads, s.head_dim)
-        kv_write = attn.kv_write_target(s, batch)
         if kv_write is not None:  # rope stores k and v in the cache itself: one launch
             v = v.view(-1, s.num_kv_heads, s.head_dim)
             q, _ = self.rotary(batch.positions, q, k, v, kv_write)
@@ -113,8 +124,8 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         # x is the residual stream (T, hidden). Each norm rides in the matmul that reads it
         # and each residual add in the matmul that ends its block: on CUDA at decode sizes
-        # both are the GEMV's, so a layer is 7 launches (qkv, rope, attention x2, o,
-        # gate/up, down).
+        # both are the GEMV's, and so is rope with the KV write (``linear_rope``): a layer
+        # is 6 launches (qkv, attention x2, o, gate/up, down).
         h = self.self_attn(x, self.input_layernorm.pre_norm(), batch, attn)
         return self.mlp(h, self.post_attention_layernorm.pre_norm(), residual=h)
 

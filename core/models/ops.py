@@ -45,6 +45,12 @@ class ModelOps:
     # weight = [gate; up] ((2I, K): a fused gate/up projection) when up is None, else
     # act(x @ weight.T) * up; x RMS-normalised first with a ``PreNorm``.
     linear_act_mul: Callable[..., torch.Tensor]
+    # (x (T, K), weight ((H + 2 Hkv) * D, K), bias, *, norm, positions (T,), cos, sin (P,
+    # R), kv_write, num_heads) -> q (T, H, D): a Llama-family attention's merged q/k/v
+    # projection then its rope, ``rope(positions, q, k, cos, sin, v, kv_write)``'s q, with
+    # rotated k and v stored at kv_write's slots (Hkv and D: its caches'). One op, so that a
+    # device may run all of it as one kernel (CUDA: the GEMV's epilogue at decode sizes).
+    linear_rope: Callable[..., torch.Tensor]
     # (h, residual (T, D), weight, eps, scalar (1,) or None, next_weight or None) ->
     # (x, gemma_rms_norm(x, next_weight) or None) with x = (residual + gemma_rms_norm(h,
     # weight)) [* scalar]: Gemma's sandwich norm, residual add and layer scalar, then the
@@ -88,6 +94,23 @@ class ModelOps:
     # Every row's result independent of the rows beside it (``--batch-invariant``): the
     # model's attention layers then ask verify to round as decode (AttentionSpec).
     width_invariant: bool = False
+
+
+def linear_then_rope(linear: Callable[..., torch.Tensor], rope: Callable[..., tuple]):
+    """``ModelOps.linear_rope`` as its two ops, ``linear`` then ``rope`` (the reference,
+    and a device's way where its fused kernel does not apply)."""
+
+    def linear_rope(x, weight, bias, *, norm, positions, cos, sin, kv_write, num_heads):
+        kv_heads, head_dim = kv_write.k_buffer.shape[-2:]
+        sizes = [num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        q, k, v = linear(x, weight, bias, norm=norm).split(sizes, dim=-1)
+        q, _ = rope(
+            positions, q.view(-1, num_heads, head_dim), k.view(-1, kv_heads, head_dim),
+            cos, sin, v=v.view(-1, kv_heads, head_dim), kv_write=kv_write,
+        )  # fmt: skip
+        return q
+
+    return linear_rope
 
 
 def model_ops(model) -> ModelOps | None:
@@ -302,6 +325,7 @@ TORCH_OPS = ModelOps(
     rope=torch_rope,
     linear=torch_linear,
     linear_act_mul=torch_linear_act_mul,
+    linear_rope=linear_then_rope(torch_linear, torch_rope),
     gemma_residual_norm=torch_gemma_residual_norm,
     gemma_qkv_norm_rope=torch_gemma_qkv_norm_rope,
     gemma_per_layer_inputs=torch_gemma_per_layer_inputs,

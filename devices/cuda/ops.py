@@ -14,7 +14,13 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from graphrt.core.models.ops import ModelOps, PreNorm, torch_act_mul, torch_linear_act_mul
+from graphrt.core.models.ops import (
+    ModelOps,
+    PreNorm,
+    linear_then_rope,
+    torch_act_mul,
+    torch_linear_act_mul,
+)
 from graphrt.devices.cuda.gemv_tuner import TUNER
 from graphrt.devices.cuda.triton_argmax import greedy_tokens
 from graphrt.devices.cuda.triton_gemma import (
@@ -25,7 +31,7 @@ from graphrt.devices.cuda.triton_gemma import (
     selected_argmax,
     topk_set,
 )
-from graphrt.devices.cuda.triton_gemv import MAX_ROWS, gemv, invariant_configs
+from graphrt.devices.cuda.triton_gemv import MAX_ROWS, RopeWrite, gemv, invariant_configs
 from graphrt.devices.cuda.triton_ops import (
     ACTIVATION_CODES,
     triton_act_mul,
@@ -104,6 +110,32 @@ def triton_linear(
         return run(None)
     key = ("linear", _row_class(x), *weight.shape, x.dtype, bias is not None)
     key += (norm is not None, residual is not None)
+    return run(TUNER.choose(key, x.shape[0], weight, run))
+
+
+# The fused op's other way: the norm kernel and cuBLAS, then the rope kernel.
+UNFUSED_LINEAR_ROPE = linear_then_rope(cublas_linear, triton_rope)
+
+
+def triton_linear_rope(x, weight, bias=None, *, norm, positions, cos, sin, kv_write, num_heads):
+    """``ModelOps.linear_rope``: at decode sizes the GEMV with rope and the KV write in its
+    epilogue (one launch where there were two: the projection, the rope kernel); the two
+    ops otherwise (cuBLAS's candidate, many rows, a rope over part of a head)."""
+    head_dim = kv_write.k_buffer.shape[-1]
+    rope = RopeWrite(positions, cos, sin, kv_write, num_heads)
+
+    def run(config, w=weight):
+        if config is None:
+            return UNFUSED_LINEAR_ROPE(
+                x, w, bias, norm=norm, positions=positions, cos=cos, sin=sin,
+                kv_write=kv_write, num_heads=num_heads,
+            )  # fmt: skip
+        return gemv(x, w, bias, config, norm=norm, rope=rope).view(-1, num_heads, head_dim)
+
+    if not _skinny(x, weight, norm) or cos.shape[1] != head_dim or cos.dtype != torch.float32:
+        return run(None)
+    key = ("linear_rope", _row_class(x), *weight.shape, x.dtype, bias is not None)
+    key += (norm is not None, head_dim)
     return run(TUNER.choose(key, x.shape[0], weight, run))
 
 
@@ -200,6 +232,7 @@ TRITON_OPS = ModelOps(
     rope=triton_rope,
     linear=triton_linear,
     linear_act_mul=triton_linear_act_mul,
+    linear_rope=triton_linear_rope,
     gemma_residual_norm=gemma_residual_norm,
     gemma_qkv_norm_rope=gemma_qkv_norm_rope,
     gemma_per_layer_inputs=gemma_per_layer_inputs,
@@ -220,4 +253,5 @@ INVARIANT_OPS = dataclasses.replace(
     width_invariant=True,
     linear=invariant_linear,
     linear_act_mul=invariant_linear_act_mul,
+    linear_rope=linear_then_rope(invariant_linear, triton_rope),
 )

@@ -15,6 +15,10 @@ exception, below), and can finish the layer's next elementwise op in registers:
   (``weight * (x * inv_rms).to(dtype)``), each program computing the row's inv_rms
   itself (a first pass over x, an L1 hit in the second), so the norm is no launch.
 - ``residual`` given: ``residual + x @ W^T``, the block's residual add, in the store.
+- ``rope`` given (a ``RopeWrite``): W is a Llama attention's q, k and v heads; each
+  program owns rope pairs (a head's output j and j + D/2), rotates q and k as the rope
+  kernel does (``triton_rope._rope_epilogue``), stores k and v into the KV cache and
+  returns q: the rope kernel's launch goes.
 
 Two paths. The row path (``block_m`` 1, decode's M = 1) computes a row with CUDA-core
 products summed in a (BLOCK_N, BLOCK_K) tile; it serves any M, one program for every row
@@ -23,9 +27,9 @@ to 128) serve more rows; their sums follow the MMAs' k order, so a row's bits do
 depend on M or the tile (batch invariance, see TILE_CONFIGS), and the fused norm's sum of
 squares is the diagonal of x @ x.T for that reason (a tl.sum's tree follows the layout).
 
-With ``norm`` before the projection that reads the residual stream and ``residual``
-after the one that writes it, a Llama layer is 7 launches: qkv, rope, attention
-(2), o, gate/up, down.
+With ``norm`` before the projection that reads the residual stream, ``residual`` after
+the one that writes it and ``rope`` on q/k/v, a Llama decode layer is 6 launches: qkv,
+attention (2), o, gate/up, down.
 
 Launched with programmatic dependent launch where the card has it (``pdl``: read
 that file's contract before touching the order of loads here): with one K chunk the
@@ -50,11 +54,13 @@ Capture-safe: no host reads of tensor values, outputs and the split-K workspace 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from graphrt.core.attention.base import KVWrite
 from graphrt.core.errors import GraphrtError
 from graphrt.core.models.ops import PreNorm
 from graphrt.devices.cuda import pdl
@@ -65,6 +71,7 @@ from graphrt.devices.cuda.triton_ops import (
     activation_code,
     inv_rms,
 )
+from graphrt.devices.cuda.triton_rope import _rope_epilogue
 
 MAX_ROWS = 16  # M above this goes to cuBLAS: tensor-core tiles win there
 
@@ -236,6 +243,12 @@ def _gemv_kernel(
     Out,  # (M, N) contiguous
     Partial,  # float32 (tiles, SPLIT_K, [2,] BLOCK_M, BLOCK_N): the splits' sums, when SPLIT_K > 1
     Arrived,  # int32 (tiles,), zero between launches: the splits of each tile that are done
+    Positions,  # (M,) int64, read when ROPE
+    Cos,  # (P, HEAD_DIM) float32 rope tables, read when ROPE
+    Sin,
+    KCache,  # (slots, Hkv, HEAD_DIM): the k rows' destination when ROPE, as is VCache the v's
+    VCache,
+    Loc,  # (M,) int64 KV slots, read when ROPE
     M,
     N,
     K,
@@ -244,6 +257,11 @@ def _gemv_kernel(
     stride_wn,
     stride_um,
     stride_rm,
+    stride_cos,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_slot,
+    stride_vc_head,
     eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -259,6 +277,10 @@ def _gemv_kernel(
     ACT: tl.constexpr,  # activation_code(): 0 none
     PRECISE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ROPE: tl.constexpr,  # W is q, k, v heads: rope on q and k, k and v into the KV cache
+    HEAD_DIM: tl.constexpr,  # ROPE: each head's rows, all rotated (rotate-half)
+    Q_ROWS: tl.constexpr,  # ROPE: q's rows (Out's width), then KV_ROWS of k, KV_ROWS of v
+    KV_ROWS: tl.constexpr,
 ):
     dtype = Out.dtype.element_ty
     # Splits vary slowest in launch order: the first programs read the first K range of
@@ -275,7 +297,16 @@ def _gemv_kernel(
         # second is limited to 65535 programs, fewer than an LM head needs.)
         m_tiles = tl.cdiv(M, BLOCK_M)
         offs_m = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE:
+        # A program's outputs are rope pairs: output j of a head beside output j + D/2,
+        # which rope mixes ([lo0, hi0, lo1, hi1, ...]); any BLOCK_N serves, since a pair
+        # never straddles a head.
+        lane = tl.arange(0, BLOCK_N)
+        pair = (tile // m_tiles) * (BLOCK_N // 2) + lane // 2
+        half = HEAD_DIM // 2
+        offs_n = (pair // half) * HEAD_DIM + (lane % 2) * half + pair % half
+    else:
+        offs_n = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1) row pointers
     up_offset = N * stride_wn
@@ -324,10 +355,18 @@ def _gemv_kernel(
                         part_up += x * w_up.to(tl.float32)
             acc = tl.sum(part, axis=1)[None, :]  # (1, BLOCK_N)
             acc_up = tl.sum(part_up, axis=1)[None, :]
-            _epilogue(
-                acc, acc_up, row_m, m_mask, offs_n, n_mask, Bias, Up, Residual, Out, N,
-                stride_um, stride_rm, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT, PRECISE,
-            )  # fmt: skip
+            if ROPE:
+                _rope_epilogue(
+                    acc, row_m, m_mask, offs_n, Bias, Out, Positions, Cos, Sin, KCache, VCache,
+                    Loc, stride_cos, stride_kc_slot, stride_kc_head, stride_vc_slot,
+                    stride_vc_head, dtype, HAS_BIAS, 1, BLOCK_N, HEAD_DIM, Q_ROWS, KV_ROWS,
+                )  # fmt: skip
+            else:
+                _epilogue(
+                    acc, acc_up, row_m, m_mask, offs_n, n_mask, Bias, Up, Residual, Out, N,
+                    stride_um, stride_rm, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT,
+                    PRECISE,
+                )  # fmt: skip
     else:
         m_mask = offs_m < M
         x_rows = X + offs_m[:, None] * stride_xm  # (BLOCK_M, 1)
@@ -357,7 +396,13 @@ def _gemv_kernel(
             acc, acc_up, finish = _split_sums(
                 acc, acc_up, Partial, Arrived, tile, split, BLOCK_M, BLOCK_N, SPLIT_K, GATED
             )
-        if finish:
+        if finish and ROPE:
+            _rope_epilogue(
+                acc, offs_m, m_mask, offs_n, Bias, Out, Positions, Cos, Sin, KCache, VCache, Loc,
+                stride_cos, stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
+                dtype, HAS_BIAS, BLOCK_M, BLOCK_N, HEAD_DIM, Q_ROWS, KV_ROWS,
+            )  # fmt: skip
+        elif finish:
             _epilogue(
                 acc, acc_up, offs_m, m_mask, offs_n, n_mask, Bias, Up, Residual, Out, N,
                 stride_um, stride_rm, dtype, GATED, HAS_UP, HAS_BIAS, HAS_RESIDUAL, ACT, PRECISE,
@@ -457,6 +502,51 @@ def _splits(config: GemvConfig, k: int, tiles: int, gated: bool, device: torch.d
     return k_per_split, splits, partial, arrived
 
 
+class RopeWrite(NamedTuple):
+    """The GEMV's q/k/v epilogue: rope on q and k (rotate-half over every lane of a head),
+    k and v stored into the KV cache, q returned; the weight's rows are q's heads, then
+    k's, then v's (a Llama-family attention's merged projection)."""
+
+    positions: torch.Tensor  # (M,) int64
+    cos: torch.Tensor  # (P, D) float32
+    sin: torch.Tensor
+    kv_write: KVWrite  # caches (slots, Hkv, D), loc (M,) int64
+    num_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_write.k_buffer.shape[-1]
+
+    @property
+    def q_rows(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_rows(self) -> int:
+        return self.kv_write.k_buffer.shape[-2] * self.head_dim
+
+    def check(self, x: torch.Tensor, weight: torch.Tensor, other_epilogue: bool) -> None:
+        k_buffer, v_buffer, loc = self.kv_write.k_buffer, self.kv_write.v_buffer, self.kv_write.loc
+        assert not other_epilogue, "rope: no activation, product or residual beside it"
+        assert weight.shape[0] == self.q_rows + 2 * self.kv_rows, (
+            f"weight {tuple(weight.shape)}: q {self.q_rows} + k, v {self.kv_rows} rows each"
+        )
+        assert self.head_dim % 2 == 0 and self.cos.shape[1] == self.head_dim, (
+            f"cos {tuple(self.cos.shape)}: rope over all {self.head_dim} lanes of a head"
+        )
+        assert self.cos.stride() == self.sin.stride() and self.cos.stride(1) == 1
+        assert self.positions.shape == loc.shape == (x.shape[0],)
+        assert k_buffer.shape == v_buffer.shape and k_buffer.stride(-1) == v_buffer.stride(-1) == 1
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        w = self.kv_write
+        return self.positions, self.cos, self.sin, w.k_buffer, w.v_buffer, w.loc
+
+    def strides(self) -> tuple[int, ...]:
+        w = self.kv_write
+        return self.cos.stride(0), *w.k_buffer.stride()[:2], *w.v_buffer.stride()[:2]
+
+
 # The row path's norm reads x's row in one load up to this K (a float32 register each 128
 # columns a thread at four warps); wider rows sum chunk by chunk.
 ROW_K_MAX = 8192
@@ -479,13 +569,17 @@ def gemv(
     up: torch.Tensor | None = None,
     norm: PreNorm | None = None,
     residual: torch.Tensor | None = None,
+    rope: RopeWrite | None = None,
 ) -> torch.Tensor:
     """``norm(x) @ weight.T (+ bias)`` for (M <= 16, K) ``x``, then optionally ``act`` and a
     product (with ``gated`` the weight's second half is the up projection; with ``up`` the
     factor is that (M, N) tensor), then ``+ residual``. Returns a new (M, N) tensor in
-    ``x``'s dtype."""
+    ``x``'s dtype. With ``rope`` (a ``RopeWrite``) the weight is q's heads, k's and v's:
+    q and k are rotated, k and v go into the KV cache, and q (M, H * D) returns."""
     rows, k = x.shape
     n = weight.shape[0] // (2 if gated else 1)
+    if rope is not None:
+        rope.check(x, weight, gated or act is not None or up is not None or residual is not None)
     assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (
         f"x {tuple(x.shape)} / weight {tuple(weight.shape)}: K must match, unit stride"
     )
@@ -505,7 +599,8 @@ def gemv(
         assert bias.shape == (weight.shape[0],) and bias.stride(0) == 1, (
             f"bias {tuple(bias.shape)} (stride {bias.stride()}), weight {tuple(weight.shape)}"
         )
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    width = n if rope is None else rope.q_rows
+    out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
     m_tiles = 1 if config.block_m == 1 else triton.cdiv(rows, config.block_m)
@@ -521,6 +616,7 @@ def gemv(
         out,
         out if partial is None else partial,
         out if arrived is None else arrived,
+        *(rope.tensors() if rope is not None else (out,) * 6),
         rows,
         n,
         k,
@@ -529,6 +625,7 @@ def gemv(
         weight.stride(0),
         0 if up is None else up.stride(0),
         0 if residual is None else residual.stride(0),
+        *(rope.strides() if rope is not None else (0,) * 5),
         0.0 if norm is None else float(norm.eps),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -547,5 +644,9 @@ def gemv(
         num_stages=config.num_stages,
         enable_fp_fusion=False,
         **pdl.launch_options(),
+        ROPE=rope is not None,
+        HEAD_DIM=1 if rope is None else rope.head_dim,
+        Q_ROWS=0 if rope is None else rope.q_rows,
+        KV_ROWS=0 if rope is None else rope.kv_rows,
     )
     return out

@@ -89,6 +89,64 @@ def _rope_head(
     tl.store(dst + offs, x.to(dst.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rope_epilogue(
+    acc, offs_m, m_mask, offs_n, Bias, Out, Positions, Cos, Sin, KCache, VCache, Loc,
+    stride_cos, stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
+    dtype: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, Q_ROWS: tl.constexpr, KV_ROWS: tl.constexpr,
+):  # fmt: skip
+    """The GEMV's q/k/v epilogue (its ROPE): float32 (BLOCK_M, BLOCK_N) sums of rope pairs
+    ``[lo0, hi0, lo1, hi1, ...]`` (a head's output j beside its output j + D/2, rows
+    ``offs_n``) rounded as the matmul's output is, q and k rotated by ``_rotated``, the
+    plain rope kernel's own arithmetic (so the bits of the GEMV, then the rope kernel);
+    q into Out (M, Q_ROWS), k and v into their caches at the rows' slots."""
+    if HAS_BIAS:
+        n_mask = offs_n < Q_ROWS + 2 * KV_ROWS
+        acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y = _round(acc, dtype)
+    lo, hi = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))  # (BLOCK_M, BLOCK_N / 2)
+    n_lo, n_hi = tl.split(tl.reshape(offs_n, (BLOCK_N // 2, 2)))  # (BLOCK_N / 2,)
+    positions = tl.load(Positions + offs_m, mask=m_mask, other=0).to(tl.int64)
+    cos_row = Cos + positions[:, None] * stride_cos  # (BLOCK_M, 1)
+    sin_row = Sin + positions[:, None] * stride_cos
+    lane = (n_lo % HEAD_DIM)[None, :]  # lo's lane in its head (< D/2); hi's is D/2 further
+    rotate = (n_lo < Q_ROWS + KV_ROWS)[None, :]  # q and k; v is stored as it is
+    lo_out = tl.where(rotate, _rotated(lo, hi, lane, cos_row, sin_row, dtype, HEAD_DIM), lo)
+    hi_lane = lane + HEAD_DIM // 2
+    hi_out = tl.where(rotate, _rotated(hi, lo, hi_lane, cos_row, sin_row, dtype, HEAD_DIM), hi)
+    slot = tl.load(Loc + offs_m, mask=m_mask, other=0).to(tl.int64)[:, None]
+    _store_heads(
+        lo_out, n_lo, offs_m, m_mask, slot, Out, KCache, VCache, stride_kc_slot,
+        stride_kc_head, stride_vc_slot, stride_vc_head, HEAD_DIM, Q_ROWS, KV_ROWS,
+    )  # fmt: skip
+    _store_heads(
+        hi_out, n_hi, offs_m, m_mask, slot, Out, KCache, VCache, stride_kc_slot,
+        stride_kc_head, stride_vc_slot, stride_vc_head, HEAD_DIM, Q_ROWS, KV_ROWS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _store_heads(
+    y, n, offs_m, m_mask, slot, Out, KCache, VCache, stride_kc_slot, stride_kc_head,
+    stride_vc_slot, stride_vc_head,
+    HEAD_DIM: tl.constexpr, Q_ROWS: tl.constexpr, KV_ROWS: tl.constexpr,
+):  # fmt: skip
+    """(BLOCK_M, C) values of the q/k/v rows ``n`` (C,): q's into Out, k's and v's into
+    their caches at the rows' ``slot`` (BLOCK_M, 1), cast to each destination's dtype."""
+    n = n[None, :]
+    live = m_mask[:, None] & (n < Q_ROWS + 2 * KV_ROWS)
+    q_at = Out + offs_m[:, None] * Q_ROWS + n
+    tl.store(q_at, y.to(Out.dtype.element_ty), mask=live & (n < Q_ROWS))
+    kn = tl.maximum(n - Q_ROWS, 0)  # masked where not k; kept in range for the address
+    k_at = KCache + slot * stride_kc_slot + (kn // HEAD_DIM) * stride_kc_head + kn % HEAD_DIM
+    is_k = (n >= Q_ROWS) & (n < Q_ROWS + KV_ROWS)
+    tl.store(k_at, y.to(KCache.dtype.element_ty), mask=live & is_k)
+    vn = tl.maximum(n - Q_ROWS - KV_ROWS, 0)
+    v_at = VCache + slot * stride_vc_slot + (vn // HEAD_DIM) * stride_vc_head + vn % HEAD_DIM
+    tl.store(v_at, y.to(VCache.dtype.element_ty), mask=live & (n >= Q_ROWS + KV_ROWS))
+
+
 # From this many tokens a plain rope (no norm) takes one program per token and group of
 # heads (q, k, v), not one per token and head: an 8k-token prefill of llama-1b launched
 # 393k one-warp programs of 64 values each, 239 us a layer on the H200 (3.8 of its 43.5
