@@ -144,14 +144,15 @@ def round_tail(
         valid=info.valid,
     )
     kv_lens = batch.seq_lens.long() - n  # the root's position
+    greedy = greedy_tokens(logits, ops)  # (B * n,): sampled rounds' greedy rows take these
     if info.sampled:
         rows = SamplingRows(
             info.temperature, info.top_k, info.top_p, info.seed, info.offset,
             greedy=False, filtered=True,
         )  # fmt: skip
-        target_tokens = sample(logits, repeat_rows(rows, n)).view(bs, n)
+        target_tokens = sample(logits, repeat_rows(rows, n), greedy).view(bs, n)
     else:
-        target_tokens = greedy_tokens(logits, ops).view(bs, n)  # (B, n)
+        target_tokens = greedy.view(bs, n)  # (B, n)
     acc = accept_rule(tree, target_tokens, (max_context_len - 1) - kv_lens)
     slots = batch.req_pool_indices
     commit_kv(tables.req_to_token, slots, kv_lens, batch.out_cache_loc.view(bs, n), acc)
