@@ -6,7 +6,8 @@ cache row must match bit for bit; cache slots no row writes must stay untouched.
 
 Cases: the row path (one row) and tensor-core tiles (3 rows), one K chunk and several,
 with and without bias and the fused norm, grouped-query heads, BLOCK_N from 2 (one rope
-pair a program) to 32 (pairs of two heads), positions far apart.
+pair a program) to 32 (pairs of two heads), positions far apart, rope tables in float32
+and in the activations' dtype (a 16-bit model's buffers).
 
 CPU lane: under TRITON_INTERPRET=1 in a subprocess (see test_triton_ops), and the ops
 table's wrapper (``TRITON_OPS.linear_rope``) against its two ops. CUDA lane: every
@@ -56,6 +57,8 @@ def compare(dtype, device, configs, shapes) -> list[dict]:
             rows, heads, kv_heads, head_dim, k, dtype, device, bias
         )
         norm = norm if with_norm else None
+        if not with_norm:  # tables as a 16-bit model holds them (its buffers' dtype)
+            cos, sin = cos.to(dtype), sin.to(dtype)
         q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
         cache_shape = (12, kv_heads, head_dim)  # slots; the rows write 3, 9, 1, 6
         for config in configs(rows):

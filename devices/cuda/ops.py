@@ -132,7 +132,7 @@ def triton_linear_rope(x, weight, bias=None, *, norm, positions, cos, sin, kv_wr
             )  # fmt: skip
         return gemv(x, w, bias, config, norm=norm, rope=rope).view(-1, num_heads, head_dim)
 
-    if not _skinny(x, weight, norm) or cos.shape[1] != head_dim or cos.dtype != torch.float32:
+    if not _skinny(x, weight, norm) or cos.shape[1] != head_dim:
         return run(None)
     key = ("linear_rope", _row_class(x), *weight.shape, x.dtype, bias is not None)
     key += (norm is not None, head_dim)

@@ -244,7 +244,7 @@ def _gemv_kernel(
     Partial,  # float32 (tiles, SPLIT_K, [2,] BLOCK_M, BLOCK_N): the splits' sums, when SPLIT_K > 1
     Arrived,  # int32 (tiles,), zero between launches: the splits of each tile that are done
     Positions,  # (M,) int64, read when ROPE
-    Cos,  # (P, HEAD_DIM) float32 rope tables, read when ROPE
+    Cos,  # (P, HEAD_DIM) rope tables, read when ROPE (cast to the dtype: _rotated)
     Sin,
     KCache,  # (slots, Hkv, HEAD_DIM): the k rows' destination when ROPE, as is VCache the v's
     VCache,
@@ -508,7 +508,7 @@ class RopeWrite(NamedTuple):
     k's, then v's (a Llama-family attention's merged projection)."""
 
     positions: torch.Tensor  # (M,) int64
-    cos: torch.Tensor  # (P, D) float32
+    cos: torch.Tensor  # (P, D): the model's tables (its dtype, or float32), read as rope reads them
     sin: torch.Tensor
     kv_write: KVWrite  # caches (slots, Hkv, D), loc (M,) int64
     num_heads: int
