@@ -18,8 +18,9 @@
 #   bash bench/h200.sh onerow [models] [N:K:W,...]: decode's GEMVs at batch 1, each row-path
 #     configuration (and those given) on each projection, us and TB/s against the copy
 #     bandwidth (bench/gemv_widths.py --one-row; llama-1b,llama-8b,gemma4-e2b)
-#   bash bench/h200.sh fused: the CUDA tests of stop 60's kernels (the GEMV's rope epilogue,
-#     greedy tokens on Triton, the decode paths that run them: conformance, parity, engine),
+#   bash bench/h200.sh fused: the CUDA tests of stop 60's kernels (the GEMV's rope epilogue
+#     and Gemma residual-norm prologue, greedy tokens on Triton, the decode paths that run
+#     them: conformance, parity, Gemma 4, the embedded pair, engine),
 #     then the greedy sampler by vocabulary width (bench/greedy_argmax.py)
 #   bash bench/h200.sh cold: the README's first command from empty caches, then warm, with
 #     where the seconds go (bench/cold_start.py)
@@ -275,6 +276,7 @@ fi
 
 if [[ $what == fused ]]; then
     timeout "${LANE_LIMIT:-300}" python -m pytest tests/test_gemv_rope.py tests/test_greedy_tokens.py \
+        tests/test_gemv_residual_gate.py tests/test_gemma4.py tests/test_embedded_pair.py \
         tests/test_bad_inputs.py tests/test_models_parity.py tests/conformance tests/test_engine*.py \
         -m cuda -q -p no:cacheprovider -ra -n "${CUDA_WORKERS:-14}" --dist loadfile \
         > "$OUT/tests-fused.log" 2>&1

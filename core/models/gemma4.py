@@ -253,9 +253,12 @@ class Gemma4DecoderLayer(nn.Module):
         )
         h = self.mlp(h)
         if self.has_per_layer_input:
-            x, _ = ops.gemma_residual_norm(h, x, self.post_feedforward_layernorm.weight, eps)
-            gate = self.per_layer_input_gate.weight
-            h = ops.linear_act_mul(x, gate, None, self.act, per_layer_input)  # (T, ple)
+            # x = x + post_feedforward_layernorm(h), and the per-layer input's gate on it
+            # (T, ple): one op (CUDA at one row: the gate's GEMV computes x itself)
+            x, h = ops.gemma_residual_gate(
+                h, x, self.post_feedforward_layernorm.weight, eps,
+                self.per_layer_input_gate.weight, self.act, per_layer_input,
+            )  # fmt: skip
             h = self.per_layer_projection(h)
             last_norm = self.post_per_layer_input_norm
         else:

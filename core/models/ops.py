@@ -56,6 +56,11 @@ class ModelOps:
     # weight)) [* scalar]: Gemma's sandwich norm, residual add and layer scalar, then the
     # norm that reads x next.
     gemma_residual_norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    # (h, residual (T, D), weight, eps, gate (P, D), act, up (T, P)) -> (x, act(x @
+    # gate.T) * up) with x = residual + gemma_rms_norm(h, weight): Gemma 4's residual add
+    # after its MLP and the per-layer input gate that reads it, as one op (CUDA fuses the
+    # norm into the gate's GEMV at one row).
+    gemma_residual_gate: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (positions, q (T, H, D), k, v (T, Hkv, D) or None, q_weight, k_weight, eps, cos, sin,
     # kv_write=None) -> (rope(norm(q)), rope(norm(k)), norm(v) without scale); k, v None: q
     # only. With kv_write, k and v go into the KV cache instead and (q, None, None) returns.
@@ -111,6 +116,17 @@ def linear_then_rope(linear: Callable[..., torch.Tensor], rope: Callable[..., tu
         return q
 
     return linear_rope
+
+
+def residual_norm_then_gate(residual_norm: Callable[..., tuple], linear_act_mul: Callable):
+    """``ModelOps.gemma_residual_gate`` as its two ops (the reference, and a device's way
+    where its fused kernel does not apply)."""
+
+    def gemma_residual_gate(h, residual, weight, eps, gate, act, up):
+        x, _ = residual_norm(h, residual, weight, eps)
+        return x, linear_act_mul(x, gate, None, act, up)
+
+    return gemma_residual_gate
 
 
 def model_ops(model) -> ModelOps | None:
@@ -327,6 +343,7 @@ TORCH_OPS = ModelOps(
     linear_act_mul=torch_linear_act_mul,
     linear_rope=linear_then_rope(torch_linear, torch_rope),
     gemma_residual_norm=torch_gemma_residual_norm,
+    gemma_residual_gate=residual_norm_then_gate(torch_gemma_residual_norm, torch_linear_act_mul),
     gemma_qkv_norm_rope=torch_gemma_qkv_norm_rope,
     gemma_per_layer_inputs=torch_gemma_per_layer_inputs,
     float_logits=torch_float_logits,

@@ -18,10 +18,11 @@ from graphrt.core.models.ops import (
     ModelOps,
     PreNorm,
     linear_then_rope,
+    residual_norm_then_gate,
     torch_act_mul,
     torch_linear_act_mul,
 )
-from graphrt.devices.cuda.gemv_tuner import TUNER
+from graphrt.devices.cuda.gemv_tuner import CUBLAS, TUNER
 from graphrt.devices.cuda.triton_argmax import greedy_tokens
 from graphrt.devices.cuda.triton_gemma import (
     float_logits,
@@ -31,7 +32,14 @@ from graphrt.devices.cuda.triton_gemma import (
     selected_argmax,
     topk_set,
 )
-from graphrt.devices.cuda.triton_gemv import MAX_ROWS, RopeWrite, gemv, invariant_configs
+from graphrt.devices.cuda.triton_gemv import (
+    MAX_ROWS,
+    ROW_CONFIGS,
+    ResidualNorm,
+    RopeWrite,
+    gemv,
+    invariant_configs,
+)
 from graphrt.devices.cuda.triton_ops import (
     ACTIVATION_CODES,
     triton_act_mul,
@@ -139,6 +147,28 @@ def triton_linear_rope(x, weight, bias=None, *, norm, positions, cos, sin, kv_wr
     return run(TUNER.choose(key, x.shape[0], weight, run))
 
 
+def triton_gemma_residual_gate(h, residual, weight, eps, gate, act, up):
+    """``ModelOps.gemma_residual_gate``: at one row the gate's GEMV computes x itself (the
+    residual norm kernel's launch goes; the first output tile's programs store x), on the
+    row path with one K chunk; the two ops otherwise."""
+
+    def run(config, w=gate):
+        if config is None:  # the tuner's other candidate: the norm kernel, then cuBLAS
+            return residual_norm_then_gate(gemma_residual_norm, cublas_linear_act_mul)(
+                h, residual, weight, eps, w, act, up
+            )
+        x = torch.empty_like(h)
+        norm = ResidualNorm(residual, weight, eps, x)
+        return x, gemv(h, w, None, config, act=act, up=up, residual_norm=norm)
+
+    one_chunk = tuple(c for c in ROW_CONFIGS if c.block_k >= h.shape[-1])
+    fits = h.dim() == 2 and h.shape[0] == 1 and residual.stride(-1) == 1 and one_chunk
+    if not (fits and act in ACTIVATION_CODES and _skinny(h, gate)) or weight.dtype != h.dtype:
+        return UNFUSED_RESIDUAL_GATE(h, residual, weight, eps, gate, act, up)
+    key = ("residual_gate", *gate.shape, h.dtype, act)
+    return run(TUNER.choose(key, 1, gate, run, (CUBLAS, *one_chunk)))
+
+
 def act_mul(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
     """One Triton kernel for the activations it knows, torch's arithmetic for the rest."""
     if act not in ACTIVATION_CODES:  # e.g. erf "gelu": no fused kernel (yet)
@@ -174,6 +204,11 @@ def triton_linear_act_mul(
     )
     key += (norm is not None,)
     return run(TUNER.choose(key, x.shape[0], weight, run))
+
+
+# The residual gate's two ops where its fusion does not apply: the residual norm kernel,
+# then the tuned GEMV (or cuBLAS) with the product.
+UNFUSED_RESIDUAL_GATE = residual_norm_then_gate(gemma_residual_norm, triton_linear_act_mul)
 
 
 # ---- batch-invariant ops ----------------------------------------------------------------
@@ -234,6 +269,7 @@ TRITON_OPS = ModelOps(
     linear_act_mul=triton_linear_act_mul,
     linear_rope=triton_linear_rope,
     gemma_residual_norm=gemma_residual_norm,
+    gemma_residual_gate=triton_gemma_residual_gate,
     gemma_qkv_norm_rope=gemma_qkv_norm_rope,
     gemma_per_layer_inputs=gemma_per_layer_inputs,
     float_logits=float_logits,
@@ -254,4 +290,5 @@ INVARIANT_OPS = dataclasses.replace(
     linear=invariant_linear,
     linear_act_mul=invariant_linear_act_mul,
     linear_rope=linear_then_rope(invariant_linear, triton_rope),
+    gemma_residual_gate=residual_norm_then_gate(gemma_residual_norm, invariant_linear_act_mul),
 )

@@ -15,6 +15,10 @@ exception, below), and can finish the layer's next elementwise op in registers:
   (``weight * (x * inv_rms).to(dtype)``), each program computing the row's inv_rms
   itself (a first pass over x, an L1 hit in the second), so the norm is no launch.
 - ``residual`` given: ``residual + x @ W^T``, the block's residual add, in the store.
+- ``residual_norm`` given (a ``ResidualNorm``; one row, one K chunk): x is a Gemma 4
+  block's output and the matmul reads the residual stream after it, ``residual +
+  gemma_norm(x) * weight``, which the first output tile's programs store: the residual
+  norm kernel's launch goes (Gemma 4's per-layer input gate, ``gemma_residual_gate``).
 - ``rope`` given (a ``RopeWrite``): W is a Llama attention's q, k and v heads; each
   program owns rope pairs (a head's output j and j + D/2), rotates q and k as the rope
   kernel does (``triton_rope._rope_epilogue``), stores k and v into the KV cache and
@@ -217,6 +221,25 @@ def _inv_rms_rows(
 
 
 @triton.jit
+def _residual_normed(
+    h, g, PreResidual, XOut, row_m, m_mask, K, eps, stride_prm, store,
+    BLOCK_K: tl.constexpr, dtype: tl.constexpr, PRECISE: tl.constexpr,
+):  # fmt: skip
+    """(1, BLOCK_K) x = residual + gemma_norm(h) * g of a row's float32 ``h`` (one chunk,
+    masked lanes 0), in the residual norm kernel's arithmetic (``triton_gemma``), stored to
+    XOut where ``store``; float32 values of ``dtype``."""
+    offs_k = tl.arange(0, BLOCK_K)
+    mask = m_mask[:, None] & (offs_k < K)[None, :]
+    inv = inv_rms(tl.sum(h * h, axis=1)[:, None], K, eps, PRECISE)  # (1, 1)
+    normed = _round(h * inv * g[None, :], dtype)
+    r = tl.load(PreResidual + row_m[:, None] * stride_prm + offs_k[None, :], mask=mask, other=0.0)
+    x = _round(r.to(tl.float32) + normed, dtype)
+    if store:
+        tl.store(XOut + row_m[:, None] * K + offs_k[None, :], x.to(dtype), mask=mask)
+    return x
+
+
+@triton.jit
 def _load_x(
     x_rows, m_mask, NormWeight, row_inv_rms, k0, K, BLOCK_K: tl.constexpr, NORM: tl.constexpr, dtype
 ):
@@ -239,7 +262,7 @@ def _gemv_kernel(
     Bias,  # (N_w,), read when HAS_BIAS
     Up,  # (M, N), read when HAS_UP
     Residual,  # (M, N), read when HAS_RESIDUAL
-    NormWeight,  # (K,), read when NORM
+    NormWeight,  # (K,), read when NORM or RES_NORM (the post norm's weight)
     Out,  # (M, N) contiguous
     Partial,  # float32 (tiles, SPLIT_K, [2,] BLOCK_M, BLOCK_N): the splits' sums, when SPLIT_K > 1
     Arrived,  # int32 (tiles,), zero between launches: the splits of each tile that are done
@@ -249,6 +272,8 @@ def _gemv_kernel(
     KCache,  # (slots, Hkv, HEAD_DIM): the k rows' destination when ROPE, as is VCache the v's
     VCache,
     Loc,  # (M,) int64 KV slots, read when ROPE
+    PreResidual,  # (M, K), read when RES_NORM
+    XOut,  # (M, K) contiguous, written when RES_NORM (by the first output tile's programs)
     M,
     N,
     K,
@@ -257,6 +282,7 @@ def _gemv_kernel(
     stride_wn,
     stride_um,
     stride_rm,
+    stride_prm,
     stride_cos,
     stride_kc_slot,
     stride_kc_head,
@@ -274,6 +300,10 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     NORM: tl.constexpr,
+    # x is Gemma's residual stream after a block: PreResidual + gemma_norm(X) * NormWeight,
+    # rounded as the residual norm kernel rounds; stored to XOut, then multiplied (the row
+    # path with one chunk only)
+    RES_NORM: tl.constexpr,
     ACT: tl.constexpr,  # activation_code(): 0 none
     PRECISE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -315,7 +345,7 @@ def _gemv_kernel(
     # One chunk: the whole weight tile is read first, overlapping the previous kernel's tail.
     if ONE_CHUNK:
         w_first, w_up_first = _load_w(w_rows, up_offset, 0, K, n_mask, BLOCK_K, GATED)
-        if NORM and BLOCK_M == 1:  # the norm's weight too (a weight: never written)
+        if (NORM or RES_NORM) and BLOCK_M == 1:  # the norm's weight (never written)
             offs_k = tl.arange(0, BLOCK_K)
             g_first = tl.load(NormWeight + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     if USE_PDL:
@@ -338,6 +368,11 @@ def _gemv_kernel(
                 if NORM:
                     row_inv_rms = inv_rms(tl.sum(x * x, axis=1)[:, None], K, eps, PRECISE)
                     x = _round(g_first[None, :] * _round(x * row_inv_rms, dtype), dtype)
+                if RES_NORM:
+                    x = _residual_normed(
+                        x, g_first, PreResidual, XOut, row_m, m_mask, K, eps, stride_prm,
+                        tile == 0, BLOCK_K, dtype, PRECISE,
+                    )  # fmt: skip
                 part += x * w_first.to(tl.float32)
                 if GATED:
                     part_up += x * w_up_first.to(tl.float32)
@@ -547,6 +582,26 @@ class RopeWrite(NamedTuple):
         return self.cos.stride(0), *w.k_buffer.stride()[:2], *w.v_buffer.stride()[:2]
 
 
+class ResidualNorm(NamedTuple):
+    """The GEMV's Gemma prologue: its input is ``residual + gemma_norm(x) * weight`` (the
+    residual stream after a block whose output is x), stored into ``x_out`` (the same
+    shape, contiguous) as the residual norm kernel would: one launch fewer."""
+
+    residual: torch.Tensor  # (M, K), unit stride in K
+    weight: torch.Tensor  # (K,)
+    eps: float
+    x_out: torch.Tensor  # (M, K) contiguous, written
+
+    def check(self, x: torch.Tensor, config: GemvConfig, other_prologue: bool) -> None:
+        assert not other_prologue, "residual_norm: no Llama norm or residual add beside it"
+        assert config.block_m == 1 and x.shape[1] <= config.block_k, (
+            f"{config}: the residual norm runs on the row path with one K chunk"
+        )
+        assert self.residual.shape == x.shape and self.residual.stride(1) == 1
+        assert self.x_out.shape == x.shape and self.x_out.is_contiguous()
+        assert self.weight.shape == (x.shape[1],) and self.weight.stride(0) == 1
+
+
 # The row path's norm reads x's row in one load up to this K (a float32 register each 128
 # columns a thread at four warps); wider rows sum chunk by chunk.
 ROW_K_MAX = 8192
@@ -570,16 +625,22 @@ def gemv(
     norm: PreNorm | None = None,
     residual: torch.Tensor | None = None,
     rope: RopeWrite | None = None,
+    residual_norm: ResidualNorm | None = None,
 ) -> torch.Tensor:
     """``norm(x) @ weight.T (+ bias)`` for (M <= 16, K) ``x``, then optionally ``act`` and a
     product (with ``gated`` the weight's second half is the up projection; with ``up`` the
     factor is that (M, N) tensor), then ``+ residual``. Returns a new (M, N) tensor in
     ``x``'s dtype. With ``rope`` (a ``RopeWrite``) the weight is q's heads, k's and v's:
-    q and k are rotated, k and v go into the KV cache, and q (M, H * D) returns."""
+    q and k are rotated, k and v go into the KV cache, and q (M, H * D) returns. With
+    ``residual_norm`` (a ``ResidualNorm``; the row path, one K chunk) x is a block's output
+    h, and the matmul reads Gemma's residual stream after it, stored into ``x_out``."""
     rows, k = x.shape
     n = weight.shape[0] // (2 if gated else 1)
     if rope is not None:
         rope.check(x, weight, gated or act is not None or up is not None or residual is not None)
+    if residual_norm is not None:
+        residual_norm.check(x, config, norm is not None or residual is not None)
+        norm = PreNorm(residual_norm.weight, residual_norm.eps)  # its weight and eps
     assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1, (
         f"x {tuple(x.shape)} / weight {tuple(weight.shape)}: K must match, unit stride"
     )
@@ -617,6 +678,7 @@ def gemv(
         out if partial is None else partial,
         out if arrived is None else arrived,
         *(rope.tensors() if rope is not None else (out,) * 6),
+        *(out, out) if residual_norm is None else (residual_norm.residual, residual_norm.x_out),
         rows,
         n,
         k,
@@ -625,6 +687,7 @@ def gemv(
         weight.stride(0),
         0 if up is None else up.stride(0),
         0 if residual is None else residual.stride(0),
+        0 if residual_norm is None else residual_norm.residual.stride(0),
         *(rope.strides() if rope is not None else (0,) * 5),
         0.0 if norm is None else float(norm.eps),
         BLOCK_M=config.block_m,
@@ -637,7 +700,8 @@ def gemv(
         HAS_UP=up is not None,
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
-        NORM=norm is not None,
+        NORM=norm is not None and residual_norm is None,
+        RES_NORM=residual_norm is not None,
         ACT=activation_code(act),
         PRECISE=not _INTERPRETED,
         num_warps=config.num_warps,

@@ -1,0 +1,149 @@
+"""The GEMV's Gemma 4 prologue (``gemv(..., residual_norm=ResidualNorm)``: the matmul reads
+the residual stream after a block, ``residual + gemma_norm(h) * weight``, and stores it)
+against the two launches it replaces: the residual norm kernel, then the same GEMV
+configuration on its x. The prologue rounds as that kernel does, so x and the gate's
+output must match bit for bit; the ops table's ``gemma_residual_gate`` likewise against
+its two ops.
+
+Cases: one row, the per-layer input gate's epilogue (gelu times the per-layer input) and a
+plain one, one output tile and several (only the first stores x), K below and at the
+chunk.
+
+CPU lane: under TRITON_INTERPRET=1 in a subprocess (see test_triton_ops). CUDA lane:
+Gemma 4 E2B's gate (256 x 1536), every configuration the tuner may pick, bfloat16 and
+float16.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import OLD_INTERPRETER, needs_gpu, needs_triton, run_under_triton_interpreter
+
+
+def gate_case(k: int, n: int, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(device, dtype)
+
+    h = randn(1, k + 8, scale=3.0)[:, :k]  # a strided row, far from unit RMS
+    residual = randn(1, k + 4)[:, :k]
+    weight = randn(k, scale=0.2) + 1
+    gate = randn(n, k, scale=k**-0.5)
+    up = randn(1, n)
+    return h, residual, weight, gate, up
+
+
+def ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference in units of the last place of ``want``'s dtype at its value."""
+    spacing = torch.finfo(want.dtype).eps * want.float().abs().clamp_min(
+        torch.finfo(want.dtype).tiny
+    )
+    return float(((got.float() - want.float()).abs() / spacing).max())
+
+
+def compare(dtype, device, configs, shapes) -> list[dict]:
+    from graphrt.devices.cuda.triton_gemma import gemma_residual_norm
+    from graphrt.devices.cuda.triton_gemv import ResidualNorm, gemv
+
+    results = []
+    for k, n in shapes:
+        h, residual, weight, gate, up = gate_case(k, n, dtype, device)
+        x_want, _ = gemma_residual_norm(h, residual, weight, 1e-6)
+        for config in configs(k):
+            for act, product in (("gelu_pytorch_tanh", up), (None, None)):
+                want = gemv(x_want, gate, None, config, act=act, up=product)
+                x_got = torch.full_like(x_want, float("nan"))
+                norm = ResidualNorm(residual, weight, 1e-6, x_got)
+                got = gemv(h, gate, None, config, act=act, up=product, residual_norm=norm)
+                results.append(
+                    {
+                        "case": f"{str(dtype)[6:]}/K{k}-N{n}/{config.block_n}x{config.block_k}"
+                        f"/{act}",
+                        "x": torch.equal(x_got, x_want),
+                        "out": torch.equal(got, want),
+                        "x_ulps": ulps(x_got, x_want),
+                        "out_scaled": float(
+                            (got.float() - want.float()).abs().max() / want.float().abs().max()
+                        ),  # fmt: skip
+                    }
+                )
+    return results
+
+
+def ops_results(dtype, device) -> list[dict]:
+    """``TRITON_OPS.gemma_residual_gate`` against the table's residual norm then its
+    linear_act_mul (interpreter: both take the first row configuration, one chunk at K
+    200), and against the torch reference within rounding."""
+    from graphrt.core.models.ops import TORCH_OPS, residual_norm_then_gate
+    from graphrt.devices.cuda.ops import TRITON_OPS
+
+    h, residual, weight, gate, up = gate_case(200, 24, dtype, device, seed=1)
+    args = (h, residual, weight, 1e-6, gate, "gelu_pytorch_tanh", up)
+    x, out = TRITON_OPS.gemma_residual_gate(*args)
+    two_ops = residual_norm_then_gate(TRITON_OPS.gemma_residual_norm, TRITON_OPS.linear_act_mul)
+    x_want, out_want = two_ops(*args)
+    x_ref, out_ref = TORCH_OPS.gemma_residual_gate(*args)
+    scale = out_ref.float().abs().max()
+    return [
+        {
+            "case": f"{str(dtype)[6:]}/ops",
+            "x": torch.equal(x, x_want),
+            "out": torch.equal(out, out_want),
+            "reference": bool(((out.float() - out_ref.float()).abs().max() / scale) < 0.05)
+            and bool(((x.float() - x_ref.float()).abs().max() / x_ref.float().abs().max()) < 0.02),
+        }
+    ]
+
+
+def check(results: list[dict]) -> None:
+    bad = [r for r in results if not (r["x"] and r["out"] and r.get("reference", True))]
+    assert not bad, bad
+
+
+def _cpu_configs(k):
+    from graphrt.devices.cuda.triton_gemv import GemvConfig
+
+    # one output tile (BLOCK_N 32 of N 24) and three; a chunk K exactly, and K below it
+    return (GemvConfig(32, 256, block_m=1), GemvConfig(8, 256, block_m=1))
+
+
+def interpreter_results() -> list[dict]:
+    cpu = torch.device("cpu")
+    return [
+        r for dtype in (torch.bfloat16, torch.float16)
+        for r in compare(dtype, cpu, _cpu_configs, [(200, 24), (256, 24)]) + ops_results(dtype, cpu)
+    ]  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
+def test_gemv_residual_gate_under_interpreter_equals_norm_kernel_then_gemv():
+    results = run_under_triton_interpreter(__file__)
+    assert len(results) == 2 * (2 * 2 * 2 + 1)
+    check(results)
+
+
+@needs_gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_gemv_residual_gate_equals_norm_kernel_then_gemv(dtype):
+    """On the GPU the two launches' row sums may order apart (the norm kernel's warps
+    against the GEMV's): x and the output must then still agree within one rounding."""
+    from graphrt.devices.cuda.triton_gemv import ROW_CONFIGS
+
+    def one_chunk(k):
+        return tuple(c for c in ROW_CONFIGS if c.block_k >= k)
+
+    results = compare(dtype, torch.device("cuda"), one_chunk, [(1536, 256)])
+    ulp = torch.finfo(dtype).eps
+    bad = [r for r in results if r["x_ulps"] > 1 or r["out_scaled"] > 2 * ulp]
+    assert results and not bad, bad
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    print(json.dumps(interpreter_results()))
