@@ -5,9 +5,9 @@ configuration on its x. The prologue rounds as that kernel does, so x and the ga
 output must match bit for bit; the ops table's ``gemma_residual_gate`` likewise against
 its two ops.
 
-Cases: one row, the per-layer input gate's epilogue (gelu times the per-layer input) and a
-plain one, one output tile and several (only the first stores x), K below and at the
-chunk.
+Cases: one row; the per-layer input gate's epilogue (gelu times the per-layer input), a
+plain one, and the MLP's gate/up on the stream's next norm (the pre-feed-forward norm);
+one output tile and several (only the first stores x); K below and at the chunk.
 
 CPU lane: under TRITON_INTERPRET=1 in a subprocess (see test_triton_ops). CUDA lane:
 Gemma 4 E2B's gate (256 x 1536), every configuration the tuner may pick, bfloat16 and
@@ -32,9 +32,10 @@ def gate_case(k: int, n: int, dtype, device, seed=0):
     h = randn(1, k + 8, scale=3.0)[:, :k]  # a strided row, far from unit RMS
     residual = randn(1, k + 4)[:, :k]
     weight = randn(k, scale=0.2) + 1
-    gate = randn(n, k, scale=k**-0.5)
+    gate = randn(2 * n, k, scale=k**-0.5)  # [gate; up] stacked, or its first half alone
     up = randn(1, n)
-    return h, residual, weight, gate, up
+    next_weight = randn(k, scale=0.2) + 1
+    return h, residual, weight, gate, up, next_weight
 
 
 def ulps(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -51,18 +52,26 @@ def compare(dtype, device, configs, shapes) -> list[dict]:
 
     results = []
     for k, n in shapes:
-        h, residual, weight, gate, up = gate_case(k, n, dtype, device)
-        x_want, _ = gemma_residual_norm(h, residual, weight, 1e-6)
+        h, residual, weight, gate, up, next_weight = gate_case(k, n, dtype, device)
+        x_want, normed = gemma_residual_norm(h, residual, weight, 1e-6, None, next_weight)
+        # the per-layer input's gate (gelu times up), a plain one, the MLP's gate/up (gelu
+        # of gate times up, on the next norm of x)
+        variants = [("gelu_pytorch_tanh", up, None), (None, None, None),
+                    ("gelu_pytorch_tanh", None, next_weight)]  # fmt: skip
         for config in configs(k):
-            for act, product in (("gelu_pytorch_tanh", up), (None, None)):
-                want = gemv(x_want, gate, None, config, act=act, up=product)
+            for act, product, nxt in variants:
+                gated = product is None and act is not None
+                w = gate if gated else gate[:n]
+                want = gemv(x_want if nxt is None else normed, w, None, config, act=act,
+                            gated=gated, up=product)  # fmt: skip
                 x_got = torch.full_like(x_want, float("nan"))
-                norm = ResidualNorm(residual, weight, 1e-6, x_got)
-                got = gemv(h, gate, None, config, act=act, up=product, residual_norm=norm)
+                norm = ResidualNorm(residual, weight, 1e-6, x_got, nxt)
+                got = gemv(h, w, None, config, act=act, gated=gated, up=product,
+                           residual_norm=norm)  # fmt: skip
                 results.append(
                     {
                         "case": f"{str(dtype)[6:]}/K{k}-N{n}/{config.block_n}x{config.block_k}"
-                        f"/{act}",
+                        f"/{act}-gated{int(gated)}-next{int(nxt is not None)}",
                         "x": torch.equal(x_got, x_want),
                         "out": torch.equal(got, want),
                         "x_ulps": ulps(x_got, x_want),
@@ -81,22 +90,29 @@ def ops_results(dtype, device) -> list[dict]:
     from graphrt.core.models.ops import TORCH_OPS, residual_norm_then_gate
     from graphrt.devices.cuda.ops import TRITON_OPS
 
-    h, residual, weight, gate, up = gate_case(200, 24, dtype, device, seed=1)
-    args = (h, residual, weight, 1e-6, gate, "gelu_pytorch_tanh", up)
-    x, out = TRITON_OPS.gemma_residual_gate(*args)
-    two_ops = residual_norm_then_gate(TRITON_OPS.gemma_residual_norm, TRITON_OPS.linear_act_mul)
-    x_want, out_want = two_ops(*args)
-    x_ref, out_ref = TORCH_OPS.gemma_residual_gate(*args)
-    scale = out_ref.float().abs().max()
-    return [
-        {
-            "case": f"{str(dtype)[6:]}/ops",
-            "x": torch.equal(x, x_want),
-            "out": torch.equal(out, out_want),
-            "reference": bool(((out.float() - out_ref.float()).abs().max() / scale) < 0.05)
-            and bool(((x.float() - x_ref.float()).abs().max() / x_ref.float().abs().max()) < 0.02),
-        }
-    ]
+    h, residual, weight, gate, up, next_weight = gate_case(200, 24, dtype, device, seed=1)
+    results = []
+    for kind, args, kwargs in (
+        ("per-layer gate", (h, residual, weight, 1e-6, gate[:24], "gelu_pytorch_tanh", up), {}),
+        ("mlp", (h, residual, weight, 1e-6, gate, "gelu_pytorch_tanh", None),
+         {"next_weight": next_weight}),
+    ):  # fmt: skip
+        x, out = TRITON_OPS.gemma_residual_gate(*args, **kwargs)
+        two_ops = residual_norm_then_gate(TRITON_OPS.gemma_residual_norm, TRITON_OPS.linear_act_mul)
+        x_want, out_want = two_ops(*args, **kwargs)
+        x_ref, out_ref = TORCH_OPS.gemma_residual_gate(*args, **kwargs)
+        scale = out_ref.float().abs().max()
+        near = ((out.float() - out_ref.float()).abs().max() / scale) < 0.05
+        near &= ((x.float() - x_ref.float()).abs().max() / x_ref.float().abs().max()) < 0.02
+        results.append(
+            {
+                "case": f"{str(dtype)[6:]}/ops-{kind}",
+                "x": torch.equal(x, x_want),
+                "out": torch.equal(out, out_want),
+                "reference": bool(near),
+            }
+        )
+    return results
 
 
 def check(results: list[dict]) -> None:
@@ -123,7 +139,7 @@ def interpreter_results() -> list[dict]:
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_gemv_residual_gate_under_interpreter_equals_norm_kernel_then_gemv():
     results = run_under_triton_interpreter(__file__)
-    assert len(results) == 2 * (2 * 2 * 2 + 1)
+    assert len(results) == 2 * (2 * 2 * 3 + 2)
     check(results)
 
 

@@ -71,7 +71,8 @@ def _cases():
     rope = {"NUM_Q_HEADS": 8, "NUM_KV_HEADS": 1, "HEAD_DIM": 256, "ROT_DIM": 256, "BLOCK_D": 256,
             "GROUPED": False, "BLOCK_HQ": 8, "BLOCK_HKV": 1}  # fmt: skip
     gemv = {"BLOCK_N": 16, "BLOCK_K": 256, "HAS_BIAS": False, "PRECISE": True, "ROPE": False,
-            "HEAD_DIM": 1, "Q_ROWS": 0, "KV_ROWS": 0, "RES_NORM": False}  # fmt: skip
+            "HEAD_DIM": 1, "Q_ROWS": 0, "KV_ROWS": 0, "RES_NORM": False,
+            "RES_NORM_NEXT": False}  # fmt: skip
     yield "rms_norm", triton_ops._rms_norm_kernel, norm, None
     yield (
         "gemma_norm",
@@ -205,26 +206,17 @@ def _cases():
         )
 
     # Gemma 4's per-layer input gate reading the residual stream it computes (the row path,
-    # one chunk): under PDL and without, gelu times the per-layer input.
-    for pdl in (False, True):
+    # one chunk): under PDL and without, gelu times the per-layer input; and the MLP's
+    # gate/up on the stream's next norm.
+    for pdl, nxt in ((False, False), (True, False), (True, True)):
+        residual_gate = {"BLOCK_M": 1, "BLOCK_K": 2048, "SPLIT_K": 1, "ONE_CHUNK": True,
+                         "USE_PDL": pdl, "RES_NORM": True, "RES_NORM_NEXT": nxt, "NORM": False,
+                         "ROW_K": 0, "GATED": nxt, "HAS_UP": not nxt, "ACT": 2,
+                         "HAS_RESIDUAL": False}  # fmt: skip
         yield (
-            f"gemv_residual_gate-pdl{pdl}",
+            f"gemv_residual_gate-pdl{pdl}-next{nxt}",
             triton_gemv._gemv_kernel,
-            {
-                **gemv,
-                "BLOCK_M": 1,
-                "BLOCK_K": 2048,
-                "SPLIT_K": 1,
-                "ONE_CHUNK": True,
-                "USE_PDL": pdl,
-                "RES_NORM": True,
-                "NORM": False,
-                "ROW_K": 0,
-                "GATED": False,
-                "HAS_UP": True,
-                "ACT": 2,
-                "HAS_RESIDUAL": False,
-            },  # fmt: skip
+            {**gemv, **residual_gate},
             {"M": "i32", "N": "i32", "K": "i32"},
         )
 

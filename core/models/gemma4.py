@@ -243,15 +243,14 @@ class Gemma4DecoderLayer(nn.Module):
         ops, eps = self.ops, self.eps
         # Sandwich norms: each block's output is normed again before the residual add.
         h = self.self_attn(normed, batch, attn)
-        x, h = ops.gemma_residual_norm(
-            h,
-            x,
-            self.post_attention_layernorm.weight,
-            eps,
-            None,
-            self.pre_feedforward_layernorm.weight,
-        )
-        h = self.mlp(h)
+        # x = x + post_attention_layernorm(h), and the MLP's gate/up on its
+        # pre_feedforward_layernorm: one op (CUDA at one row: the GEMV computes both norms)
+        mlp = self.mlp
+        x, h = ops.gemma_residual_gate(
+            h, x, self.post_attention_layernorm.weight, eps, mlp.gate_up_proj.weight,
+            mlp.act, None, next_weight=self.pre_feedforward_layernorm.weight,
+        )  # fmt: skip
+        h = mlp.down_proj(h)  # (T, hidden), summed over the ranks
         if self.has_per_layer_input:
             # x = x + post_feedforward_layernorm(h), and the per-layer input's gate on it
             # (T, ple): one op (CUDA at one row: the gate's GEMV computes x itself)

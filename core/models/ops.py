@@ -56,10 +56,12 @@ class ModelOps:
     # weight)) [* scalar]: Gemma's sandwich norm, residual add and layer scalar, then the
     # norm that reads x next.
     gemma_residual_norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
-    # (h, residual (T, D), weight, eps, gate (P, D), act, up (T, P)) -> (x, act(x @
-    # gate.T) * up) with x = residual + gemma_rms_norm(h, weight): Gemma 4's residual add
-    # after its MLP and the per-layer input gate that reads it, as one op (CUDA fuses the
-    # norm into the gate's GEMV at one row).
+    # (h, residual (T, D), weight, eps, gate, act, up, next_weight=None) -> (x,
+    # linear_act_mul(y, gate, None, act, up)) with x = residual + gemma_rms_norm(h, weight)
+    # and y = x, or gemma_rms_norm(x, next_weight) when given: a Gemma 4 block's residual
+    # add and the matmul that reads the stream next (the per-layer input's gate, (P, D)
+    # with up (T, P); the MLP's stacked gate/up, up None), as one op (CUDA fuses the norms
+    # into the GEMV at one row).
     gemma_residual_gate: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (positions, q (T, H, D), k, v (T, Hkv, D) or None, q_weight, k_weight, eps, cos, sin,
     # kv_write=None) -> (rope(norm(q)), rope(norm(k)), norm(v) without scale); k, v None: q
@@ -122,9 +124,9 @@ def residual_norm_then_gate(residual_norm: Callable[..., tuple], linear_act_mul:
     """``ModelOps.gemma_residual_gate`` as its two ops (the reference, and a device's way
     where its fused kernel does not apply)."""
 
-    def gemma_residual_gate(h, residual, weight, eps, gate, act, up):
-        x, _ = residual_norm(h, residual, weight, eps)
-        return x, linear_act_mul(x, gate, None, act, up)
+    def gemma_residual_gate(h, residual, weight, eps, gate, act, up, next_weight=None):
+        x, normed = residual_norm(h, residual, weight, eps, None, next_weight)
+        return x, linear_act_mul(x if normed is None else normed, gate, None, act, up)
 
     return gemma_residual_gate
 

@@ -147,25 +147,27 @@ def triton_linear_rope(x, weight, bias=None, *, norm, positions, cos, sin, kv_wr
     return run(TUNER.choose(key, x.shape[0], weight, run))
 
 
-def triton_gemma_residual_gate(h, residual, weight, eps, gate, act, up):
-    """``ModelOps.gemma_residual_gate``: at one row the gate's GEMV computes x itself (the
-    residual norm kernel's launch goes; the first output tile's programs store x), on the
-    row path with one K chunk; the two ops otherwise."""
+def triton_gemma_residual_gate(h, residual, weight, eps, gate, act, up, next_weight=None):
+    """``ModelOps.gemma_residual_gate``: at one row the GEMV computes x (and its next norm)
+    itself (the residual norm kernel's launch goes; the first output tile's programs store
+    x), on the row path with one K chunk; the two ops otherwise."""
+    gated = up is None
 
     def run(config, w=gate):
         if config is None:  # the tuner's other candidate: the norm kernel, then cuBLAS
             return residual_norm_then_gate(gemma_residual_norm, cublas_linear_act_mul)(
-                h, residual, weight, eps, w, act, up
+                h, residual, weight, eps, w, act, up, next_weight
             )
         x = torch.empty_like(h)
-        norm = ResidualNorm(residual, weight, eps, x)
-        return x, gemv(h, w, None, config, act=act, up=up, residual_norm=norm)
+        norm = ResidualNorm(residual, weight, eps, x, next_weight)
+        return x, gemv(h, w, None, config, act=act, gated=gated, up=up, residual_norm=norm)
 
     one_chunk = tuple(c for c in ROW_CONFIGS if c.block_k >= h.shape[-1])
     fits = h.dim() == 2 and h.shape[0] == 1 and residual.stride(-1) == 1 and one_chunk
-    if not (fits and act in ACTIVATION_CODES and _skinny(h, gate)) or weight.dtype != h.dtype:
-        return UNFUSED_RESIDUAL_GATE(h, residual, weight, eps, gate, act, up)
-    key = ("residual_gate", *gate.shape, h.dtype, act)
+    dtypes = {weight.dtype, h.dtype} | ({next_weight.dtype} if next_weight is not None else set())
+    if not (fits and act in ACTIVATION_CODES and _skinny(h, gate)) or len(dtypes) > 1:
+        return UNFUSED_RESIDUAL_GATE(h, residual, weight, eps, gate, act, up, next_weight)
+    key = ("residual_gate", *gate.shape, h.dtype, act, gated, next_weight is not None)
     return run(TUNER.choose(key, 1, gate, run, (CUBLAS, *one_chunk)))
 
 

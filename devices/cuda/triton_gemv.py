@@ -17,8 +17,9 @@ exception, below), and can finish the layer's next elementwise op in registers:
 - ``residual`` given: ``residual + x @ W^T``, the block's residual add, in the store.
 - ``residual_norm`` given (a ``ResidualNorm``; one row, one K chunk): x is a Gemma 4
   block's output and the matmul reads the residual stream after it, ``residual +
-  gemma_norm(x) * weight``, which the first output tile's programs store: the residual
-  norm kernel's launch goes (Gemma 4's per-layer input gate, ``gemma_residual_gate``).
+  gemma_norm(x) * weight``, or that stream's next norm, and the first output tile's
+  programs store the stream: the residual norm kernel's launch goes (the MLP's gate/up
+  and the per-layer input's gate, ``gemma_residual_gate``).
 - ``rope`` given (a ``RopeWrite``): W is a Llama attention's q, k and v heads; each
   program owns rope pairs (a head's output j and j + D/2), rotates q and k as the rope
   kernel does (``triton_rope._rope_epilogue``), stores k and v into the KV cache and
@@ -274,6 +275,7 @@ def _gemv_kernel(
     Loc,  # (M,) int64 KV slots, read when ROPE
     PreResidual,  # (M, K), read when RES_NORM
     XOut,  # (M, K) contiguous, written when RES_NORM (by the first output tile's programs)
+    NextNormWeight,  # (K,), read when RES_NORM_NEXT
     M,
     N,
     K,
@@ -304,6 +306,7 @@ def _gemv_kernel(
     # rounded as the residual norm kernel rounds; stored to XOut, then multiplied (the row
     # path with one chunk only)
     RES_NORM: tl.constexpr,
+    RES_NORM_NEXT: tl.constexpr,  # ... and the matmul reads gemma_norm(x) * NextNormWeight
     ACT: tl.constexpr,  # activation_code(): 0 none
     PRECISE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -348,6 +351,10 @@ def _gemv_kernel(
         if (NORM or RES_NORM) and BLOCK_M == 1:  # the norm's weight (never written)
             offs_k = tl.arange(0, BLOCK_K)
             g_first = tl.load(NormWeight + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            g_next = g_first
+            if RES_NORM_NEXT:
+                g_next = tl.load(NextNormWeight + offs_k, mask=offs_k < K, other=0.0)
+                g_next = g_next.to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's outputs (x, up, residual) are ready
     if BLOCK_M == 1:
@@ -373,6 +380,9 @@ def _gemv_kernel(
                         x, g_first, PreResidual, XOut, row_m, m_mask, K, eps, stride_prm,
                         tile == 0, BLOCK_K, dtype, PRECISE,
                     )  # fmt: skip
+                    if RES_NORM_NEXT:  # as the residual norm kernel's next norm
+                        inv = inv_rms(tl.sum(x * x, axis=1)[:, None], K, eps, PRECISE)
+                        x = _round(x * inv * g_next[None, :], dtype)
                 part += x * w_first.to(tl.float32)
                 if GATED:
                     part_up += x * w_up_first.to(tl.float32)
@@ -585,12 +595,15 @@ class RopeWrite(NamedTuple):
 class ResidualNorm(NamedTuple):
     """The GEMV's Gemma prologue: its input is ``residual + gemma_norm(x) * weight`` (the
     residual stream after a block whose output is x), stored into ``x_out`` (the same
-    shape, contiguous) as the residual norm kernel would: one launch fewer."""
+    shape, contiguous) as the residual norm kernel would, or that stream's next norm:
+    one launch fewer."""
 
     residual: torch.Tensor  # (M, K), unit stride in K
     weight: torch.Tensor  # (K,)
     eps: float
     x_out: torch.Tensor  # (M, K) contiguous, written
+    # (K,): the matmul reads gemma_norm(x) * next_weight instead (the next block's norm)
+    next_weight: torch.Tensor | None = None
 
     def check(self, x: torch.Tensor, config: GemvConfig, other_prologue: bool) -> None:
         assert not other_prologue, "residual_norm: no Llama norm or residual add beside it"
@@ -599,7 +612,12 @@ class ResidualNorm(NamedTuple):
         )
         assert self.residual.shape == x.shape and self.residual.stride(1) == 1
         assert self.x_out.shape == x.shape and self.x_out.is_contiguous()
-        assert self.weight.shape == (x.shape[1],) and self.weight.stride(0) == 1
+        for w in (self.weight, self.next_weight):
+            assert w is None or (w.shape == (x.shape[1],) and w.stride(0) == 1)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        nxt = self.weight if self.next_weight is None else self.next_weight
+        return self.residual, self.x_out, nxt
 
 
 # The row path's norm reads x's row in one load up to this K (a float32 register each 128
@@ -678,7 +696,7 @@ def gemv(
         out if partial is None else partial,
         out if arrived is None else arrived,
         *(rope.tensors() if rope is not None else (out,) * 6),
-        *(out, out) if residual_norm is None else (residual_norm.residual, residual_norm.x_out),
+        *(out,) * 3 if residual_norm is None else residual_norm.tensors(),
         rows,
         n,
         k,
@@ -702,6 +720,7 @@ def gemv(
         HAS_RESIDUAL=residual is not None,
         NORM=norm is not None and residual_norm is None,
         RES_NORM=residual_norm is not None,
+        RES_NORM_NEXT=residual_norm is not None and residual_norm.next_weight is not None,
         ACT=activation_code(act),
         PRECISE=not _INTERPRETED,
         num_warps=config.num_warps,
