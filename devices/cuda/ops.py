@@ -150,17 +150,17 @@ def triton_linear_rope(x, weight, bias=None, *, norm, positions, cos, sin, kv_wr
 def triton_gemma_residual_gate(h, residual, weight, eps, gate, act, up, next_weight=None):
     """``ModelOps.gemma_residual_gate``: at one row the GEMV computes x (and its next norm)
     itself (the residual norm kernel's launch goes; the first output tile's programs store
-    x), on the row path with one K chunk; the two ops otherwise."""
+    x), on the row path with one K chunk, where the tuner finds that faster than the two
+    launches at their best (every program recomputes the norms: a wide matmul's many
+    programs may lose more than the launch); the two ops otherwise."""
     gated = up is None
 
-    def run(config, w=gate):
-        if config is None:  # the tuner's other candidate: the norm kernel, then cuBLAS
-            return residual_norm_then_gate(gemma_residual_norm, cublas_linear_act_mul)(
-                h, residual, weight, eps, w, act, up, next_weight
-            )
-        x = torch.empty_like(h)
-        norm = ResidualNorm(residual, weight, eps, x, next_weight)
-        return x, gemv(h, w, None, config, act=act, gated=gated, up=up, residual_norm=norm)
+    def two_launches(config, w=gate):  # the norm kernel, then the GEMV (or cuBLAS) on x
+        x, normed = gemma_residual_norm(h, residual, weight, eps, None, next_weight)
+        y = x if normed is None else normed
+        if config is None:
+            return x, cublas_linear_act_mul(y, w, None, act, up)
+        return x, gemv(y, w, None, config, act=act, gated=gated, up=up)
 
     one_chunk = tuple(c for c in ROW_CONFIGS if c.block_k >= h.shape[-1])
     fits = h.dim() == 2 and h.shape[0] == 1 and residual.stride(-1) == 1 and one_chunk
@@ -168,6 +168,17 @@ def triton_gemma_residual_gate(h, residual, weight, eps, gate, act, up, next_wei
     if not (fits and act in ACTIVATION_CODES and _skinny(h, gate)) or len(dtypes) > 1:
         return UNFUSED_RESIDUAL_GATE(h, residual, weight, eps, gate, act, up, next_weight)
     key = ("residual_gate", *gate.shape, h.dtype, act, gated, next_weight is not None)
+    # The two launches' own best first (tuned here, never inside another key's timing:
+    # the tuner captures its candidates, and a capture cannot tune).
+    apart = TUNER.choose(("two launches", *key), 1, gate, two_launches)
+
+    def run(config, w=gate):
+        if config is None:  # the tuner's other candidate: the two launches at their best
+            return two_launches(apart, w)
+        x = torch.empty_like(h)
+        norm = ResidualNorm(residual, weight, eps, x, next_weight)
+        return x, gemv(h, w, None, config, act=act, gated=gated, up=up, residual_norm=norm)
+
     return run(TUNER.choose(key, 1, gate, run, (CUBLAS, *one_chunk)))
 
 
