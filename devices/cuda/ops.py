@@ -121,29 +121,38 @@ def triton_linear(
     return run(TUNER.choose(key, x.shape[0], weight, run))
 
 
-# The fused op's other way: the norm kernel and cuBLAS, then the rope kernel.
-UNFUSED_LINEAR_ROPE = linear_then_rope(cublas_linear, triton_rope)
-
-
 def triton_linear_rope(x, weight, bias=None, *, norm, positions, cos, sin, kv_write, num_heads):
     """``ModelOps.linear_rope``: at decode sizes the GEMV with rope and the KV write in its
-    epilogue (one launch where there were two: the projection, the rope kernel); the two
-    ops otherwise (cuBLAS's candidate, many rows, a rope over part of a head)."""
+    epilogue (one launch where there were two: the projection, the rope kernel) where the
+    tuner finds it faster than the two launches at their best; the two ops otherwise
+    (many rows, a rope over part of a head)."""
     head_dim = kv_write.k_buffer.shape[-1]
     rope = RopeWrite(positions, cos, sin, kv_write, num_heads)
 
-    def run(config, w=weight):
-        if config is None:
-            return UNFUSED_LINEAR_ROPE(
-                x, w, bias, norm=norm, positions=positions, cos=cos, sin=sin,
-                kv_write=kv_write, num_heads=num_heads,
-            )  # fmt: skip
-        return gemv(x, w, bias, config, norm=norm, rope=rope).view(-1, num_heads, head_dim)
+    def two_launches(config, w=weight):  # the GEMV (or cuBLAS), then the rope kernel
+        def linear(x, w, bias, *, norm):
+            if config is None:
+                return cublas_linear(x, w, bias, norm=norm)
+            return gemv(x, w, bias, config, norm=norm)
+
+        return linear_then_rope(linear, triton_rope)(
+            x, w, bias, norm=norm, positions=positions, cos=cos, sin=sin, kv_write=kv_write,
+            num_heads=num_heads,
+        )  # fmt: skip
 
     if not _skinny(x, weight, norm) or cos.shape[1] != head_dim:
-        return run(None)
+        return two_launches(None)
     key = ("linear_rope", _row_class(x), *weight.shape, x.dtype, bias is not None)
     key += (norm is not None, head_dim)
+    # The two launches' own best first (never inside another key's timing: see
+    # triton_gemma_residual_gate).
+    apart = TUNER.choose(("two launches", *key), x.shape[0], weight, two_launches)
+
+    def run(config, w=weight):
+        if config is None:  # the tuner's other candidate: the two launches at their best
+            return two_launches(apart, w)
+        return gemv(x, w, bias, config, norm=norm, rope=rope).view(-1, num_heads, head_dim)
+
     return run(TUNER.choose(key, x.shape[0], weight, run))
 
 
@@ -168,8 +177,8 @@ def triton_gemma_residual_gate(h, residual, weight, eps, gate, act, up, next_wei
     if not (fits and act in ACTIVATION_CODES and _skinny(h, gate)) or len(dtypes) > 1:
         return UNFUSED_RESIDUAL_GATE(h, residual, weight, eps, gate, act, up, next_weight)
     key = ("residual_gate", *gate.shape, h.dtype, act, gated, next_weight is not None)
-    # The two launches' own best first (tuned here, never inside another key's timing:
-    # the tuner captures its candidates, and a capture cannot tune).
+    # The two launches' own best first, tuned here: never inside another key's timing (the
+    # tuner captures its candidates, and a capture cannot tune).
     apart = TUNER.choose(("two launches", *key), 1, gate, two_launches)
 
     def run(config, w=gate):
