@@ -127,7 +127,6 @@ def triton_linear_rope(x, weight, bias=None, *, norm, positions, cos, sin, kv_wr
     tuner finds it faster than the two launches at their best; the two ops otherwise
     (many rows, a rope over part of a head)."""
     head_dim = kv_write.k_buffer.shape[-1]
-    rope = RopeWrite(positions, cos, sin, kv_write, num_heads)
 
     def two_launches(config, w=weight):  # the GEMV (or cuBLAS), then the rope kernel
         def linear(x, w, bias, *, norm):
@@ -151,6 +150,7 @@ def triton_linear_rope(x, weight, bias=None, *, norm, positions, cos, sin, kv_wr
     def run(config, w=weight):
         if config is None:  # the tuner's other candidate: the two launches at their best
             return two_launches(apart, w)
+        rope = RopeWrite(positions, cos, sin, kv_write, num_heads)
         return gemv(x, w, bias, config, norm=norm, rope=rope).view(-1, num_heads, head_dim)
 
     return run(TUNER.choose(key, x.shape[0], weight, run))
