@@ -276,7 +276,7 @@ fi
 
 if [[ $what == fused ]]; then
     timeout "${LANE_LIMIT:-300}" python -m pytest tests/test_gemv_rope.py tests/test_greedy_tokens.py \
-        tests/test_gemv_residual_gate.py tests/test_gemma4.py tests/test_embedded_pair.py \
+        tests/test_gemv_residual_linear.py tests/test_gemma4.py tests/test_embedded_pair.py \
         tests/test_bad_inputs.py tests/test_models_parity.py tests/conformance tests/test_engine*.py \
         -m cuda -q -p no:cacheprovider -ra -n "${CUDA_WORKERS:-14}" --dist loadfile \
         > "$OUT/tests-fused.log" 2>&1

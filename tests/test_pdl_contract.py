@@ -18,7 +18,7 @@ import pytest
 
 CUDA = Path(__file__).resolve().parents[1] / "devices" / "cuda"
 # Pointers no kernel of a step writes: a PDL kernel may read them before its wait.
-WEIGHTS = {"W", "Weight", "NormWeight", "NextNormWeight", "Bias"}
+WEIGHTS = {"W", "Weight", "NormWeight", "NextNormWeight", "LayerScalar", "Bias"}
 
 
 def _kernels():

@@ -72,7 +72,7 @@ def _cases():
             "GROUPED": False, "BLOCK_HQ": 8, "BLOCK_HKV": 1}  # fmt: skip
     gemv = {"BLOCK_N": 16, "BLOCK_K": 256, "HAS_BIAS": False, "PRECISE": True, "ROPE": False,
             "HEAD_DIM": 1, "Q_ROWS": 0, "KV_ROWS": 0, "RES_NORM": False,
-            "RES_NORM_NEXT": False}  # fmt: skip
+            "RES_NORM_NEXT": False, "RES_SCALAR": False}  # fmt: skip
     yield "rms_norm", triton_ops._rms_norm_kernel, norm, None
     yield (
         "gemma_norm",
@@ -217,6 +217,19 @@ def _cases():
             f"gemv_residual_gate-pdl{pdl}-next{nxt}",
             triton_gemv._gemv_kernel,
             {**gemv, **residual_gate},
+            {"M": "i32", "N": "i32", "K": "i32"},
+        )
+    # ... and the next layer's input projection: the layer scalar, the next norm, no
+    # activation.
+    for pdl in (False, True):
+        in_proj = {"BLOCK_M": 1, "BLOCK_K": 2048, "SPLIT_K": 1, "ONE_CHUNK": True,
+                   "USE_PDL": pdl, "RES_NORM": True, "RES_NORM_NEXT": True, "RES_SCALAR": True,
+                   "NORM": False, "ROW_K": 0, "GATED": False, "HAS_UP": False, "ACT": 0,
+                   "HAS_RESIDUAL": False}  # fmt: skip
+        yield (
+            f"gemv_residual_in_proj-pdl{pdl}",
+            triton_gemv._gemv_kernel,
+            {**gemv, **in_proj},
             {"M": "i32", "N": "i32", "K": "i32"},
         )
 

@@ -27,6 +27,7 @@ gate/up, which are fused into one matmul each (``MergedLinear``).
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -155,14 +156,23 @@ class Gemma4Attention(nn.Module):
             width_invariant=ops.width_invariant,
         )
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+    @property
+    def in_proj(self) -> Linear:
+        """The projection of the normed stream: q, k and v merged, or q alone."""
+        return self.q_proj if self.shares_kv else self.qkv_proj
+
+    def forward(
+        self, projected: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """``projected``: ``in_proj`` of the layer's normed input, run by the layer (which
+        may fuse it with the norms before it)."""
         s = self.spec
         rope = self.rotary
         if self.shares_kv:
-            q = self.q_proj(x).view(-1, s.num_heads, s.head_dim)  # (T, H, D)
+            q = projected.view(-1, s.num_heads, s.head_dim)  # (T, H, D)
             k = v = k_weight = None
         else:
-            qkv = self.qkv_proj(x)
+            qkv = projected
             if self.k_eq_v:
                 q, k = qkv.split([self.q_size, self.kv_size], dim=-1)
                 v = k  # V is the raw K projection, normed without a scale
@@ -231,40 +241,64 @@ class Gemma4DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        normed: torch.Tensor,
+        stream: torch.Tensor | PendingResidual,
         per_layer_input: torch.Tensor | None,
         batch: ForwardBatch,
         attn: AttentionBackend,
-        next_norm: GemmaRMSNorm,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, input_layernorm(x)) -> (x out, next_norm(x out)): each norm is fused into
-        the residual add before it, so the layer's input norm ran in the layer before."""
+    ) -> PendingResidual:
+        """The residual stream in, pending or whole (the embedding), and out pending: each
+        norm runs in the op of the matmul after it, so the layer's last residual add, its
+        scalar and the next layer's input norm run in the next layer's input projection."""
         ops, eps = self.ops, self.eps
+        proj = self.self_attn.in_proj
+        if isinstance(stream, PendingResidual):
+            # x = the stream after the layer before, and its input norm and in_proj: one op.
+            # HAZARD: ops on proj's parameters, not proj(): right for Linear, MergedLinear and
+            # ColumnParallelLinear (no collective); a layer with its own forward would break.
+            x, projected = ops.gemma_residual_linear(
+                *stream.added(eps), proj.weight, proj.bias, scalar=stream.scalar,
+                next_weight=self.input_layernorm.weight,
+            )  # fmt: skip
+        else:  # the embedding: nothing to add
+            x = stream
+            projected = proj(self.input_layernorm(x))
         # Sandwich norms: each block's output is normed again before the residual add.
-        h = self.self_attn(normed, batch, attn)
+        h = self.self_attn(projected, batch, attn)
         # x = x + post_attention_layernorm(h), and the MLP's gate/up on its
         # pre_feedforward_layernorm: one op (CUDA at one row: the GEMV computes both norms)
         mlp = self.mlp
-        x, h = ops.gemma_residual_gate(
+        x, h = ops.gemma_residual_linear(
             h, x, self.post_attention_layernorm.weight, eps, mlp.gate_up_proj.weight,
-            mlp.act, None, next_weight=self.pre_feedforward_layernorm.weight,
+            next_weight=self.pre_feedforward_layernorm.weight, act=mlp.act,
         )  # fmt: skip
         h = mlp.down_proj(h)  # (T, hidden), summed over the ranks
         if self.has_per_layer_input:
             # x = x + post_feedforward_layernorm(h), and the per-layer input's gate on it
             # (T, ple): one op (CUDA at one row: the gate's GEMV computes x itself)
-            x, h = ops.gemma_residual_gate(
+            x, h = ops.gemma_residual_linear(
                 h, x, self.post_feedforward_layernorm.weight, eps,
-                self.per_layer_input_gate.weight, self.act, per_layer_input,
+                self.per_layer_input_gate.weight, act=self.act, up=per_layer_input,
             )  # fmt: skip
             h = self.per_layer_projection(h)
             last_norm = self.post_per_layer_input_norm
         else:
             last_norm = self.post_feedforward_layernorm
-        return ops.gemma_residual_norm(
-            h, x, last_norm.weight, eps, self.layer_scalar, next_norm.weight
-        )
+        return PendingResidual(h, x, last_norm.weight, self.layer_scalar)
+
+
+class PendingResidual(NamedTuple):
+    """A layer's output stream not yet formed: ``(residual + gemma_norm(h) * weight) *
+    scalar``, left to the op that reads it next (the next layer's input projection, or
+    the final norm), so that its norms and that op's run as one."""
+
+    h: torch.Tensor  # (T, hidden): the layer's last block output
+    residual: torch.Tensor  # (T, hidden): the stream before that block
+    weight: torch.Tensor  # (hidden,): the block's post norm
+    scalar: torch.Tensor  # (1,): the layer scalar
+
+    def added(self, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        """The leading arguments of ``gemma_residual_norm`` and ``gemma_residual_linear``."""
+        return self.h, self.residual, self.weight, eps
 
 
 def run_layers(
@@ -276,11 +310,14 @@ def run_layers(
     final_norm: GemmaRMSNorm,
 ) -> torch.Tensor:
     """The decoder stack from the embedding ``x`` (T, hidden) to ``final_norm`` of its output."""
-    normed = layers[0].input_layernorm(x)
+    stream = x
     for i, layer in enumerate(layers):
-        next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
         layer_input = per_layer[:, i] if per_layer is not None else None  # (T, ple)
-        x, normed = layer(x, normed, layer_input, batch, attn, next_norm)
+        stream = layer(stream, layer_input, batch, attn)
+    ops = layers[-1].ops
+    _, normed = ops.gemma_residual_norm(
+        *stream.added(final_norm.eps), stream.scalar, final_norm.weight
+    )
     return normed
 
 

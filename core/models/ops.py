@@ -56,13 +56,16 @@ class ModelOps:
     # weight)) [* scalar]: Gemma's sandwich norm, residual add and layer scalar, then the
     # norm that reads x next.
     gemma_residual_norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
-    # (h, residual (T, D), weight, eps, gate, act, up, next_weight=None) -> (x,
-    # linear_act_mul(y, gate, None, act, up)) with x = residual + gemma_rms_norm(h, weight)
-    # and y = x, or gemma_rms_norm(x, next_weight) when given: a Gemma 4 block's residual
-    # add and the matmul that reads the stream next (the per-layer input's gate, (P, D)
-    # with up (T, P); the MLP's stacked gate/up, up None), as one op (CUDA fuses the norms
-    # into the GEMV at one row).
-    gemma_residual_gate: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # (h, residual (T, D), weight, eps, proj (N, D), bias=None, *, scalar=None,
+    # next_weight=None, act=None, up=None) -> (x, out): x = (residual + gemma_rms_norm(h,
+    # weight)) [* scalar], y = x or gemma_rms_norm(x, next_weight) when given, and out =
+    # linear(y, proj, bias), or linear_act_mul(y, proj, bias, act, up) with an ``act``: a
+    # Gemma 4 block's residual add and the matmul that reads the stream next, as one op
+    # (CUDA fuses the norms into the GEMV at one row). Its three uses: the MLP's stacked
+    # gate/up on the pre-feed-forward norm; the per-layer input's gate, (P, D) with up (T,
+    # P); the next layer's attention input projection after the layer scalar and its input
+    # norm.
+    gemma_residual_linear: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # (positions, q (T, H, D), k, v (T, Hkv, D) or None, q_weight, k_weight, eps, cos, sin,
     # kv_write=None) -> (rope(norm(q)), rope(norm(k)), norm(v) without scale); k, v None: q
     # only. With kv_write, k and v go into the KV cache instead and (q, None, None) returns.
@@ -120,15 +123,24 @@ def linear_then_rope(linear: Callable[..., torch.Tensor], rope: Callable[..., tu
     return linear_rope
 
 
-def residual_norm_then_gate(residual_norm: Callable[..., tuple], linear_act_mul: Callable):
-    """``ModelOps.gemma_residual_gate`` as its two ops (the reference, and a device's way
+def residual_norm_then_linear(
+    residual_norm: Callable[..., tuple], linear: Callable, linear_act_mul: Callable
+):
+    """``ModelOps.gemma_residual_linear`` as its two ops (the reference, and a device's way
     where its fused kernel does not apply)."""
 
-    def gemma_residual_gate(h, residual, weight, eps, gate, act, up, next_weight=None):
-        x, normed = residual_norm(h, residual, weight, eps, None, next_weight)
-        return x, linear_act_mul(x if normed is None else normed, gate, None, act, up)
+    def gemma_residual_linear(
+        h, residual, weight, eps, proj, bias=None, *, scalar=None, next_weight=None,
+        act=None, up=None,
+    ):  # fmt: skip
+        x, normed = residual_norm(h, residual, weight, eps, scalar, next_weight)
+        y = x if normed is None else normed
+        if act is None:
+            assert up is None, "a product needs an activation"
+            return x, linear(y, proj, bias)
+        return x, linear_act_mul(y, proj, bias, act, up)
 
-    return gemma_residual_gate
+    return gemma_residual_linear
 
 
 def model_ops(model) -> ModelOps | None:
@@ -345,7 +357,9 @@ TORCH_OPS = ModelOps(
     linear_act_mul=torch_linear_act_mul,
     linear_rope=linear_then_rope(torch_linear, torch_rope),
     gemma_residual_norm=torch_gemma_residual_norm,
-    gemma_residual_gate=residual_norm_then_gate(torch_gemma_residual_norm, torch_linear_act_mul),
+    gemma_residual_linear=residual_norm_then_linear(
+        torch_gemma_residual_norm, torch_linear, torch_linear_act_mul
+    ),
     gemma_qkv_norm_rope=torch_gemma_qkv_norm_rope,
     gemma_per_layer_inputs=torch_gemma_per_layer_inputs,
     float_logits=torch_float_logits,

@@ -18,7 +18,7 @@ from graphrt.core.models.ops import (
     ModelOps,
     PreNorm,
     linear_then_rope,
-    residual_norm_then_gate,
+    residual_norm_then_linear,
     torch_act_mul,
     torch_linear_act_mul,
 )
@@ -144,7 +144,7 @@ def triton_linear_rope(x, weight, bias=None, *, norm, positions, cos, sin, kv_wr
     key = ("linear_rope", _row_class(x), *weight.shape, x.dtype, bias is not None)
     key += (norm is not None, head_dim)
     # The two launches' own best first (never inside another key's timing: see
-    # triton_gemma_residual_gate).
+    # triton_gemma_residual_linear).
     apart = TUNER.choose(("two launches", *key), x.shape[0], weight, two_launches)
 
     def run(config, w=weight):
@@ -156,39 +156,49 @@ def triton_linear_rope(x, weight, bias=None, *, norm, positions, cos, sin, kv_wr
     return run(TUNER.choose(key, x.shape[0], weight, run))
 
 
-def triton_gemma_residual_gate(h, residual, weight, eps, gate, act, up, next_weight=None):
-    """``ModelOps.gemma_residual_gate``: at one row the GEMV computes x (and its next norm)
-    itself (the residual norm kernel's launch goes; the first output tile's programs store
-    x), on the row path with one K chunk, where the tuner finds that faster than the two
-    launches at their best (every program recomputes the norms: a wide matmul's many
+def triton_gemma_residual_linear(
+    h, residual, weight, eps, proj, bias=None, *, scalar=None, next_weight=None, act=None,
+    up=None,
+):  # fmt: skip
+    """``ModelOps.gemma_residual_linear``: at one row the GEMV computes x (and its next
+    norm) itself (the residual norm kernel's launch goes; the first output tile's programs
+    store x), on the row path with one K chunk, where the tuner finds that faster than the
+    two launches at their best (every program recomputes the norms: a wide matmul's many
     programs may lose more than the launch); the two ops otherwise."""
-    gated = up is None
+    gated = act is not None and up is None
 
-    def two_launches(config, w=gate):  # the norm kernel, then the GEMV (or cuBLAS) on x
-        x, normed = gemma_residual_norm(h, residual, weight, eps, None, next_weight)
+    def two_launches(config, w=proj):  # the norm kernel, then the GEMV (or cuBLAS) on x
+        x, normed = gemma_residual_norm(h, residual, weight, eps, scalar, next_weight)
         y = x if normed is None else normed
-        if config is None:
-            return x, cublas_linear_act_mul(y, w, None, act, up)
-        return x, gemv(y, w, None, config, act=act, gated=gated, up=up)
+        if config is not None:
+            return x, gemv(y, w, bias, config, act=act, gated=gated, up=up)
+        if act is None:
+            return x, cublas_linear(y, w, bias)
+        return x, cublas_linear_act_mul(y, w, bias, act, up)
 
     one_chunk = tuple(c for c in ROW_CONFIGS if c.block_k >= h.shape[-1])
     fits = h.dim() == 2 and h.shape[0] == 1 and residual.stride(-1) == 1 and one_chunk
+    fits = fits and (act is None or act in ACTIVATION_CODES) and _skinny(h, proj)
     dtypes = {weight.dtype, h.dtype} | ({next_weight.dtype} if next_weight is not None else set())
-    if not (fits and act in ACTIVATION_CODES and _skinny(h, gate)) or len(dtypes) > 1:
-        return UNFUSED_RESIDUAL_GATE(h, residual, weight, eps, gate, act, up, next_weight)
-    key = ("residual_gate", *gate.shape, h.dtype, act, gated, next_weight is not None)
+    if not fits or len(dtypes) > 1:
+        return UNFUSED_RESIDUAL_LINEAR(
+            h, residual, weight, eps, proj, bias, scalar=scalar, next_weight=next_weight,
+            act=act, up=up,
+        )  # fmt: skip
+    key = ("residual_linear", *proj.shape, h.dtype, act, gated, bias is not None)
+    key += (scalar is not None, next_weight is not None)
     # The two launches' own best first, tuned here: never inside another key's timing (the
     # tuner captures its candidates, and a capture cannot tune).
-    apart = TUNER.choose(("two launches", *key), 1, gate, two_launches)
+    apart = TUNER.choose(("two launches", *key), 1, proj, two_launches)
 
-    def run(config, w=gate):
+    def run(config, w=proj):
         if config is None:  # the tuner's other candidate: the two launches at their best
             return two_launches(apart, w)
         x = torch.empty_like(h)
-        norm = ResidualNorm(residual, weight, eps, x, next_weight)
-        return x, gemv(h, w, None, config, act=act, gated=gated, up=up, residual_norm=norm)
+        norm = ResidualNorm(residual, weight, eps, x, next_weight, scalar)
+        return x, gemv(h, w, bias, config, act=act, gated=gated, up=up, residual_norm=norm)
 
-    return run(TUNER.choose(key, 1, gate, run, (CUBLAS, *one_chunk)))
+    return run(TUNER.choose(key, 1, proj, run, (CUBLAS, *one_chunk)))
 
 
 def act_mul(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
@@ -228,9 +238,11 @@ def triton_linear_act_mul(
     return run(TUNER.choose(key, x.shape[0], weight, run))
 
 
-# The residual gate's two ops where its fusion does not apply: the residual norm kernel,
-# then the tuned GEMV (or cuBLAS) with the product.
-UNFUSED_RESIDUAL_GATE = residual_norm_then_gate(gemma_residual_norm, triton_linear_act_mul)
+# The residual linear's two ops where its fusion does not apply: the residual norm kernel,
+# then the tuned GEMV (or cuBLAS), with the product where there is one.
+UNFUSED_RESIDUAL_LINEAR = residual_norm_then_linear(
+    gemma_residual_norm, triton_linear, triton_linear_act_mul
+)
 
 
 # ---- batch-invariant ops ----------------------------------------------------------------
@@ -291,7 +303,7 @@ TRITON_OPS = ModelOps(
     linear_act_mul=triton_linear_act_mul,
     linear_rope=triton_linear_rope,
     gemma_residual_norm=gemma_residual_norm,
-    gemma_residual_gate=triton_gemma_residual_gate,
+    gemma_residual_linear=triton_gemma_residual_linear,
     gemma_qkv_norm_rope=gemma_qkv_norm_rope,
     gemma_per_layer_inputs=gemma_per_layer_inputs,
     float_logits=float_logits,
@@ -312,5 +324,7 @@ INVARIANT_OPS = dataclasses.replace(
     linear=invariant_linear,
     linear_act_mul=invariant_linear_act_mul,
     linear_rope=linear_then_rope(invariant_linear, triton_rope),
-    gemma_residual_gate=residual_norm_then_gate(gemma_residual_norm, invariant_linear_act_mul),
+    gemma_residual_linear=residual_norm_then_linear(
+        gemma_residual_norm, invariant_linear, invariant_linear_act_mul
+    ),
 )

@@ -16,10 +16,11 @@ exception, below), and can finish the layer's next elementwise op in registers:
   itself (a first pass over x, an L1 hit in the second), so the norm is no launch.
 - ``residual`` given: ``residual + x @ W^T``, the block's residual add, in the store.
 - ``residual_norm`` given (a ``ResidualNorm``; one row, one K chunk): x is a Gemma 4
-  block's output and the matmul reads the residual stream after it, ``residual +
-  gemma_norm(x) * weight``, or that stream's next norm, and the first output tile's
-  programs store the stream: the residual norm kernel's launch goes (the MLP's gate/up
-  and the per-layer input's gate, ``gemma_residual_gate``).
+  block's output and the matmul reads the residual stream after it, ``(residual +
+  gemma_norm(x) * weight) [* scalar]``, or that stream's next norm, and the first output
+  tile's programs store the stream: the residual norm kernel's launch goes (the MLP's
+  gate/up, the per-layer input's gate, and the next layer's input projection after the
+  layer scalar: ``gemma_residual_linear``).
 - ``rope`` given (a ``RopeWrite``): W is a Llama attention's q, k and v heads; each
   program owns rope pairs (a head's output j and j + D/2), rotates q and k as the rope
   kernel does (``triton_rope._rope_epilogue``), stores k and v into the KV cache and
@@ -223,18 +224,21 @@ def _inv_rms_rows(
 
 @triton.jit
 def _residual_normed(
-    h, g, PreResidual, XOut, row_m, m_mask, K, eps, stride_prm, store,
+    h, g, PreResidual, XOut, row_m, m_mask, K, eps, stride_prm, store, scalar,
     BLOCK_K: tl.constexpr, dtype: tl.constexpr, PRECISE: tl.constexpr,
+    HAS_SCALAR: tl.constexpr,
 ):  # fmt: skip
-    """(1, BLOCK_K) x = residual + gemma_norm(h) * g of a row's float32 ``h`` (one chunk,
-    masked lanes 0), in the residual norm kernel's arithmetic (``triton_gemma``), stored to
-    XOut where ``store``; float32 values of ``dtype``."""
+    """(1, BLOCK_K) x = (residual + gemma_norm(h) * g) [* scalar] of a row's float32 ``h``
+    (one chunk, masked lanes 0), in the residual norm kernel's arithmetic
+    (``triton_gemma``), stored to XOut where ``store``; float32 values of ``dtype``."""
     offs_k = tl.arange(0, BLOCK_K)
     mask = m_mask[:, None] & (offs_k < K)[None, :]
     inv = inv_rms(tl.sum(h * h, axis=1)[:, None], K, eps, PRECISE)  # (1, 1)
     normed = _round(h * inv * g[None, :], dtype)
     r = tl.load(PreResidual + row_m[:, None] * stride_prm + offs_k[None, :], mask=mask, other=0.0)
     x = _round(r.to(tl.float32) + normed, dtype)
+    if HAS_SCALAR:
+        x = _round(x * scalar, dtype)
     if store:
         tl.store(XOut + row_m[:, None] * K + offs_k[None, :], x.to(dtype), mask=mask)
     return x
@@ -276,6 +280,7 @@ def _gemv_kernel(
     PreResidual,  # (M, K), read when RES_NORM
     XOut,  # (M, K) contiguous, written when RES_NORM (by the first output tile's programs)
     NextNormWeight,  # (K,), read when RES_NORM_NEXT
+    LayerScalar,  # (1,), read when RES_SCALAR
     M,
     N,
     K,
@@ -306,6 +311,7 @@ def _gemv_kernel(
     # rounded as the residual norm kernel rounds; stored to XOut, then multiplied (the row
     # path with one chunk only)
     RES_NORM: tl.constexpr,
+    RES_SCALAR: tl.constexpr,  # ... x is that times LayerScalar (rounded), as Gemma's layer end
     RES_NORM_NEXT: tl.constexpr,  # ... and the matmul reads gemma_norm(x) * NextNormWeight
     ACT: tl.constexpr,  # activation_code(): 0 none
     PRECISE: tl.constexpr,
@@ -355,6 +361,9 @@ def _gemv_kernel(
             if RES_NORM_NEXT:
                 g_next = tl.load(NextNormWeight + offs_k, mask=offs_k < K, other=0.0)
                 g_next = g_next.to(tl.float32)
+            layer_scalar = 1.0
+            if RES_SCALAR:  # a parameter, like the weights
+                layer_scalar = tl.load(LayerScalar).to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's outputs (x, up, residual) are ready
     if BLOCK_M == 1:
@@ -378,7 +387,7 @@ def _gemv_kernel(
                 if RES_NORM:
                     x = _residual_normed(
                         x, g_first, PreResidual, XOut, row_m, m_mask, K, eps, stride_prm,
-                        tile == 0, BLOCK_K, dtype, PRECISE,
+                        tile == 0, layer_scalar, BLOCK_K, dtype, PRECISE, RES_SCALAR,
                     )  # fmt: skip
                     if RES_NORM_NEXT:  # as the residual norm kernel's next norm
                         inv = inv_rms(tl.sum(x * x, axis=1)[:, None], K, eps, PRECISE)
@@ -593,10 +602,10 @@ class RopeWrite(NamedTuple):
 
 
 class ResidualNorm(NamedTuple):
-    """The GEMV's Gemma prologue: its input is ``residual + gemma_norm(x) * weight`` (the
-    residual stream after a block whose output is x), stored into ``x_out`` (the same
-    shape, contiguous) as the residual norm kernel would, or that stream's next norm:
-    one launch fewer."""
+    """The GEMV's Gemma prologue: its input is ``(residual + gemma_norm(x) * weight) [*
+    scalar]`` (the residual stream after a block whose output is x), stored into ``x_out``
+    (the same shape, contiguous) as the residual norm kernel would, or that stream's next
+    norm: one launch fewer."""
 
     residual: torch.Tensor  # (M, K), unit stride in K
     weight: torch.Tensor  # (K,)
@@ -604,6 +613,7 @@ class ResidualNorm(NamedTuple):
     x_out: torch.Tensor  # (M, K) contiguous, written
     # (K,): the matmul reads gemma_norm(x) * next_weight instead (the next block's norm)
     next_weight: torch.Tensor | None = None
+    scalar: torch.Tensor | None = None  # (1,): the layer scalar, after the add
 
     def check(self, x: torch.Tensor, config: GemvConfig, other_prologue: bool) -> None:
         assert not other_prologue, "residual_norm: no Llama norm or residual add beside it"
@@ -614,10 +624,11 @@ class ResidualNorm(NamedTuple):
         assert self.x_out.shape == x.shape and self.x_out.is_contiguous()
         for w in (self.weight, self.next_weight):
             assert w is None or (w.shape == (x.shape[1],) and w.stride(0) == 1)
+        assert self.scalar is None or self.scalar.numel() == 1, f"scalar {self.scalar.shape}"
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         nxt = self.weight if self.next_weight is None else self.next_weight
-        return self.residual, self.x_out, nxt
+        return self.residual, self.x_out, nxt, self.weight if self.scalar is None else self.scalar
 
 
 # The row path's norm reads x's row in one load up to this K (a float32 register each 128
@@ -696,7 +707,7 @@ def gemv(
         out if partial is None else partial,
         out if arrived is None else arrived,
         *(rope.tensors() if rope is not None else (out,) * 6),
-        *(out,) * 3 if residual_norm is None else residual_norm.tensors(),
+        *(out,) * 4 if residual_norm is None else residual_norm.tensors(),
         rows,
         n,
         k,
@@ -720,6 +731,7 @@ def gemv(
         HAS_RESIDUAL=residual is not None,
         NORM=norm is not None and residual_norm is None,
         RES_NORM=residual_norm is not None,
+        RES_SCALAR=residual_norm is not None and residual_norm.scalar is not None,
         RES_NORM_NEXT=residual_norm is not None and residual_norm.next_weight is not None,
         ACT=activation_code(act),
         PRECISE=not _INTERPRETED,

@@ -1,13 +1,15 @@
 """The GEMV's Gemma 4 prologue (``gemv(..., residual_norm=ResidualNorm)``: the matmul reads
-the residual stream after a block, ``residual + gemma_norm(h) * weight``, and stores it)
-against the two launches it replaces: the residual norm kernel, then the same GEMV
-configuration on its x. The prologue rounds as that kernel does, so x and the gate's
-output must match bit for bit; the ops table's ``gemma_residual_gate`` likewise against
-its two ops.
+the residual stream after a block, ``(residual + gemma_norm(h) * weight) [* scalar]``, and
+stores it) against the two launches it replaces: the residual norm kernel, then the same
+GEMV configuration on its x. The prologue rounds as that kernel does, so x and the
+matmul's output must match bit for bit; the ops table's ``gemma_residual_linear``
+likewise against its two ops.
 
 Cases: one row; the per-layer input gate's epilogue (gelu times the per-layer input), a
-plain one, and the MLP's gate/up on the stream's next norm (the pre-feed-forward norm);
-one output tile and several (only the first stores x); K below and at the chunk.
+plain one, the MLP's gate/up on the stream's next norm (the pre-feed-forward norm), and
+the next layer's input projection (no activation) on the next norm of the stream after
+the layer scalar; one output tile and several (only the first stores x); K below and at
+the chunk.
 
 CPU lane: under TRITON_INTERPRET=1 in a subprocess (see test_triton_ops). CUDA lane:
 Gemma 4 E2B's gate (256 x 1536), every configuration the tuner may pick, bfloat16 and
@@ -35,7 +37,8 @@ def gate_case(k: int, n: int, dtype, device, seed=0):
     gate = randn(2 * n, k, scale=k**-0.5)  # [gate; up] stacked, or its first half alone
     up = randn(1, n)
     next_weight = randn(k, scale=0.2) + 1
-    return h, residual, weight, gate, up, next_weight
+    scalar = randn(1, scale=0.2) + 0.6  # Gemma 4's layer scalars are below 1
+    return h, residual, weight, gate, up, next_weight, scalar
 
 
 def ulps(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -52,26 +55,29 @@ def compare(dtype, device, configs, shapes) -> list[dict]:
 
     results = []
     for k, n in shapes:
-        h, residual, weight, gate, up, next_weight = gate_case(k, n, dtype, device)
-        x_want, normed = gemma_residual_norm(h, residual, weight, 1e-6, None, next_weight)
+        h, residual, weight, gate, up, next_weight, scalar = gate_case(k, n, dtype, device)
         # the per-layer input's gate (gelu times up), a plain one, the MLP's gate/up (gelu
-        # of gate times up, on the next norm of x)
-        variants = [("gelu_pytorch_tanh", up, None), (None, None, None),
-                    ("gelu_pytorch_tanh", None, next_weight)]  # fmt: skip
+        # of gate times up, on the next norm of x), the next layer's input projection (on
+        # the next norm of x after the layer scalar)
+        variants = [("gelu_pytorch_tanh", up, None, None), (None, None, None, None),
+                    ("gelu_pytorch_tanh", None, next_weight, None),
+                    (None, None, next_weight, scalar)]  # fmt: skip
         for config in configs(k):
-            for act, product, nxt in variants:
+            for act, product, nxt, scale in variants:
+                x_want, normed = gemma_residual_norm(h, residual, weight, 1e-6, scale, nxt)
                 gated = product is None and act is not None
                 w = gate if gated else gate[:n]
                 want = gemv(x_want if nxt is None else normed, w, None, config, act=act,
                             gated=gated, up=product)  # fmt: skip
                 x_got = torch.full_like(x_want, float("nan"))
-                norm = ResidualNorm(residual, weight, 1e-6, x_got, nxt)
+                norm = ResidualNorm(residual, weight, 1e-6, x_got, nxt, scale)
                 got = gemv(h, w, None, config, act=act, gated=gated, up=product,
                            residual_norm=norm)  # fmt: skip
                 results.append(
                     {
                         "case": f"{str(dtype)[6:]}/K{k}-N{n}/{config.block_n}x{config.block_k}"
-                        f"/{act}-gated{int(gated)}-next{int(nxt is not None)}",
+                        f"/{act}-gated{int(gated)}-next{int(nxt is not None)}"
+                        f"-scalar{int(scale is not None)}",
                         "x": torch.equal(x_got, x_want),
                         "out": torch.equal(got, want),
                         "x_ulps": ulps(x_got, x_want),
@@ -84,23 +90,26 @@ def compare(dtype, device, configs, shapes) -> list[dict]:
 
 
 def ops_results(dtype, device) -> list[dict]:
-    """``TRITON_OPS.gemma_residual_gate`` against the table's residual norm then its
-    linear_act_mul (interpreter: both take the first row configuration, one chunk at K
-    200), and against the torch reference within rounding."""
-    from graphrt.core.models.ops import TORCH_OPS, residual_norm_then_gate
+    """``TRITON_OPS.gemma_residual_linear`` against the table's residual norm then its
+    linear or linear_act_mul (interpreter: both take the first row configuration, one chunk
+    at K 200), and against the torch reference within rounding."""
+    from graphrt.core.models.ops import TORCH_OPS, residual_norm_then_linear
     from graphrt.devices.cuda.ops import TRITON_OPS
 
-    h, residual, weight, gate, up, next_weight = gate_case(200, 24, dtype, device, seed=1)
+    h, residual, weight, gate, up, next_weight, scalar = gate_case(200, 24, dtype, device, seed=1)
+    gelu = "gelu_pytorch_tanh"
     results = []
     for kind, args, kwargs in (
-        ("per-layer gate", (h, residual, weight, 1e-6, gate[:24], "gelu_pytorch_tanh", up), {}),
-        ("mlp", (h, residual, weight, 1e-6, gate, "gelu_pytorch_tanh", None),
-         {"next_weight": next_weight}),
+        ("per-layer gate", (h, residual, weight, 1e-6, gate[:24]), {"act": gelu, "up": up}),
+        ("mlp", (h, residual, weight, 1e-6, gate), {"act": gelu, "next_weight": next_weight}),
+        ("in_proj", (h, residual, weight, 1e-6, gate[:24]),
+         {"scalar": scalar, "next_weight": next_weight}),
     ):  # fmt: skip
-        x, out = TRITON_OPS.gemma_residual_gate(*args, **kwargs)
-        two_ops = residual_norm_then_gate(TRITON_OPS.gemma_residual_norm, TRITON_OPS.linear_act_mul)
+        x, out = TRITON_OPS.gemma_residual_linear(*args, **kwargs)
+        t = TRITON_OPS
+        two_ops = residual_norm_then_linear(t.gemma_residual_norm, t.linear, t.linear_act_mul)
         x_want, out_want = two_ops(*args, **kwargs)
-        x_ref, out_ref = TORCH_OPS.gemma_residual_gate(*args, **kwargs)
+        x_ref, out_ref = TORCH_OPS.gemma_residual_linear(*args, **kwargs)
         scale = out_ref.float().abs().max()
         near = ((out.float() - out_ref.float()).abs().max() / scale) < 0.05
         near &= ((x.float() - x_ref.float()).abs().max() / x_ref.float().abs().max()) < 0.02
@@ -137,16 +146,16 @@ def interpreter_results() -> list[dict]:
 
 @needs_triton
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
-def test_gemv_residual_gate_under_interpreter_equals_norm_kernel_then_gemv():
+def test_gemv_residual_linear_under_interpreter_equals_norm_kernel_then_gemv():
     results = run_under_triton_interpreter(__file__)
-    assert len(results) == 2 * (2 * 2 * 3 + 2)
+    assert len(results) == 2 * (2 * 2 * 4 + 3)
     check(results)
 
 
 @needs_gpu
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_gemv_residual_gate_equals_norm_kernel_then_gemv(dtype):
+def test_cuda_gemv_residual_linear_equals_norm_kernel_then_gemv(dtype):
     """On the GPU the two launches' row sums may order apart (the norm kernel's warps
     against the GEMV's): x and the output must then still agree within one rounding."""
     from graphrt.devices.cuda.triton_gemv import ROW_CONFIGS
