@@ -18,10 +18,12 @@
 #   bash bench/h200.sh onerow [models] [N:K:W,...]: decode's GEMVs at batch 1, each row-path
 #     configuration (and those given) on each projection, us and TB/s against the copy
 #     bandwidth (bench/gemv_widths.py --one-row; llama-1b,llama-8b,gemma4-e2b)
-#   bash bench/h200.sh fused: the CUDA tests of stop 60's kernels (the GEMV's rope epilogue
-#     and Gemma residual-norm prologue, greedy tokens on Triton, the decode paths that run
-#     them: conformance, parity, Gemma 4, the embedded pair, engine),
-#     then the greedy sampler by vocabulary width (bench/greedy_argmax.py)
+#   bash bench/h200.sh fused: the CUDA tests of stops 60-61's kernels (the GEMV's rope epilogue
+#     and Gemma residual-norm prologue, greedy tokens on Triton, decode attention's combine in
+#     stage 1, the decode paths that run them: conformance, parity, Gemma 4, the embedded
+#     pair, engine, attention, verify), then the greedy sampler by vocabulary width
+#     (bench/greedy_argmax.py) and the combine launched against in stage 1
+#     (bench/decode_splits.py --fused-combine, llama-1b and llama-8b shapes)
 #   bash bench/h200.sh cold: the README's first command from empty caches, then warm, with
 #     where the seconds go (bench/cold_start.py)
 #   bash bench/h200.sh splits: decode attention by KV split count and context (issue 21;
@@ -278,11 +280,16 @@ if [[ $what == fused ]]; then
     timeout "${LANE_LIMIT:-300}" python -m pytest tests/test_gemv_rope.py tests/test_greedy_tokens.py \
         tests/test_gemv_residual_linear.py tests/test_gemma4.py tests/test_embedded_pair.py \
         tests/test_bad_inputs.py tests/test_models_parity.py tests/conformance tests/test_engine*.py \
+        tests/test_triton_attention.py tests/test_triton_verify.py \
         -m cuda -q -p no:cacheprovider -ra -n "${CUDA_WORKERS:-14}" --dist loadfile \
         > "$OUT/tests-fused.log" 2>&1
     echo "fused tests exit $?"; grep -E "^(FAILED|ERROR)" "$OUT/tests-fused.log" | head -n 20
     tail -n 2 "$OUT/tests-fused.log"
     python bench/greedy_argmax.py 2>&1 | grep -v Warning | tee "$OUT/greedy-argmax.log"
+    for shape in llama-1b llama-8b; do  # the shapes whose combine runs in stage 1
+        python bench/decode_splits.py --fused-combine --shape $shape --contexts 512,8192,32768 \
+            2>&1 | grep -v Warning | tee -a "$OUT/decode-fused-combine.log"
+    done
 fi
 
 if [[ $what == onerow ]]; then

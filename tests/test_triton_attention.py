@@ -144,6 +144,7 @@ def interpreter_results() -> dict:
     The interpreter takes ~0.5 s per launch on 2 cores: the launch count is kept small.
     """
     from graphrt.devices.cuda import attention as cuda_attention
+    from graphrt.devices.cuda import triton_decode
     from graphrt.devices.cuda.attention import TritonAttentionBackend
     from graphrt.devices.cuda.triton_decode import (
         allocate_decode_scratch,
@@ -217,6 +218,24 @@ def interpreter_results() -> dict:
             and (window is not None or not torch.equal(short[~long], wide[~long]))
         )
         errors[f"{case}/long_rows_vs_naive"] = rel_err(two, naive)
+        # The combine in stage 1 (the backend's default: every case above ran it): no
+        # combine launch, and here, where every split count is a short row's, the combine
+        # kernel's bits; the arrival counts back at zero for the next launch.
+        real_combine, triton_decode.combine_splits = triton_decode.combine_splits, None
+        try:
+            for name in ("short", "two"):
+                fused = torch.empty_like(outs[name])
+                decode_attention(
+                    wide_q[:, :, :head_dim], pools.kv_pool.k_buffers[0],
+                    pools.kv_pool.v_buffers[0], pools.req_pool.req_to_token,
+                    batch.req_pool_indices, batch.seq_lens, fused, *scratch, spec.scaling,
+                    window, **launches[name], fused_combine=True,
+                )  # fmt: skip
+                flags[f"{case}/fused_combine_{name}"] = torch.equal(fused, outs[name]) and not (
+                    triton_decode.arrival_counts(torch.device("cpu")).any()
+                )
+        finally:
+            triton_decode.combine_splits = real_combine
         if window is None:
             # The backend's decode of a batch flagged long_rows (the long rows' graphs):
             # rows of LONG_ROW_KEYS keys and more on long_block_n's blocks (both patched
@@ -355,11 +374,11 @@ def extend_results(triton_backend_cls) -> dict:
 def test_decode_kernel_under_interpreter_matches_reference_and_naive():
     results = run_under_triton_interpreter(__file__)
     # Per case: 3 errors and 2 flags; the two launcher cases' 3-split and long-row
-    # launches (2 errors and a flag each), and the backend's long rows (without a
-    # window: a flag); scratch and store flags.
+    # launches (2 errors and a flag each) and fused combines (2 flags each), and the
+    # backend's long rows (without a window: a flag); scratch and store flags.
     num_cases = len(INTERPRETER_CASES)
     assert len(results["errors"]) == 3 * num_cases + 4
-    assert len(results["flags"]) == 2 * num_cases + 7
+    assert len(results["flags"]) == 2 * num_cases + 11
     too_far = {name: err for name, err in results["errors"].items() if not err < 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]
@@ -776,7 +795,13 @@ def test_kernels_compile_for_sm90_with_rows_that_double_their_splits():
     stage1 = dict(KV_GROUP=4, BLOCK_G=16, **split_constants(128), BLOCK_N=64, HEAD_DIM=head_dim,
                   BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
     assert stage1["DOUBLINGS"] == 3
-    compile_for_h200(_decode_partial_kernel, stage1, 4)
+    unfused = dict(FUSED_COMBINE=False, BLOCK_H=4, BLOCK_S=16, BLOCK_REST=1,
+                   LAUNCH_DEPENDENTS=False)  # fmt: skip
+    compile_for_h200(_decode_partial_kernel, stage1 | unfused, 4)
+    # ... and with the combine in it: a KV head's 4 query heads, 32 further splits a step
+    # (rest_splits of 4 x 64 lanes), under PDL's trigger.
+    fused = dict(FUSED_COMBINE=True, BLOCK_H=4, BLOCK_S=16, BLOCK_REST=32, LAUNCH_DEPENDENTS=True)
+    compile_for_h200(_decode_partial_kernel, stage1 | fused, 4)
     compile_for_h200(_verify_partial_kernel, stage1 | {"NODES": 4, "BLOCK_T": 8}, 4)
 
 
@@ -810,9 +835,14 @@ def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache, lon
 
     size = {"bf16": 2, "fp32": 4}[cache]
     block_n = td.long_block_n(head_dim, size) if long else td.default_block_n(head_dim, size)
+    block_d = triton.next_power_of_2(head_dim)
+    # 8 query heads a KV head: the combine in stage 1 up to head_dim 64 (fuses_combine)
+    fused = td.fuses_combine(8, 1, head_dim, 16)
     stage1 = dict(
         KV_GROUP=8, BLOCK_G=16, **td.split_constants(128), BLOCK_N=block_n, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION="ieee" if size == 4 else "tf32",
+        BLOCK_D=block_d, DOT_PRECISION="ieee" if size == 4 else "tf32", FUSED_COMBINE=fused,
+        BLOCK_H=8, BLOCK_S=16, BLOCK_REST=td.rest_splits(16, 128, 8 * block_d),
+        LAUNCH_DEPENDENTS=fused,
     )  # fmt: skip
     pointers = ATTENTION_POINTERS | {"K": f"*{cache}", "V": f"*{cache}"}
     stages = td.default_stages(block_n, head_dim, size)
@@ -826,7 +856,9 @@ def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache, lon
         # 19 at head_dim 64, 74 at 512: every K and V vector).
         tile = 2 * block_n * head_dim * size  # a block's K and V, 16 bytes a thread a copy
         assert ptx.count("cp.async.cg") >= tile // (128 * 16), ptx.count("cp.async.cg")
-        assert ptx.count("ld.global") <= 10, ptx.count("ld.global")
+        # (The fused combine's reads of the partials, after the loop, are .cg loads.)
+        loads = ptx.count("ld.global") - ptx.count("ld.global.cg")
+        assert loads <= 10, loads
 
 
 @needs_triton

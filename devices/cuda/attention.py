@@ -254,6 +254,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 spec.sliding_window,
                 short_splits=self.num_kv_splits,
                 long_rows=long_rows,
+                # width-invariant models keep the combine's kernel: verify combines with it
+                fused_combine=not spec.width_invariant,
             )
         return out.view(-1, spec.num_heads * spec.head_dim)
 
