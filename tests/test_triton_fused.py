@@ -542,23 +542,23 @@ def engine_results(checkpoint: str) -> dict:
     # Tokens per request: the prefill's, then decode steps (each a second or more of
     # interpreted kernels); request 0's decode step (position 8) is past the window (6),
     # request 1's is not.
-    cases = [(checkpoint, torch.float32, 2)]
+    cases = [(checkpoint, torch.float32, 2, prompts)]
     # Llama in bfloat16 only (its fused-norm GEMV: the 16-bit paths); float32 Llama matches
     # torch in the parity tests. Gemma 4's kernels in bfloat16 are checked one by one in
     # test_fused_kernels_under_interpreter_match_reference, and whole models on the GPU in
     # the CUDA lane: a whole interpreted bfloat16 Gemma 4 cost the CPU lane 28 s.
-    cases += [("random:llama-tiny", torch.bfloat16, 1)]
+    cases += [("random:llama-tiny", torch.bfloat16, 1, prompts)]
     # Llama's decode steps in float16 (the interpreter's float16 dots are right): the q/k/v
     # GEMV with rope and the K/V store in its epilogue, then Triton's decode attention.
     # Their logits round in float16 where the reference's do elsewhere: compared in it.
-    cases += [("random:llama-tiny", torch.float16, 3)]
-    for model, dtype, steps in cases:
+    cases += [("random:llama-tiny", torch.float16, 3, prompts)]
+    for model, dtype, steps, case_prompts in cases:
         params = SamplingParams(max_new_tokens=steps, ignore_eos=True, return_logits=True)
         runs = []
         for device in (TritonOnCpu(), CpuDevice()):
             loaded = load_model(model, device, dtype)
             engine = Engine(loaded, EngineConfig(max_context_len=64, runner="eager"), device)
-            runs.append(engine.generate(prompts, params))
+            runs.append(engine.generate(case_prompts, params))
         name = f"{model.rpartition('/')[2]}-{str(dtype).removeprefix('torch.')}"
         for i, (fused, reference) in enumerate(zip(*runs)):
             as_is = dtype != torch.float16  # float32 logits of 16-bit models: see above
@@ -575,10 +575,73 @@ def engine_results(checkpoint: str) -> dict:
                 "ids": [fused.output_ids, reference.output_ids],
                 "scaled": [m["scaled"] for m in logits],
             }
+    results["gemma4-float16/fused"] = gemma_fusions(checkpoint, TritonOnCpu, prompts[0])
     return results
 
 
-@pytest.mark.slow  # ~30 s on 2 cores: two models, every kernel interpreted
+def gemma_fusions(checkpoint: str, device_cls, prompt: list[int]) -> dict:
+    """Gemma 4 in float16, one request (decode at one row), on the CUDA kernels under the
+    interpreter: with its decode fusions (the GEMVs forming the residual stream in their
+    prologues: after attention, after the MLP, and the layer scalar with the next layer's
+    input norm; decode attention combining its splits in stage 1) and without them (the
+    norm kernel, then the GEMV; the combine's own launch). The fused ops compute what the
+    two launches do, rounding as they do, so the two runs must agree bit for bit, and both
+    take the reference's tokens. (A whole float16 Gemma 4 strays from the torch
+    reference's logits by more than one op's bound: they are not compared here.)"""
+    from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+    from graphrt.core.models import load_model
+    from graphrt.devices.cpu import CpuDevice
+    from graphrt.devices.cuda import ops as cuda_ops
+    from graphrt.devices.cuda import triton_decode
+
+    unfused_ops = dataclasses.replace(
+        cuda_ops.TRITON_OPS, gemma_residual_linear=cuda_ops.UNFUSED_RESIDUAL_LINEAR
+    )
+
+    class Unfused(device_cls):
+        def model_ops(self, batch_invariant=False):
+            return unfused_ops
+
+    calls = {"prologue": 0, "scalar": 0, "combine": 0}
+    gemv, combine, fits = cuda_ops.gemv, triton_decode.combine_splits, triton_decode.fuses_combine
+
+    def counted_gemv(*args, residual_norm=None, **kwargs):
+        calls["prologue"] += residual_norm is not None
+        calls["scalar"] += residual_norm is not None and residual_norm.scalar is not None
+        return gemv(*args, residual_norm=residual_norm, **kwargs)
+
+    def counted_combine(*args, **kwargs):
+        calls["combine"] += 1
+        return combine(*args, **kwargs)
+
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True, return_logits=True)
+    runs, counts = {}, {}
+    for name, device in (("fused", device_cls()), ("unfused", Unfused()), ("torch", CpuDevice())):
+        cuda_ops.gemv, triton_decode.combine_splits = counted_gemv, counted_combine
+        if name == "unfused":
+            triton_decode.fuses_combine = lambda *shape: False
+        try:
+            loaded = load_model(checkpoint, device, torch.float16)
+            engine = Engine(loaded, EngineConfig(max_context_len=64, runner="eager"), device)
+            runs[name] = engine.generate([prompt], params)[0]
+        finally:
+            cuda_ops.gemv, triton_decode.combine_splits = gemv, combine
+            triton_decode.fuses_combine = fits
+        counts[name] = dict(calls)
+        calls.update(dict.fromkeys(calls, 0))
+    fused, unfused = runs["fused"], runs["unfused"]
+    bitwise = (
+        all(torch.equal(a, b) for a, b in zip(fused.output_logits, unfused.output_logits))
+        and len(fused.output_logits) == 2
+    )
+    # The fused run took every fusion at its decode step, the other none.
+    took = counts["fused"]["scalar"] > 0 and counts["fused"]["combine"] == 0
+    took &= counts["unfused"]["prologue"] == 0 and counts["unfused"]["combine"] > 0
+    ids = [run.output_ids for run in runs.values()]
+    return {"ok": bitwise and took and ids[0] == ids[1] == ids[2], "ids": ids, "calls": counts}
+
+
+@pytest.mark.slow  # ~45 s on 2 cores: two models, every kernel interpreted
 @needs_triton
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_fused_decoding_under_interpreter_matches_reference(gemma4_tiny):
@@ -595,7 +658,8 @@ def test_fused_decoding_under_interpreter_matches_reference(gemma4_tiny):
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 6  # (Gemma 4 in float32, Llama in bfloat16 and float16) x 2
+    # (Gemma 4 in float32, Llama in bfloat16 and float16) x 2, Gemma 4 in float16 x 1
+    assert len(results) == 7
     bad = {key: m for key, m in results.items() if not m["ok"]}
     assert not bad, bad
 
