@@ -274,7 +274,76 @@ def interpreter_results() -> dict:
     flags["store_kv/matches_index_put"] = torch.equal(k_buffer, want_k) and torch.equal(
         v_buffer, want_v
     )
+    for case, m in head_norm_results(TritonAttentionBackend, "cpu", torch.float32).items():
+        flags[case] = m["takes"] and m["written"] and m["out"] == 0.0 and m["kv_ulps"] == 0.0
     return {"errors": errors, "flags": flags, "extend": extend_results(TritonAttentionBackend)}
+
+
+# (head_dim, sliding_window, num_heads, num_kv_heads, rotated lanes, writes_kv): a layer
+# writing its KV, a windowed one with a partial rope over one KV head, a KV-sharing one.
+HEAD_NORM_CASES = [(16, None, 4, 2, 16, True), (32, 5, 4, 1, 16, True), (16, None, 4, 2, 16, False)]
+
+
+def head_norm_results(backend_cls, device, dtype) -> dict:
+    """Gemma's head norms and rope in decode's stage 1 (the backend's ``head_norm``: q normed
+    and roped as it loads, the step's k and v stored by the program reading their block)
+    against the norm-and-rope kernel storing k and v, then decode attention on its q: per
+    case, whether the backend takes them, whether the step's K/V were written (or, for a
+    KV-sharing layer, the pool untouched), the outputs' relative difference and the pool's
+    largest difference in units of the last place."""
+    from graphrt.core.attention.base import HeadNormRope
+    from graphrt.devices.cuda.ops import TRITON_OPS
+
+    results = {}
+    for head_dim, window, num_heads, num_kv_heads, rot, writes_kv in HEAD_NORM_CASES:
+        case = f"head_norm/D{head_dim}-window{window}-R{rot}-writes{writes_kv}"
+        pools = Pools((head_dim,), num_kv_heads, 5, 80, dtype, device, seed=5)
+        batch = pools.decode_batch(CPU_SEQ_LENS, num_padding=1)
+        spec = AttentionSpec(num_heads, num_kv_heads, head_dim, 1.0, 0, window, writes_kv)
+        q, k, v = pools.qkv(batch.batch_size, spec)
+        q_weight, k_weight = pools.rand(head_dim) + 1, pools.rand(head_dim) + 1
+        angles = torch.outer(torch.arange(80.0), torch.linspace(0.1, 1.0, rot // 2))
+        angles = torch.cat([angles, angles], -1).to(device)
+        cos, sin = angles.cos(), angles.sin()
+        backend = backend_cls(pools.kv_pool, pools.req_pool, num_kv_splits=4)
+        backend.init_forward_metadata(batch)
+        buffers = (pools.kv_pool.k_buffers[0], pools.kv_pool.v_buffers[0])
+        before = [b.clone() for b in buffers]
+        heads = (-1, num_heads, head_dim)
+        kv_heads = (-1, num_kv_heads, head_dim)
+        if writes_kv:
+            normed, _, _ = TRITON_OPS.gemma_qkv_norm_rope(
+                batch.positions, q.view(heads), k.view(kv_heads), v.view(kv_heads), q_weight,
+                k_weight, 1e-6, cos, sin, kv_write=backend.kv_write_target(spec, batch),
+            )  # fmt: skip
+        else:
+            normed, _, _ = TRITON_OPS.gemma_qkv_norm_rope(
+                batch.positions, q.view(heads), None, None, q_weight, None, 1e-6, cos, sin
+            )
+        want = backend.forward(normed.flatten(1), None, None, spec, batch)
+        want_kv = [b.clone() for b in buffers]
+        for b, old in zip(buffers, before):
+            b.copy_(old)
+        norms = HeadNormRope(
+            batch.positions, q_weight, k_weight if writes_kv else None, 1e-6, cos, sin
+        )
+        raw = (k, v) if writes_kv else (None, None)
+        got = backend.forward(q, *raw, spec, batch, head_norm=norms)
+        ulps = max(
+            float(((b.double() - w.double()).abs() / (w.double().abs() * ULP[dtype]).clamp_min(
+                torch.finfo(dtype).tiny)).max())
+            for b, w in zip(buffers, want_kv)
+        )  # fmt: skip
+        results[case] = {
+            "takes": backend.takes_head_norm(spec, batch),
+            "written": writes_kv != all(torch.equal(b, w) for b, w in zip(buffers, before)),
+            "out": rel_err(got, want),
+            "kv_ulps": ulps,
+        }
+    return results
+
+
+ULP = {dtype: torch.finfo(dtype).eps for dtype in (torch.float32, torch.bfloat16, torch.float16)}
 
 
 # (tokens cached before the chunk, the chunk's tokens) per request: a whole prompt, one
@@ -378,7 +447,7 @@ def test_decode_kernel_under_interpreter_matches_reference_and_naive():
     # backend's long rows (without a window: a flag); scratch and store flags.
     num_cases = len(INTERPRETER_CASES)
     assert len(results["errors"]) == 3 * num_cases + 4
-    assert len(results["flags"]) == 2 * num_cases + 11
+    assert len(results["flags"]) == 2 * num_cases + 11 + len(HEAD_NORM_CASES)
     too_far = {name: err for name, err in results["errors"].items() if not err < 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]
@@ -625,6 +694,24 @@ def test_cuda_decode_matches_reference_and_naive(dtype, head_dim, window, monkey
 @pytest.mark.cuda
 @needs_gpu
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_head_norms_in_decode_match_the_norm_kernel_then_decode(dtype):
+    """On the GPU stage 1's head norms may sum a head's squares in another order than the
+    norm-and-rope kernel (another tile, other warps): the stored K/V then agree within one
+    rounding, and the outputs within the attention's 16-bit tolerance."""
+    from graphrt.devices.cuda.attention import TritonAttentionBackend
+
+    results = head_norm_results(TritonAttentionBackend, "cuda", dtype)
+    bad = {
+        case: m for case, m in results.items()
+        if not (m["takes"] and m["written"] and m["kv_ulps"] <= 1 and m["out"] < 4 * ULP[dtype])
+    }  # fmt: skip
+    assert len(results) == len(HEAD_NORM_CASES) and not bad, bad
+
+
+@pytest.mark.cuda
+@needs_gpu
+@needs_triton
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", list(CUDA_TOLERANCES), ids=str)
 def test_cuda_decode_kv_groups_match_per_head_reference(dtype, group):
@@ -795,13 +882,19 @@ def test_kernels_compile_for_sm90_with_rows_that_double_their_splits():
     stage1 = dict(KV_GROUP=4, BLOCK_G=16, **split_constants(128), BLOCK_N=64, HEAD_DIM=head_dim,
                   BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
     assert stage1["DOUBLINGS"] == 3
+    plain = dict(HEAD_NORM=False, NEW_KV=False, ROT_DIM=1, TORCH_CUDA_MATH=True)
     unfused = dict(FUSED_COMBINE=False, BLOCK_H=4, BLOCK_S=16, BLOCK_REST=1,
-                   LAUNCH_DEPENDENTS=False)  # fmt: skip
+                   LAUNCH_DEPENDENTS=False, **plain)  # fmt: skip
     compile_for_h200(_decode_partial_kernel, stage1 | unfused, 4)
     # ... and with the combine in it: a KV head's 4 query heads, 32 further splits a step
     # (rest_splits of 4 x 64 lanes), under PDL's trigger.
     fused = dict(FUSED_COMBINE=True, BLOCK_H=4, BLOCK_S=16, BLOCK_REST=32, LAUNCH_DEPENDENTS=True)
-    compile_for_h200(_decode_partial_kernel, stage1 | fused, 4)
+    compile_for_h200(_decode_partial_kernel, stage1 | fused | plain, 4)
+    # ... and with Gemma's head norms and rope in it: q's, and the step's k and v stored
+    # (a partial rope, as Gemma's full layers' tables are not: any R compiles).
+    for new_kv in (False, True):
+        normed = dict(HEAD_NORM=True, NEW_KV=new_kv, ROT_DIM=32, TORCH_CUDA_MATH=True)
+        compile_for_h200(_decode_partial_kernel, stage1 | unfused | normed, 4)
     compile_for_h200(_verify_partial_kernel, stage1 | {"NODES": 4, "BLOCK_T": 8}, 4)
 
 
@@ -843,6 +936,9 @@ def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache, lon
         BLOCK_D=block_d, DOT_PRECISION="ieee" if size == 4 else "tf32", FUSED_COMBINE=fused,
         BLOCK_H=8, BLOCK_S=16, BLOCK_REST=td.rest_splits(16, 128, 8 * block_d),
         LAUNCH_DEPENDENTS=fused,
+        # Gemma 4's head dims take their head norms and rope in stage 1 (its decode)
+        HEAD_NORM=head_dim >= 256, NEW_KV=head_dim >= 256, ROT_DIM=head_dim,
+        TORCH_CUDA_MATH=True,
     )  # fmt: skip
     pointers = ATTENTION_POINTERS | {"K": f"*{cache}", "V": f"*{cache}"}
     stages = td.default_stages(block_n, head_dim, size)
@@ -851,6 +947,10 @@ def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache, lon
     compiled = compile_for_h200(td._decode_partial_kernel, stage1, 4, pointers, stages, True)
     assert compiled.metadata.shared <= H200_SHARED_BYTES, (stages, compiled.metadata.shared)
     ptx = compiled.asm["ptx"]
+    if stage1["HEAD_NORM"]:  # the loop's loads counted without the head norms' before it
+        plain = stage1 | dict(HEAD_NORM=False, NEW_KV=False)
+        ptx = compile_for_h200(td._decode_partial_kernel, plain, 4, pointers, stages, True)
+        ptx = ptx.asm["ptx"]
     if stages == 3:
         # The loop's global loads: the token table's slots and q only (at two stages,
         # 19 at head_dim 64, 74 at 512: every K and V vector).

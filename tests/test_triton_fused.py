@@ -583,14 +583,16 @@ def gemma_fusions(checkpoint: str, device_cls, prompt: list[int]) -> dict:
     """Gemma 4 in float16, one request (decode at one row), on the CUDA kernels under the
     interpreter: with its decode fusions (the GEMVs forming the residual stream in their
     prologues: after attention, after the MLP, and the layer scalar with the next layer's
-    input norm; decode attention combining its splits in stage 1) and without them (the
-    norm kernel, then the GEMV; the combine's own launch). The fused ops compute what the
+    input norm; decode attention norming and roping q, k and v in stage 1 and combining its
+    splits there) and without them (the norm kernel, then the GEMV; the norm-and-rope
+    kernel; the combine's own launch). The fused ops compute what the
     two launches do, rounding as they do, so the two runs must agree bit for bit, and both
     take the reference's tokens. (A whole float16 Gemma 4 strays from the torch
     reference's logits by more than one op's bound: they are not compared here.)"""
     from graphrt.core.engine import Engine, EngineConfig, SamplingParams
     from graphrt.core.models import load_model
     from graphrt.devices.cpu import CpuDevice
+    from graphrt.devices.cuda import attention as cuda_attention
     from graphrt.devices.cuda import ops as cuda_ops
     from graphrt.devices.cuda import triton_decode
 
@@ -602,8 +604,10 @@ def gemma_fusions(checkpoint: str, device_cls, prompt: list[int]) -> dict:
         def model_ops(self, batch_invariant=False):
             return unfused_ops
 
-    calls = {"prologue": 0, "scalar": 0, "combine": 0}
+    calls = {"prologue": 0, "scalar": 0, "combine": 0, "head_norm": 0}
     gemv, combine, fits = cuda_ops.gemv, triton_decode.combine_splits, triton_decode.fuses_combine
+    decode, backend_cls = cuda_attention.decode_attention, cuda_attention.TritonAttentionBackend
+    takes = backend_cls.takes_head_norm
 
     def counted_gemv(*args, residual_norm=None, **kwargs):
         calls["prologue"] += residual_norm is not None
@@ -614,19 +618,26 @@ def gemma_fusions(checkpoint: str, device_cls, prompt: list[int]) -> dict:
         calls["combine"] += 1
         return combine(*args, **kwargs)
 
+    def counted_decode(*args, head_norm=None, **kwargs):
+        calls["head_norm"] += head_norm is not None
+        return decode(*args, head_norm=head_norm, **kwargs)
+
     params = SamplingParams(max_new_tokens=2, ignore_eos=True, return_logits=True)
     runs, counts = {}, {}
     for name, device in (("fused", device_cls()), ("unfused", Unfused()), ("torch", CpuDevice())):
         cuda_ops.gemv, triton_decode.combine_splits = counted_gemv, counted_combine
+        cuda_attention.decode_attention = counted_decode
         if name == "unfused":
             triton_decode.fuses_combine = lambda *shape: False
+            backend_cls.takes_head_norm = lambda *args: False
         try:
             loaded = load_model(checkpoint, device, torch.float16)
             engine = Engine(loaded, EngineConfig(max_context_len=64, runner="eager"), device)
             runs[name] = engine.generate([prompt], params)[0]
         finally:
             cuda_ops.gemv, triton_decode.combine_splits = gemv, combine
-            triton_decode.fuses_combine = fits
+            cuda_attention.decode_attention = decode
+            triton_decode.fuses_combine, backend_cls.takes_head_norm = fits, takes
         counts[name] = dict(calls)
         calls.update(dict.fromkeys(calls, 0))
     fused, unfused = runs["fused"], runs["unfused"]
@@ -636,7 +647,9 @@ def gemma_fusions(checkpoint: str, device_cls, prompt: list[int]) -> dict:
     )
     # The fused run took every fusion at its decode step, the other none.
     took = counts["fused"]["scalar"] > 0 and counts["fused"]["combine"] == 0
+    took &= counts["fused"]["head_norm"] == 7  # every layer's decode step
     took &= counts["unfused"]["prologue"] == 0 and counts["unfused"]["combine"] > 0
+    took &= counts["unfused"]["head_norm"] == 0
     ids = [run.output_ids for run in runs.values()]
     return {"ok": bitwise and took and ids[0] == ids[1] == ids[2], "ids": ids, "calls": counts}
 

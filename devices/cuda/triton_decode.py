@@ -50,8 +50,11 @@ import torch
 import triton
 import triton.language as tl
 
+from graphrt.core.attention.base import HeadNormRope
 from graphrt.core.errors import GraphrtError
 from graphrt.devices.cuda import pdl
+from graphrt.devices.cuda.triton_ops import _INTERPRETED, _round, inv_rms
+from graphrt.devices.cuda.triton_rope import _partner, _rope_head, _rotated
 
 # Splits of a row shorter than 2 * NUM_KV_SPLITS * SPLIT_KEYS keys. Never tuned per
 # batch: the split count sets the float summation order. 16 fills an H200 at batch 1
@@ -140,6 +143,39 @@ def _load_q_group(
         other=0.0,
     ).to(dtype)
     return q, heads, mask_g, offs_d, mask_d
+
+
+@triton.jit
+def _normed_q_group(
+    Q, row, kv_h, stride_qb, stride_qh, QWeight, cos_row, sin_row, eps,
+    dtype: tl.constexpr, KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROT_DIM: tl.constexpr,
+    TORCH_CUDA_MATH: tl.constexpr,
+):  # fmt: skip
+    """``_load_q_group`` of raw q heads, each first normed over its head (Gemma's RMSNorm
+    with QWeight) and roped at this row's tables, in ``_rope_head``'s arithmetic: the
+    gemma_qkv_norm_rope kernel's q, cast to the cache's ``dtype``."""
+    act: tl.constexpr = Q.dtype.element_ty
+    offs_g = tl.arange(0, BLOCK_G)
+    mask_g = offs_g < KV_GROUP
+    heads = kv_h * KV_GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    rows = Q + row * stride_qb + heads[:, None] * stride_qh  # (BLOCK_G, 1)
+    lanes = offs_d[None, :]  # (1, BLOCK_D)
+    x = tl.load(rows + lanes, mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    count = tl.zeros((1,), tl.int32) + HEAD_DIM
+    inv = inv_rms(tl.sum(x * x, axis=1)[:, None], count, eps, TORCH_CUDA_MATH)  # (BLOCK_G, 1)
+    w = tl.load(QWeight + lanes, mask=mask_d[None, :], other=0.0).to(tl.float32)
+    x = _round(x * inv * w, act)
+    # The partner lanes normed again from memory (the same inv_rms: the same values).
+    partner = _partner(lanes, ROT_DIM)
+    rot = mask_g[:, None] & (lanes < ROT_DIM)
+    xp = tl.load(rows + partner, mask=rot, other=0.0).to(tl.float32)
+    wp = tl.load(QWeight + partner, mask=lanes < ROT_DIM, other=0.0).to(tl.float32)
+    xp = _round(xp * inv * wp, act)
+    q = _rotated(x, xp, lanes, cos_row, sin_row, act, ROT_DIM)
+    return q.to(dtype), heads, mask_g, offs_d, mask_d
 
 
 @triton.jit
@@ -264,6 +300,17 @@ def _decode_partial_kernel(
     PartialSplits,  # (>= B,) int32: each row's split count, for the combine
     Out,  # (B, H, D), q's dtype: written when FUSED_COMBINE
     Arrived,  # int32 (>= B * Hkv,), zero between launches: read when FUSED_COMBINE
+    # HEAD_NORM: Q holds raw heads (Gemma's norms and rope are done here, as
+    # gemma_qkv_norm_rope does them), and with NEW_KV so do KNew and VNew, the step's raw k
+    # and v (B, Hkv, D), stored normed (k roped) at Loc into K and V.
+    QWeight,  # (D,)
+    KWeight,  # (D,), read when NEW_KV
+    Cos,  # (P, ROT_DIM)
+    Sin,
+    Positions,  # (B,) int64
+    KNew,
+    VNew,
+    Loc,  # (B,) int64
     sm_scale,
     window,  # 0 = no sliding window
     min_keys,  # this launch's rows: min_keys <= visible keys < max_keys (the others'
@@ -282,6 +329,12 @@ def _decode_partial_kernel(
     stride_plh,
     stride_ob,
     stride_oh,
+    stride_cos,
+    stride_knb,
+    stride_knh,
+    stride_vnb,
+    stride_vnh,
+    eps,  # HEAD_NORM's
     KV_GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # KV_GROUP padded to a power of two >= MIN_DOT
     MIN_SPLITS: tl.constexpr,  # a short row's splits; longer rows double them (_row_splits)
@@ -301,6 +354,10 @@ def _decode_partial_kernel(
     BLOCK_S: tl.constexpr,  # FUSED_COMBINE: MIN_SPLITS padded to a power of two
     BLOCK_REST: tl.constexpr,  # FUSED_COMBINE: a long row's further splits combined a step
     LAUNCH_DEPENDENTS: tl.constexpr,  # FUSED_COMBINE: the o projection may start its reads
+    HEAD_NORM: tl.constexpr,
+    NEW_KV: tl.constexpr,
+    ROT_DIM: tl.constexpr,  # HEAD_NORM: rope's lanes of a head
+    TORCH_CUDA_MATH: tl.constexpr,  # HEAD_NORM: the norms' arithmetic (triton_ops.inv_rms)
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -317,9 +374,37 @@ def _decode_partial_kernel(
     if (kv_h == 0) & (tl.program_id(2) == 0):
         tl.store(PartialSplits + b, num_splits)
 
-    q, heads, mask_g, offs_d, mask_d = _load_q_group(
-        Q, b, kv_h, stride_qb, stride_qh, K.dtype.element_ty, KV_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D
-    )  # (BLOCK_G, BLOCK_D)
+    if HEAD_NORM:
+        pos = tl.load(Positions + b).to(tl.int64)
+        cos_row = Cos + pos * stride_cos
+        sin_row = Sin + pos * stride_cos
+        if NEW_KV:
+            # The program whose split holds the row's last block (the new token's) stores
+            # the step's k and v there first: no other program reads that slot, and the
+            # barrier puts its loop's loads after the stores.
+            last_split = ((seq_len - 1) // BLOCK_N) % num_splits
+            if last_split % tl.num_programs(2) == tl.program_id(2):
+                slot = tl.load(Loc + b).to(tl.int64)
+                _rope_head(
+                    KNew + b * stride_knb + kv_h * stride_knh, K + slot * stride_kt
+                    + kv_h * stride_kh, KWeight, cos_row, sin_row, eps, True, True, True,
+                    HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
+                )  # fmt: skip
+                _rope_head(
+                    VNew + b * stride_vnb + kv_h * stride_vnh, V + slot * stride_vt
+                    + kv_h * stride_vh, KWeight, cos_row, sin_row, eps, True, False, False,
+                    HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
+                )  # fmt: skip
+            tl.debug_barrier()
+        q, heads, mask_g, offs_d, mask_d = _normed_q_group(
+            Q, b, kv_h, stride_qb, stride_qh, QWeight, cos_row, sin_row, eps,
+            K.dtype.element_ty, KV_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, ROT_DIM, TORCH_CUDA_MATH,
+        )  # fmt: skip
+    else:
+        q, heads, mask_g, offs_d, mask_d = _load_q_group(
+            Q, b, kv_h, stride_qb, stride_qh, K.dtype.element_ty, KV_GROUP, BLOCK_G, HEAD_DIM,
+            BLOCK_D,
+        )  # (BLOCK_G, BLOCK_D)  # fmt: skip
     # Splits p, p + P, ... of the row: each its own partial, whatever P is.
     for split in range(tl.program_id(2), num_splits, tl.num_programs(2)):
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
@@ -640,6 +725,8 @@ def decode_attention(
     num_stages: int | None = None,  # None: default_stages
     long_rows: tuple[int, int] | None = None,  # (from keys, BLOCK_N): see below
     fused_combine: bool = False,  # the combine in stage 1 where it fits: see below
+    head_norm: HeadNormRope | None = None,  # q (and new_kv) raw: see below
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # raw k, v, slots
 ) -> torch.Tensor:
     """Attention of each row's one query over its visible cached keys; returns ``out``.
 
@@ -660,6 +747,12 @@ def decode_attention(
     (the combine's launch goes). The bits may differ from the combine kernel's (another
     tile, another reduction order), so width-invariant models, whose verify rows round as
     decode's through that kernel, keep it.
+
+    ``head_norm``: q holds raw heads, which stage 1 norms and ropes as it loads them
+    (Gemma's q norm: ``gemma_qkv_norm_rope``'s arithmetic), and ``new_kv`` = (k, v, loc),
+    the step's raw k and v (B, Hkv, D) and their slots, which the program reading the new
+    token's block norms (k with its weight, then roped; v without) and stores there
+    first: the norm-and-rope kernel's launch goes.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -685,6 +778,7 @@ def decode_attention(
     if fused_combine:
         arrived = arrival_counts(q.device)
         rest_chunk = rest_chunk or rest_splits(short, max_splits, block_d * block_h)
+    norms = _head_norm_args(head_norm, new_kv, q, k_buffer)
     # Row classes by visible keys: [lo, hi) and their block size. One class unless
     # ``long_rows`` = (from_keys, block_n) gives rows of from_keys keys and more larger
     # blocks in a second launch (each launch's programs skip the other class's rows).
@@ -698,22 +792,54 @@ def decode_attention(
         _decode_partial_kernel[(bs, num_kv_heads, programs)](
             q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, partial_out,
             partial_lse, partial_splits, out, arrived if fused_combine else partial_splits,
-            float(sm_scale), window, min_keys, max_keys,
+            *norms["tensors"], float(sm_scale), window, min_keys, max_keys,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
             v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
-            KV_GROUP=group, BLOCK_G=max(block_h, MIN_DOT),
+            *norms["strides"], KV_GROUP=group, BLOCK_G=max(block_h, MIN_DOT),
             **split_constants(max_splits, short_splits), BLOCK_N=class_block_n,
             HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=dot_precision(k_buffer.dtype),
             FUSED_COMBINE=fused_combine, BLOCK_H=block_h,
             BLOCK_S=triton.next_power_of_2(short), BLOCK_REST=rest_chunk or 1,
-            LAUNCH_DEPENDENTS=fused_combine and pdl.ENABLED,
+            LAUNCH_DEPENDENTS=fused_combine and pdl.ENABLED, **norms["constants"],
             num_warps=num_warps, num_stages=stages,
         )  # fmt: skip
     if fused_combine:
         return out
     return combine_splits(partial_out, partial_lse, partial_splits, out, short_splits, rest_chunk)
+
+
+def _head_norm_args(head_norm, new_kv, q, k_buffer) -> dict:
+    """Stage 1's HEAD_NORM arguments (its tensors, its strides and eps, its constants),
+    stand-ins where ``head_norm`` is None."""
+    if head_norm is None:
+        assert new_kv is None, "new_kv goes with head_norm"
+        return {
+            "tensors": (q,) * 8, "strides": (0,) * 5 + (0.0,),
+            "constants": dict(HEAD_NORM=False, NEW_KV=False, ROT_DIM=1, TORCH_CUDA_MATH=False),
+        }  # fmt: skip
+    rows, _, head_dim = q.shape
+    h = head_norm
+    assert h.q_weight.shape == (head_dim,) and h.q_weight.stride(0) == 1
+    assert h.cos.shape == h.sin.shape and h.cos.stride() == h.sin.stride()
+    assert h.cos.stride(1) == 1 and h.cos.shape[1] % 2 == 0 and h.cos.shape[1] <= head_dim
+    assert h.positions.shape == (rows,) and h.positions.stride(0) == 1
+    k = v = loc = q
+    if new_kv is not None:
+        k, v, loc = new_kv
+        assert k.shape == v.shape == (rows, *k_buffer.shape[1:]) and loc.shape == (rows,)
+        assert k.stride(-1) == v.stride(-1) == 1 and loc.stride(0) == 1
+        assert h.k_weight is not None and h.k_weight.shape == (head_dim,)
+        assert h.k_weight.stride(0) == 1
+    k_weight = h.q_weight if h.k_weight is None else h.k_weight
+    return {
+        "tensors": (h.q_weight, k_weight, h.cos, h.sin, h.positions, k, v, loc),
+        "strides": (h.cos.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                    float(h.eps)),
+        "constants": dict(HEAD_NORM=True, NEW_KV=new_kv is not None, ROT_DIM=h.cos.shape[1],
+                          TORCH_CUDA_MATH=not _INTERPRETED),
+    }  # fmt: skip
 
 
 def check_kv_inputs(q, k_buffer, v_buffer, req_to_token, out) -> None:
