@@ -18,12 +18,12 @@
 #   bash bench/h200.sh onerow [models] [N:K:W,...]: decode's GEMVs at batch 1, each row-path
 #     configuration (and those given) on each projection, us and TB/s against the copy
 #     bandwidth (bench/gemv_widths.py --one-row; llama-1b,llama-8b,gemma4-e2b)
-#   bash bench/h200.sh fused: the CUDA tests of stops 60-61's kernels (the GEMV's rope epilogue
-#     and Gemma residual-norm prologue, greedy tokens on Triton, decode attention's combine and
-#     Gemma's head norms in stage 1, the decode paths that run them: conformance, parity, Gemma 4, the embedded
-#     pair, engine, attention, verify), then the greedy sampler by vocabulary width
-#     (bench/greedy_argmax.py) and the combine launched against in stage 1
-#     (bench/decode_splits.py --fused-combine, llama-1b and llama-8b shapes)
+#   bash bench/h200.sh fused: the CUDA tests of stops 60-61's kernels (the GEMV's rope
+#     epilogue and Gemma residual-norm prologue, greedy tokens on Triton, decode attention's
+#     combine and Gemma's head norms in stage 1, and the decode paths that run them:
+#     conformance, parity, Gemma 4, the embedded pair, engine, attention, verify), then the
+#     greedy sampler by vocabulary width (bench/greedy_argmax.py) and the combine launched
+#     against in stage 1 (bench/decode_splits.py --fused-combine, llama-1b and llama-8b)
 #   bash bench/h200.sh cold: the README's first command from empty caches, then warm, with
 #     where the seconds go (bench/cold_start.py)
 #   bash bench/h200.sh splits: decode attention by KV split count and context (issue 21;
