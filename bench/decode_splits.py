@@ -14,9 +14,10 @@ TB/s and whether each output equals the reference's bits; ``64:4:2+128@2048`` la
 stage 1 twice, rows of 2,048 visible keys and more on 128-key blocks (``decode_attention``'s
 ``long_rows``); ``--contiguous`` gives every request consecutive slots instead of
 scattered ones. ``--fused-combine`` times the engine's rule with the combine in its own
-launch against the combine in stage 1 (``decode_attention``'s ``fused_combine``; where
-``fuses_combine`` refuses the shape both columns are the first), with the largest
-difference between their outputs.
+launch against the combine in stage 1 (``decode_attention``'s ``fused_combine``, asked for
+every shape: the engine asks only where ``fuses_combine``, Llama's shapes, so Gemma 4's
+figures decide whether its 8 heads a KV head should be), with the largest difference
+between their outputs.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@
 #     combine and Gemma's head norms in stage 1, and the decode paths that run them:
 #     conformance, parity, Gemma 4, the embedded pair, engine, attention, verify), then the
 #     greedy sampler by vocabulary width (bench/greedy_argmax.py) and the combine launched
-#     against in stage 1 (bench/decode_splits.py --fused-combine, llama-1b and llama-8b)
+#     against in stage 1 (bench/decode_splits.py --fused-combine, Llama's and Gemma's shapes)
 #   bash bench/h200.sh cold: the README's first command from empty caches, then warm, with
 #     where the seconds go (bench/cold_start.py)
 #   bash bench/h200.sh splits: decode attention by KV split count and context (issue 21;
@@ -286,7 +286,8 @@ if [[ $what == fused ]]; then
     echo "fused tests exit $?"; grep -E "^(FAILED|ERROR)" "$OUT/tests-fused.log" | head -n 20
     tail -n 2 "$OUT/tests-fused.log"
     python bench/greedy_argmax.py 2>&1 | grep -v Warning | tee "$OUT/greedy-argmax.log"
-    for shape in llama-1b llama-8b; do  # the shapes whose combine runs in stage 1
+    # Llama's shapes combine in stage 1 in the engine; Gemma 4's are measured to decide
+    for shape in llama-1b llama-8b gemma4-sliding gemma4-global; do
         python bench/decode_splits.py --fused-combine --shape $shape --contexts 512,8192,32768 \
             2>&1 | grep -v Warning | tee -a "$OUT/decode-fused-combine.log"
     done

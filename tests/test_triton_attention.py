@@ -221,21 +221,25 @@ def interpreter_results() -> dict:
         # The combine in stage 1 (the backend's default: every case above ran it): no
         # combine launch, and here, where every split count is a short row's, the combine
         # kernel's bits; the arrival counts back at zero for the next launch.
+        # "stepwise": a tile of one head's partials, so the group's 2 heads take 2 steps.
         real_combine, triton_decode.combine_splits = triton_decode.combine_splits, None
+        tile = triton_decode.COMBINE_TILE
         try:
-            for name in ("short", "two"):
-                fused = torch.empty_like(outs[name])
+            for name, like, tile_elements in (("short", "short", tile), ("two", "two", tile),
+                                              ("stepwise", "short", 4 * 32)):  # fmt: skip
+                triton_decode.COMBINE_TILE = tile_elements
+                fused = torch.empty_like(outs[like])
                 decode_attention(
                     wide_q[:, :, :head_dim], pools.kv_pool.k_buffers[0],
                     pools.kv_pool.v_buffers[0], pools.req_pool.req_to_token,
                     batch.req_pool_indices, batch.seq_lens, fused, *scratch, spec.scaling,
-                    window, **launches[name], fused_combine=True,
+                    window, **launches[like], fused_combine=True,
                 )  # fmt: skip
-                flags[f"{case}/fused_combine_{name}"] = torch.equal(fused, outs[name]) and not (
+                flags[f"{case}/fused_combine_{name}"] = torch.equal(fused, outs[like]) and not (
                     triton_decode.arrival_counts(torch.device("cpu")).any()
                 )
         finally:
-            triton_decode.combine_splits = real_combine
+            triton_decode.combine_splits, triton_decode.COMBINE_TILE = real_combine, tile
         if window is None:
             # The backend's decode of a batch flagged long_rows (the long rows' graphs):
             # rows of LONG_ROW_KEYS keys and more on long_block_n's blocks (both patched
@@ -443,11 +447,11 @@ def extend_results(triton_backend_cls) -> dict:
 def test_decode_kernel_under_interpreter_matches_reference_and_naive():
     results = run_under_triton_interpreter(__file__)
     # Per case: 3 errors and 2 flags; the two launcher cases' 3-split and long-row
-    # launches (2 errors and a flag each) and fused combines (2 flags each), and the
+    # launches (2 errors and a flag each) and fused combines (3 flags each), and the
     # backend's long rows (without a window: a flag); scratch and store flags.
     num_cases = len(INTERPRETER_CASES)
     assert len(results["errors"]) == 3 * num_cases + 4
-    assert len(results["flags"]) == 2 * num_cases + 11 + len(HEAD_NORM_CASES)
+    assert len(results["flags"]) == 2 * num_cases + 13 + len(HEAD_NORM_CASES)
     too_far = {name: err for name, err in results["errors"].items() if not err < 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]

@@ -605,7 +605,7 @@ def gemma_fusions(checkpoint: str, device_cls, prompt: list[int]) -> dict:
             return unfused_ops
 
     calls = {"prologue": 0, "scalar": 0, "combine": 0, "head_norm": 0}
-    gemv, combine, fits = cuda_ops.gemv, triton_decode.combine_splits, triton_decode.fuses_combine
+    gemv, combine, fits = cuda_ops.gemv, triton_decode.combine_splits, cuda_attention.fuses_combine
     decode, backend_cls = cuda_attention.decode_attention, cuda_attention.TritonAttentionBackend
     takes = backend_cls.takes_head_norm
 
@@ -628,7 +628,7 @@ def gemma_fusions(checkpoint: str, device_cls, prompt: list[int]) -> dict:
         cuda_ops.gemv, triton_decode.combine_splits = counted_gemv, counted_combine
         cuda_attention.decode_attention = counted_decode
         if name == "unfused":
-            triton_decode.fuses_combine = lambda *shape: False
+            cuda_attention.fuses_combine = lambda *shape: False
             backend_cls.takes_head_norm = lambda *args: False
         try:
             loaded = load_model(checkpoint, device, torch.float16)
@@ -637,7 +637,7 @@ def gemma_fusions(checkpoint: str, device_cls, prompt: list[int]) -> dict:
         finally:
             cuda_ops.gemv, triton_decode.combine_splits = gemv, combine
             cuda_attention.decode_attention = decode
-            triton_decode.fuses_combine, backend_cls.takes_head_norm = fits, takes
+            cuda_attention.fuses_combine, backend_cls.takes_head_norm = fits, takes
         counts[name] = dict(calls)
         calls.update(dict.fromkeys(calls, 0))
     fused, unfused = runs["fused"], runs["unfused"]

@@ -48,8 +48,10 @@ from graphrt.devices.cuda.triton_decode import (
     NUM_KV_SPLITS,
     allocate_decode_scratch,
     decode_attention,
+    fuses_combine,
     long_block_n,
     max_kv_splits,
+    min_splits,
     store_kv,
 )
 from graphrt.devices.cuda.triton_extend import extend_attention, extend_metadata
@@ -256,6 +258,8 @@ class TritonAttentionBackend(TorchAttentionBackend):
         else:  # DECODE, and DRAFT rows (which wrote nothing above)
             scratch = self._scratch_for(spec.num_heads, spec.head_dim, self._splits(spec), q)
             long_rows = None  # width-invariant models keep one block size (verify reuses it)
+            shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
+            short = min_splits(scratch[0].shape[2], self.num_kv_splits)
             if batch.long_rows and not spec.width_invariant:
                 block_n = long_block_n(spec.head_dim, k_buffer.element_size())
                 long_rows = None if block_n is None else (LONG_ROW_KEYS, block_n)
@@ -273,7 +277,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 short_splits=self.num_kv_splits,
                 long_rows=long_rows,
                 # width-invariant models keep the combine's kernel: verify combines with it
-                fused_combine=not spec.width_invariant,
+                fused_combine=not spec.width_invariant and fuses_combine(*shape, short),
                 head_norm=head_norm,
                 new_kv=new_kv,
             )

@@ -29,9 +29,9 @@ row, each into its own partial, so P (``split_programs``: more at small
 batches) moves work between programs without changing any row's arithmetic.
 Stage 2 combines the S partials of each (request, query head) by their
 log-sum-exps (grid B x H): the 16 every row has at once, a long row's others in
-chunks, in split order. Where a KV head's query heads fit one tile (``fuses_combine``:
-Llama's shapes, not Gemma 4's) and the caller asks (``fused_combine``), stage 1 does it
-itself instead: each program counts itself in its (request, KV head)'s arrival count once
+chunks, in split order. Where the caller asks (``fused_combine``; the engine where a KV
+head's query heads fit one tile, ``fuses_combine``: Llama's shapes, not Gemma 4's), stage
+1 does it itself instead: each program counts itself in its (request, KV head)'s arrival count once
 its partials are stored, and the last to arrive combines that head group (split-K's
 pattern, as the GEMV's), so the combine's launch goes. A third, tiny kernel stores the
 step's new K/V rows into the pool before stage 1 runs, so every split sees them.
@@ -350,7 +350,7 @@ def _decode_partial_kernel(
     # The last of a (row, KV head)'s programs to arrive combines its query heads' splits
     # (_combine_heads, as the combine kernel does): the combine's launch goes.
     FUSED_COMBINE: tl.constexpr,
-    BLOCK_H: tl.constexpr,  # FUSED_COMBINE: KV_GROUP padded to a power of two
+    BLOCK_H: tl.constexpr,  # FUSED_COMBINE: query heads combined a step (combine_heads)
     BLOCK_S: tl.constexpr,  # FUSED_COMBINE: MIN_SPLITS padded to a power of two
     BLOCK_REST: tl.constexpr,  # FUSED_COMBINE: a long row's further splits combined a step
     LAUNCH_DEPENDENTS: tl.constexpr,  # FUSED_COMBINE: the o projection may start its reads
@@ -427,13 +427,14 @@ def _decode_partial_kernel(
         count = Arrived + b * tl.num_programs(1) + kv_h
         if tl.atomic_add(count, 1, sem="acq_rel") == tl.num_programs(2) - 1:
             tl.store(count, 0)  # zero for the next launch (and the next graph replay)
-            offs_h = tl.arange(0, BLOCK_H)
-            _combine_heads(
-                PartialOut, PartialLse, Out, b.to(tl.int64), kv_h * KV_GROUP + offs_h,
-                offs_h < KV_GROUP, num_splits, stride_pob, stride_poh, stride_pos, stride_plb,
-                stride_plh, stride_ob, stride_oh, MIN_SPLITS, BLOCK_S, BLOCK_REST, HEAD_DIM,
-                BLOCK_D,
-            )  # fmt: skip
+            for first in tl.static_range(0, KV_GROUP, BLOCK_H):  # the group's heads a tile
+                offs_h = first + tl.arange(0, BLOCK_H)
+                _combine_heads(
+                    PartialOut, PartialLse, Out, b.to(tl.int64), kv_h * KV_GROUP + offs_h,
+                    offs_h < KV_GROUP, num_splits, stride_pob, stride_poh, stride_pos,
+                    stride_plb, stride_plh, stride_ob, stride_oh, MIN_SPLITS, BLOCK_S,
+                    BLOCK_REST, HEAD_DIM, BLOCK_D,
+                )  # fmt: skip
 
 
 @triton.jit
@@ -567,14 +568,22 @@ def split_constants(max_splits: int, short: int = NUM_KV_SPLITS) -> dict[str, in
     )
 
 
+def combine_heads(group: int, short: int, head_dim: int) -> int:
+    """The fused combine's query heads a step: as many of a KV head's ``group`` as fit one
+    tile of COMBINE_TILE partial elements with ``short`` splits each (a power of two)."""
+    per_head = triton.next_power_of_2(short) * triton.next_power_of_2(head_dim)
+    fit = max(1, COMBINE_TILE // per_head)
+    return min(triton.next_power_of_2(group), 1 << (fit.bit_length() - 1))
+
+
 def fuses_combine(num_heads: int, num_kv_heads: int, head_dim: int, short: int) -> bool:
-    """Whether the stage-1 launch combines the splits itself (``decode_attention``'s
-    ``fused_combine``): where a KV head's query heads' ``short`` partials fit one tile.
+    """Whether the engine asks stage 1 to combine the splits itself (``decode_attention``'s
+    ``fused_combine``): where a KV head's query heads fit one step of ``combine_heads``.
     Not Gemma 4's 8 heads of 256 or 512 on one KV head: the last program would combine
-    them in 4 to 8 steps, a long tail not yet measured against the launch it saves."""
-    heads = triton.next_power_of_2(num_heads // num_kv_heads)
-    tile = heads * triton.next_power_of_2(short) * triton.next_power_of_2(head_dim)
-    return tile <= COMBINE_TILE
+    them in 4 to 8 steps, a tail not yet measured against the launch it saves
+    (``bench/decode_splits.py --fused-combine`` measures both)."""
+    group = num_heads // num_kv_heads
+    return combine_heads(group, short, head_dim) >= group
 
 
 def arrival_counts(device: torch.device) -> torch.Tensor:
@@ -742,9 +751,9 @@ def decode_attention(
     layer where no row is long, so the engine launches it only in decode graphs of
     batches with a long row (``PlainDecode.long_runner``, ``long_block_n``).
 
-    ``fused_combine``: where ``fuses_combine`` and the arrival counts cover the rows, the
-    last stage-1 program of each (row, KV head) to finish combines its query heads' splits
-    (the combine's launch goes). The bits may differ from the combine kernel's (another
+    ``fused_combine``: where the arrival counts cover the rows, the last stage-1 program of
+    each (row, KV head) to finish combines its query heads' splits, ``combine_heads`` a
+    step (the combine's launch goes; the engine asks where ``fuses_combine``). The bits may differ from the combine kernel's (another
     tile, another reduction order), so width-invariant models, whose verify rows round as
     decode's through that kernel, keep it.
 
@@ -773,8 +782,7 @@ def decode_attention(
     programs = programs or split_programs(bs * num_kv_heads, max_splits, short_splits)
     short = min_splits(max_splits, short_splits)
     fused_combine = fused_combine and bs * num_kv_heads <= MAX_ARRIVALS
-    fused_combine = fused_combine and fuses_combine(num_heads, num_kv_heads, head_dim, short)
-    block_h = triton.next_power_of_2(group)
+    block_h = combine_heads(group, short, head_dim)
     if fused_combine:
         arrived = arrival_counts(q.device)
         rest_chunk = rest_chunk or rest_splits(short, max_splits, block_d * block_h)
@@ -797,7 +805,8 @@ def decode_attention(
             v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
-            *norms["strides"], KV_GROUP=group, BLOCK_G=max(block_h, MIN_DOT),
+            *norms["strides"], KV_GROUP=group,
+            BLOCK_G=max(triton.next_power_of_2(group), MIN_DOT),
             **split_constants(max_splits, short_splits), BLOCK_N=class_block_n,
             HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=dot_precision(k_buffer.dtype),
             FUSED_COMBINE=fused_combine, BLOCK_H=block_h,
