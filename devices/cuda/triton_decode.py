@@ -31,10 +31,12 @@ Stage 2 combines the S partials of each (request, query head) by their
 log-sum-exps (grid B x H): the 16 every row has at once, a long row's others in
 chunks, in split order. Where the caller asks (``fused_combine``; the engine where a KV
 head's query heads fit one tile, ``fuses_combine``: Llama's shapes, not Gemma 4's), stage
-1 does it itself instead: each program counts itself in its (request, KV head)'s arrival count once
-its partials are stored, and the last to arrive combines that head group (split-K's
-pattern, as the GEMV's), so the combine's launch goes. A third, tiny kernel stores the
-step's new K/V rows into the pool before stage 1 runs, so every split sees them.
+1 does it itself instead: each program counts itself in its (request, KV head)'s arrival
+count once its partials are stored, and the last to arrive combines that head group
+(split-K's pattern, as the GEMV's), so the combine's launch goes. Gemma 4's head norms
+and rope may run in stage 1 too (``head_norm``: q's as it is loaded, the new token's k
+and v by the program that reads their block). A third, tiny kernel stores the step's new
+K/V rows into the pool before stage 1 runs, so every split sees them.
 
 Capture-safe: the launches read only device tensors and host shapes, never
 sync, allocate nothing (the caller owns ``out`` and the scratch), and their
