@@ -41,12 +41,9 @@ def gate_case(k: int, n: int, dtype, device, seed=0):
     return h, residual, weight, gate, up, next_weight, scalar
 
 
-def ulps(got: torch.Tensor, want: torch.Tensor) -> float:
-    """The largest difference in units of the last place of ``want``'s dtype at its value."""
-    spacing = torch.finfo(want.dtype).eps * want.float().abs().clamp_min(
-        torch.finfo(want.dtype).tiny
-    )
-    return float(((got.float() - want.float()).abs() / spacing).max())
+def scaled(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference over ``want``'s largest magnitude."""
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
 def compare(dtype, device, configs, shapes) -> list[dict]:
@@ -80,10 +77,8 @@ def compare(dtype, device, configs, shapes) -> list[dict]:
                         f"-scalar{int(scale is not None)}",
                         "x": torch.equal(x_got, x_want),
                         "out": torch.equal(got, want),
-                        "x_ulps": ulps(x_got, x_want),
-                        "out_scaled": float(
-                            (got.float() - want.float()).abs().max() / want.float().abs().max()
-                        ),  # fmt: skip
+                        "x_scaled": scaled(x_got, x_want),
+                        "out_scaled": scaled(got, want),
                     }
                 )
     return results
@@ -157,7 +152,9 @@ def test_gemv_residual_linear_under_interpreter_equals_norm_kernel_then_gemv():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_gemv_residual_linear_equals_norm_kernel_then_gemv(dtype):
     """On the GPU the two launches' row sums may order apart (the norm kernel's warps
-    against the GEMV's): x and the output must then still agree within one rounding."""
+    against the GEMV's): x and the output must then still agree within a rounding or two
+    at their scale (not in each value's own last place: x = residual + norm(h) * w may
+    cancel, so that one rounding of the norm is many of x's smallest values)."""
     from graphrt.devices.cuda.triton_gemv import ROW_CONFIGS
 
     def one_chunk(k):
@@ -165,7 +162,7 @@ def test_cuda_gemv_residual_linear_equals_norm_kernel_then_gemv(dtype):
 
     results = compare(dtype, torch.device("cuda"), one_chunk, [(1536, 256)])
     ulp = torch.finfo(dtype).eps
-    bad = [r for r in results if r["x_ulps"] > 1 or r["out_scaled"] > 2 * ulp]
+    bad = [r for r in results if r["x_scaled"] > 2 * ulp or r["out_scaled"] > 2 * ulp]
     assert results and not bad, bad
 
 

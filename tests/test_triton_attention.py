@@ -279,7 +279,7 @@ def interpreter_results() -> dict:
         v_buffer, want_v
     )
     for case, m in head_norm_results(TritonAttentionBackend, "cpu", torch.float32).items():
-        flags[case] = m["takes"] and m["written"] and m["out"] == 0.0 and m["kv_ulps"] == 0.0
+        flags[case] = m["takes"] and m["written"] and m["out"] == 0.0 and m["kv"] == 0.0
     return {"errors": errors, "flags": flags, "extend": extend_results(TritonAttentionBackend)}
 
 
@@ -293,8 +293,8 @@ def head_norm_results(backend_cls, device, dtype) -> dict:
     and roped as it loads, the step's k and v stored by the program reading their block)
     against the norm-and-rope kernel storing k and v, then decode attention on its q: per
     case, whether the backend takes them, whether the step's K/V were written (or, for a
-    KV-sharing layer, the pool untouched), the outputs' relative difference and the pool's
-    largest difference in units of the last place."""
+    KV-sharing layer, the pool untouched), and the outputs' and the pools' relative
+    differences (``rel_err``)."""
     from graphrt.core.attention.base import HeadNormRope
     from graphrt.devices.cuda.ops import TRITON_OPS
 
@@ -333,16 +333,11 @@ def head_norm_results(backend_cls, device, dtype) -> dict:
         )
         raw = (k, v) if writes_kv else (None, None)
         got = backend.forward(q, *raw, spec, batch, head_norm=norms)
-        ulps = max(
-            float(((b.double() - w.double()).abs() / (w.double().abs() * ULP[dtype]).clamp_min(
-                torch.finfo(dtype).tiny)).max())
-            for b, w in zip(buffers, want_kv)
-        )  # fmt: skip
         results[case] = {
             "takes": backend.takes_head_norm(spec, batch),
             "written": writes_kv != all(torch.equal(b, w) for b, w in zip(buffers, before)),
             "out": rel_err(got, want),
-            "kv_ulps": ulps,
+            "kv": max(rel_err(b, w) for b, w in zip(buffers, want_kv)),
         }
     return results
 
@@ -701,14 +696,16 @@ def test_cuda_decode_matches_reference_and_naive(dtype, head_dim, window, monkey
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_cuda_head_norms_in_decode_match_the_norm_kernel_then_decode(dtype):
     """On the GPU stage 1's head norms may sum a head's squares in another order than the
-    norm-and-rope kernel (another tile, other warps): the stored K/V then agree within one
-    rounding, and the outputs within the attention's 16-bit tolerance."""
+    norm-and-rope kernel (another tile, other warps): the stored K/V then agree within a
+    rounding or two at the pool's scale (rope's sums may cancel, so not in each value's own
+    last place), and the outputs within decode's 16-bit tolerance."""
     from graphrt.devices.cuda.attention import TritonAttentionBackend
 
     results = head_norm_results(TritonAttentionBackend, "cuda", dtype)
+    tolerance = CUDA_TOLERANCES[dtype][0]  # decode's own against the reference
     bad = {
         case: m for case, m in results.items()
-        if not (m["takes"] and m["written"] and m["kv_ulps"] <= 1 and m["out"] < 4 * ULP[dtype])
+        if not (m["takes"] and m["written"] and m["kv"] <= 2 * ULP[dtype] and m["out"] < tolerance)
     }  # fmt: skip
     assert len(results) == len(HEAD_NORM_CASES) and not bad, bad
 
