@@ -40,6 +40,9 @@ SHAPES = {
     "llama-8b": (32, 8, 128),
     "gemma4-sliding": (8, 1, 256),
     "gemma4-global": (8, 1, 512),
+    # its MTP assistant's layers, reading the target's KV (draft steps)
+    "assistant-sliding": (4, 1, 256),
+    "assistant-global": (4, 1, 512),
 }
 
 

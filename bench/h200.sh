@@ -287,9 +287,10 @@ if [[ $what == fused ]]; then
     tail -n 2 "$OUT/tests-fused.log"
     python bench/greedy_argmax.py 2>&1 | grep -v Warning | tee "$OUT/greedy-argmax.log"
     # Llama's shapes combine in stage 1 in the engine; Gemma 4's are measured to decide
-    for shape in llama-1b llama-8b gemma4-sliding gemma4-global; do
-        python bench/decode_splits.py --fused-combine --shape $shape --contexts 512,8192,32768 \
-            2>&1 | grep -v Warning | tee -a "$OUT/decode-fused-combine.log"
+    for shape in llama-1b llama-8b gemma4-sliding gemma4-global assistant-sliding \
+        assistant-global; do
+        python bench/decode_splits.py --fused-combine --shape $shape --contexts 512,32768 \
+            --batch-sizes 1,8,64 2>&1 | grep -v Warning | tee -a "$OUT/decode-fused-combine.log"
     done
 fi
 
