@@ -5,11 +5,11 @@ GEMV configuration on its x. The prologue rounds as that kernel does, so x and t
 matmul's output must match bit for bit; the ops table's ``gemma_residual_linear``
 likewise against its two ops.
 
-Cases: one row; the per-layer input gate's epilogue (gelu times the per-layer input), a
-plain one, the MLP's gate/up on the stream's next norm (the pre-feed-forward norm), and
-the next layer's input projection (no activation) on the next norm of the stream after
-the layer scalar; one output tile and several (only the first stores x); K below and at
-the chunk.
+Cases: one row, and three (a verify's rows: each its own norms); the per-layer input
+gate's epilogue (gelu times the per-layer input), a plain one, the MLP's gate/up on the
+stream's next norm (the pre-feed-forward norm), and the next layer's input projection (no
+activation) on the next norm of the stream after the layer scalar; one output tile and
+several (only the first stores x); K below and at the chunk.
 
 CPU lane: under TRITON_INTERPRET=1 in a subprocess (see test_triton_ops). CUDA lane:
 Gemma 4 E2B's gate (256 x 1536), every configuration the tuner may pick, bfloat16 and
@@ -25,17 +25,17 @@ import torch
 from helpers import OLD_INTERPRETER, needs_gpu, needs_triton, run_under_triton_interpreter
 
 
-def gate_case(k: int, n: int, dtype, device, seed=0):
+def gate_case(k: int, n: int, dtype, device, seed=0, rows=1):
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0):
         return (scale * torch.randn(*shape, generator=gen)).to(device, dtype)
 
-    h = randn(1, k + 8, scale=3.0)[:, :k]  # a strided row, far from unit RMS
-    residual = randn(1, k + 4)[:, :k]
+    h = randn(rows, k + 8, scale=3.0)[:, :k]  # strided rows, far from unit RMS
+    residual = randn(rows, k + 4)[:, :k]
     weight = randn(k, scale=0.2) + 1
     gate = randn(2 * n, k, scale=k**-0.5)  # [gate; up] stacked, or its first half alone
-    up = randn(1, n)
+    up = randn(rows, n)
     next_weight = randn(k, scale=0.2) + 1
     scalar = randn(1, scale=0.2) + 0.6  # Gemma 4's layer scalars are below 1
     return h, residual, weight, gate, up, next_weight, scalar
@@ -51,8 +51,10 @@ def compare(dtype, device, configs, shapes) -> list[dict]:
     from graphrt.devices.cuda.triton_gemv import ResidualNorm, gemv
 
     results = []
-    for k, n in shapes:
-        h, residual, weight, gate, up, next_weight, scalar = gate_case(k, n, dtype, device)
+    for k, n, *rows in shapes:  # (K, N) or (K, N, rows): one row unless given
+        h, residual, weight, gate, up, next_weight, scalar = gate_case(
+            k, n, dtype, device, rows=rows[0] if rows else 1
+        )
         # the per-layer input's gate (gelu times up), a plain one, the MLP's gate/up (gelu
         # of gate times up, on the next norm of x), the next layer's input projection (on
         # the next norm of x after the layer scalar)
@@ -72,7 +74,8 @@ def compare(dtype, device, configs, shapes) -> list[dict]:
                            residual_norm=norm)  # fmt: skip
                 results.append(
                     {
-                        "case": f"{str(dtype)[6:]}/K{k}-N{n}/{config.block_n}x{config.block_k}"
+                        "case": f"{str(dtype)[6:]}/K{k}-N{n}-M{h.shape[0]}/{config.block_n}x"
+                        f"{config.block_k}"
                         f"/{act}-gated{int(gated)}-next{int(nxt is not None)}"
                         f"-scalar{int(scale is not None)}",
                         "x": torch.equal(x_got, x_want),
@@ -131,11 +134,16 @@ def _cpu_configs(k):
     return (GemvConfig(32, 256, block_m=1), GemvConfig(8, 256, block_m=1))
 
 
+# (K, N[, rows]): K below and at the chunk; three rows (a verify's, or a batch's draft
+# rows: each row its own norms, its x stored by the first output tile's programs)
+CPU_SHAPES = [(200, 24), (256, 24), (200, 24, 3)]
+
+
 def interpreter_results() -> list[dict]:
     cpu = torch.device("cpu")
     return [
         r for dtype in (torch.bfloat16, torch.float16)
-        for r in compare(dtype, cpu, _cpu_configs, [(200, 24), (256, 24)]) + ops_results(dtype, cpu)
+        for r in compare(dtype, cpu, _cpu_configs, CPU_SHAPES) + ops_results(dtype, cpu)
     ]  # fmt: skip
 
 
@@ -143,7 +151,7 @@ def interpreter_results() -> list[dict]:
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_gemv_residual_linear_under_interpreter_equals_norm_kernel_then_gemv():
     results = run_under_triton_interpreter(__file__)
-    assert len(results) == 2 * (2 * 2 * 4 + 3)
+    assert len(results) == 2 * (len(CPU_SHAPES) * 2 * 4 + 3)
     check(results)
 
 
@@ -160,7 +168,7 @@ def test_cuda_gemv_residual_linear_equals_norm_kernel_then_gemv(dtype):
     def one_chunk(k):
         return tuple(c for c in ROW_CONFIGS if c.block_k >= k)
 
-    results = compare(dtype, torch.device("cuda"), one_chunk, [(1536, 256)])
+    results = compare(dtype, torch.device("cuda"), one_chunk, [(1536, 256), (1536, 256, 5)])
     ulp = torch.finfo(dtype).eps
     bad = [r for r in results if r["x_scaled"] > 2 * ulp or r["out_scaled"] > 2 * ulp]
     assert results and not bad, bad

@@ -160,11 +160,13 @@ def triton_gemma_residual_linear(
     h, residual, weight, eps, proj, bias=None, *, scalar=None, next_weight=None, act=None,
     up=None,
 ):  # fmt: skip
-    """``ModelOps.gemma_residual_linear``: at one row the GEMV computes x (and its next
-    norm) itself (the residual norm kernel's launch goes; the first output tile's programs
-    store x), on the row path with one K chunk, where the tuner finds that faster than the
-    two launches at their best (every program recomputes the norms: a wide matmul's many
-    programs may lose more than the launch); the two ops otherwise."""
+    """``ModelOps.gemma_residual_linear``: at decode sizes the GEMV computes x (and its
+    next norm) itself (the residual norm kernel's launch goes; the first output tile's
+    programs store x), on the row path with one K chunk, where the tuner finds that faster
+    than the two launches at their best (every program recomputes each row's norms: a wide
+    matmul's many programs, or many rows, may lose more than the launch; two to 16 rows,
+    a verify's or a batch's draft rows, weigh the row path against the tiles); the two ops
+    otherwise."""
     gated = act is not None and up is None
 
     def two_launches(config, w=proj):  # the norm kernel, then the GEMV (or cuBLAS) on x
@@ -177,7 +179,7 @@ def triton_gemma_residual_linear(
         return x, cublas_linear_act_mul(y, w, bias, act, up)
 
     one_chunk = tuple(c for c in ROW_CONFIGS if c.block_k >= h.shape[-1])
-    fits = h.dim() == 2 and h.shape[0] == 1 and residual.stride(-1) == 1 and one_chunk
+    fits = h.dim() == 2 and residual.stride(-1) == 1 and one_chunk
     fits = fits and (act is None or act in ACTIVATION_CODES) and _skinny(h, proj)
     dtypes = {weight.dtype, h.dtype} | ({next_weight.dtype} if next_weight is not None else set())
     if not fits or len(dtypes) > 1:
@@ -185,11 +187,12 @@ def triton_gemma_residual_linear(
             h, residual, weight, eps, proj, bias, scalar=scalar, next_weight=next_weight,
             act=act, up=up,
         )  # fmt: skip
-    key = ("residual_linear", *proj.shape, h.dtype, act, gated, bias is not None)
+    rows = h.shape[0]
+    key = ("residual_linear", _row_class(h), *proj.shape, h.dtype, act, gated, bias is not None)
     key += (scalar is not None, next_weight is not None)
     # The two launches' own best first, tuned here: never inside another key's timing (the
     # tuner captures its candidates, and a capture cannot tune).
-    apart = TUNER.choose(("two launches", *key), 1, proj, two_launches)
+    apart = TUNER.choose(("two launches", *key), rows, proj, two_launches)
 
     def run(config, w=proj):
         if config is None:  # the tuner's other candidate: the two launches at their best
@@ -198,7 +201,7 @@ def triton_gemma_residual_linear(
         norm = ResidualNorm(residual, weight, eps, x, next_weight, scalar)
         return x, gemv(h, w, bias, config, act=act, gated=gated, up=up, residual_norm=norm)
 
-    return run(TUNER.choose(key, 1, proj, run, (CUBLAS, *one_chunk)))
+    return run(TUNER.choose(key, rows, proj, run, (CUBLAS, *one_chunk)))
 
 
 def act_mul(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
