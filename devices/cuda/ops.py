@@ -156,6 +156,13 @@ def triton_linear_rope(x, weight, bias=None, *, norm, positions, cos, sin, kv_wr
     return run(TUNER.choose(key, x.shape[0], weight, run))
 
 
+# The most rows the residual prologue serves. Each program computes every row's norms from
+# L2 (programs x rows x 2K values), so its cost grows with the rows where the two launches'
+# does not: one timing serves 2 to 8 rows (a verify of up to 7 draft tokens, or 8 requests'
+# draft rows), not up to 16.
+RESIDUAL_ROWS = 8
+
+
 def triton_gemma_residual_linear(
     h, residual, weight, eps, proj, bias=None, *, scalar=None, next_weight=None, act=None,
     up=None,
@@ -164,9 +171,9 @@ def triton_gemma_residual_linear(
     next norm) itself (the residual norm kernel's launch goes; the first output tile's
     programs store x), on the row path with one K chunk, where the tuner finds that faster
     than the two launches at their best (every program recomputes each row's norms: a wide
-    matmul's many programs, or many rows, may lose more than the launch; two to 16 rows,
-    a verify's or a batch's draft rows, weigh the row path against the tiles); the two ops
-    otherwise."""
+    matmul's many programs, or many rows, may lose more than the launch; two to
+    RESIDUAL_ROWS rows, a verify's or a batch's draft rows, weigh the row path against the
+    tiles); the two ops otherwise."""
     gated = act is not None and up is None
 
     def two_launches(config, w=proj):  # the norm kernel, then the GEMV (or cuBLAS) on x
@@ -179,7 +186,8 @@ def triton_gemma_residual_linear(
         return x, cublas_linear_act_mul(y, w, bias, act, up)
 
     one_chunk = tuple(c for c in ROW_CONFIGS if c.block_k >= h.shape[-1])
-    fits = h.dim() == 2 and residual.stride(-1) == 1 and one_chunk
+    fits = h.dim() == 2 and h.shape[0] <= RESIDUAL_ROWS and residual.stride(-1) == 1
+    fits = fits and bool(one_chunk)
     fits = fits and (act is None or act in ACTIVATION_CODES) and _skinny(h, proj)
     dtypes = {weight.dtype, h.dtype} | ({next_weight.dtype} if next_weight is not None else set())
     if not fits or len(dtypes) > 1:
@@ -188,7 +196,8 @@ def triton_gemma_residual_linear(
             act=act, up=up,
         )  # fmt: skip
     rows = h.shape[0]
-    key = ("residual_linear", _row_class(h), *proj.shape, h.dtype, act, gated, bias is not None)
+    row_class = "1" if rows == 1 else f"2-{RESIDUAL_ROWS}"
+    key = ("residual_linear", row_class, *proj.shape, h.dtype, act, gated, bias is not None)
     key += (scalar is not None, next_weight is not None)
     # The two launches' own best first, tuned here: never inside another key's timing (the
     # tuner captures its candidates, and a capture cannot tune).
