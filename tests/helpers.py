@@ -247,8 +247,9 @@ def exact_interpreter_dots() -> None:
     InterpreterBuilder.create_dot = create_dot
 
 
-def run_under_triton_interpreter(test_file: str) -> Any:
-    """Run ``test_file`` as a script with TRITON_INTERPRET=1 and return the JSON it prints last.
+def run_under_triton_interpreter(test_file: str, *args: str) -> Any:
+    """Run ``test_file`` as a script (with ``args``) with TRITON_INTERPRET=1 and return the
+    JSON it prints last.
 
     The interpreter must be switched on before triton is first imported, and other tests
     in this process may already have imported it: hence a subprocess.
@@ -260,7 +261,7 @@ def run_under_triton_interpreter(test_file: str) -> Any:
 
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, str(Path(test_file).resolve())],
+        [sys.executable, str(Path(test_file).resolve()), *args],
         env=env,
         capture_output=True,
         text=True,

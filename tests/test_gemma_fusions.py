@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from helpers import OLD_INTERPRETER, needs_triton
+from helpers import OLD_INTERPRETER, needs_triton, run_under_triton_interpreter
 
 from graphrt.devices.cpu import CpuDevice
 
@@ -122,18 +122,7 @@ def gemma_fusions(checkpoint: str) -> dict:
 @needs_triton
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_gemma4_decodes_bit_for_bit_with_and_without_its_fusions(gemma4_tiny):
-    import os
-    import subprocess
-
-    proc = subprocess.run(
-        [sys.executable, __file__, str(gemma4_tiny.path)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_under_triton_interpreter(__file__, str(gemma4_tiny.path))
     assert result["ok"], result
 
 

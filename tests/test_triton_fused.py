@@ -582,19 +582,7 @@ def engine_results(checkpoint: str) -> dict:
 @needs_triton
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_fused_decoding_under_interpreter_matches_reference(gemma4_tiny):
-    import os
-    import subprocess
-    import sys
-
-    proc = subprocess.run(
-        [sys.executable, __file__, "engine", str(gemma4_tiny.path)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = run_under_triton_interpreter(__file__, "engine", str(gemma4_tiny.path))
     assert len(results) == 6  # (Gemma 4 in float32, Llama in bfloat16 and float16) x 2
     bad = {key: m for key, m in results.items() if not m["ok"]}
     assert not bad, bad
