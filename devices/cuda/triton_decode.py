@@ -55,8 +55,8 @@ import triton.language as tl
 from graphrt.core.attention.base import HeadNormRope
 from graphrt.core.errors import GraphrtError
 from graphrt.devices.cuda import pdl
-from graphrt.devices.cuda.triton_ops import _INTERPRETED, _round, inv_rms
-from graphrt.devices.cuda.triton_rope import _partner, _rope_head, _rotated
+from graphrt.devices.cuda.triton_ops import _INTERPRETED
+from graphrt.devices.cuda.triton_rope import _normed_rope_rows, _rope_head
 
 # Splits of a row shorter than 2 * NUM_KV_SPLITS * SPLIT_KEYS keys. Never tuned per
 # batch: the split count sets the float summation order. 16 fills an H200 at batch 1
@@ -155,29 +155,18 @@ def _normed_q_group(
     TORCH_CUDA_MATH: tl.constexpr,
 ):  # fmt: skip
     """``_load_q_group`` of raw q heads, each first normed over its head (Gemma's RMSNorm
-    with QWeight) and roped at this row's tables, in ``_rope_head``'s arithmetic: the
-    gemma_qkv_norm_rope kernel's q, cast to the cache's ``dtype``."""
-    act: tl.constexpr = Q.dtype.element_ty
+    with QWeight) and roped at this row's tables (``_normed_rope_rows``, the
+    gemma_qkv_norm_rope kernel's arithmetic), cast to the cache's ``dtype``."""
     offs_g = tl.arange(0, BLOCK_G)
     mask_g = offs_g < KV_GROUP
     heads = kv_h * KV_GROUP + offs_g
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
     rows = Q + row * stride_qb + heads[:, None] * stride_qh  # (BLOCK_G, 1)
-    lanes = offs_d[None, :]  # (1, BLOCK_D)
-    x = tl.load(rows + lanes, mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-    count = tl.zeros((1,), tl.int32) + HEAD_DIM
-    inv = inv_rms(tl.sum(x * x, axis=1)[:, None], count, eps, TORCH_CUDA_MATH)  # (BLOCK_G, 1)
-    w = tl.load(QWeight + lanes, mask=mask_d[None, :], other=0.0).to(tl.float32)
-    x = _round(x * inv * w, act)
-    # The partner lanes normed again from memory (the same inv_rms: the same values).
-    partner = _partner(lanes, ROT_DIM)
-    rot = mask_g[:, None] & (lanes < ROT_DIM)
-    xp = tl.load(rows + partner, mask=rot, other=0.0).to(tl.float32)
-    wp = tl.load(QWeight + partner, mask=lanes < ROT_DIM, other=0.0).to(tl.float32)
-    xp = _round(xp * inv * wp, act)
-    q = _rotated(x, xp, lanes, cos_row, sin_row, act, ROT_DIM)
-    return q.to(dtype), heads, mask_g, offs_d, mask_d
+    q = _normed_rope_rows(
+        rows, mask_g[:, None], QWeight, cos_row, sin_row, eps, True, True, True, HEAD_DIM,
+        ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
+    )  # fmt: skip
+    return q.to(dtype), heads, mask_g, offs_d, offs_d < HEAD_DIM
 
 
 @triton.jit

@@ -18,12 +18,7 @@ import triton
 import triton.language as tl
 
 from graphrt.core.attention.base import KVWrite
-from graphrt.devices.cuda.triton_ops import (
-    _INTERPRETED,
-    _gemma_inv_rms,
-    _norm_num_warps,
-    _round,
-)
+from graphrt.devices.cuda.triton_ops import _INTERPRETED, _norm_num_warps, _round, inv_rms
 
 
 @triton.jit
@@ -50,6 +45,48 @@ def _partner(offs, ROT_DIM: tl.constexpr):
 
 
 @triton.jit
+def _normed_rope_rows(
+    rows,  # (R, 1): each row's head, HEAD_DIM values
+    live,  # (R, 1): the rows to read
+    weight,  # (D,): the norm's scale, read when HAS_WEIGHT
+    cos_row,  # this token's R table values (one row serves every head)
+    sin_row,
+    eps,
+    NORM: tl.constexpr,  # Gemma's RMSNorm over each head first
+    HAS_WEIGHT: tl.constexpr,
+    ROPE: tl.constexpr,  # False: v (normed or as it is)
+    HEAD_DIM: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TORCH_CUDA_MATH: tl.constexpr,
+):
+    """(R, BLOCK_D) float32 values of the rows' dtype: each head normed (the norm in
+    float32, times the weight, one rounding) and roped (``_rotated``), as the reference
+    rounds. The one arithmetic of the rope kernel's heads (``_rope_head``, ``_rope_rows``)
+    and of decode attention's q heads (``triton_decode._normed_q_group``)."""
+    dtype = rows.dtype.element_ty
+    lanes = tl.arange(0, BLOCK_D)[None, :]
+    x = tl.load(rows + lanes, mask=live & (lanes < HEAD_DIM), other=0.0).to(tl.float32)
+    if NORM:
+        count = tl.zeros((1,), tl.int32) + HEAD_DIM
+        inv = inv_rms(tl.sum(x * x, axis=1)[:, None], count, eps, TORCH_CUDA_MATH)  # (R, 1)
+        x = x * inv
+        if HAS_WEIGHT:
+            x = x * tl.load(weight + lanes, mask=lanes < HEAD_DIM, other=0.0).to(tl.float32)
+        x = _round(x, dtype)  # the norm's output, as rope reads it
+    if ROPE:
+        partner = _partner(lanes, ROT_DIM)
+        xp = tl.load(rows + partner, mask=live & (lanes < ROT_DIM), other=0.0).to(tl.float32)
+        if NORM:  # the partner lane normed again from memory (same inv_rms: same value)
+            xp = xp * inv
+            if HAS_WEIGHT:
+                xp = xp * tl.load(weight + partner, mask=lanes < ROT_DIM, other=0.0).to(tl.float32)
+            xp = _round(xp, dtype)
+        x = _rotated(x, xp, lanes, cos_row, sin_row, dtype, ROT_DIM)
+    return x
+
+
+@triton.jit
 def _rope_head(
     src,  # this head's D values
     dst,  # where they go: an output row or a KV cache row (its dtype)
@@ -65,28 +102,15 @@ def _rope_head(
     BLOCK_D: tl.constexpr,
     TORCH_CUDA_MATH: tl.constexpr,
 ):
-    dtype = src.dtype.element_ty
-    offs = tl.arange(0, BLOCK_D)
-    mask = offs < HEAD_DIM
-    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        inv_rms = _gemma_inv_rms(x, eps, HEAD_DIM, TORCH_CUDA_MATH)
-        x = x * inv_rms
-        if HAS_WEIGHT:
-            x = x * tl.load(weight + offs, mask=mask, other=0.0).to(tl.float32)
-        x = _round(x, dtype)  # the norm's output, as rope reads it
-    if ROPE:
-        rot = offs < ROT_DIM
-        partner = _partner(offs, ROT_DIM)
-        xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
-        if NORM:  # the partner lane normed again from memory (same inv_rms: same value)
-            xp = xp * inv_rms
-            if HAS_WEIGHT:
-                xp = xp * tl.load(weight + partner, mask=rot, other=0.0).to(tl.float32)
-            xp = _round(xp, dtype)
-        x = _rotated(x, xp, offs, cos_row, sin_row, dtype, ROT_DIM)
+    """``_normed_rope_rows`` of one head, stored at ``dst``."""
+    one = tl.arange(0, 1)[:, None]  # (1, 1)
+    x = _normed_rope_rows(
+        src + one, one >= 0, weight, cos_row, sin_row, eps, NORM, HAS_WEIGHT, ROPE, HEAD_DIM,
+        ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
+    )  # fmt: skip
+    lanes = tl.arange(0, BLOCK_D)[None, :]
     # x holds values of the activation dtype; the cache's dtype may differ (a cast).
-    tl.store(dst + offs, x.to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + one + lanes, x.to(dst.dtype.element_ty), mask=lanes < HEAD_DIM)
 
 
 @triton.jit
@@ -174,17 +198,16 @@ def _rope_rows(
     BLOCK_D: tl.constexpr,
 ):
     """``_rope_head``'s plain rope on every head of a group at once: (BLOCK_H, BLOCK_D)."""
-    dtype = src.dtype.element_ty
     offs = tl.arange(0, BLOCK_D)[None, :]
     heads = tl.arange(0, BLOCK_H)[:, None]
     live = heads < num_heads
-    mask = live & (offs < HEAD_DIM)
-    x = tl.load(src + heads * stride_src + offs, mask=mask, other=0.0).to(tl.float32)
-    if ROPE:  # (one row of each table serves every head)
-        partner = src + heads * stride_src + _partner(offs, ROT_DIM)
-        xp = tl.load(partner, mask=live & (offs < ROT_DIM), other=0.0).to(tl.float32)
-        x = _rotated(x, xp, offs, cos_row, sin_row, dtype, ROT_DIM)
-    tl.store(dst + heads * stride_dst + offs, x.to(dst.dtype.element_ty), mask=mask)
+    x = _normed_rope_rows(
+        src + heads * stride_src, live, src, cos_row, sin_row, 0.0, False, False, ROPE,
+        HEAD_DIM, ROT_DIM, BLOCK_D, False,
+    )  # fmt: skip
+    tl.store(
+        dst + heads * stride_dst + offs, x.to(dst.dtype.element_ty), mask=live & (offs < HEAD_DIM)
+    )
 
 
 @triton.jit
