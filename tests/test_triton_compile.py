@@ -205,31 +205,25 @@ def _cases():
             {"M": "i32", "N": "i32", "K": "i32"},
         )
 
-    # Gemma 4's per-layer input gate reading the residual stream it computes (the row path,
-    # one chunk): under PDL and without, gelu times the per-layer input; and the MLP's
-    # gate/up on the stream's next norm.
-    for pdl, nxt in ((False, False), (True, False), (True, True)):
-        residual_gate = {"BLOCK_M": 1, "BLOCK_K": 2048, "SPLIT_K": 1, "ONE_CHUNK": True,
-                         "USE_PDL": pdl, "RES_NORM": True, "RES_NORM_NEXT": nxt, "NORM": False,
-                         "ROW_K": 0, "GATED": nxt, "HAS_UP": not nxt, "ACT": 2,
-                         "HAS_RESIDUAL": False}  # fmt: skip
+    # Gemma 4's GEMVs reading the residual stream they compute (the row path, one chunk):
+    # the per-layer input's gate (gelu times the per-layer input) under PDL and without;
+    # the MLP's gate/up on the stream's next norm; the next layer's input projection (no
+    # activation) on the next norm of the stream after the layer scalar, under PDL and
+    # without. (name, PDL, next norm, layer scalar, gated, activation code)
+    for name, pdl, nxt, scalar, gated, act in (
+        ("gate", False, False, False, False, 2), ("gate", True, False, False, False, 2),
+        ("gate", True, True, False, True, 2), ("in_proj", False, True, True, False, 0),
+        ("in_proj", True, True, True, False, 0),
+    ):  # fmt: skip
+        prologue = {"BLOCK_M": 1, "BLOCK_K": 2048, "SPLIT_K": 1, "ONE_CHUNK": True,
+                    "USE_PDL": pdl, "RES_NORM": True, "RES_NORM_NEXT": nxt,
+                    "RES_SCALAR": scalar, "NORM": False, "ROW_K": 0, "GATED": gated,
+                    "HAS_UP": act != 0 and not gated, "ACT": act,
+                    "HAS_RESIDUAL": False}  # fmt: skip
         yield (
-            f"gemv_residual_gate-pdl{pdl}-next{nxt}",
+            f"gemv_residual_{name}-pdl{pdl}-next{nxt}",
             triton_gemv._gemv_kernel,
-            {**gemv, **residual_gate},
-            {"M": "i32", "N": "i32", "K": "i32"},
-        )
-    # ... and the next layer's input projection: the layer scalar, the next norm, no
-    # activation.
-    for pdl in (False, True):
-        in_proj = {"BLOCK_M": 1, "BLOCK_K": 2048, "SPLIT_K": 1, "ONE_CHUNK": True,
-                   "USE_PDL": pdl, "RES_NORM": True, "RES_NORM_NEXT": True, "RES_SCALAR": True,
-                   "NORM": False, "ROW_K": 0, "GATED": False, "HAS_UP": False, "ACT": 0,
-                   "HAS_RESIDUAL": False}  # fmt: skip
-        yield (
-            f"gemv_residual_in_proj-pdl{pdl}",
-            triton_gemv._gemv_kernel,
-            {**gemv, **in_proj},
+            {**gemv, **prologue},
             {"M": "i32", "N": "i32", "K": "i32"},
         )
 

@@ -264,8 +264,8 @@ class Gemma4DecoderLayer(nn.Module):
             # HAZARD: ops on proj's parameters, not proj(): right for Linear, MergedLinear and
             # ColumnParallelLinear (no collective); a layer with its own forward would break.
             x, projected = ops.gemma_residual_linear(
-                *stream.added(eps), proj.weight, proj.bias, scalar=stream.scalar,
-                next_weight=self.input_layernorm.weight,
+                stream.h, stream.residual, stream.weight, eps, proj.weight, proj.bias,
+                scalar=stream.scalar, next_weight=self.input_layernorm.weight,
             )  # fmt: skip
         else:  # the embedding: nothing to add
             x = stream
@@ -304,10 +304,6 @@ class PendingResidual(NamedTuple):
     weight: torch.Tensor  # (hidden,): the block's post norm
     scalar: torch.Tensor  # (1,): the layer scalar
 
-    def added(self, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-        """The leading arguments of ``gemma_residual_norm`` and ``gemma_residual_linear``."""
-        return self.h, self.residual, self.weight, eps
-
 
 def run_layers(
     layers: nn.ModuleList,
@@ -324,7 +320,7 @@ def run_layers(
         stream = layer(stream, layer_input, batch, attn)
     ops = layers[-1].ops
     _, normed = ops.gemma_residual_norm(
-        *stream.added(final_norm.eps), stream.scalar, final_norm.weight
+        stream.h, stream.residual, stream.weight, final_norm.eps, stream.scalar, final_norm.weight
     )
     return normed
 
