@@ -13,11 +13,7 @@ launched as BLOCK_N:num_warps:num_stages (the first is the reference), with the 
 TB/s and whether each output equals the reference's bits; ``64:4:2+128@2048`` launches
 stage 1 twice, rows of 2,048 visible keys and more on 128-key blocks (``decode_attention``'s
 ``long_rows``); ``--contiguous`` gives every request consecutive slots instead of
-scattered ones. ``--fused-combine`` times the engine's rule with the combine in its own
-launch against the combine in stage 1 (``decode_attention``'s ``fused_combine``, asked for
-every shape: the engine asks only where ``fuses_combine``, Llama's shapes, so Gemma 4's
-figures decide whether its 8 heads a KV head should be), with the largest difference
-between their outputs.
+scattered ones.
 """
 
 from __future__ import annotations
@@ -55,7 +51,6 @@ def layer_us(
     launch: tuple[int, ...] | None = None,  # see parse_launch
     contiguous: bool = False,
     timed: bool = True,
-    fused_combine: bool = False,
 ) -> tuple[float, float, torch.Tensor]:
     """One layer's decode attention over ``bs`` rows of ``ctx`` keys, us, of that the
     combine alone, and the output: ``splits`` for every row, or (None) the engine's
@@ -87,7 +82,7 @@ def layer_us(
     def run():
         decode_attention(
             q, k, v, table, reqs, lens, out, *scratch, head_dim**-0.5, rest_chunk=rest_chunk, **stage1,
-            **short, fused_combine=fused_combine,
+            **short,
         )  # fmt: skip
 
     def combine():
@@ -144,25 +139,6 @@ def sweep_launches(args: argparse.Namespace) -> None:
             print(f"{bs:>5} {ctx:>7} " + " ".join(f"{c:>15}" for c in cells), flush=True)
 
 
-def compare_fused(args: argparse.Namespace) -> None:
-    heads, kv_heads, head_dim = SHAPES[args.shape]
-    print(
-        f"{args.shape}: {heads} heads on {kv_heads} KV heads, head_dim {head_dim}, bf16; us a "
-        "layer, the length rule: combine launched / in stage 1, and their outputs' largest "
-        "difference"
-    )
-    print(f"{'batch':>5} {'context':>7} {'launched':>9} {'stage 1':>9} {'ratio':>6} {'diff':>9}")
-    for bs in (int(b) for b in args.batch_sizes.split(",")):
-        for ctx in (int(c) for c in args.contexts.split(",")):
-            if 2 * bs * ctx * kv_heads * head_dim * 2 > 16 << 30:
-                continue
-            apart, _, want = layer_us(args.shape, bs, ctx, None, None)
-            fused, _, got = layer_us(args.shape, bs, ctx, None, None, fused_combine=True)
-            diff = (got.float() - want.float()).abs().max().item()
-            line = f"{bs:>5} {ctx:>7} {apart:9.1f} {fused:9.1f} {fused / apart:6.3f} {diff:9.2e}"
-            print(line, flush=True)
-
-
 def _label(splits: int | None, rest_chunk: int | None) -> str:
     return str(splits) if splits else f"auto/{rest_chunk}" if rest_chunk else "auto"
 
@@ -183,14 +159,7 @@ def main() -> None:
         "--once", action="store_true",
         help="with --launches: launch each twice, untimed (for ncu: bash bench/h200.sh ncu)",
     )  # fmt: skip
-    parser.add_argument(
-        "--fused-combine", action="store_true",
-        help="the combine launched against the combine in stage 1 (see above)",
-    )  # fmt: skip
     args = parser.parse_args()
-    if args.fused_combine:
-        compare_fused(args)
-        return
     if args.launches:
         sweep_launches(args)
         return

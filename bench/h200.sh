@@ -4,7 +4,8 @@
 # table prints last. Usage: bash bench/h200.sh [tests|bench|spec|all] [bench runners] [spec topks]
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
 #   bash bench/h200.sh pytest "FILES [pytest args]": those CUDA tests (CUDA_WORKERS, 8)
-#   bash bench/h200.sh profile [models] [batch sizes]: bench/profile_step.py
+#   bash bench/h200.sh profile [models] [batch sizes] [variants]: bench/profile_step.py
+#     (variants: tuned,no-pdl,cublas, all three unless named)
 #   bash bench/h200.sh round [topk] [kernels listed] [batch sizes]: bench/profile_round.py
 #   bash bench/h200.sh ab DIR "MODE ARGS": MODE with this tree's package, then DIR's, twice
 #     over, on one machine (a host-side change against its base)
@@ -18,12 +19,10 @@
 #   bash bench/h200.sh onerow [models] [N:K:W,...]: decode's GEMVs at batch 1, each row-path
 #     configuration (and those given) on each projection, us and TB/s against the copy
 #     bandwidth (bench/gemv_widths.py --one-row; llama-1b,llama-8b,gemma4-e2b)
-#   bash bench/h200.sh fused: the CUDA tests of stops 60-61's kernels (the GEMV's rope
-#     epilogue and Gemma residual-norm prologue, greedy tokens on Triton, decode attention's
-#     combine and Gemma's head norms in stage 1, and the decode paths that run them:
-#     conformance, parity, Gemma 4, the embedded pair, engine, attention, verify), then the
-#     greedy sampler by vocabulary width (bench/greedy_argmax.py) and the combine launched
-#     against in stage 1 (bench/decode_splits.py --fused-combine, Llama's and Gemma's shapes)
+#   bash bench/h200.sh fused: the CUDA tests of stops 60-62's kernels (the GEMV's rope
+#     epilogue and Gemma residual-norm prologue, greedy tokens on Triton, and the decode
+#     paths that run them: conformance, parity, Gemma 4, the embedded pair, engine,
+#     attention, verify), then the greedy sampler by vocabulary width (bench/greedy_argmax.py)
 #   bash bench/h200.sh cold: the README's first command from empty caches, then warm, with
 #     where the seconds go (bench/cold_start.py)
 #   bash bench/h200.sh splits: decode attention by KV split count and context (issue 21;
@@ -286,12 +285,6 @@ if [[ $what == fused ]]; then
     echo "fused tests exit $?"; grep -E "^(FAILED|ERROR)" "$OUT/tests-fused.log" | head -n 20
     tail -n 2 "$OUT/tests-fused.log"
     python bench/greedy_argmax.py 2>&1 | grep -v Warning | tee "$OUT/greedy-argmax.log"
-    # Llama's shapes combine in stage 1 in the engine; Gemma 4's are measured to decide
-    for shape in llama-1b llama-8b gemma4-sliding gemma4-global assistant-sliding \
-        assistant-global; do
-        python bench/decode_splits.py --fused-combine --shape $shape --contexts 512,32768 \
-            --batch-sizes 1,8,64 2>&1 | grep -v Warning | tee -a "$OUT/decode-fused-combine.log"
-    done
 fi
 
 if [[ $what == onerow ]]; then
@@ -479,7 +472,7 @@ if [[ $what == sdpa ]]; then
 fi
 
 if [[ $what == profile ]]; then
-    python bench/profile_step.py "${2:-random:llama-1b,random:gemma4-e2b}" "${3:-1,32}" 2>&1 \
+    python bench/profile_step.py "${2:-random:llama-1b,random:gemma4-e2b}" "${3:-1,32}" 512 ${4:-tuned,no-pdl,cublas} 2>&1 \
         | grep -v Warning | tee "$OUT/profile-step.log" | tail -n 80
 fi
 

@@ -32,12 +32,9 @@ def main() -> None:
     for head_dim, block_n in ((256, 32), (512, 16)):
         common = dict(KV_GROUP=8, **split_constants(128), BLOCK_N=block_n, HEAD_DIM=head_dim,
                       BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
-        # Gemma 4's heads keep the combine's own launch (fuses_combine)
-        # (and take their head norms and rope in stage 1, the step's k and v stored there)
-        stage1 = common | dict(BLOCK_G=16, FUSED_COMBINE=False, BLOCK_H=8, BLOCK_S=16,
-                               BLOCK_REST=1, LAUNCH_DEPENDENTS=False, HEAD_NORM=True,
-                               NEW_KV=True, ROT_DIM=head_dim, TORCH_CUDA_MATH=True)  # fmt: skip
-        print(f"decode D={head_dim}: {resources(_decode_partial_kernel, stage1, 4)}")
+        print(
+            f"decode D={head_dim}: {resources(_decode_partial_kernel, common | {'BLOCK_G': 16}, 4)}"
+        )
         combine = dict(MIN_SPLITS=16, BLOCK_S=16, BLOCK_REST=8192 // head_dim, HEAD_DIM=head_dim,
                        BLOCK_D=head_dim, LAUNCH_DEPENDENTS=True)  # fmt: skip
         print(f"combine D={head_dim}, 128 splits: {resources(_decode_combine_kernel, combine, 2)}")

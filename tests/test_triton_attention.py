@@ -144,7 +144,6 @@ def interpreter_results() -> dict:
     The interpreter takes ~0.5 s per launch on 2 cores: the launch count is kept small.
     """
     from graphrt.devices.cuda import attention as cuda_attention
-    from graphrt.devices.cuda import triton_decode
     from graphrt.devices.cuda.attention import TritonAttentionBackend
     from graphrt.devices.cuda.triton_decode import (
         allocate_decode_scratch,
@@ -218,28 +217,6 @@ def interpreter_results() -> dict:
             and (window is not None or not torch.equal(short[~long], wide[~long]))
         )
         errors[f"{case}/long_rows_vs_naive"] = rel_err(two, naive)
-        # The combine in stage 1 (the backend's default: every case above ran it): no
-        # combine launch, and here, where every split count is a short row's, the combine
-        # kernel's bits; the arrival counts back at zero for the next launch.
-        # "stepwise": a tile of one head's partials, so the group's 2 heads take 2 steps.
-        real_combine, triton_decode.combine_splits = triton_decode.combine_splits, None
-        tile = triton_decode.COMBINE_TILE
-        try:
-            for name, like, tile_elements in (("short", "short", tile), ("two", "two", tile),
-                                              ("stepwise", "short", 4 * 32)):  # fmt: skip
-                triton_decode.COMBINE_TILE = tile_elements
-                fused = torch.empty_like(outs[like])
-                decode_attention(
-                    wide_q[:, :, :head_dim], pools.kv_pool.k_buffers[0],
-                    pools.kv_pool.v_buffers[0], pools.req_pool.req_to_token,
-                    batch.req_pool_indices, batch.seq_lens, fused, *scratch, spec.scaling,
-                    window, **launches[like], fused_combine=True,
-                )  # fmt: skip
-                flags[f"{case}/fused_combine_{name}"] = torch.equal(fused, outs[like]) and not (
-                    triton_decode.arrival_counts(torch.device("cpu")).any()
-                )
-        finally:
-            triton_decode.combine_splits, triton_decode.COMBINE_TILE = real_combine, tile
         if window is None:
             # The backend's decode of a batch flagged long_rows (the long rows' graphs):
             # rows of LONG_ROW_KEYS keys and more on long_block_n's blocks (both patched
@@ -278,71 +255,7 @@ def interpreter_results() -> dict:
     flags["store_kv/matches_index_put"] = torch.equal(k_buffer, want_k) and torch.equal(
         v_buffer, want_v
     )
-    for case, m in head_norm_results(TritonAttentionBackend, "cpu", torch.float32).items():
-        flags[case] = m["takes"] and m["written"] and m["out"] == 0.0 and m["kv"] == 0.0
     return {"errors": errors, "flags": flags, "extend": extend_results(TritonAttentionBackend)}
-
-
-# (head_dim, sliding_window, num_heads, num_kv_heads, rotated lanes, writes_kv): a layer
-# writing its KV, a windowed one with a partial rope over one KV head, a KV-sharing one.
-HEAD_NORM_CASES = [(16, None, 4, 2, 16, True), (32, 5, 4, 1, 16, True), (16, None, 4, 2, 16, False)]
-
-
-def head_norm_results(backend_cls, device, dtype) -> dict:
-    """Gemma's head norms and rope in decode's stage 1 (the backend's ``head_norm``: q normed
-    and roped as it loads, the step's k and v stored by the program reading their block)
-    against the norm-and-rope kernel storing k and v, then decode attention on its q: per
-    case, whether the backend takes them, whether the step's K/V were written (or, for a
-    KV-sharing layer, the pool untouched), and the outputs' and the pools' relative
-    differences (``rel_err``)."""
-    from graphrt.core.attention.base import HeadNormRope
-    from graphrt.devices.cuda.ops import TRITON_OPS
-
-    results = {}
-    for head_dim, window, num_heads, num_kv_heads, rot, writes_kv in HEAD_NORM_CASES:
-        case = f"head_norm/D{head_dim}-window{window}-R{rot}-writes{writes_kv}"
-        pools = Pools((head_dim,), num_kv_heads, 5, 80, dtype, device, seed=5)
-        batch = pools.decode_batch(CPU_SEQ_LENS, num_padding=1)
-        spec = AttentionSpec(num_heads, num_kv_heads, head_dim, 1.0, 0, window, writes_kv)
-        q, k, v = pools.qkv(batch.batch_size, spec)
-        q_weight, k_weight = pools.rand(head_dim) + 1, pools.rand(head_dim) + 1
-        angles = torch.outer(torch.arange(80.0), torch.linspace(0.1, 1.0, rot // 2))
-        angles = torch.cat([angles, angles], -1).to(device)
-        cos, sin = angles.cos(), angles.sin()
-        backend = backend_cls(pools.kv_pool, pools.req_pool, num_kv_splits=4)
-        backend.init_forward_metadata(batch)
-        buffers = (pools.kv_pool.k_buffers[0], pools.kv_pool.v_buffers[0])
-        before = [b.clone() for b in buffers]
-        heads = (-1, num_heads, head_dim)
-        kv_heads = (-1, num_kv_heads, head_dim)
-        if writes_kv:
-            normed, _, _ = TRITON_OPS.gemma_qkv_norm_rope(
-                batch.positions, q.view(heads), k.view(kv_heads), v.view(kv_heads), q_weight,
-                k_weight, 1e-6, cos, sin, kv_write=backend.kv_write_target(spec, batch),
-            )  # fmt: skip
-        else:
-            normed, _, _ = TRITON_OPS.gemma_qkv_norm_rope(
-                batch.positions, q.view(heads), None, None, q_weight, None, 1e-6, cos, sin
-            )
-        want = backend.forward(normed.flatten(1), None, None, spec, batch)
-        want_kv = [b.clone() for b in buffers]
-        for b, old in zip(buffers, before):
-            b.copy_(old)
-        norms = HeadNormRope(
-            batch.positions, q_weight, k_weight if writes_kv else None, 1e-6, cos, sin
-        )
-        raw = (k, v) if writes_kv else (None, None)
-        got = backend.forward(q, *raw, spec, batch, head_norm=norms)
-        results[case] = {
-            "takes": backend.takes_head_norm(spec, batch),
-            "written": writes_kv != all(torch.equal(b, w) for b, w in zip(buffers, before)),
-            "out": rel_err(got, want),
-            "kv": max(rel_err(b, w) for b, w in zip(buffers, want_kv)),
-        }
-    return results
-
-
-ULP = {dtype: torch.finfo(dtype).eps for dtype in (torch.float32, torch.bfloat16, torch.float16)}
 
 
 # (tokens cached before the chunk, the chunk's tokens) per request: a whole prompt, one
@@ -442,11 +355,11 @@ def extend_results(triton_backend_cls) -> dict:
 def test_decode_kernel_under_interpreter_matches_reference_and_naive():
     results = run_under_triton_interpreter(__file__)
     # Per case: 3 errors and 2 flags; the two launcher cases' 3-split and long-row
-    # launches (2 errors and a flag each) and fused combines (3 flags each), and the
-    # backend's long rows (without a window: a flag); scratch and store flags.
+    # launches (2 errors and a flag each), and the backend's long rows (without a
+    # window: a flag); scratch and store flags.
     num_cases = len(INTERPRETER_CASES)
     assert len(results["errors"]) == 3 * num_cases + 4
-    assert len(results["flags"]) == 2 * num_cases + 13 + len(HEAD_NORM_CASES)
+    assert len(results["flags"]) == 2 * num_cases + 7
     too_far = {name: err for name, err in results["errors"].items() if not err < 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]
@@ -693,26 +606,6 @@ def test_cuda_decode_matches_reference_and_naive(dtype, head_dim, window, monkey
 @pytest.mark.cuda
 @needs_gpu
 @needs_triton
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_cuda_head_norms_in_decode_match_the_norm_kernel_then_decode(dtype):
-    """On the GPU stage 1's head norms may sum a head's squares in another order than the
-    norm-and-rope kernel (another tile, other warps): the stored K/V then agree within a
-    rounding or two at the pool's scale (rope's sums may cancel, so not in each value's own
-    last place), and the outputs within decode's 16-bit tolerance."""
-    from graphrt.devices.cuda.attention import TritonAttentionBackend
-
-    results = head_norm_results(TritonAttentionBackend, "cuda", dtype)
-    tolerance = CUDA_TOLERANCES[dtype][0]  # decode's own against the reference
-    bad = {
-        case: m for case, m in results.items()
-        if not (m["takes"] and m["written"] and m["kv"] <= 2 * ULP[dtype] and m["out"] < tolerance)
-    }  # fmt: skip
-    assert len(results) == len(HEAD_NORM_CASES) and not bad, bad
-
-
-@pytest.mark.cuda
-@needs_gpu
-@needs_triton
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", list(CUDA_TOLERANCES), ids=str)
 def test_cuda_decode_kv_groups_match_per_head_reference(dtype, group):
@@ -883,19 +776,7 @@ def test_kernels_compile_for_sm90_with_rows_that_double_their_splits():
     stage1 = dict(KV_GROUP=4, BLOCK_G=16, **split_constants(128), BLOCK_N=64, HEAD_DIM=head_dim,
                   BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
     assert stage1["DOUBLINGS"] == 3
-    plain = dict(HEAD_NORM=False, NEW_KV=False, ROT_DIM=1, TORCH_CUDA_MATH=True)
-    unfused = dict(FUSED_COMBINE=False, BLOCK_H=4, BLOCK_S=16, BLOCK_REST=1,
-                   LAUNCH_DEPENDENTS=False, **plain)  # fmt: skip
-    compile_for_h200(_decode_partial_kernel, stage1 | unfused, 4)
-    # ... and with the combine in it: a KV head's 4 query heads, 32 further splits a step
-    # (rest_splits of 4 x 64 lanes), under PDL's trigger.
-    fused = dict(FUSED_COMBINE=True, BLOCK_H=4, BLOCK_S=16, BLOCK_REST=32, LAUNCH_DEPENDENTS=True)
-    compile_for_h200(_decode_partial_kernel, stage1 | fused | plain, 4)
-    # ... and with Gemma's head norms and rope in it: q's, and the step's k and v stored
-    # (a partial rope, as Gemma's full layers' tables are not: any R compiles).
-    for new_kv in (False, True):
-        normed = dict(HEAD_NORM=True, NEW_KV=new_kv, ROT_DIM=32, TORCH_CUDA_MATH=True)
-        compile_for_h200(_decode_partial_kernel, stage1 | unfused | normed, 4)
+    compile_for_h200(_decode_partial_kernel, stage1, 4)
     compile_for_h200(_verify_partial_kernel, stage1 | {"NODES": 4, "BLOCK_T": 8}, 4)
 
 
@@ -929,17 +810,9 @@ def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache, lon
 
     size = {"bf16": 2, "fp32": 4}[cache]
     block_n = td.long_block_n(head_dim, size) if long else td.default_block_n(head_dim, size)
-    block_d = triton.next_power_of_2(head_dim)
-    # 8 query heads a KV head: the combine in stage 1 up to head_dim 64 (fuses_combine)
-    fused = td.fuses_combine(8, 1, head_dim, 16)
     stage1 = dict(
         KV_GROUP=8, BLOCK_G=16, **td.split_constants(128), BLOCK_N=block_n, HEAD_DIM=head_dim,
-        BLOCK_D=block_d, DOT_PRECISION="ieee" if size == 4 else "tf32", FUSED_COMBINE=fused,
-        BLOCK_H=8, BLOCK_S=16, BLOCK_REST=td.rest_splits(16, 128, 8 * block_d),
-        LAUNCH_DEPENDENTS=fused,
-        # Gemma 4's head dims take their head norms and rope in stage 1 (its decode)
-        HEAD_NORM=head_dim >= 256, NEW_KV=head_dim >= 256, ROT_DIM=head_dim,
-        TORCH_CUDA_MATH=True,
+        BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION="ieee" if size == 4 else "tf32",
     )  # fmt: skip
     pointers = ATTENTION_POINTERS | {"K": f"*{cache}", "V": f"*{cache}"}
     stages = td.default_stages(block_n, head_dim, size)
@@ -948,18 +821,12 @@ def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache, lon
     compiled = compile_for_h200(td._decode_partial_kernel, stage1, 4, pointers, stages, True)
     assert compiled.metadata.shared <= H200_SHARED_BYTES, (stages, compiled.metadata.shared)
     ptx = compiled.asm["ptx"]
-    if stage1["HEAD_NORM"]:  # the loop's loads counted without the head norms' before it
-        plain = stage1 | dict(HEAD_NORM=False, NEW_KV=False)
-        ptx = compile_for_h200(td._decode_partial_kernel, plain, 4, pointers, stages, True)
-        ptx = ptx.asm["ptx"]
     if stages == 3:
         # The loop's global loads: the token table's slots and q only (at two stages,
         # 19 at head_dim 64, 74 at 512: every K and V vector).
         tile = 2 * block_n * head_dim * size  # a block's K and V, 16 bytes a thread a copy
         assert ptx.count("cp.async.cg") >= tile // (128 * 16), ptx.count("cp.async.cg")
-        # (The fused combine's reads of the partials, after the loop, are .cg loads.)
-        loads = ptx.count("ld.global") - ptx.count("ld.global.cg")
-        assert loads <= 10, loads
+        assert ptx.count("ld.global") <= 10, ptx.count("ld.global")
 
 
 @needs_triton

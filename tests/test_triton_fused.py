@@ -542,23 +542,23 @@ def engine_results(checkpoint: str) -> dict:
     # Tokens per request: the prefill's, then decode steps (each a second or more of
     # interpreted kernels); request 0's decode step (position 8) is past the window (6),
     # request 1's is not.
-    cases = [(checkpoint, torch.float32, 2, prompts)]
+    cases = [(checkpoint, torch.float32, 2)]
     # Llama in bfloat16 only (its fused-norm GEMV: the 16-bit paths); float32 Llama matches
     # torch in the parity tests. Gemma 4's kernels in bfloat16 are checked one by one in
     # test_fused_kernels_under_interpreter_match_reference, and whole models on the GPU in
     # the CUDA lane: a whole interpreted bfloat16 Gemma 4 cost the CPU lane 28 s.
-    cases += [("random:llama-tiny", torch.bfloat16, 1, prompts)]
+    cases += [("random:llama-tiny", torch.bfloat16, 1)]
     # Llama's decode steps in float16 (the interpreter's float16 dots are right): the q/k/v
     # GEMV with rope and the K/V store in its epilogue, then Triton's decode attention.
     # Their logits round in float16 where the reference's do elsewhere: compared in it.
-    cases += [("random:llama-tiny", torch.float16, 3, prompts)]
-    for model, dtype, steps, case_prompts in cases:
+    cases += [("random:llama-tiny", torch.float16, 3)]
+    for model, dtype, steps in cases:
         params = SamplingParams(max_new_tokens=steps, ignore_eos=True, return_logits=True)
         runs = []
         for device in (TritonOnCpu(), CpuDevice()):
             loaded = load_model(model, device, dtype)
             engine = Engine(loaded, EngineConfig(max_context_len=64, runner="eager"), device)
-            runs.append(engine.generate(case_prompts, params))
+            runs.append(engine.generate(prompts, params))
         name = f"{model.rpartition('/')[2]}-{str(dtype).removeprefix('torch.')}"
         for i, (fused, reference) in enumerate(zip(*runs)):
             as_is = dtype != torch.float16  # float32 logits of 16-bit models: see above

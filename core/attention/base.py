@@ -44,21 +44,6 @@ class KVWrite:
     loc: torch.Tensor  # (T,) int64 token slots (padding rows: the padding slot)
 
 
-@dataclass(frozen=True)
-class HeadNormRope:
-    """Gemma's per-head norms and rope, left to the attention kernel when the backend takes
-    them (``AttentionBackend.takes_head_norm``): q = rope(norm(q) * q_weight), k =
-    rope(norm(k) * k_weight), v = norm(v) without a scale (``ModelOps.gemma_qkv_norm_rope``),
-    rotate-half over the first R lanes of each head at ``positions``."""
-
-    positions: torch.Tensor  # (T,) int64
-    q_weight: torch.Tensor  # (D,)
-    k_weight: torch.Tensor | None  # (D,); None where the layer has no k of its own
-    eps: float
-    cos: torch.Tensor  # (P, R)
-    sin: torch.Tensor
-
-
 class AttentionBackend(abc.ABC):
     name: str = "abstract"
     # False: decode reads host metadata or has data-dependent shapes, so a graph
@@ -101,20 +86,8 @@ class AttentionBackend(abc.ABC):
         None (the default): the model passes k and v, and ``forward`` stores them."""
         return None
 
-    def takes_head_norm(self, spec: AttentionSpec, batch: ForwardBatch) -> bool:
-        """Whether the model may leave its per-head norms and rope to this backend's kernel
-        (one launch fewer per layer): it then calls ``attend`` with raw q, k, v and a
-        ``HeadNormRope``. False (the default): the model norms and ropes them itself."""
-        return False
-
-    def attend(
-        self, q, k, v, spec: AttentionSpec, batch: ForwardBatch, head_norm=None
-    ) -> torch.Tensor:
-        """What models call: ``forward``, marked as a graph break when not capture-safe;
-        ``head_norm`` only where ``takes_head_norm`` said so (``forward`` then takes it)."""
-        if head_norm is not None:
-            assert self.capture_safe, "a backend that takes head norms is capture-safe"
-            return self.forward(q, k, v, spec, batch, head_norm=head_norm)
+    def attend(self, q, k, v, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
+        """What models call: ``forward``, marked as a graph break when not capture-safe."""
         if self.capture_safe:
             return self.forward(q, k, v, spec, batch)
         return run_breakable(self.forward, q, k, v, spec, batch)

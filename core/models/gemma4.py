@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from graphrt.core.attention.base import AttentionBackend, AttentionSpec, HeadNormRope
+from graphrt.core.attention.base import AttentionBackend, AttentionSpec
 from graphrt.core.batch import ForwardBatch
 from graphrt.core.memory import KVLayerSpec
 from graphrt.core.models.gemma4_config import FULL, SLIDING, Gemma4Config
@@ -182,14 +182,6 @@ class Gemma4Attention(nn.Module):
             k = k.view(-1, s.num_kv_heads, s.head_dim)  # (T, Hkv, D)
             v = v.view(-1, s.num_kv_heads, s.head_dim)
             k_weight = self.k_norm.weight
-        if attn.takes_head_norm(s, batch):
-            # The backend's attention kernel norms and ropes them (and stores k and v).
-            norms = HeadNormRope(
-                batch.positions, self.q_norm.weight, k_weight, self.q_norm.eps, rope.cos, rope.sin
-            )
-            kv = (None, None) if k is None else (k.flatten(1), v.flatten(1))
-            out = attn.attend(q.flatten(1), *kv, s, batch, head_norm=norms)
-            return self.o_proj(out)
         # q/k norms with scale, v's without, rope on q and k: one op, which also stores k
         # and v in the KV cache where the backend lets it (both then come back None).
         kv_write = None if k is None else attn.kv_write_target(s, batch)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from graphrt.core.attention.base import AttentionSpec, HeadNormRope, KVWrite
+from graphrt.core.attention.base import AttentionSpec, KVWrite
 from graphrt.core.attention.torch_ref import (
     TorchAttentionBackend,
     TorchAttentionMetadata,
@@ -48,10 +48,8 @@ from graphrt.devices.cuda.triton_decode import (
     NUM_KV_SPLITS,
     allocate_decode_scratch,
     decode_attention,
-    fuses_combine,
     long_block_n,
     max_kv_splits,
-    min_splits,
     store_kv,
 )
 from graphrt.devices.cuda.triton_extend import extend_attention, extend_metadata
@@ -178,28 +176,10 @@ class TritonAttentionBackend(TorchAttentionBackend):
         i = spec.cache_index
         return KVWrite(self.kv_pool.k_buffers[i], self.kv_pool.v_buffers[i], batch.out_cache_loc)
 
-    def takes_head_norm(self, spec: AttentionSpec, batch: ForwardBatch) -> bool:
-        # Decode's stage 1 norms and ropes q as it loads it, and stores the step's k and v
-        # normed from the program that reads their block. Width-invariant models keep the
-        # norm kernel: verify rows round through it.
-        return batch.mode in (ForwardMode.DECODE, ForwardMode.DRAFT) and not spec.width_invariant
-
-    def forward(
-        self,
-        q,
-        k,
-        v,
-        spec: AttentionSpec,
-        batch: ForwardBatch,
-        head_norm: HeadNormRope | None = None,
-    ) -> torch.Tensor:
+    def forward(self, q, k, v, spec: AttentionSpec, batch: ForwardBatch) -> torch.Tensor:
         k_buffer = self.kv_pool.k_buffers[spec.cache_index]
         v_buffer = self.kv_pool.v_buffers[spec.cache_index]
-        new_kv = None  # raw k and v, stored by decode's stage 1 (head_norm)
-        if head_norm is not None and spec.writes_kv and k is not None:
-            shape = (-1, spec.num_kv_heads, spec.head_dim)
-            new_kv = (k.view(shape), v.view(shape), batch.out_cache_loc)
-        elif spec.writes_kv and k is not None:  # None: the model's rope kernel stored them
+        if spec.writes_kv and k is not None:  # None: the model's rope kernel stored them
             # Its own launch, before attention: every split of a row must see the new K/V.
             store_kv(
                 k.view(-1, spec.num_kv_heads, spec.head_dim),  # (T, Hkv, D)
@@ -258,8 +238,6 @@ class TritonAttentionBackend(TorchAttentionBackend):
         else:  # DECODE, and DRAFT rows (which wrote nothing above)
             scratch = self._scratch_for(spec.num_heads, spec.head_dim, self._splits(spec), q)
             long_rows = None  # width-invariant models keep one block size (verify reuses it)
-            shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim)
-            short = min_splits(scratch[0].shape[2], self.num_kv_splits)
             if batch.long_rows and not spec.width_invariant:
                 block_n = long_block_n(spec.head_dim, k_buffer.element_size())
                 long_rows = None if block_n is None else (LONG_ROW_KEYS, block_n)
@@ -276,10 +254,6 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 spec.sliding_window,
                 short_splits=self.num_kv_splits,
                 long_rows=long_rows,
-                # width-invariant models keep the combine's kernel: verify combines with it
-                fused_combine=not spec.width_invariant and fuses_combine(*shape, short),
-                head_norm=head_norm,
-                new_kv=new_kv,
             )
         return out.view(-1, spec.num_heads * spec.head_dim)
 

@@ -29,14 +29,8 @@ row, each into its own partial, so P (``split_programs``: more at small
 batches) moves work between programs without changing any row's arithmetic.
 Stage 2 combines the S partials of each (request, query head) by their
 log-sum-exps (grid B x H): the 16 every row has at once, a long row's others in
-chunks, in split order. Where the caller asks (``fused_combine``; the engine where a KV
-head's query heads fit one tile, ``fuses_combine``: Llama's shapes, not Gemma 4's), stage
-1 does it itself instead: each program counts itself in its (request, KV head)'s arrival
-count once its partials are stored, and the last to arrive combines that head group
-(split-K's pattern, as the GEMV's), so the combine's launch goes. Gemma 4's head norms
-and rope may run in stage 1 too (``head_norm``: q's as it is loaded, the new token's k
-and v by the program that reads their block). A third, tiny kernel stores the step's new
-K/V rows into the pool before stage 1 runs, so every split sees them.
+chunks, in split order. A third, tiny kernel stores the step's new K/V rows into
+the pool before stage 1 runs, so every split sees them.
 
 Capture-safe: the launches read only device tensors and host shapes, never
 sync, allocate nothing (the caller owns ``out`` and the scratch), and their
@@ -52,11 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from graphrt.core.attention.base import HeadNormRope
-from graphrt.core.errors import GraphrtError
 from graphrt.devices.cuda import pdl
-from graphrt.devices.cuda.triton_ops import _INTERPRETED
-from graphrt.devices.cuda.triton_rope import _normed_rope_rows, _rope_head
 
 # Splits of a row shorter than 2 * NUM_KV_SPLITS * SPLIT_KEYS keys. Never tuned per
 # batch: the split count sets the float summation order. 16 fills an H200 at batch 1
@@ -82,14 +72,6 @@ ALL_KEYS = 2**31 - 1
 # One K tile plus one V tile per loop step stays within this many bytes, so two
 # pipeline stages fit shared memory with room for a second program per SM.
 TILE_BYTES = 32 * 1024
-# The combine's widest tile, in float32 partial elements: a short row's 16 splits at
-# head_dim 512 (rest_splits), or a KV head's query heads at once in the fused combine
-# (fuses_combine: llama-1b's 4 x 16 x 64, Llama 3 8B's 4 x 16 x 128).
-COMBINE_TILE = 8192
-# The fused combine's arrival counts: one per (row, KV head), zero between launches, made
-# once per device (a graph holds their address) before any capture.
-MAX_ARRIVALS = 1 << 16
-_ARRIVED: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -145,28 +127,6 @@ def _load_q_group(
         other=0.0,
     ).to(dtype)
     return q, heads, mask_g, offs_d, mask_d
-
-
-@triton.jit
-def _normed_q_group(
-    Q, row, kv_h, stride_qb, stride_qh, QWeight, cos_row, sin_row, eps,
-    dtype: tl.constexpr, KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROT_DIM: tl.constexpr,
-    TORCH_CUDA_MATH: tl.constexpr,
-):  # fmt: skip
-    """``_load_q_group`` of raw q heads, each first normed over its head (Gemma's RMSNorm
-    with QWeight) and roped at this row's tables (``_normed_rope_rows``, the
-    gemma_qkv_norm_rope kernel's arithmetic), cast to the cache's ``dtype``."""
-    offs_g = tl.arange(0, BLOCK_G)
-    mask_g = offs_g < KV_GROUP
-    heads = kv_h * KV_GROUP + offs_g
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = Q + row * stride_qb + heads[:, None] * stride_qh  # (BLOCK_G, 1)
-    q = _normed_rope_rows(
-        rows, mask_g[:, None], QWeight, cos_row, sin_row, eps, True, True, True, HEAD_DIM,
-        ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
-    )  # fmt: skip
-    return q.to(dtype), heads, mask_g, offs_d, offs_d < HEAD_DIM
 
 
 @triton.jit
@@ -289,19 +249,6 @@ def _decode_partial_kernel(
     PartialOut,  # (>= B, H, S, D) float32
     PartialLse,  # (>= B, H, S) float32
     PartialSplits,  # (>= B,) int32: each row's split count, for the combine
-    Out,  # (B, H, D), q's dtype: written when FUSED_COMBINE
-    Arrived,  # int32 (>= B * Hkv,), zero between launches: read when FUSED_COMBINE
-    # HEAD_NORM: Q holds raw heads (Gemma's norms and rope are done here, as
-    # gemma_qkv_norm_rope does them), and with NEW_KV so do KNew and VNew, the step's raw k
-    # and v (B, Hkv, D), stored normed (k roped) at Loc into K and V.
-    QWeight,  # (D,)
-    KWeight,  # (D,), read when NEW_KV
-    Cos,  # (P, ROT_DIM)
-    Sin,
-    Positions,  # (B,) int64
-    KNew,
-    VNew,
-    Loc,  # (B,) int64
     sm_scale,
     window,  # 0 = no sliding window
     min_keys,  # this launch's rows: min_keys <= visible keys < max_keys (the others'
@@ -318,14 +265,6 @@ def _decode_partial_kernel(
     stride_pos,
     stride_plb,
     stride_plh,
-    stride_ob,
-    stride_oh,
-    stride_cos,
-    stride_knb,
-    stride_knh,
-    stride_vnb,
-    stride_vnh,
-    eps,  # HEAD_NORM's
     KV_GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # KV_GROUP padded to a power of two >= MIN_DOT
     MIN_SPLITS: tl.constexpr,  # a short row's splits; longer rows double them (_row_splits)
@@ -338,20 +277,7 @@ def _decode_partial_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= MIN_DOT
     DOT_PRECISION: tl.constexpr,
-    # The last of a (row, KV head)'s programs to arrive combines its query heads' splits
-    # (_combine_heads, as the combine kernel does): the combine's launch goes.
-    FUSED_COMBINE: tl.constexpr,
-    BLOCK_H: tl.constexpr,  # FUSED_COMBINE: query heads combined a step (combine_heads)
-    BLOCK_S: tl.constexpr,  # FUSED_COMBINE: MIN_SPLITS padded to a power of two
-    BLOCK_REST: tl.constexpr,  # FUSED_COMBINE: a long row's further splits combined a step
-    LAUNCH_DEPENDENTS: tl.constexpr,  # FUSED_COMBINE: the o projection may start its reads
-    HEAD_NORM: tl.constexpr,
-    NEW_KV: tl.constexpr,
-    ROT_DIM: tl.constexpr,  # HEAD_NORM: rope's lanes of a head
-    TORCH_CUDA_MATH: tl.constexpr,  # HEAD_NORM: the norms' arithmetic (triton_ops.inv_rms)
 ):
-    if LAUNCH_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
 
@@ -365,37 +291,9 @@ def _decode_partial_kernel(
     if (kv_h == 0) & (tl.program_id(2) == 0):
         tl.store(PartialSplits + b, num_splits)
 
-    if HEAD_NORM:
-        pos = tl.load(Positions + b).to(tl.int64)
-        cos_row = Cos + pos * stride_cos
-        sin_row = Sin + pos * stride_cos
-        if NEW_KV:
-            # The program whose split holds the row's last block (the new token's) stores
-            # the step's k and v there first: no other program reads that slot, and the
-            # barrier puts its loop's loads after the stores.
-            last_split = ((seq_len - 1) // BLOCK_N) % num_splits
-            if last_split % tl.num_programs(2) == tl.program_id(2):
-                slot = tl.load(Loc + b).to(tl.int64)
-                _rope_head(
-                    KNew + b * stride_knb + kv_h * stride_knh, K + slot * stride_kt
-                    + kv_h * stride_kh, KWeight, cos_row, sin_row, eps, True, True, True,
-                    HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
-                )  # fmt: skip
-                _rope_head(
-                    VNew + b * stride_vnb + kv_h * stride_vnh, V + slot * stride_vt
-                    + kv_h * stride_vh, KWeight, cos_row, sin_row, eps, True, False, False,
-                    HEAD_DIM, ROT_DIM, BLOCK_D, TORCH_CUDA_MATH,
-                )  # fmt: skip
-            tl.debug_barrier()
-        q, heads, mask_g, offs_d, mask_d = _normed_q_group(
-            Q, b, kv_h, stride_qb, stride_qh, QWeight, cos_row, sin_row, eps,
-            K.dtype.element_ty, KV_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D, ROT_DIM, TORCH_CUDA_MATH,
-        )  # fmt: skip
-    else:
-        q, heads, mask_g, offs_d, mask_d = _load_q_group(
-            Q, b, kv_h, stride_qb, stride_qh, K.dtype.element_ty, KV_GROUP, BLOCK_G, HEAD_DIM,
-            BLOCK_D,
-        )  # (BLOCK_G, BLOCK_D)  # fmt: skip
+    q, heads, mask_g, offs_d, mask_d = _load_q_group(
+        Q, b, kv_h, stride_qb, stride_qh, K.dtype.element_ty, KV_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D
+    )  # (BLOCK_G, BLOCK_D)
     # Splits p, p + P, ... of the row: each its own partial, whatever P is.
     for split in range(tl.program_id(2), num_splits, tl.num_programs(2)):
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
@@ -410,22 +308,6 @@ def _decode_partial_kernel(
             PartialOut, PartialLse, heads * 0 + b, split, heads, mask_g, offs_d, mask_d, m,
             l_sum, acc, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
         )  # fmt: skip
-    if FUSED_COMBINE:
-        # Split-K's arrival count (triton_gemv._split_sums): the barrier orders every
-        # thread's partial stores before the count, acq_rel at GPU scope publishes them to
-        # the program that counts last, and that one reads them from L2 (.cg).
-        tl.debug_barrier()
-        count = Arrived + b * tl.num_programs(1) + kv_h
-        if tl.atomic_add(count, 1, sem="acq_rel") == tl.num_programs(2) - 1:
-            tl.store(count, 0)  # zero for the next launch (and the next graph replay)
-            for first in tl.static_range(0, KV_GROUP, BLOCK_H):  # the group's heads a tile
-                offs_h = first + tl.arange(0, BLOCK_H)
-                _combine_heads(
-                    PartialOut, PartialLse, Out, b.to(tl.int64), kv_h * KV_GROUP + offs_h,
-                    offs_h < KV_GROUP, num_splits, stride_pob, stride_poh, stride_pos,
-                    stride_plb, stride_plh, stride_ob, stride_oh, MIN_SPLITS, BLOCK_S,
-                    BLOCK_REST, HEAD_DIM, BLOCK_D,
-                )  # fmt: skip
 
 
 @triton.jit
@@ -451,72 +333,47 @@ def _decode_combine_kernel(
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0).to(tl.int64)  # a row's offset: see _store_partial
-    heads = tl.program_id(1) + tl.arange(0, 1)
-    _combine_heads(
-        PartialOut, PartialLse, Out, b, heads, heads >= 0, tl.load(PartialSplits + b),
-        stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
-        MIN_SPLITS, BLOCK_S, BLOCK_REST, HEAD_DIM, BLOCK_D,
-    )  # fmt: skip
-
-
-@triton.jit
-def _combine_heads(
-    PartialOut, PartialLse, Out, b, heads, mask_h, num_splits, stride_pob, stride_poh,
-    stride_pos, stride_plb, stride_plh, stride_ob, stride_oh, MIN_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_REST: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Out[b, heads] for (BLOCK_H,) ``heads`` (``mask_h``) of row ``b`` (int64) from their
-    ``num_splits`` splits' partial outputs and log-sum-exps. Partials are read from L2
-    (.cg): in the stage-1 launch other SMs wrote them."""
+    h = tl.program_id(1)
+    num_splits = tl.load(PartialSplits + b)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    mask_hd = mask_h[:, None, None] & mask_d[None, None, :]  # (BLOCK_H, 1, BLOCK_D)
-    lse_rows = PartialLse + b * stride_plb + heads[:, None] * stride_plh  # (BLOCK_H, 1)
-    out_rows = PartialOut + b * stride_pob + heads[:, None, None] * stride_poh
-    out_rows += offs_d[None, None, :]  # (BLOCK_H, 1, BLOCK_D)
+    lse_row = PartialLse + b * stride_plb + h * stride_plh
+    out_row = PartialOut + b * stride_pob + h * stride_poh + offs_d[None, :]
 
     # A short row's MIN_SPLITS, which every row has: max, weights, weighted sum. Their
     # loads do not wait for the row's split count.
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < MIN_SPLITS
-    # (BLOCK_H, BLOCK_S)
-    lse = tl.load(
-        lse_rows + offs_s[None, :], mask=mask_h[:, None] & mask_s[None, :],
-        other=float("-inf"), cache_modifier=".cg",
-    )  # fmt: skip
-    lse_max = tl.max(lse, 1)
+    lse = tl.load(lse_row + offs_s, mask=mask_s, other=float("-inf"))  # (BLOCK_S,)
+    lse_max = tl.max(lse, 0)
     # Every split empty (seq_len 0) would make lse_max -inf; keep it NaN-free.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weight = tl.exp(lse - lse_max[:, None])  # 0 for empty splits
-    # (BLOCK_H, BLOCK_S, BLOCK_D)
+    weight = tl.exp(lse - lse_max)  # 0 for empty splits
     partial = tl.load(
-        out_rows + offs_s[None, :, None] * stride_pos, mask=mask_hd & mask_s[None, :, None],
-        other=0.0, cache_modifier=".cg",
-    )  # fmt: skip
-    total = tl.sum(weight, 1)
-    acc = tl.sum(weight[:, :, None] * partial, 1)  # (BLOCK_H, BLOCK_D)
+        out_row + offs_s[:, None] * stride_pos, mask=mask_s[:, None] & mask_d[None, :], other=0.0
+    )  # (BLOCK_S, BLOCK_D)
+    total = tl.sum(weight, 0)
+    acc = tl.sum(weight[:, None] * partial, 0)
     # A long row's further splits, BLOCK_REST at a time, rescaled as an online softmax.
     offs_r = tl.arange(0, BLOCK_REST)
     for first in range(MIN_SPLITS, num_splits, BLOCK_REST):
         mask_r = first + offs_r < num_splits
-        lse_r = tl.load(
-            lse_rows + first + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :],
-            other=float("-inf"), cache_modifier=".cg",
-        )  # fmt: skip
-        new_max = tl.maximum(lse_max, tl.max(lse_r, 1))
+        lse_r = tl.load(lse_row + first + offs_r, mask=mask_r, other=float("-inf"))
+        new_max = tl.maximum(lse_max, tl.max(lse_r, 0))
         alpha = tl.exp(lse_max - new_max)
-        weight_r = tl.exp(lse_r - new_max[:, None])
+        weight_r = tl.exp(lse_r - new_max)
         partial_r = tl.load(
-            out_rows + (first + offs_r[None, :, None]) * stride_pos,
-            mask=mask_hd & mask_r[None, :, None], other=0.0, cache_modifier=".cg",
-        )  # fmt: skip
-        total = total * alpha + tl.sum(weight_r, 1)
-        acc = acc * alpha[:, None] + tl.sum(weight_r[:, :, None] * partial_r, 1)
+            out_row + (first + offs_r[:, None]) * stride_pos,
+            mask=mask_r[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        total = total * alpha + tl.sum(weight_r, 0)
+        acc = acc * alpha + tl.sum(weight_r[:, None] * partial_r, 0)
         lse_max = new_max
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d
+    )
 
 
 def row_splits(visible_len: int, max_splits: int, short: int = NUM_KV_SPLITS) -> int:
@@ -559,35 +416,6 @@ def split_constants(max_splits: int, short: int = NUM_KV_SPLITS) -> dict[str, in
     )
 
 
-def combine_heads(group: int, short: int, head_dim: int) -> int:
-    """The fused combine's query heads a step: as many of a KV head's ``group`` as fit one
-    tile of COMBINE_TILE partial elements with ``short`` splits each (a power of two)."""
-    per_head = triton.next_power_of_2(short) * triton.next_power_of_2(head_dim)
-    fit = max(1, COMBINE_TILE // per_head)
-    return min(triton.next_power_of_2(group), 1 << (fit.bit_length() - 1))
-
-
-def fuses_combine(num_heads: int, num_kv_heads: int, head_dim: int, short: int) -> bool:
-    """Whether the engine asks stage 1 to combine the splits itself (``decode_attention``'s
-    ``fused_combine``): where a KV head's query heads fit one step of ``combine_heads``.
-    Not Gemma 4's 8 heads of 256 or 512 on one KV head: the last program would combine
-    them in 4 to 8 steps, a tail not yet measured against the launch it saves
-    (``bench/decode_splits.py --fused-combine`` measures both)."""
-    group = num_heads // num_kv_heads
-    return combine_heads(group, short, head_dim) >= group
-
-
-def arrival_counts(device: torch.device) -> torch.Tensor:
-    """The fused combine's (MAX_ARRIVALS,) int32 counts on ``device``, zeros, made once."""
-    counts = _ARRIVED.get(device)
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # its zeros would be the graph's memory, freed with the graph
-            raise GraphrtError("decode attention first ran under graph capture: warm up first")
-        counts = _ARRIVED[device] = torch.zeros(MAX_ARRIVALS, dtype=torch.int32, device=device)
-    return counts
-
-
 def allocate_decode_scratch(
     max_bs: int,
     num_heads: int,
@@ -599,10 +427,8 @@ def allocate_decode_scratch(
     each row's split count (max_bs,) int32. S = ``num_kv_splits`` is the most splits a
     row gets (``max_kv_splits``).
 
-    One set serves every layer of that (H, D): layers run one after another. The fused
-    combine's arrival counts are made here too, outside any capture.
+    One set serves every layer of that (H, D): layers run one after another.
     """
-    arrival_counts(device)
     partial_out = torch.empty(
         (max_bs, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=device
     )
@@ -724,9 +550,6 @@ def decode_attention(
     num_warps: int = 4,  # stage 1's launch (bench/decode_splits.py --launches sweeps them)
     num_stages: int | None = None,  # None: default_stages
     long_rows: tuple[int, int] | None = None,  # (from keys, BLOCK_N): see below
-    fused_combine: bool = False,  # the combine in stage 1 where it fits: see below
-    head_norm: HeadNormRope | None = None,  # q (and new_kv) raw: see below
-    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # raw k, v, slots
 ) -> torch.Tensor:
     """Attention of each row's one query over its visible cached keys; returns ``out``.
 
@@ -741,18 +564,6 @@ def decode_attention(
     attention 12-20% down at 8k and 32k keys, but the second launch costs 1.8-6.6 us a
     layer where no row is long, so the engine launches it only in decode graphs of
     batches with a long row (``PlainDecode.long_runner``, ``long_block_n``).
-
-    ``fused_combine``: where the arrival counts cover the rows, the last stage-1 program of
-    each (row, KV head) to finish combines its query heads' splits, ``combine_heads`` a
-    step (the combine's launch goes; the engine asks where ``fuses_combine``). The bits may differ from the combine kernel's (another
-    tile, another reduction order), so width-invariant models, whose verify rows round as
-    decode's through that kernel, keep it.
-
-    ``head_norm``: q holds raw heads, which stage 1 norms and ropes as it loads them
-    (Gemma's q norm: ``gemma_qkv_norm_rope``'s arithmetic), and ``new_kv`` = (k, v, loc),
-    the step's raw k and v (B, Hkv, D) and their slots, which the program reading the new
-    token's block norms (k with its weight, then roped; v without) and stores there
-    first: the norm-and-rope kernel's launch goes.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -771,13 +582,6 @@ def decode_attention(
     assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
     group = num_heads // num_kv_heads
     programs = programs or split_programs(bs * num_kv_heads, max_splits, short_splits)
-    short = min_splits(max_splits, short_splits)
-    fused_combine = fused_combine and bs * num_kv_heads <= MAX_ARRIVALS
-    block_h = combine_heads(group, short, head_dim)
-    if fused_combine:
-        arrived = arrival_counts(q.device)
-        rest_chunk = rest_chunk or rest_splits(short, max_splits, block_d * block_h)
-    norms = _head_norm_args(head_norm, new_kv, q, k_buffer)
     # Row classes by visible keys: [lo, hi) and their block size. One class unless
     # ``long_rows`` = (from_keys, block_n) gives rows of from_keys keys and more larger
     # blocks in a second launch (each launch's programs skip the other class's rows).
@@ -790,56 +594,17 @@ def decode_attention(
         stages = num_stages or default_stages(class_block_n, head_dim, size)
         _decode_partial_kernel[(bs, num_kv_heads, programs)](
             q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, partial_out,
-            partial_lse, partial_splits, out, arrived if fused_combine else partial_splits,
-            *norms["tensors"], float(sm_scale), window, min_keys, max_keys,
+            partial_lse, partial_splits, float(sm_scale), window, min_keys, max_keys,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
             v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-            partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
-            *norms["strides"], KV_GROUP=group,
-            BLOCK_G=max(triton.next_power_of_2(group), MIN_DOT),
+            partial_lse.stride(0), partial_lse.stride(1),
+            KV_GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), MIN_DOT),
             **split_constants(max_splits, short_splits), BLOCK_N=class_block_n,
             HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=dot_precision(k_buffer.dtype),
-            FUSED_COMBINE=fused_combine, BLOCK_H=block_h,
-            BLOCK_S=triton.next_power_of_2(short), BLOCK_REST=rest_chunk or 1,
-            LAUNCH_DEPENDENTS=fused_combine and pdl.ENABLED, **norms["constants"],
             num_warps=num_warps, num_stages=stages,
         )  # fmt: skip
-    if fused_combine:
-        return out
     return combine_splits(partial_out, partial_lse, partial_splits, out, short_splits, rest_chunk)
-
-
-def _head_norm_args(head_norm, new_kv, q, k_buffer) -> dict:
-    """Stage 1's HEAD_NORM arguments (its tensors, its strides and eps, its constants),
-    stand-ins where ``head_norm`` is None."""
-    if head_norm is None:
-        assert new_kv is None, "new_kv goes with head_norm"
-        return {
-            "tensors": (q,) * 8, "strides": (0,) * 5 + (0.0,),
-            "constants": dict(HEAD_NORM=False, NEW_KV=False, ROT_DIM=1, TORCH_CUDA_MATH=False),
-        }  # fmt: skip
-    rows, _, head_dim = q.shape
-    h = head_norm
-    assert h.q_weight.shape == (head_dim,) and h.q_weight.stride(0) == 1
-    assert h.cos.shape == h.sin.shape and h.cos.stride() == h.sin.stride()
-    assert h.cos.stride(1) == 1 and h.cos.shape[1] % 2 == 0 and h.cos.shape[1] <= head_dim
-    assert h.positions.shape == (rows,) and h.positions.stride(0) == 1
-    k = v = loc = q
-    if new_kv is not None:
-        k, v, loc = new_kv
-        assert k.shape == v.shape == (rows, *k_buffer.shape[1:]) and loc.shape == (rows,)
-        assert k.stride(-1) == v.stride(-1) == 1 and loc.stride(0) == 1
-        assert h.k_weight is not None and h.k_weight.shape == (head_dim,)
-        assert h.k_weight.stride(0) == 1
-    k_weight = h.q_weight if h.k_weight is None else h.k_weight
-    return {
-        "tensors": (h.q_weight, k_weight, h.cos, h.sin, h.positions, k, v, loc),
-        "strides": (h.cos.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                    float(h.eps)),
-        "constants": dict(HEAD_NORM=True, NEW_KV=new_kv is not None, ROT_DIM=h.cos.shape[1],
-                          TORCH_CUDA_MATH=not _INTERPRETED),
-    }  # fmt: skip
 
 
 def check_kv_inputs(q, k_buffer, v_buffer, req_to_token, out) -> None:
@@ -881,17 +646,15 @@ def dot_precision(cache_dtype: torch.dtype) -> str:
 
 
 def rest_splits(short: int, max_splits: int, block_d: int) -> int:
-    """A long row's further splits the combine takes a step: up to COMBINE_TILE partial
-    elements (a short row's 16 at head_dim 512; ``block_d`` counts every head the step
-    combines: the fused combine's group). HAZARD: the kernel's registers are its widest
+    """A long row's further splits the combine takes a step: up to 8,192 partial elements
+    (a short row's 16 at head_dim 512). HAZARD: the kernel's registers are its widest
     tile's, for short rows too: at head_dim 64, 128 splits a step take 163 registers a
     thread against 56 at 16 (sm_90, bench/kernel_resources.py), so an SM holds a third
     as many combine programs. Measured on an H200 (bench/decode_splits.py --rest-chunk 16,
     llama-1b's shape): the same 1.7 us at 8 rows of 512 keys, 1 us more at 64, and 5.6 us
     less at one row of 32k keys, where 16 a step takes 8.1 us."""
     return max(
-        triton.next_power_of_2(short),
-        min(triton.next_power_of_2(max_splits), COMBINE_TILE // block_d),
+        triton.next_power_of_2(short), min(triton.next_power_of_2(max_splits), 8192 // block_d)
     )
 
 
@@ -923,7 +686,7 @@ def combine_splits(
         out.stride(1),
         MIN_SPLITS=short,
         BLOCK_S=triton.next_power_of_2(short),
-        # Chunks of at most COMBINE_TILE partial elements (a short row's at head_dim 512).
+        # Chunks of at most 8,192 partial elements (a short row's at head_dim 512).
         BLOCK_REST=rest_chunk or rest_splits(short, max_splits, block_d),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,

@@ -62,8 +62,7 @@ def _normed_rope_rows(
 ):
     """(R, BLOCK_D) float32 values of the rows' dtype: each head normed (the norm in
     float32, times the weight, one rounding) and roped (``_rotated``), as the reference
-    rounds. The one arithmetic of the rope kernel's heads (``_rope_head``, ``_rope_rows``)
-    and of decode attention's q heads (``triton_decode._normed_q_group``)."""
+    rounds. The one arithmetic of the rope kernel's heads (``_rope_head``, ``_rope_rows``)."""
     dtype = rows.dtype.element_ty
     lanes = tl.arange(0, BLOCK_D)[None, :]
     x = tl.load(rows + lanes, mask=live & (lanes < HEAD_DIM), other=0.0).to(tl.float32)
