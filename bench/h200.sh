@@ -95,14 +95,19 @@ site=$(mktemp -d)
 mkdir -p "$site/graphrt"
 for p in core devices spec; do ln -s "$tree/$p" "$site/graphrt/$p"; done
 ln -s "$tree/core/package_root/__init__.py" "$site/graphrt/__init__.py"  # graphrt.LLM
+# Triton marks each cache entry it opens (bench/triton_cache_marks.py): save_caches keeps those
+ln -s "$PWD/bench/triton_cache_marks.py" "$site/triton_cache_marks.py"
+export TRITON_CACHE_MANAGER=triton_cache_marks:MarkingCacheManager
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 graphrt() { python -m graphrt.core.cli.main "$@"; }
 
 # Triton's and graphrt's caches kept between device calls: a bare machine compiles every
 # kernel again (most of the CUDA lane's 7 minutes, out of a session's 30). Each call
-# leaves both in $OUT/kernel-caches.tgz (if under the 16 MiB a file may bring back);
-# copy it to .tcache/kernel-caches.tgz here (git ignores .tcache/) and carry .tcache:
+# leaves both in $OUT/kernel-caches.tgz (if under the 16 MiB a file may bring back):
+# graphrt's whole, Triton's entries that this call's work opened (save_caches). Copy it to
+# .tcache/kernel-caches.tgz here (git ignores .tcache/) and carry .tcache:
 #   cp /work/.device/N/kernel-caches.tgz .tcache/   and   run(..., carry=[".tcache"])
+# (a narrow call's archive holds its own kernels only: keep a lane call's for the lane).
 # Triton keys each entry by the kernel's source, so an edited kernel compiles afresh; its
 # index files hold absolute paths, so the caches live at one fixed path on every machine
 # (from a new random directory each call, nothing hit). `cold` empties its own caches.
@@ -115,6 +120,7 @@ if [[ -z ${H200_NESTED:-} ]]; then
     if [[ -f .tcache/kernel-caches.tgz ]]; then
         tar -xzf .tcache/kernel-caches.tgz -C "$caches" && echo "kernel caches: $(du -sh "$caches" | cut -f1) carried"
     fi
+    find "$caches/triton" -name .used -delete  # marks of the calls that saved them
 fi
 save_caches() {
     # At most 8 files come back from $OUT: the caches only where a result would not go.
@@ -123,9 +129,14 @@ save_caches() {
         return
     fi
     # A cache hit needs the cubin and the metadata alone (checked with Triton 3.7: 0.35 s
-    # against 2.6 compiling); the compiler's intermediate forms are 80% of the bytes.
+    # against 2.6 compiling); the compiler's intermediate forms are 80% of the bytes. Only
+    # the Triton entries this call opened (marked .used): every entry ever compiled, stale
+    # kernels' too, had grown the archive past what comes back (22 MiB at stop 62).
+    (cd "$caches" && find triton -name .used -printf '%h\n' | sort) > "$caches/used-entries"
+    echo "kernel caches: $(wc -l < "$caches/used-entries") of $(ls "$caches/triton" | wc -l) Triton entries used"
     tar -czf "$OUT/kernel-caches.tgz" -C "$caches" --exclude='*.llir' --exclude='*.ttir' \
-        --exclude='*.ttgir' --exclude='*.source' --exclude='*.ptx' triton graphrt
+        --exclude='*.ttgir' --exclude='*.source' --exclude='*.ptx' --exclude=.used \
+        -T "$caches/used-entries" graphrt
     if (( $(stat -c %s "$OUT/kernel-caches.tgz") > 16 * 1024 * 1024 )); then
         echo "kernel caches: $(du -sh "$OUT/kernel-caches.tgz" | cut -f1), over 16 MiB: not brought back"
         rm -f "$OUT/kernel-caches.tgz"
