@@ -223,6 +223,21 @@ def _inv_rms_rows(
 
 
 @triton.jit
+def _llama_normed(x, g, row_inv_rms, dtype: tl.constexpr):
+    """float32 (R, C) x normed as Llama's RMSNorm rounds: (x * inv_rms) to the dtype, times
+    the (1, C) weight ``g``, to the dtype again."""
+    return _round(g * _round(x * row_inv_rms, dtype), dtype)
+
+
+@triton.jit
+def _gemma_normed(x, g, K, eps, dtype: tl.constexpr, PRECISE: tl.constexpr):
+    """float32 (1, C) row x (masked lanes 0) normed as Gemma's RMSNorm in the residual norm
+    kernel (``triton_gemma``): x * inv_rms * the (C,) weight ``g``, one rounding."""
+    inv = inv_rms(tl.sum(x * x, axis=1)[:, None], K, eps, PRECISE)  # (1, 1)
+    return _round(x * inv * g[None, :], dtype)
+
+
+@triton.jit
 def _residual_normed(
     h, g, PreResidual, XOut, row_m, m_mask, K, eps, stride_prm, store, scalar,
     BLOCK_K: tl.constexpr, dtype: tl.constexpr, PRECISE: tl.constexpr,
@@ -233,8 +248,7 @@ def _residual_normed(
     (``triton_gemma``), stored to XOut where ``store``; float32 values of ``dtype``."""
     offs_k = tl.arange(0, BLOCK_K)
     mask = m_mask[:, None] & (offs_k < K)[None, :]
-    inv = inv_rms(tl.sum(h * h, axis=1)[:, None], K, eps, PRECISE)  # (1, 1)
-    normed = _round(h * inv * g[None, :], dtype)
+    normed = _gemma_normed(h, g, K, eps, dtype, PRECISE)
     r = tl.load(PreResidual + row_m[:, None] * stride_prm + offs_k[None, :], mask=mask, other=0.0)
     x = _round(r.to(tl.float32) + normed, dtype)
     if HAS_SCALAR:
@@ -256,7 +270,7 @@ def _load_x(
     x = x.to(tl.float32)
     if NORM:
         g = tl.load(NormWeight + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-        x = _round(g * _round(x * row_inv_rms, dtype), dtype)
+        x = _llama_normed(x, g, row_inv_rms, dtype)
     return x
 
 
@@ -383,15 +397,14 @@ def _gemv_kernel(
                 x = _load_x(x_rows, m_mask, NormWeight, None, 0, K, BLOCK_K, False, dtype)
                 if NORM:
                     row_inv_rms = inv_rms(tl.sum(x * x, axis=1)[:, None], K, eps, PRECISE)
-                    x = _round(g_first[None, :] * _round(x * row_inv_rms, dtype), dtype)
+                    x = _llama_normed(x, g_first[None, :], row_inv_rms, dtype)
                 if RES_NORM:
                     x = _residual_normed(
                         x, g_first, PreResidual, XOut, row_m, m_mask, K, eps, stride_prm,
                         tile == 0, layer_scalar, BLOCK_K, dtype, PRECISE, RES_SCALAR,
                     )  # fmt: skip
                     if RES_NORM_NEXT:  # as the residual norm kernel's next norm
-                        inv = inv_rms(tl.sum(x * x, axis=1)[:, None], K, eps, PRECISE)
-                        x = _round(x * inv * g_next[None, :], dtype)
+                        x = _gemma_normed(x, g_next, K, eps, dtype, PRECISE)
                 part += x * w_first.to(tl.float32)
                 if GATED:
                     part_up += x * w_up_first.to(tl.float32)
