@@ -11,9 +11,14 @@ Run on the device: python bench/profile_step.py [models, default random:llama-1b
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
+import json
+import os
+import statistics
 import sys
+import tempfile
 
 import torch
 
@@ -119,6 +124,7 @@ def profile_batch(engine, bs: int, sync, model, prompt_len: int) -> tuple[float,
     replay = median_ms(lambda: runner.backend.replay(key), sync, 100, 10)
     print(f"bs={bs}: execute {execute:.3f} ms | load_batch {load:.3f} | replay only {replay:.3f}")
     kernels = print_kernels("graph replay", lambda: runner.backend.replay(key), sync)
+    print_launches(lambda: runner.backend.replay(key), sync)
     for r in reqs:
         engine.abort(r)
     return replay, kernels
@@ -133,6 +139,33 @@ def print_kernels(name: str, fn, sync, top: int = 16) -> int:
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"    {e.self_device_time_total / 1e3:7.3f} ms  x{e.count:<4} {e.key[:100]}")
     return count
+
+
+def print_launches(fn, sync, top: int = 24) -> None:
+    """The replay's kernels by launch (name, grid, block) from the profiler's trace, which
+    alone records grids: one kernel's calls on different weights part by grid, so each
+    projection's GEMV shows its own time against what the one-row bench measures alone."""
+    sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)["traceEvents"]
+    launches: dict[tuple, list[float]] = collections.defaultdict(list)
+    for e in trace:
+        if e.get("cat") == "kernel":
+            args = e.get("args", {})
+            key = (e["name"][:40], tuple(args.get("grid", ())), tuple(args.get("block", ())))
+            launches[key].append(e["dur"])
+    print("  by launch (us: total, calls, median a call; grid; block):")
+    for (name, grid, block), durs in sorted(launches.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(
+            f"    {sum(durs):8.1f} x{len(durs):<4} {statistics.median(durs):7.2f}  {name:<40}"
+            f" grid {grid} block {block}"
+        )
 
 
 if __name__ == "__main__":
