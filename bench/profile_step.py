@@ -61,7 +61,7 @@ def main() -> None:
             tokens[model, variant] = greedy_tokens(engine, loaded.model)
             for bs in sizes:
                 replay, kernels = profile_batch(
-                    engine, bs, device.synchronize, loaded.model, prompt_len
+                    engine, bs, device.synchronize, loaded.model, prompt_len, pdl_on
                 )
                 summary.append(
                     f"{model:<22} {variant:<7} bs {bs:>3}: replay {replay:.3f} ms, {kernels} kernels"
@@ -73,8 +73,9 @@ def main() -> None:
     from graphrt.devices.cuda.gemv_tuner import TUNER
 
     print(f"== tuned matmuls ({TUNER.tuning_s:.1f} s of timing)")
-    # keys are (op, row class, weight rows, K, dtype, ...): bf16 weights
-    for line in TUNER.report(lambda key: key[2] * key[3] * 2):
+    # bf16 weights; keys are (op, row class, weight rows, K, dtype, ...), or ("two
+    # launches", op, row class, ...): a fused op's unfused alternative
+    for line in TUNER.report(_weight_bytes):
         print("  " + line)
     print("== summary")
     for line in summary:
@@ -83,6 +84,11 @@ def main() -> None:
         if (model, "tuned") in tokens and (model, "no-pdl") in tokens:
             same = tokens[model, "tuned"] == tokens[model, "no-pdl"]
             print(f"{model}: greedy tokens with PDL == without: {same}")
+
+
+def _weight_bytes(key) -> int:
+    rows, k = key[3:5] if key[0] == "two launches" else key[2:4]
+    return rows * k * 2
 
 
 def greedy_tokens(engine, model) -> list[list[int]]:
@@ -107,7 +113,7 @@ def cublas_matmuls(ops):
     )
 
 
-def profile_batch(engine, bs: int, sync, model, prompt_len: int) -> tuple[float, int]:
+def profile_batch(engine, bs: int, sync, model, prompt_len: int, pdl_on: bool) -> tuple[float, int]:
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     reqs = [
         engine.add_request(torch.randint(0, model.vocab_size, (prompt_len,)).tolist(), params)
@@ -124,7 +130,7 @@ def profile_batch(engine, bs: int, sync, model, prompt_len: int) -> tuple[float,
     replay = median_ms(lambda: runner.backend.replay(key), sync, 100, 10)
     print(f"bs={bs}: execute {execute:.3f} ms | load_batch {load:.3f} | replay only {replay:.3f}")
     kernels = print_kernels("graph replay", lambda: runner.backend.replay(key), sync)
-    print_launches(lambda: runner.backend.replay(key), sync)
+    print_launches(lambda: runner.backend.replay(key), sync, pdl_on)
     for r in reqs:
         engine.abort(r)
     return replay, kernels
@@ -141,10 +147,14 @@ def print_kernels(name: str, fn, sync, top: int = 16) -> int:
     return count
 
 
-def print_launches(fn, sync, top: int = 24) -> None:
+def print_launches(fn, sync, pdl_on: bool, top: int = 24) -> None:
     """The replay's kernels by launch (name, grid, block) from the profiler's trace, which
     alone records grids: one kernel's calls on different weights part by grid, so each
-    projection's GEMV shows its own time against what the one-row bench measures alone."""
+    projection's GEMV shows its own time against what the one-row bench measures alone.
+    HAZARD: with PDL a kernel starts while the one before it drains and its time includes
+    that wait (stop 63 on an H100, PDL on: a 64-program GEMV, by its grid Gemma 4's 0.8 MB
+    per-layer gate behind the down projection, took 18.6 us a call; the kernels summed
+    3.80 ms in a 2.62 ms replay): read the no-pdl variant's table for launches' own times."""
     sync()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
@@ -160,7 +170,8 @@ def print_launches(fn, sync, top: int = 24) -> None:
             args = e.get("args", {})
             key = (e["name"][:40], tuple(args.get("grid", ())), tuple(args.get("block", ())))
             launches[key].append(e["dur"])
-    print("  by launch (us: total, calls, median a call; grid; block):")
+    overlap = ", PDL on: times include waits for the kernel before" if pdl_on else ""
+    print(f"  by launch (us: total, calls, median a call; grid; block{overlap}):")
     for (name, grid, block), durs in sorted(launches.items(), key=lambda kv: -sum(kv[1]))[:top]:
         print(
             f"    {sum(durs):8.1f} x{len(durs):<4} {statistics.median(durs):7.2f}  {name:<40}"
