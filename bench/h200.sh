@@ -437,7 +437,8 @@ if [[ $what == cold || $what == recheck ]]; then
             | grep -E "ncalls|^ +[0-9]" | cut -c1-160 | head -n 34
     done
     # The GEMV tuner's choices (devices/cuda/gemv_choices/ ships a card's): its file name
-    # holds torch's '+', which the device tool does not bring back.
+    # holds torch's '+', which the device tool does not bring back. The shapes it holds
+    # are those this start had to time: ship them (python bench/ship_choices.py FILE).
     for f in "$GRAPHRT_CACHE_DIR"/*.json; do
         [[ -f $f ]] && cp "$f" "$OUT/$(basename "$f" | tr -c 'A-Za-z0-9._\n-' _)"
     done

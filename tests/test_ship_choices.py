@@ -1,0 +1,61 @@
+"""bench/ship_choices.py: a device call's tuner cache file, merged into the card's shipped
+choices, answers a fresh machine's tuner for the shapes it timed and keeps the shapes
+shipped before (stop 63: choices merged by hand had lacked 30 shapes on the H200)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def test_shipped_merge_answers_a_fresh_tuner_and_keeps_older_choices(tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    from graphrt.devices.cuda.gemv_tuner import (
+        CUBLAS,
+        GemvTuner,
+        _disk_key,
+        cache_path,
+        shipped_path,
+    )
+    from graphrt.devices.cuda.triton_gemv import ROW_CONFIGS
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setenv("GRAPHRT_CACHE_DIR", str(tmp_path / "cache"))
+    from ship_choices import main, ship
+
+    card = "NVIDIA H100 80GB HBM3"
+    candidates = (CUBLAS, *ROW_CONFIGS)
+    old_key, new_key, moved_key = (("linear", "1", n, 256) for n in (512, 1024, 2048))
+    shipped_dir = tmp_path / "shipped"
+    shipped_dir.mkdir()
+    target = shipped_dir / shipped_path(card).name
+    target.write_text(
+        json.dumps({
+            _disk_key(old_key, candidates): None,
+            _disk_key(moved_key, candidates): None,
+        })
+    )  # fmt: skip
+
+    # what a device's cold start leaves: the tuner's own cache file, the shapes it timed
+    timed = GemvTuner()
+    timed.use_cache(cache_path(card))
+    timed.remember(new_key, ROW_CONFIGS[2], candidates)
+    timed.remember(moved_key, ROW_CONFIGS[1], candidates)
+
+    assert ship(cache_path(card), shipped_dir) == (target, 1, 1)
+    fresh = GemvTuner()
+    fresh.use_cache(tmp_path / "own.json", target)
+    assert fresh.recall(new_key, candidates) == ROW_CONFIGS[2]
+    assert fresh.recall(moved_key, candidates) == ROW_CONFIGS[1]
+    assert fresh.recall(old_key, candidates) is CUBLAS
+    assert fresh.recall(("linear", "1", 4096, 256), candidates) == "unset"
+
+    # a file that is not a tuner cache file: one line, exit 1
+    stray = tmp_path / "choices.json"
+    stray.write_text("{}")
+    monkeypatch.setattr("sys.argv", ["ship_choices.py", str(stray), "--into", str(shipped_dir)])
+    assert main() == 1
