@@ -1,6 +1,7 @@
 """bench/ship_choices.py: a device call's tuner cache file, merged into the card's shipped
 choices, answers a fresh machine's tuner for the shapes it timed and keeps the shapes
-shipped before (stop 63: choices merged by hand had lacked 30 shapes on the H200)."""
+shipped before (stop 63: the shipped choices lacked the 30 shapes stop 61 added, and a
+fresh H100's first command took 26.2 s against 12.1)."""
 
 from __future__ import annotations
 
