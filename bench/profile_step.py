@@ -130,7 +130,8 @@ def profile_batch(engine, bs: int, sync, model, prompt_len: int, pdl_on: bool) -
     replay = median_ms(lambda: runner.backend.replay(key), sync, 100, 10)
     print(f"bs={bs}: execute {execute:.3f} ms | load_batch {load:.3f} | replay only {replay:.3f}")
     kernels = print_kernels("graph replay", lambda: runner.backend.replay(key), sync)
-    print_launches(lambda: runner.backend.replay(key), sync, pdl_on)
+    gemvs = gemv_calls(runner, static, sync)
+    print_launches(lambda: runner.backend.replay(key), sync, pdl_on, gemvs)
     for r in reqs:
         engine.abort(r)
     return replay, kernels
@@ -147,10 +148,36 @@ def print_kernels(name: str, fn, sync, top: int = 16) -> int:
     return count
 
 
-def print_launches(fn, sync, pdl_on: bool, top: int = 24) -> None:
-    """The replay's kernels by launch (name, grid, block) from the profiler's trace, which
-    alone records grids: one kernel's calls on different weights part by grid, so each
-    projection's GEMV shows its own time against what the one-row bench measures alone.
+def gemv_calls(runner, static, sync) -> list[tuple[str, int]]:
+    """The Triton GEMV launches of one forward of ``static``, in launch order: (label,
+    weight bytes) each, the label its weight's shape, rows and fused work. Run eagerly:
+    the closure its graph captured, on the batch ``load_batch`` just loaded, so the
+    replay's _gemv_kernel launches, in time order, are these one for one."""
+    from graphrt.devices.cuda import ops as cuda_ops
+
+    calls, real = [], cuda_ops.gemv
+
+    def labelled(x, weight, bias, config, **fused):
+        n, k = weight.shape
+        tags = [name for name, value in fused.items() if value is not None and value is not False]
+        rows = "" if x.shape[0] == 1 else f" x{x.shape[0]} rows"
+        calls.append((f"{n}x{k}{rows} {'+'.join(tags)}".rstrip(), weight.nbytes))
+        return real(x, weight, bias, config, **fused)
+
+    cuda_ops.gemv = labelled
+    try:
+        with torch.inference_mode():
+            runner._graph_function(static)()
+        sync()
+    finally:
+        cuda_ops.gemv = real
+    return calls
+
+
+def print_launches(fn, sync, pdl_on: bool, gemvs=(), top: int = 24) -> None:
+    """The replay's kernels from the profiler's trace: its GEMVs by projection (``gemvs``,
+    ``gemv_calls``' labels, matched to the _gemv_kernel launches in time order), then all
+    kernels by launch (name, grid, block; only the trace records grids).
     HAZARD: with PDL a kernel starts while the one before it drains and its time includes
     that wait (stop 63 on an H100, PDL on: a 64-program GEMV, by its grid Gemma 4's 0.8 MB
     per-layer gate behind the down projection, took 18.6 us a call; the kernels summed
@@ -164,18 +191,38 @@ def print_launches(fn, sync, pdl_on: bool, top: int = 24) -> None:
         prof.export_chrome_trace(path)
         with open(path) as f:
             trace = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in trace if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    print_projections([e["dur"] for e in kernels if e["name"] == "_gemv_kernel"], gemvs, pdl_on)
     launches: dict[tuple, list[float]] = collections.defaultdict(list)
-    for e in trace:
-        if e.get("cat") == "kernel":
-            args = e.get("args", {})
-            key = (e["name"][:40], tuple(args.get("grid", ())), tuple(args.get("block", ())))
-            launches[key].append(e["dur"])
+    for e in kernels:
+        args = e.get("args", {})
+        key = (e["name"][:40], tuple(args.get("grid", ())), tuple(args.get("block", ())))
+        launches[key].append(e["dur"])
     overlap = ", PDL on: times include waits for the kernel before" if pdl_on else ""
     print(f"  by launch (us: total, calls, median a call; grid; block{overlap}):")
     for (name, grid, block), durs in sorted(launches.items(), key=lambda kv: -sum(kv[1]))[:top]:
         print(
             f"    {sum(durs):8.1f} x{len(durs):<4} {statistics.median(durs):7.2f}  {name:<40}"
             f" grid {grid} block {block}"
+        )
+
+
+def print_projections(durations: list[float], gemvs, pdl_on: bool) -> None:
+    """Each projection's GEMV in the step: its launches' time and the weight's read rate,
+    against the one-row bench's figures for the same shapes alone (gemv_widths.py)."""
+    if len(durations) != len(gemvs):
+        print(f"  GEMVs by projection: {len(durations)} launches, {len(gemvs)} calls labelled")
+        return
+    by_label: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)
+    for dur, (label, nbytes) in zip(durations, gemvs):
+        by_label[label].append((dur, nbytes))
+    overlap = " (PDL on: waits included)" if pdl_on else ""
+    print(f"  GEMVs by projection (us: total, calls, median a call, TB/s at it){overlap}:")
+    for label, runs in sorted(by_label.items(), key=lambda kv: -sum(d for d, _ in kv[1])):
+        median = statistics.median(d for d, _ in runs)
+        rate = statistics.median(b for _, b in runs) / (median * 1e-6) / 1e12
+        print(
+            f"    {sum(d for d, _ in runs):8.1f} x{len(runs):<4} {median:7.2f} {rate:5.2f}  {label}"
         )
 
 
