@@ -84,8 +84,9 @@ class CudaDevice(Device):
             return None
         return (
             f"compiling GPU kernels: Triton's cache ({cache}) is empty, so this first start "
-            "takes longer (about 12 s for the embedded pair on an H100, more for larger "
-            "models); later starts reuse it"
+            "takes longer (about 12 s for the embedded pair on an H100, whose GEMV choices "
+            "graphrt ships; 26 s on one without them; more for larger models); later starts "
+            "reuse it"
         )
 
     def model_ops(self, batch_invariant: bool = False):
