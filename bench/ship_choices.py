@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-from graphrt.devices.cuda.gemv_tuner import SHIPPED_DIR
+from graphrt.devices.cuda.gemv_tuner import SHIPPED_DIR, write_choices
 
 CACHE_NAME = re.compile(r"gemv-(?P<card>.+?)-torch.*-triton[^-]*\.json$")
 
@@ -38,8 +38,7 @@ def ship(cache_file: Path, into: Path = SHIPPED_DIR) -> tuple[Path, int, int]:
     added = sum(key not in shipped for key in timed)
     changed = sum(key in shipped and shipped[key] != value for key, value in timed.items())
     shipped.update(timed)
-    # the tuner's own format (GemvTuner.remember): one sorted object, indent 0
-    target.write_text(json.dumps(shipped, indent=0, sort_keys=True))
+    write_choices(target, shipped)
     return target, added, changed
 
 

@@ -102,6 +102,16 @@ def _read_choices(path: Path | None) -> dict:
     return loaded if isinstance(loaded, dict) else {}
 
 
+def write_choices(path: Path, entries: dict) -> None:
+    """Writes a choices file whole, then renames it into place: another process reading
+    it sees the old file or the new one. One sorted object, indent 0 (the shipped files
+    diff line by line)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_suffix(f".{os.getpid()}.tmp")
+    scratch.write_text(json.dumps(entries, indent=0, sort_keys=True))
+    os.replace(scratch, path)
+
+
 class GemvTuner:
     def __init__(self) -> None:
         self._choices: dict[Hashable, GemvConfig | None] = {}
@@ -185,9 +195,7 @@ class GemvTuner:
         return choice if choice in candidates else "unset"
 
     def remember(self, key: Hashable, choice: GemvConfig | None, candidates) -> None:
-        """Adds ``key``'s choice among ``candidates`` to the cache file (written whole,
-        then renamed into place: another process reading it sees the old file or the new
-        one)."""
+        """Adds ``key``'s choice among ``candidates`` to the cache file."""
         if self._disk is None or self._disk_path is None:
             return
         self._disk[_disk_key(key, candidates)] = (
@@ -195,10 +203,7 @@ class GemvTuner:
         )
         path = self._disk_path
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            scratch = path.with_suffix(f".{os.getpid()}.tmp")
-            scratch.write_text(json.dumps(self._disk, indent=0, sort_keys=True))
-            os.replace(scratch, path)
+            write_choices(path, self._disk)
         except OSError as e:  # a read-only home: the choices stay in this process
             log.debug("gemv tuner cache not written (%s): %s", path, e)
 
