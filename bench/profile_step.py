@@ -24,7 +24,6 @@ import torch
 
 from graphrt import devices
 from graphrt.core.bench.decode import DecodeBenchConfig, make_engine
-from graphrt.core.bench.profile import device_events
 from graphrt.core.bench.timing import median_ms
 from graphrt.core.engine import SamplingParams
 from graphrt.core.models import load_model
@@ -129,23 +128,40 @@ def profile_batch(engine, bs: int, sync, model, prompt_len: int, pdl_on: bool) -
     key, static = runner._loaded
     replay = median_ms(lambda: runner.backend.replay(key), sync, 100, 10)
     print(f"bs={bs}: execute {execute:.3f} ms | load_batch {load:.3f} | replay only {replay:.3f}")
-    kernels = print_kernels("graph replay", lambda: runner.backend.replay(key), sync)
-    gemvs = gemv_calls(runner, static, sync)
-    print_launches(lambda: runner.backend.replay(key), sync, pdl_on, gemvs)
+    trace = replay_trace(lambda: runner.backend.replay(key), sync)
+    kernels = print_kernels("graph replay", trace)
+    print_launches(trace, pdl_on, gemv_calls(runner, static, sync))
     for r in reqs:
         engine.abort(r)
     return replay, kernels
 
 
-def print_kernels(name: str, fn, sync, top: int = 16) -> int:
-    """Run ``fn`` once under torch.profiler: kernel count, GPU time, the costliest kernels."""
-    events = device_events(fn, sync, torch.device("cuda"))
-    total = sum(e.self_device_time_total for e in events)
-    count = sum(e.count for e in events)
-    print(f"  {name}: {count} kernels, {total / 1e3:.3f} ms GPU time; top:")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
-        print(f"    {e.self_device_time_total / 1e3:7.3f} ms  x{e.count:<4} {e.key[:100]}")
-    return count
+def replay_trace(fn, sync) -> list[dict]:
+    """The device events of one run of ``fn`` under torch.profiler, in time order: one
+    trace serves the kernel summary and the launch tables (only the trace records grids)."""
+    sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    on_device = ("kernel", "gpu_memcpy", "gpu_memset")
+    return sorted((e for e in events if e.get("cat") in on_device), key=lambda e: e["ts"])
+
+
+def print_kernels(name: str, trace: list[dict], top: int = 16) -> int:
+    """Kernel count, GPU time and the costliest kernels by name: the launch count."""
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for e in trace:
+        by_name[e["name"]].append(e["dur"])
+    total = sum(sum(durs) for durs in by_name.values())
+    print(f"  {name}: {len(trace)} kernels, {total / 1e3:.3f} ms GPU time; top:")
+    for kernel, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"    {sum(durs) / 1e3:7.3f} ms  x{len(durs):<4} {kernel[:100]}")
+    return len(trace)
 
 
 def gemv_calls(runner, static, sync) -> list[tuple[str, int]]:
@@ -174,7 +190,7 @@ def gemv_calls(runner, static, sync) -> list[tuple[str, int]]:
     return calls
 
 
-def print_launches(fn, sync, pdl_on: bool, gemvs=(), top: int = 24) -> None:
+def print_launches(trace: list[dict], pdl_on: bool, gemvs=(), top: int = 24) -> None:
     """The replay's kernels from the profiler's trace: its GEMVs by projection (``gemvs``,
     ``gemv_calls``' labels, matched to the _gemv_kernel launches in time order), then all
     kernels by launch (name, grid, block; only the trace records grids).
@@ -182,16 +198,7 @@ def print_launches(fn, sync, pdl_on: bool, gemvs=(), top: int = 24) -> None:
     that wait (stop 63 on an H100, PDL on: a 64-program GEMV, by its grid Gemma 4's 0.8 MB
     per-layer gate behind the down projection, took 18.6 us a call; the kernels summed
     3.80 ms in a 2.62 ms replay): read the no-pdl variant's table for launches' own times."""
-    sync()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        sync()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)["traceEvents"]
-    kernels = sorted((e for e in trace if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    kernels = [e for e in trace if e.get("cat") == "kernel"]
     print_projections([e["dur"] for e in kernels if e["name"] == "_gemv_kernel"], gemvs, pdl_on)
     launches: dict[tuple, list[float]] = collections.defaultdict(list)
     for e in kernels:
