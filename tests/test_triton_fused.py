@@ -435,6 +435,50 @@ def test_shipped_choices_serve_a_fresh_machine_after_its_own(tmp_path):
         assert choices and all(v is None or GemvConfig(**v) for v in choices.values()), card
 
 
+@needs_triton
+def test_a_siblings_shipped_choice_serves_a_shape_the_cards_own_file_lacks(tmp_path):
+    """Cards of one architecture stand in for each other's missing shapes (an H200 whose
+    file lacks a shape takes the H100's choice instead of compiling every candidate and
+    timing them): the card's own file first, then its siblings' in order; a card of
+    another architecture reads its own file alone."""
+    from graphrt.devices.cuda.gemv_tuner import (
+        CUBLAS,
+        SIBLINGS,
+        GemvTuner,
+        _disk_key,
+        shipped_path,
+        shipped_paths,
+    )
+    from graphrt.devices.cuda.triton_gemv import configs_for
+
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    assert shipped_paths(h200, (9, 0)) == [shipped_path(h200), shipped_path(h100)]
+    assert shipped_paths(h100, (9, 0)) == [shipped_path(h100), shipped_path(h200)]
+    assert shipped_paths("NVIDIA H20", (9, 0))[1:] == [shipped_path(n) for n in SIBLINGS[9, 0]]
+    assert shipped_paths("NVIDIA A100-SXM4-80GB", (8, 0)) == [shipped_path("NVIDIA A100-SXM4-80GB")]
+    candidates = (CUBLAS, *configs_for(1))
+    both = ("linear", "1", 2048, 2048, torch.bfloat16, False, True, False)
+    sibling_only = ("linear", "1", 4096, 2048, torch.bfloat16, False, True, False)
+    own, sibling = tmp_path / "own.json", tmp_path / "sibling.json"
+    own.write_text(json.dumps({_disk_key(both, candidates): dataclasses.asdict(candidates[1])}))
+    sibling.write_text(
+        json.dumps(
+            {
+                _disk_key(both, candidates): dataclasses.asdict(candidates[2]),
+                _disk_key(sibling_only, candidates): dataclasses.asdict(candidates[3]),
+            }
+        )
+    )
+    tuner = GemvTuner()
+    tuner.use_cache(tmp_path / "cache.json", [own, sibling])
+    assert tuner.recall(both, candidates) == candidates[1]  # its own file first
+    assert tuner.recall(sibling_only, candidates) == candidates[3]
+    assert tuner.recall(sibling_only, candidates[:3]) == "unset"  # timed among others
+    alone = GemvTuner()
+    alone.use_cache(tmp_path / "cache.json", own)
+    assert alone.recall(sibling_only, candidates) == "unset"
+
+
 def test_non_decode_matmuls_stay_with_torch():
     """Prefill-sized or float32 matmuls never reach the GEMV or its tuner."""
     from graphrt.devices.cuda.gemv_tuner import TUNER

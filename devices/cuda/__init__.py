@@ -84,8 +84,8 @@ class CudaDevice(Device):
             return None
         return (
             f"compiling GPU kernels: Triton's cache ({cache}) is empty, so this first start "
-            "takes longer (about 12 s for the embedded pair on an H100, whose GEMV choices "
-            "graphrt ships; 26 s on one without them; more for larger models); later starts "
+            "takes longer (the embedded pair: 12 s on an H100 with GEMV choices shipped for "
+            "its shapes, 26 s with 30 of them missing; more for larger models); later starts "
             "reuse it"
         )
 

@@ -63,14 +63,31 @@ CACHE_DIR_ENV = "GRAPHRT_CACHE_DIR"
 
 
 # Choices timed on a card and shipped with graphrt, one JSON file per card name (the cache
-# file's format; a card's `bash bench/h200.sh cold` writes one): a fresh machine takes
-# them instead of timing, whatever its torch and triton (a choice is a configuration,
-# valid on any version; only its speed may differ). Its own cache file comes first.
+# file's format; a card's `bash bench/h200.sh cold` writes one, bench/ship_choices.py
+# merges it): a fresh machine takes them instead of timing, whatever its torch and triton
+# (a choice is a configuration, valid on any version; only its speed may differ). Its
+# own cache file comes first, its siblings' shipped files (SIBLINGS) after its own.
 SHIPPED_DIR = Path(__file__).parent / "gemv_choices"
+
+
+# Cards of one architecture: where a card's shipped file lacks a shape, a sibling's choice
+# serves instead of compiling every candidate ahead and timing them at the first start (a
+# configuration builds on either; only its speed rank may differ a little). Stop 63: 30
+# shapes missing from a fresh H100's file took the README's first command from 12 to 26 s.
+SIBLINGS: dict[tuple[int, int], tuple[str, ...]] = {
+    (9, 0): ("NVIDIA H100 80GB HBM3", "NVIDIA H200"),
+}
 
 
 def shipped_path(device_name: str) -> Path:
     return SHIPPED_DIR / (re.sub(r"[^A-Za-z0-9._+-]+", "_", device_name) + ".json")
+
+
+def shipped_paths(device_name: str, capability: tuple[int, int]) -> list[Path]:
+    """The shipped files a card reads, in order: its own, then its siblings' (SIBLINGS)."""
+    own = shipped_path(device_name)
+    siblings = (shipped_path(name) for name in SIBLINGS.get(tuple(capability), ()))
+    return [own, *(path for path in siblings if path != own)]
 
 
 def cache_path(device_name: str) -> Path:
@@ -127,7 +144,8 @@ class GemvTuner:
         # _disk_key(key, candidates) -> the choice's fields (None: cuBLAS)
         self._disk: dict[str, dict | None] | None = None
         self._disk_path: Path | None = None
-        self._shipped: dict[str, dict | None] = {}  # the same, shipped for this card
+        # the same, shipped: this card's file, then its siblings' (shipped_paths)
+        self._shipped: list[dict[str, dict | None]] = []
 
     def choose(
         self,
@@ -154,7 +172,8 @@ class GemvTuner:
         else:
             if self._disk is None:
                 name = torch.cuda.get_device_name(weight.device)
-                self.use_cache(cache_path(name), shipped_path(name))
+                capability = torch.cuda.get_device_capability(weight.device)
+                self.use_cache(cache_path(name), shipped_paths(name, capability))
             choice = self.recall(key, candidates)
             if choice == "unset" and compile_ahead.dry():
                 # A dry run (compile_ahead): compile every candidate, time none; the
@@ -171,22 +190,22 @@ class GemvTuner:
 
     # ---- the disk cache ------------------------------------------------------------
 
-    def use_cache(self, path: Path, shipped: Path | None = None) -> None:
+    def use_cache(self, path: Path, shipped: Path | list[Path] | None = None) -> None:
         """Recall choices from the cache file ``path`` and add new ones to it; where it
-        has none for a shape, take the ``shipped`` file's (read only)."""
+        has none for a shape, take the first ``shipped`` file's that has one (read only)."""
         self._disk_path = path
-        self._disk, self._shipped = _read_choices(path), _read_choices(shipped)
+        self._disk = _read_choices(path)
+        files = [] if shipped is None else [shipped] if isinstance(shipped, Path) else shipped
+        self._shipped = [_read_choices(file) for file in files]
 
     def recall(self, key: Hashable, candidates) -> GemvConfig | None | str:
         """The cached choice for ``key``, if it was timed among these same ``candidates``,
         else "unset" (a release that offers more candidates, split-K tiles say, times the
         shape again instead of keeping a choice made without them)."""
         entry = _disk_key(key, candidates)
-        found = self._disk or {}
-        if entry not in found:
-            found = self._shipped
-            if entry not in found:
-                return "unset"
+        found = next((f for f in (self._disk or {}, *self._shipped) if entry in f), None)
+        if found is None:
+            return "unset"
         fields = found[entry]
         try:
             choice = None if fields is None else GemvConfig(**fields)
