@@ -15,6 +15,7 @@ import ast
 from pathlib import Path
 
 import pytest
+import torch
 
 CUDA = Path(__file__).resolve().parents[1] / "devices" / "cuda"
 # Pointers no kernel of a step writes: a PDL kernel may read them before its wait.
@@ -101,3 +102,44 @@ def test_every_launch_of_a_pdl_kernel_passes_launch_options():
             assert "**pdl.launch_options()" in keywords, f"{where} launches without launch_options"
             assert not any(k.startswith(("USE_PDL=", "launch_pdl=")) for k in keywords), where
     assert launched == pdl_kernels
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="PDL needs an sm_90+ NVIDIA GPU",
+)
+def test_cuda_greedy_tokens_are_the_same_with_pdl_and_without_in_fresh_engines():
+    """PDL only schedules: the same kernels with and without it, and in two engines of one
+    process, give the same greedy tokens (graphs; four prompts one request at a time, as
+    bench/profile_step.py generates them: stop 64 saw random:llama-1b's differ there
+    between its PDL and no-PDL engines; bench/pdl_tokens.py separates the cases)."""
+    from graphrt import devices
+    from graphrt.core.bench.decode import DecodeBenchConfig, make_engine
+    from graphrt.core.engine import SamplingParams
+    from graphrt.core.models import load_model
+    from graphrt.devices.cuda import pdl
+
+    device = devices.current("cuda")
+    gen = torch.Generator().manual_seed(0)
+    runs, shipped = {}, pdl.ENABLED
+    try:
+        for name, pdl_on in (("pdl", True), ("no-pdl", False), ("pdl again", True)):
+            pdl.ENABLED = pdl_on
+            loaded = load_model("random:llama-1b", device, torch.bfloat16, ops=device.model_ops())
+            cfg = DecodeBenchConfig(batch_sizes=(1,), prompt_len=512, max_running_requests=1)
+            engine = make_engine(loaded, device, cfg, graphs=True)
+            if not runs:
+                vocab = loaded.model.vocab_size
+                prompts = [
+                    torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (7, 60, 300, 5)
+                ]
+            params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+            runs[name] = [r.output_ids for r in engine.generate(prompts, params)]
+            engine.cleanup()
+            del engine, loaded
+            torch.cuda.empty_cache()
+    finally:
+        pdl.ENABLED = shipped
+    assert runs["pdl again"] == runs["pdl"], "two engines with PDL differ: not PDL's doing"
+    assert runs["no-pdl"] == runs["pdl"]
