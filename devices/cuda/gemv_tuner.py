@@ -279,7 +279,7 @@ class GemvTuner:
         lines = []
         for key, (cublas_ms, best_ms) in sorted(self.timings.items(), key=str):
             choice = self._choices[key]
-            name = "cuBLAS" if choice is None else f"gemv {choice.block_n}x{choice.block_k}"
+            name = "cuBLAS" if choice is None else f"gemv {choice.label}"
             line = f"{key}: {name} {best_ms * 1e3:.1f} us"
             # The width-invariant class never times cuBLAS: it may not serve those rows.
             line += (

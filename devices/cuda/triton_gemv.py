@@ -91,6 +91,14 @@ class GemvConfig:
     block_m: int = 16  # x rows per program: 1 is the CUDA-core row path, else tensor-core tiles
     split_k: int = 1  # tiles: programs along K per output tile, their sums added in split order
 
+    @property
+    def label(self) -> str:
+        """Short and whole: the row path or the tile's rows, outputs x K chunk, warps,
+        stages, splits (a split-K tile must not read as a plain one in a report)."""
+        path = "row" if self.block_m == 1 else f"m{self.block_m}"
+        split = f" split{self.split_k}" if self.split_k > 1 else ""
+        return f"{path} {self.block_n}x{self.block_k} w{self.num_warps}s{self.num_stages}{split}"
+
 
 # What the tuner tries (and the interpreter's default is the first): small blocks keep
 # every SM busy on 1536..4096-row projections; big K chunks keep bytes in flight.
