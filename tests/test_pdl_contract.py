@@ -113,7 +113,9 @@ def test_cuda_greedy_tokens_are_the_same_with_pdl_and_without_in_fresh_engines()
     """PDL only schedules: the same kernels with and without it, and in two engines of one
     process, give the same greedy tokens (graphs; four prompts one request at a time, as
     bench/profile_step.py generates them: stop 64 saw random:llama-1b's differ there
-    between its PDL and no-PDL engines; bench/pdl_tokens.py separates the cases)."""
+    between its PDL and no-PDL engines, the likely cause the first engine's tuner adding
+    into the live residual, test_tuner_side_effects; bench/pdl_tokens.py separates the
+    cases)."""
     from graphrt import devices
     from graphrt.core.bench.decode import DecodeBenchConfig, make_engine
     from graphrt.core.engine import SamplingParams

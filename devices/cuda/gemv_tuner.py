@@ -157,7 +157,10 @@ class GemvTuner:
     ) -> GemvConfig | None:
         """The configuration for ``key``; ``run(choice, weight)`` computes the op with a
         choice on a weight of ``weight``'s shape (the tuner passes copies). ``candidates``:
-        what may serve it (default: cuBLAS and ``configs_for(rows)``)."""
+        what may serve it (default: cuBLAS and ``configs_for(rows)``).
+        HAZARD: timing calls ``run`` about a hundred times a candidate, on the caller's
+        inputs: it must not accumulate into them (an in-place residual add would sum every
+        call into the live stream; ops.triton_linear times on a copy)."""
         choice = self._choices.get(key, "unset")
         if choice != "unset":
             return choice
