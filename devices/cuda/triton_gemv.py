@@ -501,6 +501,13 @@ def _split_sums(
     tl.store(tile_sums + split * (halves * size) + offs, acc)
     if GATED:
         tl.store(tile_sums + split * (halves * size) + size + offs, acc_up)
+    # Every warp's stores before the count: Triton issues a scalar atomic from one thread
+    # (then a barrier, so all see its result), and a release orders only what that thread
+    # has seen; this barrier makes the other warps' stores part of it. (Stop 64, the PTX
+    # for sm_90: Triton's shared-memory hazard pass had put one there for every split
+    # configuration, the stores' layout conversion sharing memory with the atomic's
+    # result, but nothing promised it; tests/test_gemv_split_order.py.)
+    tl.debug_barrier()
     # acq_rel at GPU scope: the stores above are visible to the program that reads a later
     # count, and that program's loads below see every earlier split's stores.
     arrived = tl.atomic_add(Arrived + tile, 1, sem="acq_rel")

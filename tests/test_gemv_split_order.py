@@ -1,0 +1,80 @@
+"""Split-K's hand-off, in the PTX compiled for an H200 (no GPU: Triton's compiler and
+ptxas run anywhere). Each split stores its float32 sums from every warp, then counts
+itself with one acq_rel atomic; the last to arrive reads every split's sums. Triton issues
+a scalar atomic from one thread, and a release orders only what that thread has seen: the
+other warps' stores must be made part of it by a CTA barrier before the atomic, or the
+last split may add a sum not yet stored (a rare wrong result, never on the CPU lane's
+interpreter). Stop 64 found none written in the kernel: Triton's shared-memory hazard
+pass happened to place one there for every split configuration. The kernel now asks for
+it; this holds every configuration the tuner may pick to it."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import needs_triton
+
+# Every pointer of the GEMV by name, as a bfloat16 model launches it.
+POINTERS = {
+    **dict.fromkeys(
+        (
+            "X",
+            "W",
+            "Bias",
+            "Up",
+            "Residual",
+            "NormWeight",
+            "Out",
+            "Cos",
+            "Sin",
+            "KCache",
+            "VCache",
+            "PreResidual",
+            "XOut",
+            "NextNormWeight",
+            "LayerScalar",
+        ),
+        "*bf16",
+    ),  # fmt: skip
+    "Partial": "*fp32",
+    "Arrived": "*i32",
+    "Positions": "*i64",
+    "Loc": "*i64",
+}
+# A 16-row tile split along K with PDL on (a verify's down projection); each case sets the rest
+SPLIT_TILE = dict(
+    BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, ONE_CHUNK=False, SPLIT_K=4, ROW_K=0, GATED=False,
+    HAS_UP=False, HAS_BIAS=False, HAS_RESIDUAL=True, NORM=False, RES_NORM=False,
+    RES_SCALAR=False, RES_NORM_NEXT=False, ACT=0, PRECISE=True, USE_PDL=True, ROPE=False,
+    HEAD_DIM=1, Q_ROWS=0, KV_ROWS=0,
+)  # fmt: skip
+
+
+def _split_configs():
+    try:
+        from graphrt.devices.cuda.triton_gemv import SPLIT_CONFIGS
+    except ImportError:  # no triton: needs_triton skips
+        return []
+    return SPLIT_CONFIGS
+
+
+@needs_triton
+@pytest.mark.parametrize("gated", [False, True], ids=["residual", "gated"])
+@pytest.mark.parametrize("config", _split_configs(), ids=lambda c: c.label)
+def test_a_split_counts_itself_only_after_every_warps_sums_are_stored(config, gated):
+    from graphrt.devices.cuda.offline_compile import compile_for_h200
+    from graphrt.devices.cuda.triton_gemv import _gemv_kernel
+
+    constants = SPLIT_TILE | dict(
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+        GATED=gated, HAS_RESIDUAL=not gated, ACT=1 if gated else 0,
+    )  # fmt: skip
+    compiled = compile_for_h200(
+        _gemv_kernel, constants, num_warps=config.num_warps, pointers=POINTERS,
+        num_stages=config.num_stages, aligned=True,
+    )  # fmt: skip
+    lines = [line.strip() for line in compiled.asm["ptx"].splitlines()]
+    (count,) = [i for i, line in enumerate(lines) if "atom.global.gpu.acq_rel.add" in line]
+    stores = [i for i, line in enumerate(lines[:count]) if line.startswith("st.global")]
+    barriers = [i for i, line in enumerate(lines[:count]) if line.startswith("bar.sync")]
+    assert stores, "the splits' sums are stored before the count"
+    assert barriers and barriers[-1] > stores[-1], "no CTA barrier between the sums and the count"
