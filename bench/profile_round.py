@@ -16,6 +16,7 @@ import torch
 from profile_step import print_kernels
 
 from graphrt import devices
+from graphrt.core.bench.profile import device_trace
 from graphrt.core.bench.rounds import RoundBenchConfig, round_engines
 from graphrt.core.bench.timing import median_ms
 from graphrt.core.models import load_model
@@ -49,7 +50,7 @@ def main() -> None:
             fn()
             replay = median_ms(fn, device.synchronize, 50, 10)
             print(f"  {name}: replay {replay:.3f} ms (median of 50)")
-            print_kernels(name, fn, device.synchronize, top=top)
+            print_kernels(name, device_trace(fn, device.synchronize, torch.device("cuda")), top=top)
         # The draft loop's graph alone: "replay" above is its execute, whose 6 input copies
         # and 5 output clones a one-graph round (the default) does not have.
         draft = strategy.draft_graph

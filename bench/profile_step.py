@@ -14,16 +14,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
-import json
-import os
 import statistics
 import sys
-import tempfile
 
 import torch
 
 from graphrt import devices
 from graphrt.core.bench.decode import DecodeBenchConfig, make_engine
+from graphrt.core.bench.profile import device_trace
 from graphrt.core.bench.timing import median_ms
 from graphrt.core.engine import SamplingParams
 from graphrt.core.models import load_model
@@ -128,28 +126,12 @@ def profile_batch(engine, bs: int, sync, model, prompt_len: int, pdl_on: bool) -
     key, static = runner._loaded
     replay = median_ms(lambda: runner.backend.replay(key), sync, 100, 10)
     print(f"bs={bs}: execute {execute:.3f} ms | load_batch {load:.3f} | replay only {replay:.3f}")
-    trace = replay_trace(lambda: runner.backend.replay(key), sync)
+    trace = device_trace(lambda: runner.backend.replay(key), sync, torch.device("cuda"))
     kernels = print_kernels("graph replay", trace)
     print_launches(trace, pdl_on, gemv_calls(runner, static, sync))
     for r in reqs:
         engine.abort(r)
     return replay, kernels
-
-
-def replay_trace(fn, sync) -> list[dict]:
-    """The device events of one run of ``fn`` under torch.profiler, in time order: one
-    trace serves the kernel summary and the launch tables (only the trace records grids)."""
-    sync()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        sync()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    on_device = ("kernel", "gpu_memcpy", "gpu_memset")
-    return sorted((e for e in events if e.get("cat") in on_device), key=lambda e: e["ts"])
 
 
 def print_kernels(name: str, trace: list[dict], top: int = 16) -> int:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import tempfile
 from collections.abc import Callable
 
 import torch
@@ -19,9 +22,9 @@ def kernel_activity(device: torch.device) -> ProfilerActivity | None:
     return activity if activity in torch.profiler.supported_activities() else None
 
 
-def device_events(fn: Callable[[], object], sync: Callable[[], None], device: torch.device):
-    """Run ``fn`` once under the profiler: its device events (kernels and copies) averaged
-    by name, each with a ``count``; None where the profiler records no kernels."""
+def _profiled(fn: Callable[[], object], sync: Callable[[], None], device: torch.device):
+    """The profiler after one run of ``fn`` recording ``device``'s kernels; None where it
+    records none."""
     activity = kernel_activity(device)
     if activity is None:
         return None
@@ -29,7 +32,33 @@ def device_events(fn: Callable[[], object], sync: Callable[[], None], device: to
     with torch.profiler.profile(activities=[activity]) as prof:
         fn()
         sync()
+    return prof
+
+
+def device_events(fn: Callable[[], object], sync: Callable[[], None], device: torch.device):
+    """Run ``fn`` once under the profiler: its device events (kernels and copies) averaged
+    by name, each with a ``count``; None where the profiler records no kernels."""
+    prof = _profiled(fn, sync, device)
+    if prof is None:
+        return None
     return [e for e in prof.key_averages() if e.device_type != DeviceType.CPU]
+
+
+def device_trace(fn: Callable[[], object], sync: Callable[[], None], device: torch.device):
+    """Run ``fn`` once under the profiler: its device events one by one (kernels, copies,
+    memsets) in time order, as the exported trace records them, each kernel with its grid
+    and block (``key_averages`` keeps neither order nor grids); None where the profiler
+    records no kernels."""
+    prof = _profiled(fn, sync, device)
+    if prof is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    on_device = ("kernel", "gpu_memcpy", "gpu_memset")
+    return sorted((e for e in events if e.get("cat") in on_device), key=lambda e: e["ts"])
 
 
 def count_kernels(
