@@ -138,6 +138,8 @@ def test_cuda_greedy_tokens_are_the_same_with_pdl_and_without_in_fresh_engines()
                 ]
             params = SamplingParams(max_new_tokens=32, ignore_eos=True)
             runs[name] = [r.output_ids for r in engine.generate(prompts, params)]
+            # every decode step on the graphs (31 a request), not an eager fallback
+            assert engine.stats.graph_steps >= 4 * 31, (name, engine.stats)
             engine.cleanup()
             del engine, loaded
             torch.cuda.empty_cache()
