@@ -49,6 +49,9 @@ class HeldSlots:
     host: torch.Tensor  # (n,) int64
     device: torch.Tensor  # (n,) int64, copied without a sync
 
+    def __post_init__(self):  # a round's settling reads ``host`` as lists: never a device read
+        assert self.host.device.type == "cpu", f"held slots' host ids on {self.host.device}"
+
 
 class Ledger:
     def __init__(self, req_pool: ReqToTokenPool, kv_pool: TokenKVPool):
