@@ -6,7 +6,9 @@ GEMV where it won, programmatic dependent launch where the card has it), the sam
 without PDL, and with every matmul on cuBLAS (the same fused elementwise ops).
 
 Run on the device: python bench/profile_step.py [models, default random:llama-1b]
-[batch sizes, default 1,32] [prompt length, default 512] [variants, default all three]
+[batch sizes, default 1,32] [prompt length, default 512] [variants, default the first
+three: tuned,no-pdl,cublas; no-early: decode attention reads no K/V before its PDL wait;
+NAME:N runs a variant again, as its own engine]
 """
 
 from __future__ import annotations
@@ -32,20 +34,22 @@ def main() -> None:
     sizes = [int(s) for s in (sys.argv[2] if len(sys.argv) > 2 else "1,32").split(",")]
     prompt_len = int(sys.argv[3]) if len(sys.argv) > 3 else 512
     device = devices.current("cuda")
-    from graphrt.devices.cuda import pdl
+    from graphrt.devices.cuda import pdl, triton_decode
 
-    tuned = device.model_ops()
-    variants = {
-        "tuned": (tuned, pdl.ENABLED),
-        "no-pdl": (tuned, False),
-        "cublas": (cublas_matmuls(tuned), pdl.ENABLED),
+    tuned, early = device.model_ops(), triton_decode.EARLY_KV_BYTES
+    variants = {  # ops, PDL, decode attention's early K/V bytes
+        "tuned": (tuned, pdl.ENABLED, early),
+        "no-pdl": (tuned, False, early),
+        "cublas": (cublas_matmuls(tuned), pdl.ENABLED, early),
+        "no-early": (tuned, pdl.ENABLED, 0),  # stage 1 reads no K/V before its wait
     }
-    if len(sys.argv) > 4:
-        variants = {name: variants[name] for name in sys.argv[4].split(",")}
+    chosen = sys.argv[4].split(",") if len(sys.argv) > 4 else ["tuned", "no-pdl", "cublas"]
+    variants = {name: variants[name.split(":")[0]] for name in chosen}  # "tuned:2": a rerun
     summary, tokens = [], {}
     for model in models:
-        for variant, (ops, pdl_on) in variants.items():
+        for variant, (ops, pdl_on, early_bytes) in variants.items():
             pdl.ENABLED = pdl_on  # read at each launch: the graphs captured below keep it
+            triton_decode.EARLY_KV_BYTES = early_bytes
             loaded = load_model(model, device, torch.bfloat16, ops=ops)
             cfg = DecodeBenchConfig(
                 batch_sizes=tuple(sizes), prompt_len=prompt_len, max_running_requests=max(sizes)
@@ -77,10 +81,15 @@ def main() -> None:
     print("== summary")
     for line in summary:
         print(line)
-    for model in models:  # one kernel set, launched with and without PDL: same bits
-        if (model, "tuned") in tokens and (model, "no-pdl") in tokens:
-            same = tokens[model, "tuned"] == tokens[model, "no-pdl"]
-            print(f"{model}: greedy tokens with PDL == without: {same}")
+    for model in models:  # one arithmetic, scheduled otherwise (not cublas): same bits
+        for variant in variants:
+            if (
+                variant != "tuned"
+                and not variant.startswith("cublas")
+                and (model, "tuned") in tokens
+            ):
+                same = tokens[model, "tuned"] == tokens[model, variant]
+                print(f"{model}: greedy tokens of {variant} == tuned: {same}")
 
 
 def _weight_bytes(key) -> int:

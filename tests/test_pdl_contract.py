@@ -20,6 +20,10 @@ import torch
 CUDA = Path(__file__).resolve().parents[1] / "devices" / "cuda"
 # Pointers no kernel of a step writes: a PDL kernel may read them before its wait.
 WEIGHTS = {"W", "Weight", "NormWeight", "NextNormWeight", "LayerScalar", "Bias"}
+# The step's inputs, final before its first kernel: decode attention's stage 1 reads them
+# before its wait, all but the key and value this step stores (the stand-in test below).
+STEP_INPUTS = {"SeqLens", "ReqPoolIndices", "ReqToToken", "K", "V"}
+EARLY_READS = {"_decode_partial_kernel": WEIGHTS | STEP_INPUTS}
 
 
 def _kernels():
@@ -60,26 +64,102 @@ def _names(node: ast.AST) -> set[str]:
 def _before_wait(fn: ast.FunctionDef) -> list[ast.stmt]:
     """The kernel's statements up to the one holding its first ``gdc_wait()``."""
     for i, stmt in enumerate(fn.body):
-        if "gdc_wait()" in ast.unparse(stmt):
+        if "gdc_wait()" in ast.unparse(stmt) or "wait_for_predecessor()" in ast.unparse(stmt):
             return fn.body[:i]
     raise AssertionError(f"{fn.name} takes USE_PDL but never waits (griddepcontrol.wait)")
 
 
-def test_the_gemv_is_launched_with_pdl():
-    assert "_gemv_kernel" in _pdl_kernels()  # the parse found the kernels
+def test_the_gemv_and_decode_attention_are_launched_with_pdl():
+    assert {"_gemv_kernel", "_decode_partial_kernel"} <= set(_pdl_kernels())  # the parse found them
 
 
 @pytest.mark.parametrize("name", sorted(_pdl_kernels()))
-def test_a_pdl_kernel_reads_only_weights_before_its_wait(name):
+def test_a_pdl_kernel_reads_only_weights_or_step_inputs_before_its_wait(name):
     fn = _pdl_kernels()[name]
     pointers = _pointers(fn)
+    allowed = EARLY_READS.get(name, WEIGHTS)
     early = _before_wait(fn)
     # Names bound before the wait from activation pointers would carry them past it.
     touched = set().union(*(_names(s) for s in early)) if early else set()
-    assert not (touched & (pointers - WEIGHTS)), (
-        f"{name} names {sorted(touched & (pointers - WEIGHTS))} before its wait"
+    assert not (touched & (pointers - allowed)), (
+        f"{name} names {sorted(touched & (pointers - allowed))} before its wait"
     )
     assert not any("tl.store" in ast.unparse(s) for s in early), f"{name} stores before its wait"
+
+
+# (head_dim, num_heads, sliding window, lengths): one KV head; 16-key blocks, one split, one
+# program, so the program's first block is where the row's keys start. Rows whose new key
+# is in that block (1, 5, 16; 64 with its window from key 56), or past it (17, 40; 70).
+STAND_IN_CASES = [(24, 4, None, (1, 5, 16, 17, 40)), (16, 2, 8, (64, 70))]
+
+
+def stand_in_results() -> dict:
+    """Runs under TRITON_INTERPRET=1 (the subprocess below): decode attention's stage 1
+    launched as with PDL, where the kernel before it stores the step's key and value only
+    when stage 1 waits. Until then the cache holds NaN where they go. -> each case: its
+    output equal (bit for bit) to the launch without PDL or the early block, and finite."""
+    return {
+        f"D{head_dim}-window{window}-len{seq_len}": _stand_in_case(
+            head_dim, num_heads, window, seq_len
+        )
+        for head_dim, num_heads, window, lengths in STAND_IN_CASES
+        for seq_len in lengths
+    }
+
+
+def _stand_in_case(head_dim: int, num_heads: int, window: int | None, seq_len: int) -> bool:
+    from graphrt.devices.cuda import pdl
+    from graphrt.devices.cuda import triton_decode as td
+
+    gen = torch.Generator().manual_seed(seq_len)
+    slots = 96
+    k_buffer = torch.randn(slots, 1, head_dim, generator=gen)
+    v_buffer = torch.randn(slots, 1, head_dim, generator=gen)
+    table = torch.zeros(2, 128, dtype=torch.int64)
+    table[1, :seq_len] = torch.randperm(slots - 1, generator=gen)[:seq_len] + 1
+    new_slot = int(table[1, seq_len - 1])
+    new_k, new_v = k_buffer[new_slot].clone(), v_buffer[new_slot].clone()
+    q = torch.randn(1, num_heads, head_dim, generator=gen)
+    req, lens = torch.tensor([1]), torch.tensor([seq_len], dtype=torch.int32)
+
+    def attend():
+        out = torch.empty_like(q)
+        scratch = td.allocate_decode_scratch(1, num_heads, head_dim, q.device, 1)
+        args = (q, k_buffer, v_buffer, table, req, lens, out, *scratch, 0.3, window)
+        return td.decode_attention(*args, block_n=16, programs=1, short_splits=1)
+
+    td.EARLY_KV_BYTES, early_bytes = 0, td.EARLY_KV_BYTES
+    try:  # no PDL (the interpreter's default), no early block: the loop's reads only
+        plain = attend()
+    finally:
+        td.EARLY_KV_BYTES = early_bytes
+    k_buffer[new_slot], v_buffer[new_slot] = float("nan"), float("nan")
+
+    def predecessor_finishes():  # what the kernel before stores, at the wait
+        k_buffer[new_slot], v_buffer[new_slot] = new_k, new_v
+
+    with_pdl = {"USE_PDL": True, "launch_pdl": False}  # (no launch attribute on a CPU)
+    saved = pdl.wait_for_predecessor, pdl.launch_options
+    pdl.wait_for_predecessor, pdl.launch_options = predecessor_finishes, lambda: with_pdl
+    try:
+        early = attend()
+    finally:
+        pdl.wait_for_predecessor, pdl.launch_options = saved
+    return torch.equal(early, plain) and bool(torch.isfinite(early).all())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU lane's interpreter test")
+def test_decode_attention_reads_the_steps_own_key_only_after_its_wait():
+    """Launched with PDL, stage 1 reads its first block's keys before its wait while the
+    kernel before it (the qkv GEMV's rope epilogue, the rope kernel, store_kv) may still
+    be storing this step's key and value. A stand-in for the wait stores them only then:
+    a program that read them early would see NaN."""
+    pytest.importorskip("triton")
+    from tests.helpers import run_under_triton_interpreter
+
+    results = run_under_triton_interpreter(__file__)
+    assert len(results) == sum(len(c[-1]) for c in STAND_IN_CASES)
+    assert all(results.values()), {case: ok for case, ok in results.items() if not ok}
 
 
 def test_every_launch_of_a_pdl_kernel_passes_launch_options():
@@ -147,3 +227,10 @@ def test_cuda_greedy_tokens_are_the_same_with_pdl_and_without_in_fresh_engines()
         pdl.ENABLED = shipped
     assert runs["pdl again"] == runs["pdl"], "two engines with PDL differ: not PDL's doing"
     assert runs["no-pdl"] == runs["pdl"]
+
+
+if __name__ == "__main__":
+    # The CPU lane's subprocess (TRITON_INTERPRET=1 is already in its environment).
+    import json
+
+    print(json.dumps(stand_in_results()))

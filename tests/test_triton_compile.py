@@ -92,7 +92,13 @@ def _cases():
             yield (
                 f"qkv_rope-norm{normed}-write{write}",
                 triton_rope._qkv_rope_kernel,
-                {**rope, "NORM": normed, "WRITE_KV": write, "TORCH_CUDA_MATH": True},
+                {
+                    **rope,
+                    "NORM": normed,
+                    "WRITE_KV": write,
+                    "TORCH_CUDA_MATH": True,
+                    "LAUNCH_DEPENDENTS": True,
+                },  # fmt: skip
                 None,
             )
     grouped = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 64, "ROT_DIM": 64,
@@ -102,7 +108,7 @@ def _cases():
         yield (
             f"qkv_rope-grouped-write{write}",
             triton_rope._qkv_rope_kernel,
-            {**grouped, "WRITE_KV": write},
+            {**grouped, "WRITE_KV": write, "LAUNCH_DEPENDENTS": False},
             None,
         )
     for scalar, nxt in ((False, False), (True, True)):

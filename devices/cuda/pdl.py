@@ -6,10 +6,17 @@ exited); it must run ``griddepcontrol.wait`` before touching what that kernel wr
 In a decode step inside a CUDA graph this hides each launch's ramp-up: a GEMV reads
 its weight tile, which no kernel writes, while the previous kernel finishes.
 
-The contract every kernel launched with PDL keeps (``triton_gemv``; checked in the
-source by tests/test_pdl_contract.py):
-- before the wait it reads only tensors no kernel writes (weights, biases, norm
-  weights) and stores nothing;
+The contract every kernel launched with PDL keeps (``triton_gemv``, decode attention's
+stage 1; checked in the source by tests/test_pdl_contract.py):
+- before the wait it stores nothing and reads only what no kernel of the step's chain
+  may still be writing. A PDL kernel may start while several kernels before it still
+  run (each may release its successor before its own wait), so that is:
+  - weights, biases and norm weights (the GEMV), which no kernel writes;
+  - the step's inputs (decode attention: lengths, request slots, the token table, the
+    K/V of keys cached by earlier steps), written before the step's first kernel or by
+    torch's own kernels ahead of the model's layers (a round's draft lengths): a torch
+    kernel never releases its successor early, so every later kernel sees its writes.
+    Not the key and value this step stores: the kernel just before writes them;
 - it always waits, even when it reads nothing of its predecessor's: the wait is what
   orders it after the kernel before that one, too;
 - it is launched with ``launch_options()``, so its ``USE_PDL`` constexpr (the wait) and
@@ -19,10 +26,12 @@ Kernels that only let their successor start early (``gdc_launch_dependents``, e.
 attention combine before the o projection) need no wait of their own for that; a
 kernel launched without PDL waits for its predecessor as usual.
 
-Only the GEMV waits: the other kernels of a step have nothing to read before the wait.
-Launched with PDL as well (each waiting, then releasing its successor), they gained
-nothing on an H200 (BENCHMARKS.md, stop 58: Gemma 4's batch-1 step replayed in 2.395 ms
-with them against 2.331 and 2.306 without).
+The GEMV and decode attention's stage 1 wait: the other kernels of a step have nothing
+to read before the wait. Launched with PDL as well (each waiting, then releasing its
+successor), they gained nothing on an H200 (BENCHMARKS.md, stop 58: Gemma 4's batch-1
+step replayed in 2.395 ms with them against 2.331 and 2.306 without). Stage 1 has: its
+length, token table and earlier keys' K/V are a chain of dependent reads, which the
+kernels writing q (the qkv GEMV, the rope kernels, ``store_kv``) let it start early for.
 
 ``ENABLED`` is read at every launch, so a benchmark can compare with and without
 (bench/profile_step.py); graphs keep what was set when they were captured.
@@ -31,6 +40,8 @@ with them against 2.331 and 2.306 without).
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from graphrt.devices.cuda.triton_ops import _INTERPRETED
 
@@ -50,3 +61,11 @@ ENABLED = _supported()
 def launch_options() -> dict[str, bool]:
     """A PDL kernel's ``USE_PDL`` constexpr and its launch attribute, as ``ENABLED`` is now."""
     return {"USE_PDL": ENABLED, "launch_pdl": ENABLED}
+
+
+@triton.jit
+def wait_for_predecessor():
+    """``griddepcontrol.wait`` for kernels that call it through this module: a CPU test
+    stands in for it under the interpreter (which runs no PTX), writing what the kernel
+    before would have at that moment (tests/test_pdl_contract.py)."""
+    tl.extra.cuda.gdc_wait()

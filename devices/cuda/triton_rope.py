@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from graphrt.core.attention.base import KVWrite
+from graphrt.devices.cuda import pdl
 from graphrt.devices.cuda.triton_ops import _INTERPRETED, _norm_num_warps, _round, inv_rms
 
 
@@ -303,7 +304,10 @@ def _qkv_rope_kernel(
     GROUPED: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,  # decode attention may start reading its earlier keys
 ):
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + t * stride_pos).to(tl.int64)
     cos_row = Cos + pos * stride_cos
@@ -413,8 +417,8 @@ def qkv_rope(
         *args, NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         ROT_DIM=rot_dim, BLOCK_D=block, NORM=norm is not None, WRITE_KV=kv_write is not None,
         TORCH_CUDA_MATH=not _INTERPRETED, GROUPED=grouped, BLOCK_HQ=block_hq,
-        BLOCK_HKV=triton.next_power_of_2(max(num_kv_heads, 1)), num_warps=num_warps,
-        enable_fp_fusion=False,
+        BLOCK_HKV=triton.next_power_of_2(max(num_kv_heads, 1)),
+        LAUNCH_DEPENDENTS=pdl.ENABLED, num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
     return q_out, k_out, v_out
 
