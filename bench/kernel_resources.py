@@ -32,10 +32,8 @@ def main() -> None:
     for head_dim, block_n in ((256, 32), (512, 16)):
         common = dict(KV_GROUP=8, **split_constants(128), BLOCK_N=block_n, HEAD_DIM=head_dim,
                       BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
-        for early in (False, True):  # the first block read before the PDL wait, or not
-            stage1 = common | {"BLOCK_G": 16, "EARLY_KV": early, "USE_PDL": True}
-            line = resources(_decode_partial_kernel, stage1, 4)
-            print(f"decode D={head_dim}{', first block early' if early else ''}: {line}")
+        stage1 = common | {"BLOCK_G": 16, "USE_PDL": True}
+        print(f"decode D={head_dim}: {resources(_decode_partial_kernel, stage1, 4)}")
         combine = dict(MIN_SPLITS=16, BLOCK_S=16, BLOCK_REST=8192 // head_dim, HEAD_DIM=head_dim,
                        BLOCK_D=head_dim, LAUNCH_DEPENDENTS=True)  # fmt: skip
         print(f"combine D={head_dim}, 128 splits: {resources(_decode_combine_kernel, combine, 2)}")

@@ -20,9 +20,10 @@ import torch
 CUDA = Path(__file__).resolve().parents[1] / "devices" / "cuda"
 # Pointers no kernel of a step writes: a PDL kernel may read them before its wait.
 WEIGHTS = {"W", "Weight", "NormWeight", "NextNormWeight", "LayerScalar", "Bias"}
-# The step's inputs, final before its first kernel: decode attention's stage 1 reads them
-# before its wait, all but the key and value this step stores (the stand-in test below).
-STEP_INPUTS = {"SeqLens", "ReqPoolIndices", "ReqToToken", "K", "V"}
+# The step's inputs, final before its first kernel: decode attention's stage 1 reads its
+# rows' lengths and request slots before its wait (never this step's key and value, which
+# the kernel before it stores: the stand-in test below).
+STEP_INPUTS = {"SeqLens", "ReqPoolIndices"}
 EARLY_READS = {"_decode_partial_kernel": WEIGHTS | STEP_INPUTS}
 
 
@@ -88,8 +89,9 @@ def test_a_pdl_kernel_reads_only_weights_or_step_inputs_before_its_wait(name):
 
 
 # (head_dim, num_heads, sliding window, lengths): one KV head; 16-key blocks, one split, one
-# program, so the program's first block is where the row's keys start. Rows whose new key
-# is in that block (1, 5, 16; 64 with its window from key 56), or past it (17, 40; 70).
+# program (the interpreter runs programs one after another: the stand-in's store holds for
+# the ones after). Rows whose new key is in their first block (1, 5, 16; 64 with its
+# window from key 56), or past it (17, 40; 70).
 STAND_IN_CASES = [(24, 4, None, (1, 5, 16, 17, 40)), (16, 2, 8, (64, 70))]
 
 
@@ -97,7 +99,7 @@ def stand_in_results() -> dict:
     """Runs under TRITON_INTERPRET=1 (the subprocess below): decode attention's stage 1
     launched as with PDL, where the kernel before it stores the step's key and value only
     when stage 1 waits. Until then the cache holds NaN where they go. -> each case: its
-    output equal (bit for bit) to the launch without PDL or the early block, and finite."""
+    output equal (bit for bit) to the launch without PDL, and finite."""
     return {
         f"D{head_dim}-window{window}-len{seq_len}": _stand_in_case(
             head_dim, num_heads, window, seq_len
@@ -128,11 +130,7 @@ def _stand_in_case(head_dim: int, num_heads: int, window: int | None, seq_len: i
         args = (q, k_buffer, v_buffer, table, req, lens, out, *scratch, 0.3, window)
         return td.decode_attention(*args, block_n=16, programs=1, short_splits=1)
 
-    td.EARLY_KV_BYTES, early_bytes = 0, td.EARLY_KV_BYTES
-    try:  # no PDL (the interpreter's default), no early block: the loop's reads only
-        plain = attend()
-    finally:
-        td.EARLY_KV_BYTES = early_bytes
+    plain = attend()  # no PDL (the interpreter's default)
     k_buffer[new_slot], v_buffer[new_slot] = float("nan"), float("nan")
 
     def predecessor_finishes():  # what the kernel before stores, at the wait
@@ -150,10 +148,11 @@ def _stand_in_case(head_dim: int, num_heads: int, window: int | None, seq_len: i
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU lane's interpreter test")
 def test_decode_attention_reads_the_steps_own_key_only_after_its_wait():
-    """Launched with PDL, stage 1 reads its first block's keys before its wait while the
-    kernel before it (the qkv GEMV's rope epilogue, the rope kernel, store_kv) may still
-    be storing this step's key and value. A stand-in for the wait stores them only then:
-    a program that read them early would see NaN."""
+    """Launched with PDL, stage 1 starts while the kernel before it (the qkv GEMV's rope
+    epilogue, the rope kernel, store_kv) may still be storing this step's key and value.
+    A stand-in for the wait stores them only then: a program that read them early (as a
+    first block read before the wait did, stop 65) would see NaN where they go, or a key
+    of zeros where it masked them out and never read them again."""
     pytest.importorskip("triton")
     from tests.helpers import run_under_triton_interpreter
 

@@ -776,7 +776,7 @@ def test_kernels_compile_for_sm90_with_rows_that_double_their_splits():
     stage1 = dict(KV_GROUP=4, BLOCK_G=16, **split_constants(128), BLOCK_N=64, HEAD_DIM=head_dim,
                   BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
     assert stage1["DOUBLINGS"] == 3
-    compile_for_h200(_decode_partial_kernel, stage1 | {"EARLY_KV": True, "USE_PDL": True}, 4)
+    compile_for_h200(_decode_partial_kernel, stage1 | {"USE_PDL": True}, 4)
     compile_for_h200(_verify_partial_kernel, stage1 | {"NODES": 4, "BLOCK_T": 8}, 4)
 
 
@@ -799,8 +799,7 @@ def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache, lon
     within one SM's shared memory: more would fail at the first launch on the GPU, after
     minutes of start-up. With three stages (default_stages) a block's K and V gathers are
     cp.async copies, not loads the loop waits for: what the third stage is for. Launched
-    with PDL, stage 1 stores nothing before its wait, and where it reads its first block
-    early (EARLY_KV_BYTES) it does so in 16-byte vectors without spilling."""
+    with PDL, stage 1 stores nothing and gathers no key before its wait."""
     import triton
 
     from graphrt.devices.cuda import triton_decode as td
@@ -808,18 +807,15 @@ def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache, lon
         ATTENTION_POINTERS,
         H200_SHARED_BYTES,
         compile_for_h200,
-        registers_and_stack,
     )
 
     size = {"bf16": 2, "fp32": 4}[cache]
     block_n = td.long_block_n(head_dim, size) if long else td.default_block_n(head_dim, size)
     block_d = triton.next_power_of_2(head_dim)
-    tile = 2 * block_n * block_d * size  # a block's K and V
-    early = tile <= td.EARLY_KV_BYTES  # as decode_attention launches it
+    tile = 2 * block_n * block_d * size  # a block's K and V, 16 bytes a thread a copy
     stage1 = dict(
         KV_GROUP=8, BLOCK_G=16, **td.split_constants(128), BLOCK_N=block_n, HEAD_DIM=head_dim,
-        BLOCK_D=block_d, DOT_PRECISION="ieee" if size == 4 else "tf32", EARLY_KV=early,
-        USE_PDL=True,
+        BLOCK_D=block_d, DOT_PRECISION="ieee" if size == 4 else "tf32", USE_PDL=True,
     )  # fmt: skip
     pointers = ATTENTION_POINTERS | {"K": f"*{cache}", "V": f"*{cache}"}
     stages = td.default_stages(block_n, head_dim, size)
@@ -829,13 +825,12 @@ def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache, lon
     assert compiled.metadata.shared <= H200_SHARED_BYTES, (stages, compiled.metadata.shared)
     ptx = compiled.asm["ptx"]
     before, after = ptx.split("griddepcontrol.wait")
-    assert "st.global" not in before  # (shared memory is the program's own)
-    if early:  # the first block's K and V: 16 bytes a thread a load, held in registers
-        assert before.count("ld.global.v4") >= tile // (128 * 16), before.count("ld.global.v4")
-        assert registers_and_stack(compiled)[1] == 0, "the early block spills"
+    # Before it: the row's length and request slot, two scalar loads
+    assert "st.global" not in before and "cp.async" not in before
+    assert before.count("ld.global") <= 2, before.count("ld.global")
     if stages == 3:
-        # The loop's global loads: the token table's slots, q and the step's own key only
-        # (at two stages, 19 at head_dim 64, 74 at 512: every K and V vector).
+        # The loop's global loads: the token table's slots and q only (at two stages,
+        # 19 at head_dim 64, 74 at 512: every K and V vector).
         assert after.count("cp.async.cg") >= tile // (128 * 16), after.count("cp.async.cg")
         assert after.count("ld.global") <= 10, after.count("ld.global")
 

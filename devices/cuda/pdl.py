@@ -12,11 +12,10 @@ stage 1; checked in the source by tests/test_pdl_contract.py):
   may still be writing. A PDL kernel may start while several kernels before it still
   run (each may release its successor before its own wait), so that is:
   - weights, biases and norm weights (the GEMV), which no kernel writes;
-  - the step's inputs (decode attention: lengths, request slots, the token table, the
-    K/V of keys cached by earlier steps), written before the step's first kernel or by
-    torch's own kernels ahead of the model's layers (a round's draft lengths): a torch
-    kernel never releases its successor early, so every later kernel sees its writes.
-    Not the key and value this step stores: the kernel just before writes them;
+  - the step's inputs (decode attention's stage 1: each row's length and request slot),
+    written before the step's first kernel or by torch's own kernels ahead of the
+    model's layers (a round's draft lengths): a torch kernel never releases its
+    successor early, so every later kernel sees its writes;
 - it always waits, even when it reads nothing of its predecessor's: the wait is what
   orders it after the kernel before that one, too;
 - it is launched with ``launch_options()``, so its ``USE_PDL`` constexpr (the wait) and
@@ -26,12 +25,15 @@ Kernels that only let their successor start early (``gdc_launch_dependents``, e.
 attention combine before the o projection) need no wait of their own for that; a
 kernel launched without PDL waits for its predecessor as usual.
 
-The GEMV and decode attention's stage 1 wait: the other kernels of a step have nothing
-to read before the wait. Launched with PDL as well (each waiting, then releasing its
-successor), they gained nothing on an H200 (BENCHMARKS.md, stop 58: Gemma 4's batch-1
-step replayed in 2.395 ms with them against 2.331 and 2.306 without). Stage 1 has: its
-length, token table and earlier keys' K/V are a chain of dependent reads, which the
-kernels writing q (the qkv GEMV, the rope kernels, ``store_kv``) let it start early for.
+The GEMV and decode attention's stage 1 wait; the kernels before stage 1 (the qkv GEMV,
+the rope kernel, ``store_kv``) release it early, so its launch, its row's length and
+request slot and its split count overlap their tails: Gemma 4 E2B's step 0.4% to 0.9%
+faster on an H100 (BENCHMARKS.md, stop 65). Reading its first block's token-table
+entries and earlier keys' K/V before the wait as well was slower (Gemma 4 at head_dim
+256 by 2%, llama-1b at batch 8 by 2%). The other kernels of a step have nothing to read
+before the wait: launched with PDL (each waiting, then releasing its successor), they
+gained nothing on an H200 (stop 58: Gemma 4's batch-1 step replayed in 2.395 ms with them
+against 2.331 and 2.306 without).
 
 ``ENABLED`` is read at every launch, so a benchmark can compare with and without
 (bench/profile_step.py); graphs keep what was set when they were captured.

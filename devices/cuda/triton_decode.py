@@ -72,12 +72,6 @@ ALL_KEYS = 2**31 - 1
 # One K tile plus one V tile per loop step stays within this many bytes, so two
 # pipeline stages fit shared memory with room for a second program per SM.
 TILE_BYTES = 32 * 1024
-# Stage 1 reads its first block's K/V before griddepcontrol.wait where a K plus a V tile
-# is at most this many bytes (every 16-bit head_dim up to 256): they wait in registers,
-# 64 a thread at 32 KB and 4 warps; Gemma 4's 512-dim tiles (64 KB) would spill. Its
-# length and request slot are read before the wait either way. Read at each launch (0:
-# none; a benchmark compares, bench/profile_step.py).
-EARLY_KV_BYTES = TILE_BYTES
 
 
 @triton.jit
@@ -97,7 +91,7 @@ def _store_kv_kernel(
     stride_vbh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,  # stage 1 may start reading its earlier keys
+    LAUNCH_DEPENDENTS: tl.constexpr,  # decode attention's stage 1 may start (pdl.py)
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -208,12 +202,13 @@ def _row_splits(
 
 @triton.jit
 def _attend_cached(
-    q, m, l_sum, acc, K, V, ReqToToken, req, lo, end, first, num_splits, kv_h, offs_d, mask_d,
+    q, m, l_sum, acc, K, V, ReqToToken, req, lo, end, split, num_splits, kv_h, offs_d, mask_d,
     sm_scale, stride_req, stride_kt, stride_kh, stride_vt, stride_vh,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over a split's blocks of the cached positions [lo, end) of request
-    row ``req``: block ``first``, then every ``num_splits``-th."""
+    """Online softmax over split ``split``'s blocks (of ``num_splits``) of the cached
+    positions [lo, end) of request row ``req``."""
+    first = _first_block(lo, split, num_splits, BLOCK_N)
     for j in range(first, tl.cdiv(end, BLOCK_N), num_splits):
         offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= lo) & (offs_n < end)
@@ -285,71 +280,38 @@ def _decode_partial_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= MIN_DOT
     DOT_PRECISION: tl.constexpr,
-    EARLY_KV: tl.constexpr,  # the first block's K/V are read before the wait (EARLY_READS)
     USE_PDL: tl.constexpr,  # launched with PDL: griddepcontrol.wait before q (pdl.py)
 ):
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
-    first_split = tl.program_id(2)
 
     # HAZARD (PDL): up to the wait this program may run beside the kernels before it, which
-    # are still writing q, this step's key and value (the row's last cached position),
-    # the residual stream and the scratch. It reads only what the step found written
-    # before its first kernel ran (pdl.py): the row's length and request slot, its token
-    # table, and the K/V of the keys cached in earlier steps; it stores nothing.
+    # are still writing q, this step's key and value, the residual stream and the scratch.
+    # It reads only the step's inputs, final before its first kernel ran (pdl.py): the
+    # row's length and request slot; it stores nothing.
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     req = tl.load(ReqPoolIndices + b).to(tl.int64)
     # Key j is visible to the query at p = seq_len - 1 iff j > p - window.
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     in_class = (seq_len - lo >= min_keys) & (seq_len - lo < max_keys)
     num_splits = _row_splits(seq_len - lo, MIN_SPLITS, DOUBLINGS, SPLIT_KEYS)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    if EARLY_KV:  # this program's first block: its slots and its earlier keys' K/V
-        first = _first_block(lo, first_split, num_splits, BLOCK_N)
-        offs_n = first * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = (offs_n >= lo) & (offs_n < seq_len) & in_class & (first_split < num_splits)
-        slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=mask_n, other=0)
-        slots = slots.to(tl.int64)
-        new_key = offs_n == seq_len - 1  # its K/V: after the wait
-        k_first, v_first = _load_kv_block(
-            K, V, slots, mask_n & ~new_key, kv_h, offs_d, mask_d, stride_kt, stride_kh,
-            stride_vt, stride_vh,
-        )  # fmt: skip
-        has_new = (tl.sum(new_key.to(tl.int32), 0) > 0) & in_class & (first_split < num_splits)
-        new_slot = tl.load(ReqToToken + req * stride_req + seq_len - 1, mask=has_new, other=0)
-        new_slot = new_slot.to(tl.int64)
     if USE_PDL:
         pdl.wait_for_predecessor()  # q and this step's K/V are written
     if not in_class:
         return
-    if (kv_h == 0) & (first_split == 0):
+    if (kv_h == 0) & (tl.program_id(2) == 0):
         tl.store(PartialSplits + b, num_splits)
 
     q, heads, mask_g, offs_d, mask_d = _load_q_group(
         Q, b, kv_h, stride_qb, stride_qh, K.dtype.element_ty, KV_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D
     )  # (BLOCK_G, BLOCK_D)
-    if EARLY_KV:  # the step's own key, if in the first block, read now: one row each
-        k_new = tl.load(K + new_slot * stride_kt + kv_h * stride_kh + offs_d, mask=mask_d & has_new)
-        v_new = tl.load(V + new_slot * stride_vt + kv_h * stride_vh + offs_d, mask=mask_d & has_new)
-        k_first = tl.where(new_key[None, :], k_new[:, None], k_first)  # (BLOCK_D, BLOCK_N)
-        v_first = tl.where(new_key[:, None], v_new[None, :], v_first)  # (BLOCK_N, BLOCK_D)
     # Splits p, p + P, ... of the row: each its own partial, whatever P is.
-    for split in range(first_split, num_splits, tl.num_programs(2)):
+    for split in range(tl.program_id(2), num_splits, tl.num_programs(2)):
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
         l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        first = _first_block(lo, split, num_splits, BLOCK_N)
-        if EARLY_KV:
-            if split == first_split:  # its first block is in registers: the same arithmetic
-                if first * BLOCK_N < seq_len:
-                    m, l_sum, acc = _attend_block(
-                        q, k_first, v_first, mask_n[None, :], m, l_sum, acc, sm_scale,
-                        DOT_PRECISION,
-                    )  # fmt: skip
-                first += num_splits
         m, l_sum, acc = _attend_cached(
-            q, m, l_sum, acc, K, V, ReqToToken, req, lo, seq_len, first, num_splits, kv_h,
+            q, m, l_sum, acc, K, V, ReqToToken, req, lo, seq_len, split, num_splits, kv_h,
             offs_d, mask_d, sm_scale, stride_req, stride_kt, stride_kh, stride_vt, stride_vh,
             BLOCK_N, DOT_PRECISION,
         )  # fmt: skip
@@ -652,7 +614,6 @@ def decode_attention(
             KV_GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), MIN_DOT),
             **split_constants(max_splits, short_splits), BLOCK_N=class_block_n,
             HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=dot_precision(k_buffer.dtype),
-            EARLY_KV=2 * class_block_n * block_d * size <= EARLY_KV_BYTES,
             num_warps=num_warps, num_stages=stages, **pdl.launch_options(),
         )  # fmt: skip
     return combine_splits(partial_out, partial_lse, partial_splits, out, short_splits, rest_chunk)

@@ -304,7 +304,7 @@ def _qkv_rope_kernel(
     GROUPED: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,  # decode attention may start reading its earlier keys
+    LAUNCH_DEPENDENTS: tl.constexpr,  # decode attention's stage 1 may start (pdl.py)
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
