@@ -4,9 +4,11 @@ A kernel launched with ``launch_pdl`` that touched its inputs before ``griddepco
 would read the previous kernel's outputs half written: inside a CUDA graph on an H200 a
 race that shows as an occasional wrong token, never on the CPU lane (the interpreter
 skips the PTX). So the contract is checked in the source: before its wait a kernel that
-takes ``USE_PDL`` names no pointer but its weights' and stores nothing, and every launch
-of such a kernel passes ``pdl.launch_options()``, so the wait (a constexpr) and the launch
-attribute never disagree.
+takes ``USE_PDL`` names no pointer but its weights' (decode attention's stage 1 also its
+rows' lengths and request slots), stores nothing and never returns, and every launch of
+such a kernel passes ``pdl.launch_options()``, so the wait (a constexpr) and the launch
+attribute never disagree. Under the interpreter a stand-in for the wait stores what the
+kernel before would have, only then: stage 1 must not see the step's key before it.
 """
 
 from __future__ import annotations

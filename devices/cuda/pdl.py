@@ -27,7 +27,7 @@ kernel launched without PDL waits for its predecessor as usual.
 
 The GEMV and decode attention's stage 1 wait; the kernels before stage 1 (the qkv GEMV,
 the rope kernel, ``store_kv``) release it early, so its launch, its row's length and
-request slot and its split count overlap their tails: Gemma 4 E2B's step 0.4% to 0.9%
+request slot and its split count overlap their tails: Gemma 4 E2B's step 0.3% to 1.1%
 faster on an H100 (BENCHMARKS.md, stop 65). Reading its first block's token-table
 entries and earlier keys' K/V before the wait as well was slower (Gemma 4 at head_dim
 256 by 2%, llama-1b at batch 8 by 2%). The other kernels of a step have nothing to read
