@@ -49,7 +49,7 @@ def test_shipped_merge_answers_a_fresh_tuner_and_keeps_older_choices(tmp_path, m
 
     assert ship(cache_path(card), shipped_dir) == (target, 1, 1)
     fresh = GemvTuner()
-    fresh.use_cache(tmp_path / "own.json", target)
+    fresh.use_cache(tmp_path / "own.json", [target])
     assert fresh.recall(new_key, candidates) == ROW_CONFIGS[2]
     assert fresh.recall(moved_key, candidates) == ROW_CONFIGS[1]
     assert fresh.recall(old_key, candidates) is CUBLAS

@@ -422,13 +422,13 @@ def test_shipped_choices_serve_a_fresh_machine_after_its_own(tmp_path):
     shipped.write_text(json.dumps({_disk_key(key, candidates): choice,
                                    _disk_key(other, candidates): None}))  # fmt: skip
     fresh = GemvTuner()
-    fresh.use_cache(tmp_path / "own.json", shipped)
+    fresh.use_cache(tmp_path / "own.json", [shipped])
     assert fresh.recall(key, candidates) == candidates[2]
     assert fresh.recall(other, candidates) is CUBLAS
     assert fresh.recall(key, (CUBLAS, candidates[1])) == "unset"  # timed among others
     fresh.remember(key, candidates[1], candidates)  # timed here: its own file wins
     again = GemvTuner()
-    again.use_cache(tmp_path / "own.json", shipped)
+    again.use_cache(tmp_path / "own.json", [shipped])
     assert again.recall(key, candidates) == candidates[1]
     for card in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
         choices = json.loads(shipped_path(card).read_text())
@@ -475,7 +475,7 @@ def test_a_siblings_shipped_choice_serves_a_shape_the_cards_own_file_lacks(tmp_p
     assert tuner.recall(sibling_only, candidates) == candidates[3]
     assert tuner.recall(sibling_only, candidates[:3]) == "unset"  # timed among others
     alone = GemvTuner()
-    alone.use_cache(tmp_path / "cache.json", own)
+    alone.use_cache(tmp_path / "cache.json", [own])
     assert alone.recall(sibling_only, candidates) == "unset"
 
 

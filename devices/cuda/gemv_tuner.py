@@ -42,7 +42,7 @@ import os
 import re
 import statistics
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 
 import torch
@@ -108,10 +108,8 @@ def _disk_key(key: Hashable, candidates) -> str:
     return f"{key!r} among {among}"
 
 
-def _read_choices(path: Path | None) -> dict:
-    """A choices file's entries; {} for none, or one that cannot be read (time anew)."""
-    if path is None:
-        return {}
+def _read_choices(path: Path) -> dict:
+    """A choices file's entries; {} for one that cannot be read (time anew)."""
     try:
         loaded = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -193,13 +191,12 @@ class GemvTuner:
 
     # ---- the disk cache ------------------------------------------------------------
 
-    def use_cache(self, path: Path, shipped: Path | list[Path] | None = None) -> None:
+    def use_cache(self, path: Path, shipped: Sequence[Path] = ()) -> None:
         """Recall choices from the cache file ``path`` and add new ones to it; where it
         has none for a shape, take the first ``shipped`` file's that has one (read only)."""
         self._disk_path = path
         self._disk = _read_choices(path)
-        files = [] if shipped is None else [shipped] if isinstance(shipped, Path) else shipped
-        self._shipped = [_read_choices(file) for file in files]
+        self._shipped = [_read_choices(file) for file in shipped]
 
     def recall(self, key: Hashable, candidates) -> GemvConfig | None | str:
         """The cached choice for ``key``, if it was timed among these same ``candidates``,
