@@ -3,7 +3,8 @@ same run to run? (stop 64: bench/profile_step.py found random:llama-1b's 32 gree
 for 4 prompts differing between its PDL and no-PDL engines on an H100; Gemma 4's equal.
 The likely cause, found by reading afterwards and fixed: the first engine's tuner timed
 cuBLAS's in-place residual add on the live stream of a first short prompt; then only the
-first engine's first request differs, whatever PDL. This checks the fix.)
+first engine's first request differs, whatever PDL. This checks the fix: stop 65, on an
+H100, every run equal, bench/results/h100-pdl-tokens-stop65.log.)
 
 One process: engines in turn, PDL on, off, on again (graphs; 4 prompts at once, then one
 prompt), then eager; each generates its prompts twice. Prints, as each run ends, whether
