@@ -14,7 +14,7 @@ draws at nodes it reaches, each an independent draw from the target's
 distribution given the tokens before it, so every emitted token follows the
 target's own distribution exactly.
 
-No host reads: the shapes are the tree's, loops run a fixed count.
+No host reads: the shapes are the tree's, and no op depends on its depth.
 """
 
 from __future__ import annotations
@@ -46,10 +46,12 @@ def accept(
     drafted_target = tree.valid & (tree.parents >= 0)
     drafted_target &= tree.tokens == target_tokens.gather(1, parent)  # (B, n)
     drafted_target &= tree.depth <= max_accept.unsqueeze(1)  # the context's end
-    on_path = torch.zeros_like(drafted_target)
-    on_path[:, 0] = True
-    for _ in range(n - 1):  # a path is at most n - 1 deep: a fixed count, no host sync
-        on_path = on_path | (drafted_target & on_path.gather(1, parent))
+    # A node is on the accepted path when it and each of its ancestors below the root
+    # drafted its parent's target token: no ancestor in its mask row fails that. A few
+    # launches whatever the depth, where walking the path a level at a time took three a
+    # level. (Node 0 is the root; a dropped node's row holds itself alone, never on it.)
+    passes = drafted_target | (torch.arange(n, device=parent.device) == 0)  # (B, n)
+    on_path = ~(tree.mask & ~passes.unsqueeze(1)).any(dim=-1)  # (B, n)
     # Children of one node drafted distinct tokens, so the accepted nodes form one chain.
     accept_len, last_node = torch.where(on_path, tree.depth, -1).max(dim=1)  # (B,), (B,)
     ancestors = tree.mask.gather(1, last_node.view(bs, 1, 1).expand(bs, 1, n)).squeeze(1)

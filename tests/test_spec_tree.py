@@ -179,6 +179,61 @@ def test_greedy_follows_a_side_branch_per_request():
     assert greedy(tree, logits) == [(2, [0, 2, 3], [21, 30, 9], 3), (1, [0, 1], [20, 4], 1)]
 
 
+def walk_accept(tree, target_tokens, max_accept, b):
+    """One request's acceptance the slow, obvious way: from the root, step to the valid
+    child that drafted the current node's target token while the cap allows; -> (accepted,
+    path, emitted tokens, last node)."""
+    node, path = 0, [0]
+    while True:
+        wanted = int(target_tokens[b, node])
+        children = [
+            c for c in range(tree.tokens.shape[1])
+            if tree.valid[b, c] and int(tree.parents[b, c]) == node and c != 0
+        ]  # fmt: skip
+        nxt = [c for c in children if int(tree.tokens[b, c]) == wanted]
+        if not nxt or int(tree.depth[b, nxt[0]]) > int(max_accept[b]):
+            break
+        node = nxt[0]
+        path.append(node)
+    return len(path) - 1, path, [int(target_tokens[b, i]) for i in path], node
+
+
+@pytest.mark.parametrize(
+    ("steps", "topk", "n"), [(1, 1, 2), (4, 1, 5), (5, 1, 6), (3, 2, 6), (3, 3, 9), (2, 4, 12)]
+)
+def test_accept_equals_walking_the_tree(steps, topk, n):
+    """``accept`` on random trees (dropped nodes included) and random target tokens, most
+    of them a child's draft so that paths run deep, against walking each request's tree."""
+    batch, trials = 4, 40
+    gen = torch.Generator().manual_seed(100 + steps * 10 + topk)
+    tables = torch.rand(steps, batch, topk, VOCAB, generator=gen).softmax(-1)
+
+    def step_probs(step, rows_hidden):
+        reps = 1 if step == 0 else topk
+        return tables[step][:, :reps].reshape(batch * reps, VOCAB)
+
+    lists = run_loop(step_probs, batch, steps, topk)
+    tree = build_verify_tree(torch.tensor([7, 8, 9, 10]), *organize_draft_results(*lists, n), topk)
+    depths = set()
+    for _ in range(trials):
+        target = torch.randint(VOCAB, (batch, n), generator=gen)
+        for b in range(batch):  # a child's token at each node, 3 times in 4
+            for i in range(n):
+                kids = [c for c in range(1, n) if tree.valid[b, c] and tree.parents[b, c] == i]
+                if kids and torch.rand((), generator=gen) < 0.75:
+                    pick = int(torch.randint(len(kids), (), generator=gen))
+                    target[b, i] = tree.tokens[b, kids[pick]]
+        cap = torch.randint(n, (batch,), generator=gen)  # the context's end, now and then
+        cap = torch.where(torch.rand(batch, generator=gen) < 0.7, n, cap)
+        acc = accept(tree, target, cap)
+        for b in range(batch):
+            k, path, tokens, last = walk_accept(tree, target, cap, b)
+            got = acc.path[b, : k + 1].tolist(), acc.tokens[b, : k + 1].tolist()
+            assert (int(acc.accept_len[b]), *got, int(acc.last_node[b])) == (k, path, tokens, last)
+            depths.add(k)
+    assert max(depths) == int(tree.depth[tree.valid].max())  # some reached the deepest node
+
+
 # Far from uniform, so that a biased draw shows (a near-uniform target hides one).
 P_ROOT = torch.tensor([0.05, 0.55, 0.25, 0.1, 0.03, 0.02, 0.0, 0.0])
 P_CHILD = torch.tensor([0.04, 0.06, 0.6, 0.2, 0.1, 0.0, 0.0, 0.0])
