@@ -214,6 +214,9 @@ def test_accept_equals_walking_the_tree(steps, topk, n):
 
     lists = run_loop(step_probs, batch, steps, topk)
     tree = build_verify_tree(torch.tensor([7, 8, 9, 10]), *organize_draft_results(*lists, n), topk)
+    # The last request is a graph's padding (verify_shape's pads): every mask entry True,
+    # no parent, no valid node. It accepts nothing, its root alone on the path.
+    tree.mask[-1], tree.parents[-1], tree.depth[-1], tree.valid[-1] = True, -1, 0, False
     depths = set()
     for _ in range(trials):
         target = torch.randint(VOCAB, (batch, n), generator=gen)
