@@ -11,7 +11,7 @@ from graphrt.core.engine.sampling import repeat_rows, sample, sampling_rows
 from graphrt.core.errors import GraphrtError, UsageError
 from graphrt.spec.accept import accept
 from graphrt.spec.config import SpecConfig
-from graphrt.spec.tree import build_verify_tree, expand_step, organize_draft_results
+from graphrt.spec.tree import ancestors, build_verify_tree, expand_step, organize_draft_results
 
 VOCAB = 50
 
@@ -98,6 +98,31 @@ def test_tree_matches_brute_force(steps, topk, n):
             else:
                 assert expect_parent == -1  # only nodes whose parent was not chosen are dropped
         assert tree.mask[b, 0].tolist() == [True] + [False] * (n - 1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 9, 16, 17])
+def test_ancestors_equal_walking_up_each_node(n):
+    """Random forests (a node's parent any earlier node, or none: a root), the deepest a
+    chain of n: mask rows hold exactly the node and its ancestors, depth their count."""
+    gen = torch.Generator().manual_seed(n)
+    batch = 6
+    parents = torch.full((batch, n), -1, dtype=torch.long)
+    for b in range(batch):
+        for i in range(1, n):
+            if b == 0:  # a chain, as deep as n nodes go
+                parents[b, i] = i - 1
+            elif torch.rand((), generator=gen) < 0.9:
+                parents[b, i] = int(torch.randint(i, (), generator=gen))
+    mask, depth = ancestors(parents)
+    assert mask.dtype == torch.bool and depth.dtype == torch.long
+    for b in range(batch):
+        for i in range(n):
+            chain, node = {i}, int(parents[b, i])
+            while node >= 0:
+                chain.add(node)
+                node = int(parents[b, node])
+            assert set(mask[b, i].nonzero().flatten().tolist()) == chain, (b, i)
+            assert int(depth[b, i]) == len(chain) - 1
 
 
 def test_chain_is_a_chain():
