@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphrt.spec.tree import VerifyTree
+from graphrt.spec.tree import VerifyTree, every_ancestor
 
 
 @dataclass
@@ -47,13 +47,12 @@ def accept(
     drafted_target &= tree.tokens == target_tokens.gather(1, parent)  # (B, n)
     drafted_target &= tree.depth <= max_accept.unsqueeze(1)  # the context's end
     # A node is on the accepted path when it and each of its ancestors below the root
-    # drafted its parent's target token: no ancestor in its mask row fails that. A few
-    # launches whatever the depth, where walking the path a level at a time took three a
-    # level. (Node 0 is the root; a dropped node's row holds itself alone, never on it.)
+    # drafted its parent's target token (walking the path a level at a time took three
+    # launches a level). Node 0 is the root; a dropped node's row holds itself alone.
     # HAZARD: a padding request's mask is all True (verify_shape): its root row would
     # hold every node, so the root is on the path by fiat, as it always is.
-    root = torch.arange(n, device=parent.device) == 0  # (n,)
-    on_path = ~(tree.mask & ~(drafted_target | root).unsqueeze(1)).any(dim=-1) | root  # (B, n)
+    root = torch.arange(n, device=target_tokens.device) == 0  # (n,)
+    on_path = every_ancestor(tree.mask, drafted_target | root) | root  # (B, n)
     # Children of one node drafted distinct tokens, so the accepted nodes form one chain.
     accept_len, last_node = torch.where(on_path, tree.depth, -1).max(dim=1)  # (B,), (B,)
     ancestors = tree.mask.gather(1, last_node.view(bs, 1, 1).expand(bs, 1, n)).squeeze(1)

@@ -119,6 +119,12 @@ def ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mask, mask.sum(-1) - 1
 
 
+def every_ancestor(mask: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """(B, n) bool: each node's ``flags`` (B, n) hold for it and for every ancestor its row
+    of ``mask`` (B, n, n, as ``ancestors``) holds: one and, one any, whatever the depth."""
+    return ~(mask & ~flags.unsqueeze(1)).any(dim=-1)
+
+
 def build_verify_tree(
     root_tokens: torch.Tensor,  # (B,)
     parent_list: torch.Tensor,  # (B, P)
@@ -149,7 +155,7 @@ def build_verify_tree(
     valid = torch.cat([torch.ones(batch, 1, dtype=torch.bool, device=dev), valid_draft], 1)
     mask, depth = ancestors(parents)
     # An invalid node's descendants are invalid too; keep their rows to themselves.
-    valid = valid & ~(mask & ~valid.unsqueeze(1)).any(-1)
+    valid = every_ancestor(mask, valid)
     mask = torch.where(valid.unsqueeze(-1), mask, torch.eye(n, dtype=torch.bool, device=dev))
     parents = torch.where(valid, parents, torch.full_like(parents, -1))
     tokens = torch.cat([root_tokens.view(batch, 1).long(), draft_tokens.long()], 1)
