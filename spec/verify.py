@@ -143,7 +143,6 @@ def round_tail(
         mask=info.tree_mask,
         valid=info.valid,
     )
-    kv_lens = batch.seq_lens.long() - n  # the root's position
     greedy = greedy_tokens(logits, ops)  # (B * n,): sampled rounds' greedy rows take these
     if info.sampled:
         rows = SamplingRows(
@@ -153,8 +152,16 @@ def round_tail(
         target_tokens = sample(logits, repeat_rows(rows, n), greedy).view(bs, n)
     else:
         target_tokens = greedy.view(bs, n)  # (B, n)
-    acc = accept_rule(tree, target_tokens, (max_context_len - 1) - kv_lens)
     slots = batch.req_pool_indices
+    fused = ops.round_tail if ops is not None and accept_rule is accept else None
+    if fused is not None:  # the same, one kernel (ModelOps.round_tail)
+        return fused(
+            tree.tokens, tree.parents, tree.depth, tree.valid, tree.mask, target_tokens,
+            batch.seq_lens, slots, batch.out_cache_loc.view(bs, n), hidden,
+            tables.req_to_token, tables.seeds, max_context_len,
+        )  # fmt: skip
+    kv_lens = batch.seq_lens.long() - n  # the root's position
+    acc = accept_rule(tree, target_tokens, (max_context_len - 1) - kv_lens)
     commit_kv(tables.req_to_token, slots, kv_lens, batch.out_cache_loc.view(bs, n), acc)
     rows = torch.arange(bs, device=hidden.device)
     # Padding rows write the padding row: never read as a live request's seed.

@@ -101,6 +101,12 @@ class ModelOps:
     # table's dtype first (Gemma's scaled embedding, as transformers'), the tail cast to
     # it: an MTP assistant's input row, its token's embedding beside a hidden.
     scaled_embed: Callable[..., torch.Tensor]
+    # (tokens, parents, depth, valid (B, n), mask (B, n, n), target_tokens (B, n),
+    # seq_lens (B,), req_slots (B,), node_locs (B, n), hidden (B * n, H), req_to_token,
+    # seeds, max_context_len) -> packed (B, 1 + 3n) int64: a speculative round's tail,
+    # spec.verify.round_tail's acceptance, commit, next seed and packed row, as one kernel
+    # (CUDA: one launch where the tensor ops take about 45). None: spec's tensor ops.
+    round_tail: Callable[..., torch.Tensor] | None = None
     # Every row's result independent of the rows beside it (``--batch-invariant``): the
     # model's attention layers then ask verify to round as decode (AttentionSpec).
     width_invariant: bool = False

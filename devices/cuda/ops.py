@@ -47,6 +47,7 @@ from graphrt.devices.cuda.triton_ops import (
     triton_rms_norm,
 )
 from graphrt.devices.cuda.triton_rope import gemma_qkv_norm_rope, triton_rope
+from graphrt.devices.cuda.triton_round_tail import round_tail
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -336,6 +337,7 @@ TRITON_OPS = ModelOps(
     selected_argmax=selected_argmax,
     greedy_tokens=greedy_tokens,
     scaled_embed=scaled_embed,
+    round_tail=round_tail,
 )
 
 # Batch-invariant (``--batch-invariant``): a row's logits do not depend on how many rows
