@@ -58,7 +58,7 @@ def accept(
     ancestors = tree.mask.gather(1, last_node.view(bs, 1, 1).expand(bs, 1, n)).squeeze(1)
     by_depth = torch.where(ancestors, tree.depth, n + tree.depth)  # path nodes first
     # (B, n): root, then deeper and deeper path nodes; the rest by depth, ties by index
-    # (stable: ModelOps.round_tail's kernels order the packed row's tail the same way).
+    # (stable: CUDA's ModelOps.round_tail orders the packed row's tail the same way).
     path = by_depth.argsort(dim=1, stable=True)
     return Acceptance(
         accept_len=accept_len,

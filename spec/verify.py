@@ -129,7 +129,7 @@ def round_tail(
     tables: RoundTables,
     max_context_len: int,
     accept_rule: AcceptRule = accept,
-    ops: ModelOps | None = None,  # the target's: its greedy sampler
+    ops: ModelOps | None = None,  # the target's: its greedy sampler, its fused tail
 ) -> torch.Tensor:
     """Acceptance, commit and the next seeds on the device; -> packed (B, 1 + 3n) int64:
     accepted drafts, path nodes, emitted tokens, drafted tokens (the host's one read)."""
