@@ -154,12 +154,14 @@ def round_tail(
         target_tokens = greedy.view(bs, n)  # (B, n)
     slots = batch.req_pool_indices
     fused = ops.round_tail if ops is not None and accept_rule is accept else None
-    if fused is not None:  # the same, one kernel (ModelOps.round_tail)
-        return fused(
+    if fused is not None:  # the same, one kernel (ModelOps.round_tail), where it serves
+        packed = fused(
             tree.tokens, tree.parents, tree.depth, tree.valid, tree.mask, target_tokens,
             batch.seq_lens, slots, batch.out_cache_loc.view(bs, n), hidden,
             tables.req_to_token, tables.seeds, max_context_len,
         )  # fmt: skip
+        if packed is not None:
+            return packed
     kv_lens = batch.seq_lens.long() - n  # the root's position
     acc = accept_rule(tree, target_tokens, (max_context_len - 1) - kv_lens)
     commit_kv(tables.req_to_token, slots, kv_lens, batch.out_cache_loc.view(bs, n), acc)

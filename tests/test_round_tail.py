@@ -47,7 +47,7 @@ def forest(n: int, chain: bool, gen: torch.Generator) -> tuple[torch.Tensor, tor
     return parents, valid
 
 
-def case(bs: int, n: int, chain: bool, device, seed: int, dtype=torch.bfloat16):
+def case(bs: int, n: int, chain: bool, device, seed: int, dtype=torch.bfloat16, context=CONTEXT):
     """-> (logits (B * n, V), hidden (B * n, H), batch, tables): a verify's outputs and its
     batch; the last request is padding, the one before it at the context's end."""
     gen = torch.Generator().manual_seed(seed)
@@ -57,7 +57,7 @@ def case(bs: int, n: int, chain: bool, device, seed: int, dtype=torch.bfloat16):
     for b in range(bs):  # siblings draft distinct tokens
         for p in range(n):
             kids = [c for c in range(1, n) if valid[b, c] and parents[b, c] == p]
-            tokens[b, kids] = torch.randperm(VOCAB, generator=gen)[: len(kids)]
+            tokens[b, kids] = torch.randperm(max(VOCAB, len(kids)), generator=gen)[: len(kids)]
     target = torch.randint(VOCAB, (bs, n), generator=gen)
     for b in range(bs):  # a child's draft, three times in four (always at the context's end)
         for i in range(n):
@@ -65,14 +65,14 @@ def case(bs: int, n: int, chain: bool, device, seed: int, dtype=torch.bfloat16):
             if kids and (b == bs - 2 or torch.rand((), generator=gen) < 0.75):
                 target[b, i] = tokens[b, kids[torch.randint(len(kids), (), generator=gen)]]
     mask, depth = ancestors(parents)
-    kv_lens = torch.randint(0, CONTEXT - n, (bs,), generator=gen)
-    kv_lens[-2] = CONTEXT - 3  # at the context's end: two drafts at most
+    kv_lens = torch.randint(0, context - n, (bs,), generator=gen)
+    kv_lens[-2] = context - 3  # at the context's end: two drafts at most
     slots = torch.randperm(bs + 3, generator=gen)[:bs] + 1
     # The padding request, as verify_shape pads a graph's rows.
     mask[-1], parents[-1], depth[-1], valid[-1], slots[-1], kv_lens[-1] = True, -1, 0, False, 0, 0
     locs = torch.randperm(1000, generator=gen)[: bs * n] + 1
     locs.view(bs, n)[-1] = 0
-    logits = torch.full((bs * n, VOCAB + 3), -1.0)
+    logits = torch.full((bs * n, max(VOCAB, n) + 3), -1.0)
     logits[torch.arange(bs * n), target.flatten()] = 1.0
     hidden = torch.randn(bs * n, 1100, generator=gen).to(dtype)
     info = VerifyInput(tree_mask=mask, parents=parents, depth=depth, valid=valid)
@@ -88,7 +88,7 @@ def case(bs: int, n: int, chain: bool, device, seed: int, dtype=torch.bfloat16):
         spec_info=info,
     )
     tables = RoundTables(
-        req_to_token=torch.zeros(bs + 4, CONTEXT, dtype=torch.int64),
+        req_to_token=torch.zeros(bs + 4, context, dtype=torch.int64),
         seeds=torch.zeros(bs + 4, 1100, dtype=dtype),
     )
     to = lambda t: t.to(device)  # noqa: E731
@@ -156,6 +156,42 @@ def test_cases_reach_the_context_end_cap():
         assert int(packed[-2, 0]) <= 2
         capped.append(int(uncapped[-2, 0]) > int(packed[-2, 0]))
     assert any(capped)
+
+
+@needs_triton
+def test_round_tail_kernel_compiles_for_the_most_nodes_without_spilling():
+    """The widest tree the kernel serves compiles for sm_90 (Triton's compiler and ptxas,
+    no GPU) with nothing spilled to local memory: its (n, n) tiles fit the registers."""
+    from graphrt.devices.cuda.offline_compile import compile_for_h200, registers_and_stack
+    from graphrt.devices.cuda.triton_round_tail import MAX_NODES, _round_tail_kernel, block_nodes
+
+    pointers = {
+        "TreeTokens": "*i64", "Parents": "*i64", "Depth": "*i64", "Valid": "*u8",
+        "Mask": "*u8", "Target": "*i64", "SeqLens": "*i32", "ReqSlots": "*i64",
+        "NodeLocs": "*i64", "Hidden": "*bf16", "ReqToToken": "*i64", "Seeds": "*bf16",
+        "Packed": "*i64",
+    }  # fmt: skip
+    constants = {"BLOCK_N": block_nodes(MAX_NODES), "BLOCK_H": 1024}
+    compiled = compile_for_h200(_round_tail_kernel, constants, 4, pointers=pointers)
+    _, spilled = registers_and_stack(compiled)
+    assert spilled == 0
+
+
+@needs_triton
+def test_round_tail_leaves_wider_trees_to_the_tensor_ops():
+    """A tree past the kernel's MAX_NODES: the op declines (None, nothing launched: this
+    runs on CPU tensors without the interpreter) and spec's round runs the tensor ops."""
+    from graphrt.devices.cuda.triton_round_tail import MAX_NODES
+    from graphrt.devices.cuda.triton_round_tail import round_tail as kernel
+
+    cpu = torch.device("cpu")
+    context = 4 * MAX_NODES
+    logits, hidden, batch, tables = case(3, MAX_NODES + 1, False, cpu, seed=3, context=context)
+    want_tables = RoundTables(*(t.clone() for t in dataclasses.astuple(tables)))
+    want = round_tail(logits, hidden, batch, want_tables, context, ops=TORCH_OPS)
+    fused_ops = dataclasses.replace(TORCH_OPS, round_tail=kernel)
+    got = round_tail(logits, hidden, batch, tables, context, ops=fused_ops)
+    assert torch.equal(got, want) and torch.equal(tables.req_to_token, want_tables.req_to_token)
 
 
 @pytest.mark.cuda

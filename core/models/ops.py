@@ -105,8 +105,9 @@ class ModelOps:
     # seq_lens (B,), req_slots (B,), node_locs (B, n), hidden (B * n, H), req_to_token,
     # seeds, max_context_len) -> packed (B, 1 + 3n) int64: a speculative round's tail,
     # spec.verify.round_tail's acceptance, commit, next seed and packed row, as one kernel
-    # (CUDA: one launch where the tensor ops take about 45). None: spec's tensor ops.
-    round_tail: Callable[..., torch.Tensor] | None = None
+    # (CUDA: one launch where the tensor ops take about 45), or None, having done nothing,
+    # for a tree it does not serve (CUDA: over 64 nodes). None here: spec's tensor ops.
+    round_tail: Callable[..., torch.Tensor | None] | None = None
     # Every row's result independent of the rows beside it (``--batch-invariant``): the
     # model's attention layers then ask verify to round as decode (AttentionSpec).
     width_invariant: bool = False

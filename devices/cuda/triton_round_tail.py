@@ -20,6 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+# The most tree nodes a program serves: its (n, n) tiles at 64 take 215 registers a thread
+# for sm_90 and spill nothing, at 128 they spill (tests/test_round_tail.py compiles it).
+# Larger trees (a wide top-k drafted deep) keep spec's tensor ops.
+MAX_NODES = 64
+
 
 @triton.jit
 def _round_tail_kernel(
@@ -100,6 +105,11 @@ def _round_tail_kernel(
         tl.store(Seeds + slot * stride_seed + cols, values.to(Seeds.dtype.element_ty), mask=inside)
 
 
+def block_nodes(n: int) -> int:
+    """The kernel's BLOCK_N for a tree of ``n`` nodes."""
+    return max(16, triton.next_power_of_2(n))
+
+
 def round_tail(
     tokens: torch.Tensor,  # (B, n) int64
     parents: torch.Tensor,  # (B, n) int64
@@ -114,9 +124,12 @@ def round_tail(
     req_to_token: torch.Tensor,  # (R + 1, context) int64
     seeds: torch.Tensor,  # (R + 1, H)
     max_context_len: int,
-) -> torch.Tensor:
-    """``ModelOps.round_tail``; -> packed (B, 1 + 3n) int64."""
+) -> torch.Tensor | None:
+    """``ModelOps.round_tail``; -> packed (B, 1 + 3n) int64, or None for a tree of more
+    than MAX_NODES nodes (nothing launched: the caller runs the tensor ops)."""
     bs, n = tokens.shape
+    if n > MAX_NODES:
+        return None
     # The kernel reads each (B, n) row at b * n and the mask at (b * n + i) * n: whole
     # tensors by construction (the graph's static fields, draft_chain's), so these are
     # no-ops; a broadcast view would be copied here, never read wrong.
@@ -134,6 +147,6 @@ def round_tail(
         target_tokens, seq_lens, req_slots, node_locs, hidden, req_to_token, seeds, packed,
         n, hidden.shape[1], max_context_len, req_to_token.shape[1],
         hidden.stride(0), req_to_token.stride(0), seeds.stride(0),
-        BLOCK_N=max(16, triton.next_power_of_2(n)), BLOCK_H=1024, num_warps=4,
+        BLOCK_N=block_nodes(n), BLOCK_H=1024, num_warps=4,
     )  # fmt: skip
     return packed
