@@ -363,10 +363,13 @@ if [[ $what == ab ]]; then
     # A host-side change against its base on one machine ($2: the base's tree, made here
     # with `mkdir -p scratch/base && git archive REV core devices spec | tar -x -C
     # scratch/base`; scratch/ travels with the working tree): `h200.sh $3` with this
-    # tree's package, then the base's, twice over (new, base, new, base), this tree's
+    # tree's package and the base's, twice each (new, base, base, new), this tree's
     # scripts both times. The hosts of two machine starts differed 3x (stop 46: one decode
     # graph's launch took 22 and 6.6 us), so only this compares host-bound figures.
-    for side in new base new base; do
+    # In the order new, base, base, new: each side once early and once late (stop 67: in
+    # new, base, new, base the unchanged plain step read 0.16-0.19 ms slower on the side
+    # that ran first in each pair, and equal with the base first).
+    for side in new base base new; do
         echo "=== $side"
         base=$([[ $side == base ]] && echo "$2" || echo .)
         H200_NESTED=1 GRAPHRT_TREE=$base OUT=$(mktemp -d) bash bench/h200.sh $3
