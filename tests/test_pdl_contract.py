@@ -66,9 +66,13 @@ def _names(node: ast.AST) -> set[str]:
 
 
 def _before_wait(fn: ast.FunctionDef) -> list[ast.stmt]:
-    """The kernel's statements up to the one holding its first ``gdc_wait()``."""
+    """The kernel's statements up to the one holding its first ``pdl.wait_for_predecessor()``.
+    Every PDL kernel waits through it, never ``gdc_wait()`` itself: the one wait the CPU
+    stand-in below replaces."""
+    source = ast.unparse(fn)
+    assert "gdc_wait()" not in source, f"{fn.name} calls gdc_wait(): wait_for_predecessor()"
     for i, stmt in enumerate(fn.body):
-        if "gdc_wait()" in ast.unparse(stmt) or "wait_for_predecessor()" in ast.unparse(stmt):
+        if "pdl.wait_for_predecessor()" in ast.unparse(stmt):
             return fn.body[:i]
     raise AssertionError(f"{fn.name} takes USE_PDL but never waits (griddepcontrol.wait)")
 

@@ -67,7 +67,9 @@ def launch_options() -> dict[str, bool]:
 
 @triton.jit
 def wait_for_predecessor():
-    """``griddepcontrol.wait`` for kernels that call it through this module: a CPU test
-    stands in for it under the interpreter (which runs no PTX), writing what the kernel
-    before would have at that moment (tests/test_pdl_contract.py)."""
+    """``griddepcontrol.wait``, as every PDL kernel calls it (never ``gdc_wait`` itself:
+    the contract test checks): a CPU test stands in for it under the interpreter (which
+    runs no PTX), writing what the kernel before would have at that moment
+    (tests/test_pdl_contract.py). Inlined: a kernel's instructions are the same as with
+    ``gdc_wait`` called in place (the GEMV's PTX compared at stop 67)."""
     tl.extra.cuda.gdc_wait()

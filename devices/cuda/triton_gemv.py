@@ -387,7 +387,7 @@ def _gemv_kernel(
             if RES_SCALAR:  # a parameter, like the weights
                 layer_scalar = tl.load(LayerScalar).to(tl.float32)
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the previous kernel's outputs (x, up, residual) are ready
+        pdl.wait_for_predecessor()  # the previous kernel's outputs (x, up, residual) are ready
     if BLOCK_M == 1:
         # Width invariance: each row runs exactly the arithmetic of a one-row call, whatever
         # M (a verify forward's rows equal decode's bit for bit). Elementwise products are
