@@ -178,11 +178,18 @@ def test_round_tail_kernel_compiles_for_the_most_nodes_without_spilling():
 
 
 @needs_triton
-def test_round_tail_leaves_wider_trees_to_the_tensor_ops():
-    """A tree past the kernel's MAX_NODES: the op declines (None, nothing launched: this
-    runs on CPU tensors without the interpreter) and spec's round runs the tensor ops."""
+def test_round_tail_leaves_wider_trees_to_the_tensor_ops(monkeypatch):
+    """A tree past the kernel's MAX_NODES: the op declines (None, the kernel never
+    launched) and spec's round runs the tensor ops."""
+    from graphrt.devices.cuda import triton_round_tail
     from graphrt.devices.cuda.triton_round_tail import MAX_NODES
     from graphrt.devices.cuda.triton_round_tail import round_tail as kernel
+
+    class Unlaunchable:
+        def __getitem__(self, grid):
+            raise AssertionError("the kernel launched for a tree past MAX_NODES")
+
+    monkeypatch.setattr(triton_round_tail, "_round_tail_kernel", Unlaunchable())
 
     cpu = torch.device("cpu")
     context = 4 * MAX_NODES
