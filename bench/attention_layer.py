@@ -7,7 +7,9 @@ two a program (``triton_verify.PACK_MIN_PROGRAMS`` decides between them by batch
 each output compared bit for bit with decode's rows for the same tokens; then the
 one-pass kernel (triton_verify_onepass, the default) at each ``--onepass`` setting
 (TARGET_PROGRAMS/MAX_TILE/split blocks[/BLOCK_N], 0: the module's own), its largest relative
-error against the width-invariant output beside it.
+error against the width-invariant output beside it; and "rows us": the chains' nodes run
+as decode rows (node i a row of length prefix + i + 1, the chain's slots in the table),
+what a chain's verify costs on decode's kernel.
 
 Run on the device: python bench/attention_layer.py [--batch-sizes 1,2,4,...]
 [--onepass 0/0/0,256/16384/64,...]
@@ -34,10 +36,10 @@ PREFIX, NODES, HEADS = 512, 5, 8
 
 def layer_us(
     bs: int, head_dim: int, packed: bool, onepass: list[tuple[int, int, int]] = ()
-) -> tuple[float, float, bool, list[tuple[float, float]]]:
+) -> tuple[float, float, bool, list[tuple[float, float]], float]:
     """(decode us, verify us, verify == decode bitwise, [(one-pass us, its largest
-    relative error against verify) per ``onepass`` setting]) of one layer's attention
-    over ``bs`` requests."""
+    relative error against verify) per ``onepass`` setting], the chain's nodes as
+    decode rows us) of one layer's attention over ``bs`` requests."""
     dev, dtype = torch.device("cuda"), torch.bfloat16
     ctx = PREFIX + NODES
     slots = 1 + torch.randperm(bs * ctx, device=dev)  # scattered, as a pool's are
@@ -75,9 +77,14 @@ def layer_us(
     verify()
     node_lens = (PREFIX + 1 + depth).repeat(bs).to(torch.int32)
     want = torch.empty_like(qv)
-    decode_attention(
-        qv, k, v, table, reqs.repeat_interleave(NODES), node_lens, want, *scratch, scale
-    )
+    node_reqs = reqs.repeat_interleave(NODES)
+
+    def chain_as_decode() -> None:  # a chain's node i is a decode row of length prefix + i + 1
+        decode_attention(qv, k, v, table, node_reqs, node_lens, want, *scratch, scale)
+
+    torch.cuda.synchronize()
+    as_decode = triton.testing.do_bench_cudagraph(chain_as_decode, rep=50) * 1e3
+    chain_as_decode()
     onepass_results = []
     module = triton_verify_onepass
     defaults = module.TARGET_PROGRAMS, module.MAX_TILE, module.split_blocks
@@ -101,7 +108,7 @@ def layer_us(
         err = ((fast.float() - outv.float()).abs().max() / outv.float().abs().max()).item()
         onepass_results.append((us, err))
     module.TARGET_PROGRAMS, module.MAX_TILE, module.split_blocks = defaults
-    return times[0], times[1], torch.equal(outv, want), onepass_results
+    return times[0], times[1], torch.equal(outv, want), onepass_results, as_decode
 
 
 def main() -> None:
@@ -118,13 +125,13 @@ def main() -> None:
     onepass = [tuple(int(x) for x in c.split("/")) for c in args.onepass.split(",") if c]
     print(
         f"{'bs':>3} {'D':>4} {'packed':>6} {'programs':>8} {'decode us':>10} {'verify us':>10}"
-        f" {'ratio':>6} bitwise  one-pass us (ratio, rel err) at "
+        f" {'ratio':>6} bitwise {'rows us':>8}  one-pass us (ratio, rel err) at "
         + ", ".join("/".join(map(str, c)) for c in onepass)
     )
     for head_dim in (256, 512):
         for bs in sizes:
             for packed in (False, True):
-                decode, verify, same, fast = layer_us(
+                decode, verify, same, fast, as_decode = layer_us(
                     bs, head_dim, packed, onepass if packed else ()
                 )
                 # What PACK_MIN_PROGRAMS is compared with: one-node programs (rows x KV
@@ -133,7 +140,7 @@ def main() -> None:
                 cells = "  ".join(f"{us:.1f} ({us / decode:.2f}, {err:.1e})" for us, err in fast)
                 print(
                     f"{bs:>3} {head_dim:>4} {packed!s:>6} {programs:>8} {decode:>10.1f}"
-                    f" {verify:>10.1f} {verify / decode:>6.2f} {same!s:>7}  {cells}"
+                    f" {verify:>10.1f} {verify / decode:>6.2f} {same!s:>7} {as_decode:>8.1f}  {cells}"
                 )
 
 

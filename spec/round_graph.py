@@ -40,7 +40,7 @@ from graphrt.core.models.ops import model_ops
 from graphrt.core.runners import GraphShape, StaticField
 from graphrt.core.runners.base import RunnerOutput, forward_model
 from graphrt.spec.config import SpecConfig
-from graphrt.spec.draft import draft_verify_tree
+from graphrt.spec.draft import draft_verify_tree, is_full_chain
 from graphrt.spec.verify import (
     SAMPLING_FIELDS,
     SAMPLING_NAMES,
@@ -181,6 +181,7 @@ def captured_round(
             parents=tree.parents,
             depth=tree.depth,
             valid=tree.valid & info.speculate.unsqueeze(1),
+            chain=is_full_chain(cfg),
             **sampling,
         )
         batch = dataclasses.replace(

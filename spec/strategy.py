@@ -56,7 +56,13 @@ from graphrt.core.runners.buckets import pad_to_bucket
 from graphrt.spec.accept import accept
 from graphrt.spec.adaptive import DraftChooser
 from graphrt.spec.config import SpecConfig
-from graphrt.spec.draft import captured_draft_loop, draft_batch, draft_shape, draft_verify_tree
+from graphrt.spec.draft import (
+    captured_draft_loop,
+    draft_batch,
+    draft_shape,
+    draft_verify_tree,
+    is_full_chain,
+)
 from graphrt.spec.round_graph import captured_round, round_batch, round_shape
 from graphrt.spec.tree import VerifyTree
 from graphrt.spec.verify import (
@@ -195,15 +201,18 @@ class MTPDecoding(DecodeStrategy):
         verify = verify_round(
             target, ctx.attn_backend, self.tables(), ctx.max_context_len, self.accept_rule
         )
-        by_width: dict[int, tuple[GraphRunner, GraphRunner]] = {}  # verify is the same
-        for variant in self.variants.values():  # arithmetic at one width, whatever the length
-            n = variant.cfg.num_draft_tokens
-            if n not in by_width:
-                by_width[n] = tuple(
-                    GraphRunner(target, ctx.attn_backend, *args, verify_shape(n, s), forward=verify)
+        # Verify is the same arithmetic at one width (and tree kind), whatever the length.
+        by_width: dict[tuple[int, bool], tuple[GraphRunner, GraphRunner]] = {}
+        for variant in self.variants.values():
+            n, chain = variant.cfg.num_draft_tokens, is_full_chain(variant.cfg)
+            if (n, chain) not in by_width:
+                by_width[n, chain] = tuple(
+                    GraphRunner(
+                        target, ctx.attn_backend, *args, verify_shape(n, s, chain), forward=verify
+                    )
                     for s in (False, True)
                 )
-            variant.verify, variant.sampled_verify = by_width[n]
+            variant.verify, variant.sampled_verify = by_width[n, chain]
             # The loop's steps derive their rows inside the graph, so their attention
             # metadata must be the capture-safe kind; attention that needs host lengths per
             # step (a breakable backend's) drafts eagerly and verifies on graphs.
@@ -636,6 +645,7 @@ class MTPDecoding(DecodeStrategy):
             locs,
             self.ctx.max_context_len - 1,
             sampling,
+            chain=is_full_chain(variant.cfg),
         )
         # Every node draws from its request's stream: node i at draw ``draws + i``.
         for req in inputs.reqs:

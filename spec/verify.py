@@ -11,6 +11,7 @@ value per vocabulary entry and node, which greedy rounds should not pay.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,16 +51,20 @@ class VerifyInput:
     top_p: torch.Tensor | None = None  # (B,) float32
     seed: torch.Tensor | None = None  # (B,) int64
     offset: torch.Tensor | None = None  # (B,) int64: the root node's draw; node i draws at +i
+    # Host: every request's tree is the n-node chain (``draft_chain``'s: node i at depth i,
+    # seeing nodes 0 .. i), which attention may run as n decode rows.
+    chain: bool = False
 
     @property
     def sampled(self) -> bool:
         return self.temperature is not None
 
 
-def verify_shape(num_nodes: int, sampled: bool) -> GraphShape:
+def verify_shape(num_nodes: int, sampled: bool, chain: bool = False) -> GraphShape:
     """What a round's verify graph takes: ``num_nodes`` tokens per request and the tree,
-    plus the sampling state in the sampled variant. Padding requests see every padding
-    node (all slot 0), so their softmax stays finite, and accept nothing."""
+    plus the sampling state in the sampled variant; ``chain``: every tree is the chain
+    (``VerifyInput.chain``). Padding requests see every padding node (all slot 0), so
+    their softmax stays finite, and accept nothing."""
     n = (num_nodes,)
     tree = (
         StaticField("tree_mask", (num_nodes, num_nodes), torch.bool, pad=True),
@@ -70,9 +75,9 @@ def verify_shape(num_nodes: int, sampled: bool) -> GraphShape:
     return GraphShape(
         mode=ForwardMode.TARGET_VERIFY,
         width=num_nodes,
-        spec_info=VerifyInput,
+        spec_info=functools.partial(VerifyInput, chain=chain),
         fields=tree + (SAMPLING_FIELDS if sampled else ()),
-        variant="round-sampled" if sampled else "round-greedy",
+        variant=("round-sampled" if sampled else "round-greedy") + ("-chain" if chain else ""),
     )
 
 
@@ -84,13 +89,14 @@ def verify_batch(
     out_cache_loc: torch.Tensor,  # (B * n,) fresh KV slots, node-major per request
     max_position: int,
     sampling: SamplingRows | None,  # (B,) rows at each request's root draw; None: greedy
+    chain: bool = False,  # the tree is draft_chain's (VerifyInput.chain)
 ) -> ForwardBatch:
     n = tree.num_nodes
     # Near the end of the context, deep nodes would sit past the rope table: they are
     # clamped to the last position and never accepted (acceptance stops at the context).
     positions = tree.positions(kv_lens.long()).clamp(max=max_position)  # (B, n)
     info = VerifyInput(
-        tree_mask=tree.mask, parents=tree.parents, depth=tree.depth, valid=tree.valid
+        tree_mask=tree.mask, parents=tree.parents, depth=tree.depth, valid=tree.valid, chain=chain
     )
     if sampling is not None:
         for name in SAMPLING_NAMES:

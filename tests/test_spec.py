@@ -430,6 +430,43 @@ def test_rounds_on_graphs_per_request_batch_size(
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
 
 
+@pytest.mark.parametrize(
+    ("steps", "topk", "rounds"),
+    [
+        pytest.param(3, 1, "one-graph", marks=pytest.mark.graphs),
+        pytest.param(3, 1, "two-graph", marks=pytest.mark.graphs),
+        (3, 1, "eager"),
+        pytest.param(2, 3, "one-graph", marks=pytest.mark.graphs),
+    ],
+)
+def test_verify_batches_say_whether_every_tree_is_a_chain(
+    monkeypatch, rounds, steps, topk, gemma4_tiny, gemma4_assistant
+):
+    """Attention learns from the verify batch (``VerifyInput.chain``, a host fact) that
+    every request's tree is the chain: in one-graph rounds, two-graph verify graphs and
+    eager rounds alike when topk is 1 (the CUDA backend then runs small batches on decode's
+    kernel), never for trees."""
+    from graphrt.core.attention.torch_ref import TorchAttentionBackend
+    from graphrt.core.batch import ForwardMode
+
+    seen = []
+    forward = TorchAttentionBackend.forward
+
+    def recording(self, q, k, v, spec, batch):
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            seen.append(batch.spec_info.chain)
+        return forward(self, q, k, v, spec, batch)
+
+    monkeypatch.setattr(TorchAttentionBackend, "forward", recording)
+    device = None if rounds == "eager" else graph_device("standin-cuda-full")
+    engine = spec_engine(
+        gemma4_tiny, gemma4_assistant, steps, topk, device=device,
+        one_graph=rounds == "one-graph", graph_buckets=(2,), max_running_requests=2,
+    )  # fmt: skip
+    engine.generate(random_prompts((9,), seed=3), SamplingParams(max_new_tokens=6))
+    assert seen and set(seen) == {topk == 1}, (len(seen), set(seen))
+
+
 def test_a_request_whose_round_can_never_fit_is_refused_in_one_line(
     capsys, gemma4_tiny, gemma4_assistant
 ):

@@ -776,7 +776,8 @@ def test_kernels_compile_for_sm90_with_rows_that_double_their_splits():
     stage1 = dict(KV_GROUP=4, BLOCK_G=16, **split_constants(128), BLOCK_N=64, HEAD_DIM=head_dim,
                   BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
     assert stage1["DOUBLINGS"] == 3
-    compile_for_h200(_decode_partial_kernel, stage1 | {"USE_PDL": True}, 4)
+    compile_for_h200(_decode_partial_kernel, stage1 | {"USE_PDL": True, "CHAIN_NODES": 0}, 4)
+    compile_for_h200(_decode_partial_kernel, stage1 | {"USE_PDL": True, "CHAIN_NODES": 5}, 4)
     compile_for_h200(_verify_partial_kernel, stage1 | {"NODES": 4, "BLOCK_T": 8}, 4)
 
 
@@ -816,6 +817,7 @@ def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache, lon
     stage1 = dict(
         KV_GROUP=8, BLOCK_G=16, **td.split_constants(128), BLOCK_N=block_n, HEAD_DIM=head_dim,
         BLOCK_D=block_d, DOT_PRECISION="ieee" if size == 4 else "tf32", USE_PDL=True,
+        CHAIN_NODES=0,
     )  # fmt: skip
     pointers = ATTENTION_POINTERS | {"K": f"*{cache}", "V": f"*{cache}"}
     stages = td.default_stages(block_n, head_dim, size)

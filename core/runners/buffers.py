@@ -11,7 +11,9 @@ of ``spec_info`` a graph reads (seed hiddens, tree masks).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,7 +39,8 @@ class GraphShape:
 
     mode: ForwardMode = ForwardMode.DECODE
     width: int = 1  # tokens per request row
-    spec_info: type | None = None  # built from ``fields`` by keyword, one slice per field
+    # A type (or factory) built from ``fields`` by keyword, one slice per field.
+    spec_info: Callable[..., Any] | None = None
     fields: tuple[StaticField, ...] = ()
     variant: str | None = None  # tells apart graphs of one shape that compute different things
     long_rows: bool = False  # its batches are flagged ForwardBatch.long_rows

@@ -8,7 +8,10 @@ and store nothing: it reads each row's live prefix only. TARGET_VERIFY stores
 the tree nodes' K/V, then runs each node over its request's prefix plus its
 ancestors: ``triton_verify_onepass`` (one pass over a request's prefix for all
 its nodes), or for width-invariant models (``AttentionSpec.width_invariant``,
-``--batch-invariant``) ``triton_verify``, whose nodes round as decode's rows.
+``--batch-invariant``) ``triton_verify``, whose nodes round as decode's rows. Where every
+tree is a chain (``VerifyInput.chain``: topk 1, the default) and the batch is small or the
+model width-invariant, verify is decode's own kernel, each node a decode row whose last
+keys are its chain's nodes (``decode_attention``'s ``chain``).
 EXTEND (prefill, eager) is ``triton_extend.extend_attention``: every request's chunk in
 one launch a layer, keys through the token table (the new K/V stored first). A chunk of
 ``SDPA_MIN_CHUNK`` tokens or more in a full-attention layer goes to the reference's SDPA
@@ -63,6 +66,13 @@ from graphrt.devices.cuda.triton_verify_onepass import onepass_verify_attention
 SDPA_MIN_CHUNK = 4096
 # The longest head dim SDPA's flash and cuDNN kernels take (Hopper, torch 2.11).
 FUSED_SDPA_MAX_HEAD_DIM = 256
+# Verify batches of chains with at most this many (request, KV head) pairs run on decode's
+# kernel, a node a row. One layer, H100, bf16, Gemma 4's 8 heads on one KV head, prefix
+# 512, 5-node chains (bench/attention_layer.py, "rows us" against the one-pass kernel),
+# us at 1 / 2 / 4 / 8 requests: head_dim 256 7.3 / 8.2 / 10.1 / 15.3 against 11.1 / 11.3 /
+# 11.5 / 11.5; head_dim 512 11.2 / 13.8 / 19.4 / 29.9 against 20.6 / 20.8 / 20.5 / 21.2.
+# Past it the one pass reads a request's prefix once for all its nodes, decode once a node.
+CHAIN_ON_DECODE_MAX = 4
 
 
 @dataclass
@@ -231,7 +241,14 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 spec.scaling,
                 spec.sliding_window,
             )
-            if spec.width_invariant:  # decode's splits and blocks: a node rounds as decode
+            if self._chain_on_decode(spec, batch):
+                decode_attention(
+                    q, k_buffer, v_buffer, self.req_to_token_pool.req_to_token,
+                    meta.req_pool_indices, meta.seq_lens, out, *scratch, spec.scaling,
+                    spec.sliding_window, short_splits=self.num_kv_splits,
+                    chain=(batch.out_cache_loc, batch.num_tokens // batch.batch_size),
+                )  # fmt: skip
+            elif spec.width_invariant:  # decode's splits and blocks: a node rounds as decode
                 tree_verify_attention(*args, short_splits=self.num_kv_splits)
             else:
                 onepass_verify_attention(*args)
@@ -256,6 +273,18 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 long_rows=long_rows,
             )
         return out.view(-1, spec.num_heads * spec.head_dim)
+
+    @staticmethod
+    def _chain_on_decode(spec: AttentionSpec, batch: ForwardBatch) -> bool:
+        """Whether a verify batch runs on decode's kernel, each node a decode row (its
+        chain's nodes as the row's last keys): where every tree is a chain, for a
+        width-invariant model always (its rows then round as decode's by construction, and
+        faster than ``triton_verify`` at every batch size), otherwise up to
+        ``CHAIN_ON_DECODE_MAX`` (request, KV head) pairs, where the one-pass kernel's few
+        programs leave the GPU idle. Host facts only: a graph's choice is its capture's."""
+        if not getattr(batch.spec_info, "chain", False):
+            return False
+        return spec.width_invariant or batch.batch_size * spec.num_kv_heads <= CHAIN_ON_DECODE_MAX
 
     # ---- long chunks through SDPA ------------------------------------------------
 

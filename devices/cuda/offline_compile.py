@@ -21,6 +21,7 @@ ATTENTION_POINTERS = {
     "Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "ReqToToken": "*i64",
     "ReqPoolIndices": "*i64", "SeqLens": "*i32", "Positions": "*i64", "OutCacheLoc": "*i64",
     "TreeMask": "*u8", "PartialOut": "*fp32", "PartialLse": "*fp32", "PartialSplits": "*i32",
+    "TreeLoc": "*i64",
 }  # fmt: skip
 
 

@@ -203,16 +203,25 @@ def _row_splits(
 @triton.jit
 def _attend_cached(
     q, m, l_sum, acc, K, V, ReqToToken, req, lo, end, split, num_splits, kv_h, offs_d, mask_d,
-    sm_scale, stride_req, stride_kt, stride_kh, stride_vt, stride_vh,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    sm_scale, stride_req, stride_kt, stride_kh, stride_vt, stride_vh, TreeLoc, prefix,
+    tree_row, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, CHAIN: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over split ``split``'s blocks (of ``num_splits``) of the cached
-    positions [lo, end) of request row ``req``."""
+    positions [lo, end) of request row ``req``; with ``CHAIN``, positions from ``prefix``
+    on are a chain's nodes, their slots ``TreeLoc[tree_row + position - prefix]``."""
     first = _first_block(lo, split, num_splits, BLOCK_N)
     for j in range(first, tl.cdiv(end, BLOCK_N), num_splits):
         offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = (offs_n >= lo) & (offs_n < end)
-        slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=mask_n, other=0).to(tl.int64)
+        if CHAIN:  # one gather: each key's slot from the token table or the chain's nodes
+            from_table = ReqToToken + req * stride_req + offs_n
+            from_tree = TreeLoc + tree_row + tl.maximum(offs_n - prefix, 0)
+            where = tl.where(offs_n < prefix, from_table, from_tree)
+            slots = tl.load(where, mask=mask_n, other=0).to(tl.int64)
+        else:
+            slots = tl.load(ReqToToken + req * stride_req + offs_n, mask=mask_n, other=0).to(
+                tl.int64
+            )
         k, v = _load_kv_block(
             K, V, slots, mask_n, kv_h, offs_d, mask_d, stride_kt, stride_kh, stride_vt, stride_vh
         )
@@ -247,8 +256,9 @@ def _decode_partial_kernel(
     K,  # (num_slots + 1, Hkv, D)
     V,
     ReqToToken,  # (max_reqs + 1, max_ctx)
-    ReqPoolIndices,  # (B,)
-    SeqLens,  # (B,)
+    ReqPoolIndices,  # (B,); chains: (B / CHAIN_NODES,), a request's
+    SeqLens,  # (B,); chains: a request's, its prefix and all its nodes
+    TreeLoc,  # chains: (B,) the nodes' slots, request-major; otherwise unread
     PartialOut,  # (>= B, H, S, D) float32
     PartialLse,  # (>= B, H, S) float32
     PartialSplits,  # (>= B,) int32: each row's split count, for the combine
@@ -280,6 +290,7 @@ def _decode_partial_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= MIN_DOT
     DOT_PRECISION: tl.constexpr,
+    CHAIN_NODES: tl.constexpr,  # 0: decode rows; n: rows are n-node chains (decode_attention)
     USE_PDL: tl.constexpr,  # launched with PDL: griddepcontrol.wait before q (pdl.py)
 ):
     b = tl.program_id(0)
@@ -289,8 +300,18 @@ def _decode_partial_kernel(
     # are still writing q, this step's key and value, the residual stream and the scratch.
     # It reads only the step's inputs, final before its first kernel ran (pdl.py): the
     # row's length and request slot; it stores nothing.
-    seq_len = tl.load(SeqLens + b).to(tl.int32)
-    req = tl.load(ReqPoolIndices + b).to(tl.int64)
+    if CHAIN_NODES > 0:
+        # Row b is node b % n of request b // n's chain: the request's prefix (a padding
+        # request's length is shorter than its chain: no prefix), then nodes 0 .. b % n.
+        tree_row = (b // CHAIN_NODES) * CHAIN_NODES
+        prefix = tl.maximum(tl.load(SeqLens + b // CHAIN_NODES).to(tl.int32) - CHAIN_NODES, 0)
+        seq_len = prefix + b % CHAIN_NODES + 1
+        req = tl.load(ReqPoolIndices + b // CHAIN_NODES).to(tl.int64)
+    else:
+        tree_row = 0
+        seq_len = tl.load(SeqLens + b).to(tl.int32)
+        prefix = seq_len
+        req = tl.load(ReqPoolIndices + b).to(tl.int64)
     # Key j is visible to the query at p = seq_len - 1 iff j > p - window.
     lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     in_class = (seq_len - lo >= min_keys) & (seq_len - lo < max_keys)
@@ -313,7 +334,7 @@ def _decode_partial_kernel(
         m, l_sum, acc = _attend_cached(
             q, m, l_sum, acc, K, V, ReqToToken, req, lo, seq_len, split, num_splits, kv_h,
             offs_d, mask_d, sm_scale, stride_req, stride_kt, stride_kh, stride_vt, stride_vh,
-            BLOCK_N, DOT_PRECISION,
+            TreeLoc, prefix, tree_row, BLOCK_N, DOT_PRECISION, CHAIN_NODES > 0,
         )  # fmt: skip
         _store_partial(
             PartialOut, PartialLse, heads * 0 + b, split, heads, mask_g, offs_d, mask_d, m,
@@ -562,6 +583,7 @@ def decode_attention(
     num_warps: int = 4,  # stage 1's launch (bench/decode_splits.py --launches sweeps them)
     num_stages: int | None = None,  # None: default_stages
     long_rows: tuple[int, int] | None = None,  # (from keys, BLOCK_N): see below
+    chain: tuple[torch.Tensor, int] | None = None,  # (the nodes' slots, n): see below
 ) -> torch.Tensor:
     """Attention of each row's one query over its visible cached keys; returns ``out``.
 
@@ -576,6 +598,13 @@ def decode_attention(
     attention 12-20% down at 8k and 32k keys, but the second launch costs 1.8-6.6 us a
     layer where no row is long, so the engine launches it only in decode graphs of
     batches with a long row (``PlainDecode.long_runner``, ``long_block_n``).
+
+    ``chain`` = (tree_loc, n): the rows are a verify batch's n-node chains, request-major
+    (row r is node r % n of request r // n; ``req_pool_indices`` and ``seq_lens`` are the
+    requests', a length counting the prefix and all n nodes). Node i is decode's row of
+    length prefix + i + 1 whose keys past the prefix are the chain's nodes 0 .. i, their
+    slots ``tree_loc[r - i ..]`` (they need not be in the token table yet). So a chain's
+    node rounds exactly as decode rounds that token once its path is accepted.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -583,6 +612,13 @@ def decode_attention(
     check_paged_inputs(q, k_buffer, v_buffer, req_to_token, out, partial_out, partial_lse,
                        partial_splits)  # fmt: skip
     assert req_pool_indices.stride(0) == 1 and seq_lens.stride(0) == 1
+    tree_loc, chain_nodes = seq_lens, 0  # not a chain: the kernel never reads tree_loc
+    if chain is not None:
+        tree_loc, chain_nodes = chain
+        assert chain_nodes >= 1 and req_pool_indices.shape[0] * chain_nodes == bs, (
+            f"{bs} rows are not chains of {chain_nodes} for {req_pool_indices.shape[0]} requests"
+        )
+        assert tree_loc.shape == (bs,) and tree_loc.stride(0) == 1, tree_loc.shape
     if bs == 0:
         return out
 
@@ -605,8 +641,8 @@ def decode_attention(
         assert class_block_n == triton.next_power_of_2(class_block_n), class_block_n
         stages = num_stages or default_stages(class_block_n, head_dim, size)
         _decode_partial_kernel[(bs, num_kv_heads, programs)](
-            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, partial_out,
-            partial_lse, partial_splits, float(sm_scale), window, min_keys, max_keys,
+            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, tree_loc,
+            partial_out, partial_lse, partial_splits, float(sm_scale), window, min_keys, max_keys,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
             v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
@@ -614,7 +650,8 @@ def decode_attention(
             KV_GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), MIN_DOT),
             **split_constants(max_splits, short_splits), BLOCK_N=class_block_n,
             HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=dot_precision(k_buffer.dtype),
-            num_warps=num_warps, num_stages=stages, **pdl.launch_options(),
+            CHAIN_NODES=chain_nodes, num_warps=num_warps, num_stages=stages,
+            **pdl.launch_options(),
         )  # fmt: skip
     return combine_splits(partial_out, partial_lse, partial_splits, out, short_splits, rest_chunk)
 
