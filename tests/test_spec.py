@@ -437,6 +437,8 @@ def test_rounds_on_graphs_per_request_batch_size(
         pytest.param(3, 1, "two-graph", marks=pytest.mark.graphs),
         (3, 1, "eager"),
         pytest.param(2, 3, "one-graph", marks=pytest.mark.graphs),
+        pytest.param(2, 3, "two-graph", marks=pytest.mark.graphs),
+        (2, 3, "eager"),
     ],
 )
 def test_verify_batches_say_whether_every_tree_is_a_chain(

@@ -301,8 +301,9 @@ def _decode_partial_kernel(
     # It reads only the step's inputs, final before its first kernel ran (pdl.py): the
     # row's length and request slot; it stores nothing.
     if CHAIN_NODES > 0:
-        # Row b is node b % n of request b // n's chain: the request's prefix (a padding
-        # request's length is shorter than its chain: no prefix), then nodes 0 .. b % n.
+        # Row b is node b % n of request b // n's chain: the request's prefix, then nodes
+        # 0 .. b % n (a graph's padding request has length n: no prefix; the clamp keeps
+        # any shorter length from reaching before it).
         tree_row = (b // CHAIN_NODES) * CHAIN_NODES
         prefix = tl.maximum(tl.load(SeqLens + b // CHAIN_NODES).to(tl.int32) - CHAIN_NODES, 0)
         seq_len = prefix + b % CHAIN_NODES + 1
