@@ -63,13 +63,12 @@ def decode_rows(inp: VerifyInputs, splits: int, block_n: int | None, **kw) -> to
 # (head_dim, query heads, KV heads, n, window, splits, block_n): KV groups 1, 2 and 8;
 # head dims 16, 24 (masked lanes) and 64; chains of 1, 2, 5 and 7; windows shorter than
 # the chain (3 on a 7-chain), within it and longer; decode's default blocks and 16 keys.
+# (Few cases: each interpreted launch costs the CPU lane seconds.)
 INTERPRETER_CASES = [
     (16, 2, 2, 5, None, 3, 16),
     (24, 4, 2, 7, 3, 3, 16),
     (64, 8, 1, 2, 20, 3, None),
-    (24, 8, 1, 7, 5, 2, 16),
-    (16, 2, 1, 1, 4, 3, None),
-    (64, 2, 1, 5, None, 16, 16),
+    (16, 2, 1, 1, 4, 2, None),
 ]
 # 0: the root sees only itself; 3: shorter than the splits; 70: several 16-key blocks.
 CPU_PREFIX_LENS = [0, 3, 21, 70]
