@@ -8,8 +8,9 @@ each output compared bit for bit with decode's rows for the same tokens; then th
 one-pass kernel (triton_verify_onepass, the default) at each ``--onepass`` setting
 (TARGET_PROGRAMS/MAX_TILE/split blocks[/BLOCK_N], 0: the module's own), its largest relative
 error against the width-invariant output beside it; and "rows us": the chains' nodes run
-as decode rows (node i a row of length prefix + i + 1, the chain's slots in the table),
-what a chain's verify costs on decode's kernel.
+as decode rows (node i a row of length prefix + i + 1, its last keys the chain's slots):
+what a chain's verify costs on decode's kernel (``decode_attention``'s ``chain``, as the
+engine runs it; each row checked bit for bit against decode's row over a written table).
 
 Run on the device: python bench/attention_layer.py [--batch-sizes 1,2,4,...]
 [--onepass 0/0/0,256/16384/64,...]
@@ -77,14 +78,18 @@ def layer_us(
     verify()
     node_lens = (PREFIX + 1 + depth).repeat(bs).to(torch.int32)
     want = torch.empty_like(qv)
-    node_reqs = reqs.repeat_interleave(NODES)
+    decode_attention(
+        qv, k, v, table, reqs.repeat_interleave(NODES), node_lens, want, *scratch, scale
+    )
+    rows = torch.empty_like(qv)
 
-    def chain_as_decode() -> None:  # a chain's node i is a decode row of length prefix + i + 1
-        decode_attention(qv, k, v, table, node_reqs, node_lens, want, *scratch, scale)
+    def chain_as_decode() -> None:  # as the engine runs a chain: decode's kernel, its nodes' slots
+        decode_attention(qv, k, v, table, reqs, vlens, rows, *scratch, scale, chain=(loc, NODES))
 
     torch.cuda.synchronize()
     as_decode = triton.testing.do_bench_cudagraph(chain_as_decode, rep=50) * 1e3
     chain_as_decode()
+    assert torch.equal(rows, want), "a chain's rows differ from decode's"
     onepass_results = []
     module = triton_verify_onepass
     defaults = module.TARGET_PROGRAMS, module.MAX_TILE, module.split_blocks
