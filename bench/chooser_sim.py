@@ -33,12 +33,16 @@ change this favours still has to be measured on the device.
         plain steps and rounds this many times the same steps in use: the host drifts)
         [--early 8,1.6] (each cell's first 8 steps, the warm-up's too, 1.6x slower, as
         the H200's were in stop 50's matrix: the chooser learns their times as they are)
+        [--switch 1.5] (a step after one of another kind 1.5 plain steps slower, as on
+        an H100 with steps launched ahead, stop 69) [--drift 0.05] (the host's pace
+        wanders, every step time times a factor within 0.67-1.5x, as on H100s, stop 69)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 from dataclasses import dataclass, field
@@ -122,14 +126,29 @@ def text_runs(seed: int, pool: list[list[int]], batch: int, tokens: int) -> list
 
 
 def run_cell(
-    times, rng, runs, tokens, chooser=None, fixed=None, first_rid=0, batch=None, early=(0, 1.0)
+    times,
+    rng,
+    runs,
+    tokens,
+    chooser=None,
+    fixed=None,
+    first_rid=0,
+    batch=None,
+    early=(0, 1.0),
+    switch=0.0,
+    drift=(0.0, 0),
 ) -> float:
     """Decoding tokens/s of requests of ``tokens`` tokens (``runs``: their acceptance, as
     ``acceptance_runs``), each step chosen by ``chooser`` (which records it; or a
     ``Reference``) or of ``fixed`` draft steps. ``batch`` (default: every request at once, a closed batch): requests
     running at once, each finished one replaced by the next of ``runs`` (steady, as
     ``spec_matrix --steady``) until none is left to replace it; the cell ends there.
-    ``early``: (steps, factor): the cell's first steps run that many times slower."""
+    ``early``: (steps, factor): the cell's first steps run that many times slower.
+    ``switch``: a step of another kind than the one before costs this many plain steps
+    more (the chooser's last kind carries over from cell to cell). ``drift``: (sigma,
+    seed): every step time times a factor that wanders (a mean-reverting walk of its log,
+    steps of ``sigma``, within 0.67-1.5x), the same walk by step for every mode."""
+    pace, walk = 0.0, random.Random(drift[1])
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     batch = len(runs) if batch is None else batch
     reqs = [SimRequest(first_rid + i, params) for i in range(batch)]
@@ -140,6 +159,13 @@ def run_cell(
         bucket = bucket_of(len(reqs))
         k = fixed if chooser is None else chooser.choose(bucket, reqs, closed=closed)
         step = times(bucket, k, rng) * (early[1] if steps < early[0] else 1.0)
+        if drift[0]:
+            pace = min(max(0.97 * pace + walk.gauss(0.0, drift[0]), -0.4), 0.4)
+            step *= math.exp(pace)
+        if chooser is not None:
+            if switch and getattr(chooser, "sim_last", k) != k:
+                step += switch * times(bucket, 0, rng)
+            chooser.sim_last = k
         steps += 1
         seconds += step
         accepted = []
@@ -213,6 +239,8 @@ def simulate(
     turns=0,
     references=False,
     early=(0, 1.0),
+    switch=0.0,
+    drift=0.0,
 ) -> dict[tuple[int, float | None], list[float]]:
     """{(batch, rate): [auto's tokens/s, then each fixed mode's: plain, 1, ...]} for one
     seed. ``cold``: start-up's steps run up to this share slower than the same steps in
@@ -221,13 +249,19 @@ def simulate(
     ``text``: a real drafter's runs (``text_runs``) in place of the rates (rate None).
     ``turns``: cells run steady until this many requests a slot finished (0: closed).
     ``references``: the two ``Reference`` choosers' tokens/s follow the fixed modes'.
-    ``early``: (steps, factor): each cell's first steps (the warm-up's too) run slower."""
+    ``early``: (steps, factor): each cell's first steps (the warm-up's too) run slower.
+    ``switch``: a step after one of another kind costs this many plain steps more.
+    ``drift``: the host's pace wanders by steps of this sigma (``run_cell``)."""
     rng = random.Random(seed)
     chooser = DraftChooser(MAX_STEPS, context_len=4096)
-    for bucket in BUCKETS:  # start-up timing: each end three times in a row
-        for k in (MAX_STEPS,) * 3 + (0,) * 3:
+    for bucket in BUCKETS:  # start-up timing: each end three times in a row, rounds again
+        for k in (MAX_STEPS,) * 3 + (0,) * 3 + (MAX_STEPS,):
             scale = (1 + rng.uniform(0, cold)) * (bias[0] if k == 0 else bias[1])
-            chooser.record(k, bucket, times(bucket, k, rng) * scale, timing=True)
+            step = times(bucket, k, rng) * scale
+            if switch and getattr(chooser, "sim_last", k) != k:
+                step += switch * times(bucket, 0, rng)
+            chooser.sim_last = k
+            chooser.record(k, bucket, step, timing=True)
     ratios, rid = {}, 0
     for batch in batch_sizes:
         for rate in rates if text is None else [None]:
@@ -238,14 +272,26 @@ def simulate(
             else:
                 warm = text_runs(rng.getrandbits(32), text, batch, WARM_TOKENS)
                 runs = text_runs(rng.getrandbits(32), text, requests, tokens)
-            run_cell(times, rng, warm, WARM_TOKENS, chooser, first_rid=rid, early=early)
+            paced = (drift, rng.getrandbits(32))  # one walk for every mode of the cell
+            run_cell(
+                times, rng, warm, WARM_TOKENS, chooser, first_rid=rid, early=early, switch=switch
+            )
             rid += batch
             auto = run_cell(
-                times, rng, runs, tokens, chooser, first_rid=rid, batch=batch, early=early
+                times,
+                rng,
+                runs,
+                tokens,
+                chooser,
+                first_rid=rid,
+                batch=batch,
+                early=early,
+                switch=switch,
+                drift=paced,
             )
             rid += requests
             fixed = [
-                run_cell(times, rng, runs, tokens, fixed=k, batch=batch, early=early)
+                run_cell(times, rng, runs, tokens, fixed=k, batch=batch, early=early, drift=paced)
                 for k in range(MAX_STEPS + 1)
             ]
             known = [
@@ -257,6 +303,7 @@ def simulate(
                     Reference(kind, times, runs, tokens),
                     batch=batch,
                     early=early,
+                    drift=paced,
                 )
                 for kind in (("foresight", "makespan") if references else ())
             ]
@@ -298,6 +345,23 @@ def main() -> None:
         metavar="STEPS,FACTOR",
         help="each cell's first STEPS steps (warm-up's too) run FACTOR times slower",
     )
+    # Measured on an H100 (stop 69, the pair, batch 1, steps launched ahead): a plain step
+    # between rounds 0.87-1.63 ms against 0.41-0.65 in a row, a round of 5 after a plain
+    # step 1.25-1.39 against 0.80-1.06: about 1.5 plain steps more.
+    parser.add_argument(
+        "--switch",
+        type=float,
+        default=0.0,
+        help="a step after one of another kind costs this many plain steps more",
+    )
+    # Measured on H100s (stop 69, the pair, batch 1): the same process's rounds of 5 took
+    # 0.64-2.86 ms, median 1.08; fresh processes' plain decoding 1,552-5,374 tok/s.
+    parser.add_argument(
+        "--drift",
+        type=float,
+        default=0.0,
+        help="the host's pace wanders: each step's log-factor moves by this sigma",
+    )
     parser.add_argument(
         "--steady",
         type=int,
@@ -333,6 +397,8 @@ def main() -> None:
             args.steady,
             args.references,
             (int(early_steps), float(early_factor)),
+            args.switch,
+            args.drift,
         )  # fmt: skip
         for seed in range(args.first_seed, args.first_seed + args.seeds)
     ]

@@ -4,6 +4,7 @@
 # table prints last. Usage: bash bench/h200.sh [tests|bench|spec|all] [bench runners] [spec topks]
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
 #   bash bench/h200.sh pytest "FILES [pytest args]": those CUDA tests (CUDA_WORKERS, 8)
+#   bash bench/h200.sh exec "COMMAND": any command with this tree's package and the caches
 #   bash bench/h200.sh profile [models] [batch sizes] [variants]: bench/profile_step.py
 #     (variants: tuned,no-pdl,cublas, all three unless named)
 #   bash bench/h200.sh round [topk] [kernels listed] [batch sizes]: bench/profile_round.py
@@ -196,6 +197,12 @@ if [[ $what == kernels ]]; then
         tests/test_centroid_ops.py tests/test_scaled_embed.py -m cuda \
         -q -p no:cacheprovider -ra ${2:+-k "$2"} 2>&1 \
         | tee "$OUT/tests-kernels.log" | tail -n 25
+fi
+
+if [[ $what == exec ]]; then
+    # Any command in this prepared environment (the package from the tree, the caches):
+    # bash bench/h200.sh exec "python bench/x.py ARGS"
+    eval "$2" 2>&1 | grep -v Warning | tee "$OUT/exec.log"
 fi
 
 if [[ $what == pytest ]]; then

@@ -5,7 +5,8 @@ prompt, in one process: a plain engine, an auto engine and a rounds-of-5 engine,
 warmed up, then ``reps`` generate calls of each in turn (the machine's drift and noise
 fall on all three alike). Prints each engine's decoding tokens/s (median over the reps),
 the ratio to plain, and auto's steps by draft length; with PROFILE=1, then profiles 20
-steps of each (host operators, device kernels) into the log.
+steps of each (host operators, device kernels) into the log. FORCED=1 adds an auto engine
+forced to rounds of 5 (auto's machinery without its choice: "auto=5").
 
 Run: python bench/profile_auto.py [max new tokens, default 400] [device, default cuda]
 [reps, default 5]
@@ -55,6 +56,10 @@ def main() -> None:
         "auto": Engine(target, cfg, device, MTPDecoding(drafter, SpecConfig(5, adaptive=True))),
         "spec 5": Engine(target, cfg, device, MTPDecoding(drafter, SpecConfig(5))),
     }
+    if os.environ.get("FORCED") == "1":  # auto's machinery, its choice fixed at rounds of 5
+        forced = Engine(target, cfg, device, MTPDecoding(drafter, SpecConfig(5, adaptive=True)))
+        forced.strategy.force_step(5)
+        engines["auto=5"] = forced
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     speeds: dict[str, list[float]] = {name: [] for name in engines}
     for engine in engines.values():

@@ -15,8 +15,9 @@ Each step runs the step count ``k`` that maximises the batch's expected tokens a
   the engine-wide rates for each. ``E_r(0) = 1``; a request that opted out
   (``SamplingParams.speculate``) emits 1 token whatever ``k``.
 - ``t(B, k)``: the median wall time of the recent steps of ``k`` at batch bucket ``B``
-  (the first of each, which pays for first touches, is left out), or where ``k`` was
-  measured fewer than ``TRUSTED_SAMPLES`` times, a line ``a + b * k`` fitted through the
+  that ran behind a step of the same ``k`` (the first of each kind, which pays for first
+  touches, and every step after a change of kind are left out: see ``record``), or where
+  ``k`` was measured fewer than ``TRUSTED_SAMPLES`` times, a line ``a + b * k`` fitted through the
   measured lengths, its own samples where they are faster (``step_seconds``): one slow
   sample must not decide for 64 steps; a stall only adds time.
 
@@ -34,9 +35,11 @@ nearest measured bucket's times, scaled. Another count still runs now and then, 
 figures follow what changes (acceptance drifts with the text): after 16 steps of the
 same winner, then 32, then every 64 (at most 1 step in 64 spent looking once the choice
 is stable), the runner-up and the longest rounds in turn (and first a plain step, where
-its time is still start-up's alone). A look's runner-up takes lengths never run at the
-bucket at their most hopeful cost (between a plain step and the longest rounds, where
-that is under the line), and runs one such twice in a row (its first step is left out).
+its time is still start-up's alone); a look whose time is what it is to teach (a plain
+step, a length not yet run in use) runs twice in a row: its first step, after a change
+of kind, is left out. A look's runner-up takes lengths never run at the bucket at their
+most hopeful cost (between a plain step and the longest rounds, where that is under the
+line).
 Looks (the optimistic first round too) are only taken while the batch has
 ``LOOK_HORIZON`` tokens or more left to pay them back.
 
@@ -62,8 +65,6 @@ import statistics
 from collections import deque
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from graphrt.core.engine.request import Request
 
@@ -299,6 +300,7 @@ class DraftChooser:
         # closed batches, by request id, while it runs.
         self.closed = False
         self._lifetimes: dict[int, list[int]] = {}
+        self._last_steps: int | None = None  # the draft steps of the step recorded last
 
     @property
     def rounds(self) -> int:
@@ -409,6 +411,7 @@ class DraftChooser:
         if size.since_explore >= size.explore_every and self._worth_a_look(reqs):
             size.since_explore = 0
             if winner != 0 and 0 in size.from_start_up:  # (it takes no turn of the looks)
+                size.look_again = 0  # (its first step, after a round, teaches no time)
                 return 0
             size.explore_every = min(2 * size.explore_every, MAX_EXPLORE)
             size.explored += 1
@@ -417,6 +420,8 @@ class DraftChooser:
             # deeper positions' rates as old as the last long round).
             longest = max(allowed)
             if size.explored % 2 == 0 and winner != longest:
+                if _time_unknown(size, longest):
+                    size.look_again = longest
                 return longest
             # The others, the runner-up with lengths never run here taken at their most
             # hopeful cost: the line through the lengths run can overrate a short round's
@@ -426,7 +431,7 @@ class DraftChooser:
             hopeful = self.rates(bucket, reqs, optimistic=True)
             others = [k for k in allowed if k != winner]
             look = max(others, key=lambda k: hopeful[k]) if others else runner_up
-            if not size.seen.get(look):
+            if look == 0 or _time_unknown(size, look):
                 size.look_again = look
             return look
         # The next steps that would reuse this ranking and take no look: plain whatever
@@ -498,42 +503,42 @@ class DraftChooser:
         (``max_r left_r / E_r(k)``): tokens a second by it rank the counts by the batch's
         finish time (see the module's docstring)."""
         engine, lifetimes, none = self.engine_rates, self._lifetimes, (0, 0)
-        rows = np.array(
-            [
-                (
-                    *lifetimes.get(r.rid, none),
-                    r.params.max_new_tokens - len(r.output_ids),
-                    len(r.prompt_ids) + len(r.output_ids),
-                    r.params.speculate,
-                )
-                for r in reqs
-            ],
-            dtype=np.float64,
-        )  # (B, 5): drafts accepted, positions reached, tokens to the cap, tokens, drafts?
-        accepted, reached, left, used, drafts = rows.T
-        if self.context_len is not None:
-            left = np.minimum(left, self.context_len - used)
-        left = np.maximum(left, 1.0)
         # The request's rate over the positions it reached against the engine's over all:
         # a mix of positions unlike the engine's recent one biases it (deep positions
         # reached while long rounds ran), but the rate against the engine-wide rates at
         # its own positions drafted worse in bench/chooser_sim.py (the pair's text
         # 0.942 -> 0.934, one rate 0.976 -> 0.973: noise, or the pooled rate's shrink).
         mean = (sum(engine.hits) + 1.0) / (sum(engine.seen) + 2.0)
-        own = (accepted + CLOSED_PRIOR * mean) / (reached + CLOSED_PRIOR)
-        spread = np.maximum(own * (1.0 - own), 0.01) / (reached + CLOSED_PRIOR)
-        own = np.minimum(own + CLOSED_OPTIMISM * np.sqrt(spread), 1.0) * drafts  # opted out: 0
-        profile = np.array(engine.rates()) / mean  # (K,): each position's rate over the mean
-        reach = np.minimum(np.outer(own, profile), 1.0).cumprod(axis=1)  # (B, K)
-        expected = np.empty((len(reqs), self.max_steps + 1))
-        expected[:, 0] = 1.0
-        np.cumsum(reach, axis=1, out=expected[:, 1:])
-        expected[:, 1:] += 1.0  # (B, K + 1): the bonus token and each position reached
-        # (K + 1,): the slowest's steps, a whole step at least (a request a few tokens from
-        # its end takes one step whatever the length: at 1 token left, a round "needed" 0.67
-        # and beat a plain step, as the tails of bench/chooser_sim.py's batches showed).
-        steps = np.maximum(left[:, None] / expected, 1.0).max(axis=0)
-        return (left.sum() / steps).tolist()
+        profile = [rate / mean for rate in engine.rates()]  # each position's over the mean
+        # [k] = the slowest request's steps to its end at k, a whole step at least (a
+        # request a few tokens from its end takes one step whatever the length: at 1 token
+        # left, a round "needed" 0.67 and beat a plain step, as the tails of
+        # bench/chooser_sim.py's batches showed).
+        slowest = [1.0] * (self.max_steps + 1)
+        total = 0.0
+        # Plain Python, not numpy: numpy's small-array calls cost 154 us a weighing of the
+        # README's one request (a 2-core CPU host, in an engine), this 27 us, where the
+        # steps weighed for take 0.45-1 ms of host work on an H100. A batch of 64 is a few
+        # hundred multiplications.
+        for r in reqs:
+            accepted, reached = lifetimes.get(r.rid, none)
+            left = r.params.max_new_tokens - len(r.output_ids)
+            if self.context_len is not None:
+                left = min(left, self.context_len - len(r.prompt_ids) - len(r.output_ids))
+            left = max(left, 1.0)
+            total += left
+            own = 0.0  # opted out: no draft reached
+            if r.params.speculate:
+                own = (accepted + CLOSED_PRIOR * mean) / (reached + CLOSED_PRIOR)
+                spread = max(own * (1.0 - own), 0.01) / (reached + CLOSED_PRIOR)
+                own = min(own + CLOSED_OPTIMISM * math.sqrt(spread), 1.0)
+            slowest[0] = max(slowest[0], left)
+            expected = reach = 1.0  # the bonus token, then each position reached
+            for k, rate in enumerate(profile, start=1):
+                reach *= min(own * rate, 1.0)
+                expected += reach
+                slowest[k] = max(slowest[k], left / expected)
+        return [total / steps for steps in slowest]
 
     def step_seconds(self, bucket: int, optimistic: bool = False) -> list[float]:
         """[k] = a step's seconds with k draft steps at ``bucket``: its own measurements
@@ -630,7 +635,15 @@ class DraftChooser:
         choice was; a step launched ahead is recorded after the next one is chosen)."""
         size = self._bucket(bucket)
         size.seen[steps] = size.seen.get(steps, 0) + 1
-        if size.seen[steps] > 1:
+        # A step after a step of another kind pays for the change, and its time does not
+        # say what a run of its kind costs (what the choice is between: a winner runs in
+        # a row). With steps launched ahead, on an H100 (the embedded pair, batch 1): a
+        # plain step between rounds took 0.87-1.63 ms, plain steps in a row 0.41-0.65; a
+        # round of 5 after a plain step 1.25-1.39, in a row 0.80-1.06. Kept, the looks'
+        # lone plain steps priced plain decoding at 2-3x its cost, and auto drafted at
+        # 0.61x --no-draft on an H200 (BENCHMARKS.md, stops 68-69).
+        changed, self._last_steps = self._last_steps != steps, steps
+        if size.seen[steps] > 1 and not changed:
             times = size.seconds.setdefault(steps, deque(maxlen=WINDOW))
             if timing:
                 # Start-up's figure is the fastest of its samples (a stall, a collection or
@@ -694,6 +707,14 @@ class DraftChooser:
         closed = closed and bucket > 1
         pace = ", tokens at the pace of its slowest request (a closed batch)" if closed else ""
         return f"at batch {bucket}: {cells} (~ modelled{pace}): {verdict}"
+
+
+def _time_unknown(size: _Bucket, steps: int) -> bool:
+    """Has no step of ``steps`` run in a row here, in use? A look at it then runs twice in
+    a row (the first, after a change of kind, teaches no time: ``DraftChooser.record``):
+    the longest rounds' start-up figure stood for good otherwise, 1.25x their cost in
+    bench/chooser_sim.py, and rounds of 4 won at batch 1 where 5 paid (0.90 of the best)."""
+    return steps in size.from_start_up or not size.seconds.get(steps)
 
 
 def _remaining(reqs: Sequence[Request], context_len: int | None) -> int:

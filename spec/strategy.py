@@ -310,8 +310,9 @@ class MTPDecoding(DecodeStrategy):
         """With auto lengths: the longest rounds, every other length whose graphs start-up
         captured (all of them where graphs are captured up front: `graphrt serve`;
         eagerly, rounds of one draft step), and a plain step, three times each in a row
-        (the chooser leaves each kind's first step out, first touches, and keeps the
-        faster of the other two: a stall only adds time; in a row, as a winner runs.
+        (the chooser leaves each kind's first step out, first touches and the change of
+        kind, and keeps the faster of the other two: a stall only adds time; in a row, as
+        a winner runs. The longest rounds run once more last: their change of kind only.
         HAZARD: the embedded pair's host-bound steps drift by a third between H200 starts
         and within a process: start-up's figures ran 0.7-1.5x the same steps in use, in a
         row or interleaved; BENCHMARKS.md, stop 43), at every batch bucket whose graphs
@@ -334,7 +335,10 @@ class MTPDecoding(DecodeStrategy):
                 for k in sorted(self.variants, reverse=True)
                 if k == self.cfg.num_steps or not later & set(self._needs(k, greedy=True))
             )
-        kinds = tuple(k for k in (*lengths, 0) for _ in range(3))
+        # Then the longest rounds once more, behind a plain step: both changes of kind
+        # have run before any real step (a path's first calls cost its first step in use
+        # up to 1 ms more: see ``Engine._time_step``).
+        kinds = (*(k for k in (*lengths, 0) for _ in range(3)), lengths[0])
         if self.plain_graph is None:
             return (1,), kinds
         graphs = [self.plain_graph, self.longest.verify, self.longest.draft, self.longest.round]

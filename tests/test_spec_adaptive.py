@@ -705,9 +705,10 @@ def test_a_plain_winner_stays_without_weighing_and_no_choice_changes():
 
 
 def _timed_at_start_up(chooser, bucket, plain_ms, round_ms):
-    """What the engine's start-up timing records at ``bucket``: each end three times."""
-    for k, ms in ((5, round_ms), (0, plain_ms)) * 3:
-        chooser.record(k, bucket, ms * 1e-3, timing=True)
+    """What the engine's start-up timing records at ``bucket``: each end three times in a
+    row, then the longest rounds once more (MTPDecoding.step_timing)."""
+    for k in (5, 5, 5, 0, 0, 0, 5):
+        chooser.record(k, bucket, (plain_ms if k == 0 else round_ms) * 1e-3, timing=True)
 
 
 def test_start_up_timing_skips_the_rounds_that_cannot_pay():
@@ -874,18 +875,63 @@ def test_a_step_launched_ahead_is_charged_its_own_launch_not_the_next_ones(monke
     assert ahead.start == clock[0]  # its seconds count from here
 
 
+def test_a_step_after_a_change_of_kind_teaches_no_time():
+    """A step after a step of another kind pays for the change (with steps launched ahead
+    on an H100, a plain step between rounds cost 2-3x one in a row): its time is left
+    out, so a kind is priced by its steps in a row, what a winner runs."""
+    chooser = DraftChooser(5)
+    _timed_at_start_up(chooser, 1, plain_ms=1.0, round_ms=2.0)
+    chooser.record(5, 1, 2.5e-3, [(ONE_REQUEST[0], 5)])  # behind start-up's last round
+    assert chooser.step_seconds(1)[5] == pytest.approx(2.5e-3)
+    chooser.record(0, 1, 3.0e-3)  # a plain step between rounds: left out
+    assert chooser.step_seconds(1)[0] == pytest.approx(1.0e-3)  # start-up's stands
+    chooser.record(0, 1, 1.2e-3)  # one in a row replaces it
+    assert chooser.step_seconds(1)[0] == pytest.approx(1.2e-3)
+    chooser.record(5, 1, 9.0e-3, [(ONE_REQUEST[0], 5)])  # after plain steps: left out
+    assert chooser.step_seconds(1)[5] == pytest.approx(2.5e-3)
+    assert chooser.steps_by_count == [2, 0, 0, 0, 0, 2]  # every step counts as run
+
+
+def test_looks_that_teach_a_time_run_twice_in_a_row():
+    """A look at plain steps, or at a length whose time start-up alone measured, runs two
+    steps in a row: its first, after a change of kind, teaches no time. A look at a length
+    already run in a row here runs once (it teaches acceptance)."""
+    chooser = DraftChooser(3)
+    _timed_at_start_up_steps(chooser, 3, plain_ms=1.0, round_ms=2.0)
+    # Every draft accepted: rounds of 3 emit 4 tokens in 2 ms and win; plain steps at 1 ms
+    # and shorter rounds are looked at now and then.
+    chosen = _run(
+        chooser, 600, lambda k: 1e-3 if k == 0 else (1.7 + 0.1 * k) * 1e-3, lambda k, rid: k
+    )
+    runs = [(k, len(list(g))) for k, g in itertools.groupby(chosen)]
+    plain_runs = [n for k, n in runs[1:] if k == 0]
+    assert plain_runs and all(n >= 2 for n in plain_runs), runs
+    assert chooser.step_seconds(1)[0] == pytest.approx(1e-3)  # its steps in a row
+    short = [k for k, n in runs if 0 < k < 3]
+    assert short, runs  # lengths 1 and 2 were looked at, and once run in a row ...
+    assert any(n == 1 for k, n in runs if 0 < k < 3), runs  # ... later looks run once
+
+
+def _timed_at_start_up_steps(chooser, max_steps, plain_ms, round_ms):
+    """As ``_timed_at_start_up``, for a chooser of ``max_steps``."""
+    for k in (max_steps,) * 3 + (0,) * 3 + (max_steps,):
+        chooser.record(k, 1, (plain_ms if k == 0 else round_ms) * 1e-3, timing=True)
+
+
 def test_one_slow_start_up_sample_does_not_rule_plain_steps_out():
     """A stall in a start-up timing step (a collection, an interrupt) only adds time: the
     fastest sample stands. And where plain steps' one figure came out slow anyway, the
     chooser's first look runs a plain step, whose real time replaces start-up's."""
     chooser = DraftChooser(5)
-    for k, ms in ((5, 10.0), (0, 5.0), (5, 10.0), (0, 19.5), (5, 10.5), (0, 5.5)):
+    # In the engine's order (_timed_at_start_up): a kind's first step and the one after a
+    # change of kind are left out.
+    for k, ms in ((5, 10.0), (5, 10.0), (5, 10.5), (0, 5.0), (0, 19.5), (0, 5.5), (5, 9.0)):
         chooser.record(k, 1, ms * 1e-3, timing=True)
     assert chooser.step_seconds(1)[0] == pytest.approx(5.5e-3)
     assert chooser.step_seconds(1)[5] == pytest.approx(10e-3)
 
     stalled = DraftChooser(5)  # plain's only kept sample a stall: rounds look cheaper
-    for k, ms in ((5, 10.0), (0, 5.0), (5, 10.0), (0, 19.5)):
+    for k, ms in ((5, 10.0), (5, 10.0), (0, 5.0), (0, 19.5)):
         stalled.record(k, 1, ms * 1e-3, timing=True)
     # Nothing accepted, a plain step 5 ms, a round of k 9.5 + 0.1 k: plain steps pay.
     chosen = _run(
@@ -915,9 +961,9 @@ def test_the_engine_times_each_end_at_start_up_and_leaves_nothing_behind(
     times each at every captured bucket (batch 1 eagerly; eagerly rounds of 1 too; every
     length where all graphs are captured up front, as `graphrt serve` does) on throwaway
     requests; the chooser then knows those times, and the pools, the request ids and the
-    stats are as before. With overlap each kind's steps run launched one behind the
-    other, as they will in use, and the last one launched is read before the next kind's
-    turn: a fourth step of each kind, nothing left in flight."""
+    stats are as before. With overlap every step runs launched behind the one before, as
+    in use, the longest rounds once more behind the plain steps (both changes of kind run
+    before any real step), and the last one launched is read: nothing left in flight."""
     target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
     drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
     strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
@@ -938,9 +984,9 @@ def test_the_engine_times_each_end_at_start_up_and_leaves_nothing_behind(
     )  # fmt: skip
     buckets = (1, 2, 4) if graphs else (1,)
     timed = {"eager": {0, 1, 3}, "graph": {0, 3}, "graph-all": {0, 1, 2, 3}}[runner.split("-o")[0]]
-    # Each kind, at each bucket: the 1st step launches the 2nd, the 2nd the 3rd, the 3rd
-    # the 4th (the 4th, read last, launches none).
-    assert kinds_launched_ahead == (([3] * 3 + [0] * 3) * len(buckets) if overlap else [])
+    # At each bucket each step launches the next: 3 3 3 0 0 0 3, the first run, the last
+    # read launching none.
+    assert kinds_launched_ahead == (([3] * 3 + [0] * 3 + [3]) * len(buckets) if overlap else [])
     assert engine._pending is None
     chooser = strategy.chooser
     for bucket in buckets:
@@ -959,9 +1005,10 @@ def test_the_engine_times_each_end_at_start_up_and_leaves_nothing_behind(
     engine.req_pool.free(1)
     engine.kv_pool.free(torch.tensor([1]))
     if graphs:
-        replays = strategy.plain_graph.replays_per_size()
-        each = 4 if overlap else 3
-        assert replays == {1: each, 2: each, 4: each}
-        assert strategy.longest.round.replays_per_size() == replays
+        # Three plain steps; rounds 3 + 1, and with overlap the one launched behind the
+        # third plain step before the last round read (both changes of kind ran).
+        assert strategy.plain_graph.replays_per_size() == {1: 3, 2: 3, 4: 3}
+        rounds = 5 if overlap else 4
+        assert strategy.longest.round.replays_per_size() == {1: rounds, 2: rounds, 4: rounds}
     (req,) = engine.generate([[1, 2, 3]], GREEDY)
     assert req.rid == 0 and len(req.output_ids) == GREEDY.max_new_tokens
