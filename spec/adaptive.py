@@ -19,7 +19,8 @@ Each step runs the step count ``k`` that maximises the batch's expected tokens a
   touches, and every step after a change of kind are left out: see ``record``), or where
   ``k`` was measured fewer than ``TRUSTED_SAMPLES`` times, a line ``a + b * k`` fitted through the
   measured lengths, its own samples where they are faster (``step_seconds``): one slow
-  sample must not decide for 64 steps; a stall only adds time.
+  sample must not decide for 64 steps; a stall only adds time. A kind not run for
+  ``STALE_STEPS`` engine steps starts its figure afresh from its next step.
 
 The engine times a plain step, the longest rounds and every length whose graphs it
 captured up front at each batch bucket it captured (batch 1 when eager) at start-up, on
@@ -35,11 +36,10 @@ nearest measured bucket's times, scaled. Another count still runs now and then, 
 figures follow what changes (acceptance drifts with the text): after 16 steps of the
 same winner, then 32, then every 64 (at most 1 step in 64 spent looking once the choice
 is stable), the runner-up and the longest rounds in turn (and first a plain step, where
-its time is still start-up's alone); a look whose time is what it is to teach (a plain
-step, a length not yet run in use) runs twice in a row: its first step, after a change
-of kind, is left out. A look's runner-up takes lengths never run at the bucket at their
-most hopeful cost (between a plain step and the longest rounds, where that is under the
-line).
+its time is still start-up's alone), each look two steps in a row: its first, after a
+change of kind, is left out. A look's runner-up takes lengths never run at the bucket
+at their most hopeful cost (between a plain step and the longest rounds, where that is
+under the line).
 Looks (the optimistic first round too) are only taken while the batch has
 ``LOOK_HORIZON`` tokens or more left to pay them back.
 
@@ -89,6 +89,7 @@ PER_REQUEST_MAX = 4
 REDECIDE = 4  # steps between two weighings of the same batch
 FIRST_EXPLORE = 16  # steps before the runner-up runs again, doubling up to
 MAX_EXPLORE = 64
+STALE_STEPS = MAX_EXPLORE  # engine steps after which a kind's step times are dropped
 UNSEEN_RATE = 0.5  # acceptance assumed at position 1 before any round ran
 # Before any round ran, the longest rounds run first (to measure acceptance) only if at
 # this acceptance a position they would beat plain steps: rounds measured at start-up to
@@ -164,6 +165,7 @@ class _Bucket:
     # Kinds whose time is start-up's figure alone (the fastest of its timing runs, on
     # throwaway one-token requests): the first real step of the kind replaces it.
     from_start_up: set[int] = field(default_factory=set)
+    timed_at: dict[int, int] = field(default_factory=dict)  # engine step of each kind's last time
 
     def median(self, steps: int) -> float | None:
         times = self.seconds.get(steps)
@@ -379,6 +381,7 @@ class DraftChooser:
                 return self.max_steps  # this one measures every position
         again, size.look_again = size.look_again, None
         if again is not None and again not in refused:
+            size.since_explore += 1  # (a look's second step: looks start every N steps)
             return again
         # The ranking is redone every REDECIDE steps, or when the batch changes: it moves
         # slowly, and weighing it costs tens of microseconds (a plain step of a small
@@ -420,8 +423,7 @@ class DraftChooser:
             # deeper positions' rates as old as the last long round).
             longest = max(allowed)
             if size.explored % 2 == 0 and winner != longest:
-                if _time_unknown(size, longest):
-                    size.look_again = longest
+                size.look_again = longest  # (see below)
                 return longest
             # The others, the runner-up with lengths never run here taken at their most
             # hopeful cost: the line through the lengths run can overrate a short round's
@@ -431,8 +433,13 @@ class DraftChooser:
             hopeful = self.rates(bucket, reqs, optimistic=True)
             others = [k for k in allowed if k != winner]
             look = max(others, key=lambda k: hopeful[k]) if others else runner_up
-            if look == 0 or _time_unknown(size, look):
-                size.look_again = look
+            # Twice in a row: the first, after a change of kind, teaches no time (record),
+            # so a look of one step would leave its kind's figure as old as its last run
+            # in a row, however stale (record replaces a stale one by the second step).
+            # Looks at plain steps and start-up's lengths alone ran twice at first: the
+            # longest rounds' start-up figure then stood for good in bench/chooser_sim.py,
+            # rounds of 4 winning at batch 1 where 5 paid (0.90 of the best).
+            size.look_again = look
             return look
         # The next steps that would reuse this ranking and take no look: plain whatever
         # choose computes (see stays_plain, which counts them as choose would). Not before
@@ -655,10 +662,18 @@ class DraftChooser:
                 times.append(fastest)
                 size.from_start_up.add(steps)
             else:
-                if steps in size.from_start_up:
+                # A figure older than the longest gap between looks was taken under other
+                # conditions (the host's pace drifts, acceptance moves the verify width):
+                # on an H100 rounds of 5 kept a slow spell's 1.37 ms and rounds of 3 won
+                # 848 steps of 880, at 0.69x the tokens/s of rounds of 5. The fresh step
+                # stands alone (under TRUSTED_SAMPLES the fitted line caps a slow one).
+                now = sum(self.steps_by_count)
+                stale = now - size.timed_at.get(steps, now) > STALE_STEPS
+                if steps in size.from_start_up or stale:
                     size.from_start_up.discard(steps)
                     times.clear()
                 times.append(seconds)
+                size.timed_at[steps] = now
         if timing:
             return
         self.steps_by_count[steps] += 1
@@ -707,14 +722,6 @@ class DraftChooser:
         closed = closed and bucket > 1
         pace = ", tokens at the pace of its slowest request (a closed batch)" if closed else ""
         return f"at batch {bucket}: {cells} (~ modelled{pace}): {verdict}"
-
-
-def _time_unknown(size: _Bucket, steps: int) -> bool:
-    """Has no step of ``steps`` run in a row here, in use? A look at it then runs twice in
-    a row (the first, after a change of kind, teaches no time: ``DraftChooser.record``):
-    the longest rounds' start-up figure stood for good otherwise, 1.25x their cost in
-    bench/chooser_sim.py, and rounds of 4 won at batch 1 where 5 paid (0.90 of the best)."""
-    return steps in size.from_start_up or not size.seconds.get(steps)
 
 
 def _remaining(reqs: Sequence[Request], context_len: int | None) -> int:
