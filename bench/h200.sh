@@ -5,6 +5,9 @@
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
 #   bash bench/h200.sh pytest "FILES [pytest args]": those CUDA tests (CUDA_WORKERS, 8)
 #   bash bench/h200.sh exec "COMMAND": any command with this tree's package and the caches
+#   bash bench/h200.sh chooser [tokens]: auto's charges by kind of step in fresh processes
+#     (bench/chooser_trace.py, CHOOSER_REPS pairs with --no-draft), then bench/profile_auto.py
+#     with auto forced to rounds of 5 beside it (issue 20)
 #   bash bench/h200.sh profile [models] [batch sizes] [variants]: bench/profile_step.py
 #     (variants: tuned,no-pdl,cublas, all three unless named)
 #   bash bench/h200.sh round [topk] [kernels listed] [batch sizes]: bench/profile_round.py
@@ -197,6 +200,20 @@ if [[ $what == kernels ]]; then
         tests/test_centroid_ops.py tests/test_scaled_embed.py -m cuda \
         -q -p no:cacheprovider -ra ${2:+-k "$2"} 2>&1 \
         | tee "$OUT/tests-kernels.log" | tail -n 25
+fi
+
+if [[ $what == chooser ]]; then
+    # Issue 20: what auto is charged for each kind of step (bench/chooser_trace.py), the
+    # README's command in fresh processes, --no-draft and auto alternating CHOOSER_REPS
+    # times (3), then the engines side by side in one process with auto forced to rounds
+    # of 5 beside them (bench/profile_auto.py, FORCED=1).
+    for i in $(seq "${CHOOSER_REPS:-3}"); do
+        for mode in no-draft auto; do
+            python bench/chooser_trace.py "$mode" "${2:-400}" 2>&1 | grep -v Warning \
+                | grep -v "^loaded\|^set up" | sed "s/^/[$i] /" | tee -a "$OUT/chooser-trace.log"
+        done
+    done
+    FORCED=1 python bench/profile_auto.py "${2:-400}" cuda 5 2>&1 | grep -v Warning | tail -n 8
 fi
 
 if [[ $what == exec ]]; then
