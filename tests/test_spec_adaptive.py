@@ -711,7 +711,8 @@ def test_a_plain_winner_stays_without_weighing_and_no_choice_changes():
 def _timed_at_start_up(chooser, bucket, plain_ms, round_ms):
     """What the engine's start-up timing records at ``bucket``: each end three times in a
     row, then the longest rounds once more (MTPDecoding.step_timing)."""
-    for k in (5, 5, 5, 0, 0, 0, 5):
+    longest = chooser.max_steps
+    for k in (longest,) * 3 + (0,) * 3 + (longest,):
         chooser.record(k, bucket, (plain_ms if k == 0 else round_ms) * 1e-3, timing=True)
 
 
@@ -898,10 +899,9 @@ def test_a_step_after_a_change_of_kind_teaches_no_time():
 
 def test_every_look_runs_twice_in_a_row():
     """A look runs two steps in a row: its first, after a change of kind, teaches no time,
-    and run once a look would leave its kind's figure as old as its last run in a row
-    (on an H100 a slow spell's figure kept rounds of 5 out for 848 steps)."""
+    so a look of one step would leave its kind's figure as old as its last run in a row."""
     chooser = DraftChooser(3)
-    _timed_at_start_up_steps(chooser, 3, plain_ms=1.0, round_ms=2.0)
+    _timed_at_start_up(chooser, 1, plain_ms=1.0, round_ms=2.0)
     # Every draft accepted: rounds of 3 emit 4 tokens in 2 ms and win; plain steps at 1 ms
     # and shorter rounds are looked at now and then.
     seconds = lambda k: 1e-3 if k == 0 else (1.7 + 0.1 * k) * 1e-3  # noqa: E731
@@ -929,12 +929,6 @@ def test_a_look_refreshes_a_figure_from_a_slow_spell():
     chosen = _run(chooser, 700, seconds, lambda k, rid: k)
     assert chosen[40:100].count(4) > 50, chosen[:100]  # rounds of 4 won in the spell
     assert chosen[-100:].count(5) > 90, chosen[-100:]
-
-
-def _timed_at_start_up_steps(chooser, max_steps, plain_ms, round_ms):
-    """As ``_timed_at_start_up``, for a chooser of ``max_steps``."""
-    for k in (max_steps,) * 3 + (0,) * 3 + (max_steps,):
-        chooser.record(k, 1, (plain_ms if k == 0 else round_ms) * 1e-3, timing=True)
 
 
 def test_one_slow_start_up_sample_does_not_rule_plain_steps_out():
