@@ -66,10 +66,18 @@ def test_default_command_drafts_with_the_embedded_pair_and_keeps_greedy_output(c
         ]
     # Auto drafts first where rounds could pay at a high acceptance, on start-up's step
     # times: on the 2-core CPU rounds of 5 time at 3.8 plain steps against the 4.7 they
-    # would pay for, and a loaded host moves that by 20% (tests/test_llm.py's auto once
-    # ran no round on the lane). So: rounds ran, or auto says plain steps pay.
+    # would pay for, and a loaded host moves that by 20% (start-up's rounds of 5 took
+    # 20-30 ms in eight runs, plain steps 6.2-6.7). Judged not to pay, no round runs
+    # before the first look (16 steps), and by then the batch has too few tokens left to
+    # pay a look back: auto says so (this assertion once expected "plain steps pay" there
+    # and failed on the lane). So: rounds ran, or auto says why plain steps ran.
     spec = auto["stats"]["spec"]
-    assert spec["rounds"] > 0 or spec["auto"]["why"].endswith("plain steps pay"), spec
+    why = spec["auto"]["why"]
+    assert (
+        spec["rounds"] > 0
+        or why.endswith("plain steps pay")
+        or ("no round has measured acceptance yet" in why and why.endswith(": plain steps"))
+    ), spec
     # Only auto times each kind of step at start-up, and its set-up line says so.
     timed = "steps timed for auto draft lengths in"
     assert timed in auto["status_lines"]
