@@ -159,8 +159,9 @@ class _Bucket:
     ranked_for: tuple[int, ...] = ()  # the request ids it was weighed for
     ranked_age: int = 0  # steps since
     last_winner: int | None = None
-    # A length a look ran for its first time here, to run once more at once: a kind's first
-    # step at a bucket is left out (first touches), so one run alone would teach nothing.
+    # The length a look just ran, to run once more at once: a step after a change of kind
+    # (and a kind's first at a bucket, first touches) is left out, so one alone would
+    # teach no time.
     look_again: int | None = None
     # Kinds whose time is start-up's figure alone (the fastest of its timing runs, on
     # throwaway one-token requests): the first real step of the kind replaces it.

@@ -467,6 +467,9 @@ def test_verify_batches_say_whether_every_tree_is_a_chain(
     )  # fmt: skip
     engine.generate(random_prompts((9,), seed=3), SamplingParams(max_new_tokens=6))
     assert seen and set(seen) == {topk == 1}, (len(seen), set(seen))
+    stats = engine.stats  # the graph kinds' rounds ran on their graphs, not eagerly
+    assert stats.graph_rounds == (0 if rounds == "eager" else stats.spec_rounds)
+    assert stats.spec_rounds > 0
 
 
 def test_a_request_whose_round_can_never_fit_is_refused_in_one_line(
