@@ -43,12 +43,19 @@ DEFAULT_CONFIGS = "3x1,3x3,5x1,5x3"  # steps x topk
 
 
 def parse_configs(text: str) -> list[SpecConfig]:
-    """ "3x1,5x3" -> [SpecConfig(3, 1), SpecConfig(5, 3)]."""
+    """ "3x1,5x3,auto" -> [SpecConfig(3, 1), SpecConfig(5, 3), SpecConfig(5, adaptive=True)]
+    (``auto``: the CLI's default, up to 5 draft steps chosen step by step)."""
     try:
-        pairs = [item.split("x") for item in text.split(",")]
-        return [SpecConfig(int(steps), int(topk)) for steps, topk in pairs]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected STEPSxTOPK[,...], got {text!r} ({e})") from e
+        return [
+            SpecConfig(5, adaptive=True)
+            if item == "auto"
+            else SpecConfig(*map(int, item.split("x")))
+            for item in text.split(",")
+        ]
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(
+            f"expected STEPSxTOPK or auto[,...], got {text!r} ({e})"
+        ) from e
 
 
 def heldout_prompts(ids: torch.Tensor, eos_ids, files: int, prompt_len: int) -> list[list[int]]:
@@ -175,6 +182,8 @@ def explain_differences(target_dir: str, results: dict, prompts, device) -> list
 def config_name(spec: SpecConfig | None) -> str:
     if spec is None:
         return "no draft"
+    if spec.adaptive:
+        return f"auto, up to {spec.num_steps} steps, topk {spec.topk}"
     return f"steps {spec.num_steps}, topk {spec.topk} ({spec.num_draft_tokens} verified)"
 
 
@@ -200,7 +209,7 @@ def main() -> int:
         "--configs",
         type=parse_configs,
         default=DEFAULT_CONFIGS,
-        help="speculative configurations, STEPSxTOPK each (verify tree: SpecConfig's default)",
+        help="speculative configurations, STEPSxTOPK or auto each (verify tree: SpecConfig's default)",
     )
     p.add_argument(
         "--runner", choices=["eager", "graph"], default="eager", help="graph: cpu compiles lazily"

@@ -53,7 +53,8 @@
 #     default) against two-graph rounds: the one-graph conformance tests on CUDA,
 #     step_phases side by side at batch 1 and 64, the pair's matrix with both kinds of round
 #   bash bench/h200.sh invariant [eval configs]: batch-invariant kernels' tests, bf16 spec ==
-#     plain on the embedded pair with and without --batch-invariant, its decode cost
+#     plain on the embedded pair with and without --batch-invariant, the README's command
+#     with its default kernels and without (its decode cost by model: bench/invariant_cost.sh)
 #   bash bench/h200.sh pair ["train flags"]: train the embedded Gemma 4 pair, eval on cuda
 #     (EVAL_CONFIGS=3x1,5x1,... picks the speculative configurations measured)
 #   bash bench/h200.sh paireval ["name=target:assistant ..."]: eval pairs on cuda
@@ -301,24 +302,30 @@ if [[ $what == onegraph ]]; then
 fi
 
 if [[ $what == invariant ]]; then
-    # Issue 20: batch-invariant matmuls. The kernel invariance tests, then bf16 greedy output
-    # with and without the drafter on the embedded pair (default ops vs --batch-invariant),
-    # then the decode step with and without --batch-invariant (graphs, prompt 512).
-    python -m pytest tests/test_triton_fused.py tests/test_triton_verify.py -m cuda -q \
-        -p no:cacheprovider -k "invariant or decode_rows" 2>&1 | tail -n 3
+    # Issue 20: batch-invariant matmuls, the embedded pair's default (stop 70). The kernel
+    # invariance tests and the pair's default-command test; bf16 greedy output with and
+    # without the drafter on 16 held-out prompts (default ops vs --batch-invariant; needs
+    # build/pair/tokens.pt carried); then the README's command in fresh processes, its
+    # default, --no-batch-invariant and --no-draft in turn, INV_REPS times (3); then
+    # bench/profile_auto.py with the invariant engines beside (INVARIANT=1).
+    python -m pytest tests/test_triton_fused.py tests/test_triton_verify.py tests/test_spec.py \
+        tests/test_embedded_pair.py -m cuda -q -p no:cacheprovider -n 4 --dist loadfile \
+        -k "invariant or decode_rows or default_command" 2>&1 | tee "$OUT/tests-invariant.log" | tail -n 3
     pair="--target core/pretrained/gemma4-code-target --draft core/pretrained/gemma4-code-assistant"
     for flag in "" --batch-invariant; do
         python bench/eval_pair.py --device cuda --runner graph $pair --dtype bfloat16 \
-            --configs "${2:-3x1,5x1,3x3,5x3}" $flag --out "$OUT/eval-bf16${flag:+-invariant}.json" \
-            2>&1 | grep -v "Warning\|Loading weights" | tail -n 8
+            --configs "${2:-auto,3x1,5x1,3x3}" $flag --out "$OUT/eval-bf16${flag:+-invariant}.json" \
+            2>&1 | grep -v "Warning\|Loading weights" | tail -n 7
     done
-    for model in random:gemma4-e2b random:llama-1b; do
-        for flag in "" --batch-invariant; do
-            graphrt bench --model $model --batch-sizes 1,8,64 --runners graph --prompt-len 512 \
-                --steps 50 $flag --out "$OUT/bench-${model#random:}${flag:+-invariant}.json" \
-                2>&1 | grep -v Warning | tail -n 5
+    for i in $(seq "${INV_REPS:-3}"); do
+        for flag in "" --no-batch-invariant --no-draft; do
+            graphrt generate --prompt "def fibonacci(n):" --max-new-tokens 400 --ignore-eos \
+                $flag --json > "$OUT/cli.json" 2> /dev/null
+            python -c "import json,sys; r=json.load(open(sys.argv[1])); s=r['stats']; print(sys.argv[2], s['tokens_per_s'], 'tok/s, invariant', s['batch_invariant'], 'ids', hash(tuple(r['requests'][0]['output_ids'])) % 10**6, 'rounds', s.get('spec', {}).get('rounds_by_steps'))" \
+                "$OUT/cli.json" "${flag:-default} $i"
         done
     done
+    INVARIANT=1 python bench/profile_auto.py 400 cuda 5 2>&1 | grep -v Warning | tail -n 9
 fi
 
 if [[ $what == fused ]]; then

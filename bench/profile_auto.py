@@ -6,7 +6,9 @@ warmed up, then ``reps`` generate calls of each in turn (the machine's drift and
 fall on all three alike). Prints each engine's decoding tokens/s (median over the reps),
 the ratio to plain, and auto's steps by draft length; with PROFILE=1, then profiles 20
 steps of each (host operators, device kernels) into the log. FORCED=1 adds an auto engine
-forced to rounds of 5 (auto's machinery without its choice: "auto=5").
+forced to rounds of 5 (auto's machinery without its choice: "auto=5"). INVARIANT=1 adds
+a plain and an auto engine on a target loaded with batch-invariant matmuls ("... inv"),
+and says whether each auto engine wrote its plain twin's tokens.
 
 Run: python bench/profile_auto.py [max new tokens, default 400] [device, default cuda]
 [reps, default 5]
@@ -60,10 +62,17 @@ def main() -> None:
         forced = Engine(target, cfg, device, MTPDecoding(drafter, SpecConfig(5, adaptive=True)))
         forced.strategy.force_step(5)
         engines["auto=5"] = forced
+    if os.environ.get("INVARIANT") == "1":
+        invariant = load_model(str(TARGET_DIR), device, dtype, batch_invariant=True)
+        engines["no-draft inv"] = Engine(invariant, cfg, device)
+        engines["auto inv"] = Engine(
+            invariant, cfg, device, MTPDecoding(drafter, SpecConfig(5, adaptive=True))
+        )
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    outputs = {}
     speeds: dict[str, list[float]] = {name: [] for name in engines}
-    for engine in engines.values():
-        engine.generate([prompt], params)  # warm: lazy compiles and captures, first touches
+    for name, engine in engines.items():  # warm: lazy compiles and captures, first touches
+        outputs[name] = engine.generate([prompt], params)[0].output_ids
     for _ in range(reps):
         for name, engine in engines.items():
             speeds[name].append(generate_tokens_per_s(engine, [prompt], params))
@@ -76,6 +85,14 @@ def main() -> None:
         lines.append(f"  {name:<9} {median:7.0f} tok/s ({spread})  {median / base:.2f}x no-draft")
     lines.append(f"  auto steps by draft length (0 = plain): {chooser.steps_by_count}")
     lines.append(f"  auto: {chooser.explain()}")
+    for plain, auto in (("no-draft", "auto"), ("no-draft inv", "auto inv")):
+        if auto in outputs:
+            a, b = outputs[plain], outputs[auto]
+            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            said = (
+                "all equal" if first is None and len(a) == len(b) else f"first differs at {first}"
+            )
+            lines.append(f"  {auto} against {plain}'s {len(a)} tokens: {said}")
     if os.environ.get("PROFILE") == "1" and device.name == "cuda":
         for name, engine in engines.items():  # last: the profiler slows later launches
             profile(name, engine, prompt)

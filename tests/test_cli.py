@@ -27,6 +27,7 @@ STATS_KEYS = {
     "overlap",
     "launched_ahead",
     "tp",
+    "batch_invariant",
     "graph_steps",
     "eager_steps",
     "captured_sizes",

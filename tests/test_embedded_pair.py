@@ -11,13 +11,23 @@ runs with no --model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import pytest
 import torch
+from helpers import needs_gpu
 
 from graphrt.core import pretrained
+from graphrt.core.cli.args import build_parser
 from graphrt.core.cli.main import main
-from graphrt.core.models import load_model
+from graphrt.core.models import (
+    INVARIANT_FREE_HIDDEN,
+    TORCH_OPS,
+    invariant_by_default,
+    load_model,
+)
+from graphrt.devices.cpu import CpuDevice
 from graphrt.spec.adaptive import LOOK_HORIZON, DraftChooser
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self"]
@@ -120,3 +130,79 @@ def test_the_readme_command_summary_says_what_auto_did(capsys, monkeypatch):
     # back: plain steps only, as the README says, whatever start-up's times.
     assert "speculative: no round ran; auto: 0 rounds and 31 plain steps (" in summary
     assert summary.endswith("(under 64): plain steps)") and "accept length" not in summary
+
+
+class _AskedOps(CpuDevice):
+    """The CPU, recording each ``model_ops(batch_invariant=...)`` it is asked, and answering
+    with the torch ops marked width-invariant where asked (as the CUDA device's tiles)."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked: list[bool] = []
+
+    def model_ops(self, batch_invariant=False):
+        self.asked.append(batch_invariant)
+        return (
+            dataclasses.replace(TORCH_OPS, width_invariant=True) if batch_invariant else TORCH_OPS
+        )
+
+
+def test_batch_invariant_kernels_by_default_only_where_they_are_free():
+    """The CLI and ``LLM`` load with batch_invariant=None: the device's batch-invariant
+    kernels for models of hidden size up to INVARIANT_FREE_HIDDEN (the embedded pair, whose
+    drafting then keeps 16-bit greedy output), its fastest for larger ones (1.4-1.5x a
+    batch-1 step on tiles); load_model's own default stays off (drafters load with it:
+    greedy output is the target's alone)."""
+    assert INVARIANT_FREE_HIDDEN == 256
+    assert invariant_by_default(str(pretrained.TARGET_DIR))
+    for larger in ("random:llama-1b", "random:gemma4-e2b", "random:llama-8b"):
+        assert not invariant_by_default(larger), larger
+    assert not invariant_by_default("/no/such/checkpoint")  # the load says why, not this
+    assert not invariant_by_default(str(pretrained.ASSISTANT_DIR))  # (no model: refused)
+    device = _AskedOps()
+    target = str(pretrained.TARGET_DIR)
+    chosen = load_model(target, device, torch.float32, batch_invariant=None)
+    assert device.asked == [True] and chosen.batch_invariant
+    assert not load_model(target, device, torch.float32).batch_invariant  # the API's default
+    assert not load_model(target, device, torch.float32, batch_invariant=False).batch_invariant
+    assert device.asked == [True, False, False]
+    parser = build_parser()
+    flags = {"": None, "--batch-invariant": True, "--no-batch-invariant": False}
+    for flag, value in flags.items():
+        args = parser.parse_args(["generate", *([flag] if flag else [])])
+        assert args.batch_invariant is value, flag
+
+
+def test_the_default_command_reports_its_kernels(capsys):
+    """`--json` says whether the target ran batch-invariant kernels: the CPU's torch ops
+    promise nothing, so the embedded pair's default reports false there, and a forced flag
+    is accepted."""
+    for flags in ((), ("--batch-invariant",), ("--no-batch-invariant",)):
+        argv = ["generate", "--device", "cpu", "--prompt", "x", "--max-new-tokens", "2", "--json"]
+        assert main([*argv, *flags]) == 0
+        assert json.loads(capsys.readouterr().out)["stats"]["batch_invariant"] is False
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_cuda_default_command_drafts_without_changing_bf16_output(capsys):
+    """On CUDA the README's command runs the pair in bfloat16 on batch-invariant kernels by
+    default (free at its size): drafting, on graphs, then writes --no-draft's tokens
+    exactly. With the default kernels 8 of 16 held-out prompts parted ways within 128
+    tokens (verify's rows rounded otherwise than decode's row)."""
+    argv = ["generate", "--device", "cuda", "--max-new-tokens", "128", "--ignore-eos", "--json"]
+    for prompt in PROMPTS:
+        argv += ["--prompt", prompt]
+    runs = {}
+    for name, flags in (
+        ("auto", ()),
+        ("rounds", ("--spec-steps", "4")),
+        ("plain", ("--no-draft",)),
+    ):
+        assert main([*argv, *flags]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+        assert runs[name]["stats"]["batch_invariant"] is True, name
+    ids = {name: [r["output_ids"] for r in run["requests"]] for name, run in runs.items()}
+    assert ids["auto"] == ids["plain"] and ids["rounds"] == ids["plain"]
+    spec = runs["rounds"]["stats"]["spec"]
+    assert spec["graph_rounds"] == spec["rounds"] > 0

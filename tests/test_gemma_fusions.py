@@ -53,7 +53,11 @@ def gemma_fusions(checkpoint: str) -> dict:
     from graphrt.devices.cuda import ops as cuda_ops
 
     device_cls = TritonOnCpu
-    prompt = torch.randint(3, 300, (8,), generator=torch.Generator().manual_seed(40)).tolist()
+    # One prompt token: the fusions live in decode's one-row GEMVs, and an 8-token prompt
+    # doubled the interpreted time (35 s -> 17.5 s alone) in prefill kernels they never
+    # touch; a prologue that skipped either rounding (the residual add's, the layer
+    # scalar's) still fails with one.
+    prompt = torch.randint(3, 300, (1,), generator=torch.Generator().manual_seed(40)).tolist()
     unfused_ops = dataclasses.replace(
         cuda_ops.TRITON_OPS, gemma_residual_linear=cuda_ops.UNFUSED_RESIDUAL_LINEAR
     )
@@ -94,7 +98,7 @@ def gemma_fusions(checkpoint: str) -> dict:
     return {"ok": bitwise and took and ids[0] == ids[1] == ids[2], "ids": ids, "calls": counts}
 
 
-@pytest.mark.slow  # ~30 s on 2 cores: two interpreted decodes of a 7-layer model
+@pytest.mark.slow  # ~18 s alone: two interpreted runs of a 7-layer model, two steps each
 @needs_triton
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_gemma4_decodes_bit_for_bit_with_and_without_its_fusions(gemma4_tiny):

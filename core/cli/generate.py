@@ -148,11 +148,13 @@ def run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         ignore_eos=args.ignore_eos,
     )
-    with _phase(f"loaded {args.model} on {device.name}"):
+    with _phase(f"loaded {args.model} on {device.name}") as said:
         loaded = load_model(
             args.model, device, dtype, check_finite=args.check_weights, tp=tp,
             batch_invariant=args.batch_invariant,
         )  # fmt: skip
+        if loaded.batch_invariant:
+            said.append("batch-invariant matmuls")
     strategy = None
     if args.draft is not None:
         with _phase(f"loaded drafter {args.draft}"):
@@ -216,6 +218,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "overlap": engine.config.overlap,  # steps launched ahead of the read (--overlap)
         "launched_ahead": engine.stats.launched_ahead,  # steps that were
         "tp": tp.size,
+        "batch_invariant": loaded.batch_invariant,  # --batch-invariant, or its default
         "graph_steps": engine.stats.graph_steps,
         "eager_steps": engine.stats.eager_steps,
         "captured_sizes": engine.stats.captured_sizes,

@@ -52,6 +52,8 @@ class LoadedModel:
     source: str  # directory or "random:<preset>"
     tokenizer_path: Path | None
     eos_token_ids: tuple[int, ...]
+    # Its ops compute every row as they would alone (``ModelOps.width_invariant``).
+    batch_invariant: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -167,6 +169,7 @@ def load_checkpoint(
         source=str(path),
         tokenizer_path=(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else None,
         eos_token_ids=eos_token_ids,
+        batch_invariant=ops.width_invariant,
     )
 
 

@@ -217,6 +217,7 @@ def load_random(
         source=f"random:{preset}",
         tokenizer_path=None,
         eos_token_ids=config.eos_token_ids,
+        batch_invariant=ops.width_invariant,
     )
 
 

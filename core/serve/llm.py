@@ -178,7 +178,7 @@ class LLM:
         dtype=None,
         spec=None,
         config: EngineConfig | None = None,
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
         check_weights: bool | None = None,
     ) -> None:
         from graphrt.core import pretrained
