@@ -87,7 +87,11 @@ def patch(mode: str) -> None:
 
 
 def report(mode: str, stats: dict) -> None:
-    print(f"== {mode}: {stats['tokens_per_s']:.0f} tok/s")
+    spec = stats.get("spec") or {}
+    print(
+        f"== {mode}: {stats['tokens_per_s']:.0f} tok/s, lazy captures {stats['lazy_capture_s']} s,"
+        f" rounds {spec.get('rounds_by_steps')}, accept length {spec.get('accept_length_mean')}"
+    )
     print("start-up samples (k, ms):", [(k, round(ms, 3)) for k, ms, t, _ in records if t])
     by_kind = defaultdict(list)
     for k, ms, timing, _ in records:

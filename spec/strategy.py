@@ -362,6 +362,13 @@ class MTPDecoding(DecodeStrategy):
         if self._refused:  # the graph memory cap spoke: lengths whose graphs it left out
             greedy = all(r.params.greedy for r in reqs)
             refused = {k for k in self.variants if set(self._needs(k, greedy)) & set(self._refused)}
+        if self._later and self.closed_batch and not self.chooser.pays_a_capture(reqs):
+            # Too few tokens left to win a capture back: the lengths captured already, and
+            # the longest (sampled rounds' graphs are all captured when first needed).
+            greedy = all(r.params.greedy for r in reqs)
+            later, longest = set(self._later), self.cfg.num_steps
+            uncaptured = (k for k in self.variants if set(self._needs(k, greedy)) & later)
+            refused = {*refused, *(k for k in uncaptured if k != longest)}
         steps = self.chooser.choose(self._bucket(len(reqs)), reqs, refused, self.closed_batch)
         # Under tensor parallelism each rank's chooser times its own steps: rank 0 decides.
         return self.ctx.loaded.model.tp.agree(steps, self.ctx.device)

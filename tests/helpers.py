@@ -376,15 +376,19 @@ def selected_params(session, module: str, name: str) -> set:
     return values
 
 
-def cycling_chooser(max_steps: int, order: tuple[int, ...]):
+def cycling_chooser(max_steps: int, order: tuple[int, ...], capture_anytime: bool = True):
     """`--spec-steps auto` with its choice scripted: the lengths of ``order`` in turn (0: a
-    plain step), skipping those the graph memory cap refused."""
+    plain step), skipping those refused (by the graph memory cap; and, unless
+    ``capture_anytime``, lengths a short closed batch would capture: ``pays_a_capture``)."""
     from graphrt.spec.adaptive import DraftChooser
 
     class CyclingChooser(DraftChooser):
         def __init__(self):
             super().__init__(max_steps)
             self.step = 0
+
+        def pays_a_capture(self, reqs):
+            return capture_anytime or super().pays_a_capture(reqs)
 
         def choose(self, bucket, reqs, refused=frozenset(), closed=False):
             while True:

@@ -473,6 +473,49 @@ def test_greedy_output_is_plain_decodings_whatever_mix_of_lengths_and_plain_step
 
 
 @pytest.mark.graphs
+def test_a_short_closed_batch_runs_no_length_it_would_capture(
+    gemma4_tiny, gemma4_assistant, monkeypatch
+):
+    """A closed batch (one generate call) with fewer than CAPTURE_HORIZON tokens left
+    chooses among the lengths captured already and plain steps: a capture costs 150-300
+    steps, which the README's 400 tokens never win back. Asked for every length in turn,
+    it runs rounds of 3 (captured at start-up) and plain steps only, captures nothing
+    while running and writes plain decoding's tokens; sampled, the longest rounds still
+    run (their graphs are captured when first needed); with the horizon within reach,
+    lengths 1 and 2 are captured when first chosen and keep running after."""
+    from graphrt.spec import adaptive
+
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    prompts = random_prompts((5, 11), seed=35, vocab=target.model.vocab_size)
+    plain = cpu_engine(target, max_context_len=64).generate(prompts, GREEDY)
+    sampled = SamplingParams(
+        max_new_tokens=GREEDY.max_new_tokens, temperature=0.8, seed=3, ignore_eos=True
+    )
+    short, far = GREEDY.max_new_tokens // 2, adaptive.CAPTURE_HORIZON
+    for horizon, params in ((far, GREEDY), (far, sampled), (short, GREEDY)):
+        monkeypatch.setattr(adaptive, "CAPTURE_HORIZON", horizon)
+        strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
+        strategy.chooser = cycling_chooser(3, (1, 2, 0, 3), capture_anytime=False)
+        engine = cpu_engine(
+            target, strategy, standin_device(), runner="graph", max_context_len=64,
+            graph_buckets=(1, 2),
+        )  # fmt: skip
+        reqs = engine.generate(prompts, params)
+        stats = engine.stats
+        assert stats.graph_rounds == stats.spec_rounds > 0 and stats.spec_plain_steps > 0
+        if params is GREEDY:
+            assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+        if horizon == far:  # the lengths captured already (sampled: the longest) only
+            assert set(stats.rounds_by_steps) == {3}
+            assert all(strategy.variants[k].round.captured_sizes == [] for k in (1, 2))
+            assert (stats.lazy_capture_s > 0) == (params is sampled)
+        else:  # within reach at first: each length captured when first chosen, then run
+            # whatever the batch has left
+            assert set(stats.rounds_by_steps) == {1, 2, 3} and stats.lazy_capture_s > 0
+
+
+@pytest.mark.graphs
 def test_capture_all_graphs_captures_every_length_at_start_up(gemma4_tiny, gemma4_assistant):
     """A server's engine (capture_all_graphs): every length's round graphs (greedy and
     sampled) are captured before the first step, and no step captures while running."""
