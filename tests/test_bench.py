@@ -213,6 +213,9 @@ def test_cli_bench_writes_the_new_fields(monkeypatch, tmp_path):
     # The host's speed now, beside the figures it bounds: a few us a launch on any host
     # (not the 1,000 launches' total, not ms).
     assert 0 < result["host_launch_us"] < 1000
+    # Which kernels ran: llama-tiny (hidden 64) asks for batch-invariant ones by default,
+    # and the CPU's torch ops promise nothing.
+    assert result["batch_invariant"] is False
 
 
 def test_cli_bench_sweeps_prompt_lengths_into_one_json(monkeypatch, tmp_path, capsys):

@@ -80,6 +80,7 @@ class DecodeBenchResult:
     device: str
     device_name: str
     dtype: str
+    batch_invariant: bool  # the model's kernels (--batch-invariant, or its default)
     tp: int  # ranks the model is split over (times are one rank's: they run in lockstep)
     prompt_len: int
     versions: dict[str, str]

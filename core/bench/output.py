@@ -49,14 +49,16 @@ def write_result(result: dict, args: argparse.Namespace, plot, log) -> int:
     return 0
 
 
-def header(args: argparse.Namespace, device, dtype, prompt_len: int | list[int]) -> dict:
-    """What every bench's JSON starts with: the model, the device, the dtype, the prompt
-    length, the versions, and the host's speed now (``timing.host_launch_us``)."""
+def header(args: argparse.Namespace, device, dtype, prompt_len: int | list[int], loaded) -> dict:
+    """What every bench's JSON starts with: the model, the device, the dtype, whether the
+    model (``loaded``) runs batch-invariant kernels, the prompt length, the versions, and
+    the host's speed now (``timing.host_launch_us``)."""
     return dict(
         model=args.model,
         device=device.name,
         device_name=device.describe(),
         dtype=str(dtype).removeprefix("torch."),
+        batch_invariant=loaded.batch_invariant,
         prompt_len=prompt_len,
         versions=versions(device),
         host_launch_us=host_launch_us(device.torch_device(), device.synchronize),

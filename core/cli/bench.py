@@ -88,7 +88,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for prompt_len in args.prompt_len:
         log(f"== prompt {prompt_len}")
         sweep.append(_decode_bench(args, device, dtype, tp, loaded, prompt_len, log))
-    result = {**header(args, device, dtype, list(args.prompt_len)), "sweep": sweep}
+    result = {**header(args, device, dtype, list(args.prompt_len), loaded), "sweep": sweep}
     return write_result(result, args, plot_context_sweep, log)
 
 
@@ -128,7 +128,7 @@ def _decode_bench(
         engine, cfg, device.synchronize, hf_peer, report=log
     )
     result = DecodeBenchResult(
-        **header(args, device, dtype, prompt_len),
+        **header(args, device, dtype, prompt_len, loaded),
         tp=tp.size,
         copy_bandwidth_gbps=round(bandwidth, 1),
         weight_bytes=weights,
@@ -193,7 +193,7 @@ def _run_round_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> in
     round_graphs = "one" if drafting.longest.round is not None else "two"
     result = result_json(
         results,
-        **header(args, device, dtype, cfg.prompt_len),
+        **header(args, device, dtype, cfg.prompt_len, target),
         draft=args.draft,
         spec_steps=spec.num_steps,
         spec_topk=spec.topk,
