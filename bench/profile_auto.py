@@ -8,7 +8,9 @@ the ratio to plain, and auto's steps by draft length; with PROFILE=1, then profi
 steps of each (host operators, device kernels) into the log. FORCED=1 adds an auto engine
 forced to rounds of 5 (auto's machinery without its choice: "auto=5"). INVARIANT=1 adds
 a plain and an auto engine on a target loaded with batch-invariant matmuls ("... inv"),
-and says whether each auto engine wrote its plain twin's tokens.
+and says whether each auto engine wrote its plain twin's tokens. BUSY=1 then runs each
+engine once more under torch.profiler: the GPU's share of the wall (host- or
+device-bound?).
 
 Run: python bench/profile_auto.py [max new tokens, default 400] [device, default cuda]
 [reps, default 5]
@@ -19,6 +21,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import time
 
 import torch
 from tokenizers import Tokenizer
@@ -31,6 +34,39 @@ from graphrt.core.pretrained import ASSISTANT_DIR, TARGET_DIR
 from graphrt.spec import MTPDecoding, SpecConfig
 
 PROMPT = "def fibonacci(n):"
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``(start, end)`` intervals (microseconds in, seconds out)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total * 1e-6
+
+
+def device_share(name: str, engine: Engine, prompt: list[int], params: SamplingParams) -> str:
+    """One generate under torch.profiler: the wall a token, the GPU's busy time a token (the
+    union of its kernels' intervals) and their ratio, near 1 where the steps are
+    device-bound, well under 1 where the host is (BUSY=1)."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        start = time.perf_counter()
+        engine.generate([prompt], params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels = [
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    ]
+    busy, tokens = busy_seconds(kernels), params.max_new_tokens
+    return (
+        f"  {name:<9} wall {wall * 1e3 / tokens:.3f} ms a token, GPU busy "
+        f"{busy * 1e3 / tokens:.3f} ({busy / wall:.2f} of the wall), "
+        f"{len(kernels) / tokens:.0f} kernels a token"
+    )
 
 
 def profile(name: str, engine: Engine, prompt: list[int]) -> None:
@@ -93,6 +129,8 @@ def main() -> None:
                 "all equal" if first is None and len(a) == len(b) else f"first differs at {first}"
             )
             lines.append(f"  {auto} against {plain}'s {len(a)} tokens: {said}")
+    if os.environ.get("BUSY") == "1" and device.name == "cuda":  # under its profiler
+        lines += [device_share(name, engine, prompt, params) for name, engine in engines.items()]
     if os.environ.get("PROFILE") == "1" and device.name == "cuda":
         for name, engine in engines.items():  # last: the profiler slows later launches
             profile(name, engine, prompt)
