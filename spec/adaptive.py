@@ -54,9 +54,10 @@ shrunk toward the engine's by ``CLOSED_PRIOR`` positions, then raised by
 ``CLOSED_OPTIMISM`` standard errors (the slowest-looking of many estimates is the
 unluckiest as often as the slowest). Not faded: a closed batch is one job's, and at
 batch 1 this drafted better than the faded, per-position estimate (``CLOSED_PRIOR``'s
-figures). With fewer than ``CAPTURE_HORIZON`` tokens left it runs only the lengths whose
-graphs are captured (``pays_a_capture``; the strategy refuses the others), looks
-included: a capture costs more steps than it can win back there.
+figures). With fewer than ``CAPTURE_HORIZON`` tokens left, in an engine that has run
+fewer steps than that, it runs only the lengths whose graphs are captured
+(``pays_a_capture``; the strategy refuses the others), looks included: a capture costs
+more steps than it can win back there.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ LOOK_HORIZON = 64
 # on an H100: 0.05-0.07 s a length against rounds of 0.5 ms), which a length 10% better
 # than the captured ones wins back in some 2,000 steps. The README's command (400 tokens)
 # captured rounds of 2 and 4 for its looks: 0.11-0.15 s of wall time, more than its
-# 0.08-0.1 s of decoding (stop 70).
+# 0.08-0.1 s of decoding (stop 70). The steps the engine ran before count too: over many
+# calls (the ``LLM`` API's) a capture pays back across batches.
 CAPTURE_HORIZON = 2048
 PRIOR_WEIGHT = 1.0  # observations a position's prior is worth
 # A request's own estimate weighs a step's choice optimistically: each position's rate
@@ -473,9 +475,11 @@ class DraftChooser:
         return size
 
     def pays_a_capture(self, reqs: Sequence[Request]) -> bool:
-        """Has the closed batch ``reqs`` enough tokens left to pay a length's capture back
-        (``CAPTURE_HORIZON``)?"""
-        return _remaining(reqs, self.context_len) >= CAPTURE_HORIZON
+        """Can a length's capture be won back (``CAPTURE_HORIZON``): has the closed batch
+        ``reqs`` that many tokens left, or the engine run that many steps already (a
+        long-lived one, as ``LLM``'s, wins it back over later calls)?"""
+        lived = sum(self.steps_by_count)
+        return lived + _remaining(reqs, self.context_len) >= CAPTURE_HORIZON
 
     def _worth_a_look(self, reqs: Sequence[Request]) -> bool:
         """Has the batch enough tokens left to pay a look back (``LOOK_HORIZON``)?"""

@@ -482,7 +482,8 @@ def test_a_short_closed_batch_runs_no_length_it_would_capture(
     it runs rounds of 3 (captured at start-up) and plain steps only, captures nothing
     while running and writes plain decoding's tokens; sampled, the longest rounds still
     run (their graphs are captured when first needed); with the horizon within reach,
-    lengths 1 and 2 are captured when first chosen and keep running after."""
+    or an engine that has run that many steps already (a long-lived one), lengths 1 and
+    2 are captured when first chosen and keep running after."""
     from graphrt.spec import adaptive
 
     target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
@@ -493,10 +494,13 @@ def test_a_short_closed_batch_runs_no_length_it_would_capture(
         max_new_tokens=GREEDY.max_new_tokens, temperature=0.8, seed=3, ignore_eos=True
     )
     short, far = GREEDY.max_new_tokens // 2, adaptive.CAPTURE_HORIZON
-    for horizon, params in ((far, GREEDY), (far, sampled), (short, GREEDY)):
+    for horizon, params, lived in (
+        (far, GREEDY, 0), (far, sampled, 0), (short, GREEDY, 0), (far, GREEDY, far),
+    ):  # fmt: skip
         monkeypatch.setattr(adaptive, "CAPTURE_HORIZON", horizon)
         strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
         strategy.chooser = cycling_chooser(3, (1, 2, 0, 3), capture_anytime=False)
+        strategy.chooser.steps_by_count[0] = lived  # steps an earlier call ran
         engine = cpu_engine(
             target, strategy, standin_device(), runner="graph", max_context_len=64,
             graph_buckets=(1, 2),
@@ -506,7 +510,7 @@ def test_a_short_closed_batch_runs_no_length_it_would_capture(
         assert stats.graph_rounds == stats.spec_rounds > 0 and stats.spec_plain_steps > 0
         if params is GREEDY:
             assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
-        if horizon == far:  # the lengths captured already (sampled: the longest) only
+        if horizon == far and not lived:  # the lengths captured (sampled: the longest) only
             assert set(stats.rounds_by_steps) == {3}
             assert all(strategy.variants[k].round.captured_sizes == [] for k in (1, 2))
             assert (stats.lazy_capture_s > 0) == (params is sampled)
