@@ -478,8 +478,11 @@ class DraftChooser:
         """Can a length's capture be won back (``CAPTURE_HORIZON``): has the closed batch
         ``reqs`` that many tokens left, or the engine run that many steps already (a
         long-lived one, as ``LLM``'s, wins it back over later calls)?"""
-        lived = sum(self.steps_by_count)
-        return lived + _remaining(reqs, self.context_len) >= CAPTURE_HORIZON
+        lived = sum(self.steps_by_count)  # (no scan of the batch once that is enough)
+        return (
+            lived >= CAPTURE_HORIZON
+            or lived + _remaining(reqs, self.context_len) >= CAPTURE_HORIZON
+        )
 
     def _worth_a_look(self, reqs: Sequence[Request]) -> bool:
         """Has the batch enough tokens left to pay a look back (``LOOK_HORIZON``)?"""

@@ -358,20 +358,22 @@ class MTPDecoding(DecodeStrategy):
             return 0  # nothing to draft for
         if self.chooser is None:
             return self.cfg.num_steps
-        refused = frozenset()
+        refused = set()
         if self._refused:  # the graph memory cap spoke: lengths whose graphs it left out
-            greedy = all(r.params.greedy for r in reqs)
-            refused = {k for k in self.variants if set(self._needs(k, greedy)) & set(self._refused)}
+            refused |= self._lengths_needing(self._refused, reqs)
         if self._later and self.closed_batch and not self.chooser.pays_a_capture(reqs):
             # Too few tokens left to win a capture back: the lengths captured already, and
             # the longest (sampled rounds' graphs are all captured when first needed).
-            greedy = all(r.params.greedy for r in reqs)
-            later, longest = set(self._later), self.cfg.num_steps
-            uncaptured = (k for k in self.variants if set(self._needs(k, greedy)) & later)
-            refused = {*refused, *(k for k in uncaptured if k != longest)}
+            refused |= self._lengths_needing(self._later, reqs) - {self.cfg.num_steps}
         steps = self.chooser.choose(self._bucket(len(reqs)), reqs, refused, self.closed_batch)
         # Under tensor parallelism each rank's chooser times its own steps: rank 0 decides.
         return self.ctx.loaded.model.tp.agree(steps, self.ctx.device)
+
+    def _lengths_needing(self, runners: Sequence[GraphRunner], reqs: list[Request]) -> set[int]:
+        """The draft lengths whose rounds of ``reqs`` (greedy or sampled) run on any of
+        ``runners``."""
+        greedy, runners = all(r.params.greedy for r in reqs), set(runners)
+        return {k for k in self.variants if runners.intersection(self._needs(k, greedy))}
 
     def _needs(self, steps: int, greedy: bool) -> tuple[GraphRunner | None, ...]:
         """The graphs a step of ``steps`` draft steps runs on (greedy or sampled)."""
