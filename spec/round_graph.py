@@ -118,7 +118,7 @@ def round_batch(
     tokens, positions, slots = on_device[: 3 * bs * n].view(3, bs * n)
     req_slots, seq_lens, speculate = on_device[3 * bs * n :].view(3, bs)
     if last_tokens is not None:  # BAD_LOGITS (-1) becomes a valid token: dropped later
-        tokens.view(bs, n).copy_(last_tokens.clamp(min=0).unsqueeze(1).expand(bs, n))
+        torch.clamp(last_tokens.unsqueeze(1).expand(bs, n), min=0, out=tokens.view(bs, n))
     if cached_lens is not None:
         torch.add(cached_lens, n, out=seq_lens)
     state = {} if sampling.greedy else {name: getattr(sampling, name) for name in SAMPLING_NAMES}

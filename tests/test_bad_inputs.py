@@ -454,6 +454,35 @@ def test_nan_decode_logits_on_graphs_are_marked_inside_the_graph(
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
 
 
+@pytest.mark.graphs
+def test_nan_verify_logits_behind_a_round_launched_ahead_feed_a_valid_token(
+    gemma4_tiny, gemma4_assistant, monkeypatch
+):
+    """Verify logits turn NaN in one-graph rounds launched ahead: the round behind a
+    marked one takes a valid token in the mark's place (fed -1, its first embedding
+    lookup fails here, a device assert on a GPU), and the requests fail with the line,
+    its rows dropped and every KV slot freed."""
+    from helpers import cpu_engine, standin_device
+
+    from graphrt.core.batch import ForwardMode
+    from graphrt.spec import MTPDecoding, round_graph
+
+    _nan_logits_in(ForwardMode.TARGET_VERIFY, round_graph, monkeypatch)  # the round's graph
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    engine = cpu_engine(
+        target, MTPDecoding(drafter, SpecConfig(num_steps=2)), standin_device(),
+        runner="graph", graph_backend="cuda-full", graph_buckets=(2,), max_context_len=32,
+        overlap=True,
+    )  # fmt: skip
+    reqs = engine.generate([[5, 6, 7], [9, 10]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert engine.stats.launched_ahead == 1  # a round behind the marked one, then the read
+    assert engine.stats.graph_rounds == 2  # the marked round and the one behind it replayed
+    assert [len(r.output_ids) for r in reqs] == [1, 1]  # the prefill's token, then the error
+    assert all(r.finish_reason.value == "error" and "NaN or Inf" in r.error for r in reqs)
+    assert engine._pending is None and engine.kv_pool.available() == engine.kv_pool.num_slots
+
+
 API_VALUES = [None, "x", "", -1, 0, 1, 2, 3, 1.5, float("nan"), float("inf"), True, False, [],
               {}, [1], (1, 2), 10**30, -(10**30), b"ab", torch.tensor([1, 2])]  # fmt: skip
 PARAM_FIELDS = [
