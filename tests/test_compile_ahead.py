@@ -150,6 +150,49 @@ def test_speculative_runners_run_dry_together_and_lazy_ones_before_their_capture
     assert got == _tokens(eager, PROMPTS[:2], sampled)
 
 
+@pytest.mark.graphs
+@pytest.mark.parametrize("one_graph", [True, False], ids=["one-graph", "two-graph"])
+def test_a_rounds_dry_run_indexes_nothing_by_its_tails_garbage(
+    monkeypatch, gemma4_tiny, gemma4_assistant, one_graph
+):
+    """A dry run computes from garbage (devices/cuda/compile_ahead.py's HAZARD): on CUDA the
+    round's tail is one Triton kernel, which a dry run compiles and does not run, so its
+    packed row holds whatever the allocator left there. What the graph computes after the
+    tail must index nothing by it (an index out of range is a device assert that ends the
+    process: stop 71's next-step columns gathered by its accepted counts did). Here the
+    dry runs' tails return such a row, of values far out of every range; the dry runs
+    must pass, and the graphs captured after them give the eager engine's tokens."""
+    from graphrt.spec import round_graph, verify
+
+    garbage = []  # the rows handed out
+
+    def garbage_tail(real):
+        def tail(*args, **kwargs):
+            packed = real(*args, **kwargs)
+            garbage.append(torch.randint(-(2**40), 2**40, packed.shape, dtype=packed.dtype))
+            return garbage[-1]
+
+        return tail
+
+    def compile_ahead(self, runs):
+        with monkeypatch.context() as m:
+            for module in (round_graph, verify):
+                m.setattr(module, "round_tail", garbage_tail(module.round_tail))
+            for run in runs:
+                run()
+
+    monkeypatch.setattr(CudaFullGraphBackend, "compile_ahead", compile_ahead)
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    engine = _engine(target, MTPDecoding(drafter, SpecConfig(2, 1, one_graph=one_graph)))
+    assert len(garbage) == len(BUCKETS)  # each bucket's round (or verify) graph ran dry
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    got = _tokens(engine, PROMPTS, params)
+    assert engine.stats.spec_rounds == engine.stats.graph_rounds > 0
+    eager = cpu_engine(target, MTPDecoding(drafter, SpecConfig(2, 1)), max_context_len=48)
+    assert got == _tokens(eager, PROMPTS, params)
+
+
 # ---- on the GPU: the real thing, from empty caches, in a fresh process -------------------
 
 PROBE = r"""
