@@ -460,8 +460,8 @@ def test_nan_verify_logits_behind_a_round_launched_ahead_feed_a_valid_token(
 ):
     """Verify logits turn NaN in one-graph rounds launched ahead: the round behind a
     marked one takes a valid token in the mark's place (fed -1, its first embedding
-    lookup fails here, a device assert on a GPU), and the requests fail with the line,
-    its rows dropped and every KV slot freed."""
+    lookup fails here, a device assert on a GPU); the requests fail with the line, the
+    round behind's rows are dropped and every KV slot is freed."""
     from helpers import cpu_engine, standin_device
 
     from graphrt.core.batch import ForwardMode
