@@ -155,6 +155,7 @@ def test_batch_invariant_kernels_by_default_only_where_they_are_free():
     greedy output is the target's alone)."""
     assert INVARIANT_FREE_HIDDEN == 256
     assert invariant_by_default(str(pretrained.TARGET_DIR))
+    assert invariant_by_default(pretrained.TARGET_DIR)  # a Path, as load_model takes
     for larger in ("random:llama-1b", "random:gemma4-e2b", "random:llama-8b"):
         assert not invariant_by_default(larger), larger
     assert not invariant_by_default("/no/such/checkpoint")  # the load says why, not this

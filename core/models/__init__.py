@@ -83,10 +83,11 @@ def load_model(
     )
 
 
-def invariant_by_default(name: str) -> bool:
+def invariant_by_default(name: str | os.PathLike) -> bool:
     """Does ``load_model`` give the model ``name`` (a checkpoint directory or
     random:PRESET) batch-invariant kernels when not told: is its hidden size at most
     INVARIANT_FREE_HIDDEN? False for a name it cannot read: the load then says why."""
+    name = os.fspath(name)  # (public: a Path as load_model takes one)
     try:
         if name.startswith(RANDOM_PREFIX):
             hf_config = preset_hf_config(name[len(RANDOM_PREFIX) :])
