@@ -63,7 +63,7 @@ from graphrt.spec.draft import (
     draft_verify_tree,
     is_full_chain,
 )
-from graphrt.spec.round_graph import captured_round, round_batch, round_shape
+from graphrt.spec.round_graph import NEXT_LEN, NEXT_TOKEN, captured_round, round_batch, round_shape
 from graphrt.spec.tree import VerifyTree
 from graphrt.spec.verify import (
     AcceptRule,
@@ -471,9 +471,7 @@ class MTPDecoding(DecodeStrategy):
         n = variant.cfg.num_draft_tokens
         if kv_lens is not None and not self.ctx.room_behind(reqs, in_flight, n):
             return None
-        packed, held, batch = self._queue_round(
-            reqs, variant, graph, last_tokens, kv_lens, in_flight
-        )
+        packed, held = self._queue_round(reqs, variant, graph, last_tokens, kv_lens, in_flight)
         num_steps = variant.cfg.num_steps
 
         def settle(values: list) -> StepOutcome:
@@ -482,10 +480,8 @@ class MTPDecoding(DecodeStrategy):
             return outcome
 
         def feed() -> tuple[torch.Tensor, torch.Tensor]:
-            # packed rows: accepted count, path (n), emitted tokens (n + 1), ...
-            accepted = packed[:, 0]
-            last = packed.gather(1, (accepted + 1 + n).unsqueeze(1)).squeeze(1)
-            return last, batch.seq_lens - n + accepted + 1  # (B,) each
+            # Views of the graph's own columns (round_graph.with_next_inputs): no device op.
+            return packed[:, NEXT_TOKEN], packed[:, NEXT_LEN]  # (B,) each
 
         return LaunchedStep(
             reqs=reqs, read=HostRead(packed), settle=settle, feed=feed, uncounted=num_steps + 1
@@ -582,10 +578,10 @@ class MTPDecoding(DecodeStrategy):
         last_tokens: torch.Tensor | None = None,
         kv_lens: torch.Tensor | None = None,
         in_flight: int = 0,
-    ) -> tuple[torch.Tensor, HeldSlots, ForwardBatch]:
+    ) -> tuple[torch.Tensor, HeldSlots]:
         """A one-graph round's inputs (one copy; fed behind a step not read yet: see
-        ``round_batch``) and its replay; -> (its packed result, not read; its held slots;
-        its batch)."""
+        ``round_batch``) and its replay; -> (its packed result, not read, with the next
+        step's inputs in its last columns; its held slots)."""
         rows = request_rows(reqs, self.ctx.device)  # no copy for greedy rows
         n = variant.cfg.num_draft_tokens
         held_host = self.ctx.ledger.hold_host(len(reqs) * n)
@@ -596,7 +592,7 @@ class MTPDecoding(DecodeStrategy):
         for req in reqs:  # every node draws from its request's stream (see verify)
             req.draws += n
         (packed,) = graph.execute(batch)  # a clone: the next replay leaves it
-        return packed, HeldSlots(held_host, batch.out_cache_loc), batch
+        return packed, HeldSlots(held_host, batch.out_cache_loc)
 
     def round_inputs(self, reqs: list[Request], nodes: int = 0) -> RoundInputs:
         """Each request's root token, request slot and cached length on the device, and
@@ -703,7 +699,7 @@ class MTPDecoding(DecodeStrategy):
             outcome.kept.append([node_locs[i] for i in path])  # the root, accepted drafts
             on_path = set(path)
             released += [loc for i, loc in enumerate(node_locs) if i not in on_path]
-            outcome.rounds.append(RoundLog(num_steps, row[2 + 2 * n :], tokens[:-1]))
+            outcome.rounds.append(RoundLog(num_steps, row[2 + 2 * n : 1 + 3 * n], tokens[:-1]))
             outcome.tokens.append(tokens)
         outcome.released = torch.tensor(released, dtype=torch.int64)
         return outcome
