@@ -39,7 +39,8 @@ is stable), the runner-up and the longest rounds in turn (and first a plain step
 its time is still start-up's alone), each look two steps in a row: its first, after a
 change of kind, is left out. A look's runner-up takes lengths never run at the bucket
 at their most hopeful cost (between a plain step and the longest rounds, where that is
-under the line).
+under the line). A look at plain steps where rounds win more than twice over on the
+figures is passed over three times in four (``PLAIN_LOOK_MARGIN``).
 Looks (the optimistic first round too) are only taken while the batch has
 ``LOOK_HORIZON`` tokens or more left to pay them back.
 
@@ -93,6 +94,20 @@ REDECIDE = 4  # steps between two weighings of the same batch
 FIRST_EXPLORE = 16  # steps before the runner-up runs again, doubling up to
 MAX_EXPLORE = 64
 STALE_STEPS = MAX_EXPLORE  # engine steps after which a kind's step times are dropped
+# A look at plain steps is passed over while rounds win by more than this factor on the
+# figures (plain steps' measured in use: their time is all such a look teaches, and only
+# twice their speed would change the choice), up to PLAIN_LOOKS_PASSED looks in a row (a
+# figure from a slow spell stands some 256 steps at most). Each look is two changes of
+# kind. Where only the longest rounds are captured (the README's command) every look is
+# at plain steps: 28 plain steps in 801 over profile_auto's six 400-token generates on an
+# H100, 8 with the margin. In bench/chooser_sim.py, that workload (lengths 1-4 refused,
+# acceptance 0.8): 0.982 -> 0.996 of fixed rounds of 5 with a change of kind at 0.25 plain
+# steps, 0.959 -> 0.989 at 1.5; unchanged at acceptance 0.5, and in every other cell. On
+# the H100 (stop 72) within the noise of processes: auto 0.84-0.99 of rounds of 5 in one
+# process (mean 0.906, six processes), 0.79-1.00 (0.914) without. A look whose plain step
+# is itself overpriced would not correct the figure either.
+PLAIN_LOOK_MARGIN = 2.0
+PLAIN_LOOKS_PASSED = 3
 UNSEEN_RATE = 0.5  # acceptance assumed at position 1 before any round ran
 # Before any round ran, the longest rounds run first (to measure acceptance) only if at
 # this acceptance a position they would beat plain steps: rounds measured at start-up to
@@ -174,6 +189,7 @@ class _Bucket:
     # (and a kind's first at a bucket, first touches) is left out, so one alone would
     # teach no time.
     look_again: int | None = None
+    looks_passed: int = 0  # looks at plain steps passed over in a row (PLAIN_LOOK_MARGIN)
     # Kinds whose time is start-up's figure alone (the fastest of its timing runs, on
     # throwaway one-token requests): the first real step of the kind replaces it.
     from_start_up: set[int] = field(default_factory=set)
@@ -445,6 +461,12 @@ class DraftChooser:
             hopeful = self.rates(bucket, reqs, optimistic=True)
             others = [k for k in allowed if k != winner]
             look = max(others, key=lambda k: hopeful[k]) if others else runner_up
+            if look == 0:
+                passed = hopeful[0] * PLAIN_LOOK_MARGIN < hopeful[winner]
+                if passed and size.looks_passed < PLAIN_LOOKS_PASSED:
+                    size.looks_passed += 1
+                    return winner
+                size.looks_passed = 0
             # Twice in a row: the first, after a change of kind, teaches no time (record),
             # so a look of one step would leave its kind's figure as old as its last run
             # in a row, however stale (record replaces a stale one by the second step).

@@ -23,7 +23,7 @@ from graphrt.core import pretrained
 from graphrt.core.engine import Engine, SamplingParams
 from graphrt.core.engine.strategy import LaunchedStep, StepOutcome
 from graphrt.core.models import load_model
-from graphrt.spec import MTPDecoding, SpecConfig
+from graphrt.spec import MTPDecoding, SpecConfig, adaptive
 from graphrt.spec.adaptive import (
     FIRST_EXPLORE,
     LOOK_HORIZON,
@@ -958,6 +958,40 @@ def test_every_look_runs_twice_in_a_row():
     assert 0 in {k for k, _ in looks} and {1, 2} & {k for k, _ in looks}, runs
     assert all(n == 2 for _, n in looks), runs
     assert chooser.step_seconds(1)[0] == pytest.approx(1e-3)  # plain steps in a row
+
+
+def _plain_looks(chooser, plain_ms, round_ms, steps=1200):
+    """The runs of plain steps a chooser between plain steps and rounds of 3 alone (rounds
+    of 1 and 2 refused, as where only rounds of 3 are captured) takes in ``steps`` steps,
+    every draft accepted."""
+    _timed_at_start_up(chooser, 1, plain_ms, round_ms)
+    chosen = []
+    for _ in range(steps):
+        k = chooser.choose(1, ONE_REQUEST, refused={1, 2})
+        chosen.append(k)
+        chooser.record(k, 1, (plain_ms if k == 0 else round_ms) * 1e-3, [(ONE_REQUEST[0], k)])
+    runs = [(k, len(list(g))) for k, g in itertools.groupby(chosen)]
+    assert all(n == 2 for k, n in runs[1:] if k == 0), runs  # looks, two steps each
+    assert chosen.index(0) <= FIRST_EXPLORE + 1  # start-up's figure checked at the first
+    return sum(1 for k, _ in runs if k == 0)
+
+
+def test_looks_at_plain_steps_thin_out_where_rounds_win_twice_over(monkeypatch):
+    """A look at plain steps teaches only their time, and it would take twice their speed
+    to change a choice that rounds win by more than twice: three such looks in four are
+    passed over (PLAIN_LOOK_MARGIN). Looks still come (a figure from a slow spell stands a
+    few hundred steps at most), and where rounds win by less, every look is taken."""
+    every = {}
+    for margin in (adaptive.PLAIN_LOOK_MARGIN, float("inf")):
+        monkeypatch.setattr(adaptive, "PLAIN_LOOK_MARGIN", margin)
+        # 4 tokens in 1.8 ms against 1 in 1.5: rounds 3.3x; in 2.2 ms against 1 in 1: 1.8x.
+        every[margin] = (
+            _plain_looks(DraftChooser(3), 1.5, 1.8),
+            _plain_looks(DraftChooser(3), 1.0, 2.2),
+        )
+    (wide, narrow), (wide_all, narrow_all) = every.values()
+    assert wide_all >= 16 and narrow == narrow_all == wide_all, every
+    assert 2 <= wide <= 2 + wide_all // (adaptive.PLAIN_LOOKS_PASSED + 1), every
 
 
 def test_a_look_refreshes_a_figure_from_a_slow_spell():
