@@ -1,17 +1,21 @@
 """How long the device idles between decode steps: each step's tokens read before the next
 is launched, against plain steps launched ahead (``EngineConfig(overlap=True)``, --overlap).
 
-Per model and kind of engine (plain decoding; auto draft lengths, the chooser free), an
-engine that reads each step and one that launches ahead, built alike, generate the same
-requests in turn, ``reps`` times. Device events recorded around every graph replay (the
+Per model and kind of engine (plain decoding; auto draft lengths, the chooser free; or
+rounds of a fixed number of draft steps, e.g. ``4``), an engine that reads each step and
+one that launches ahead, built alike, generate the same requests in turn, ``reps`` times.
+Models that draft: the embedded pair (``pair``, its assistant) and ``random:gemma4-e2b``
+(its random assistant: issue 20's table, whose "eager tail" row this measures with
+``--kinds 4 --prompt-len 512``); others take plain steps only. Device events recorded around every graph replay (the
 backend's ``replay_observer``, as `graphrt bench --draft` times a round's graphs) give the
 device's idle time between one step's graph and the next: the host's share of a step that
 launching ahead should hide. Reported per engine: decoding tokens/s (median of the reps),
 the median and 90th percentile idle between consecutive replays in us, and the idle's
 share of the decoding time. On the CPU (no device events) tokens/s only.
 
-    python bench/step_gaps.py [--models pair,random:llama-1b] [--kinds plain,auto]
-        [--batch-sizes 1,8] [--tokens 200] [--reps 3] [--device cuda] [--out FILE.json]
+    python bench/step_gaps.py [--models pair,random:llama-1b] [--kinds plain,auto,4]
+        [--batch-sizes 1,8] [--tokens 200] [--prompt-len N] [--reps 3] [--device cuda]
+        [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from graphrt.core.pretrained import ASSISTANT_DIR, TARGET_DIR
 from graphrt.spec import MTPDecoding, SpecConfig
 
 PROMPT = "def fibonacci(n):"
+# Each drafting model's assistant.
+DRAFTERS = {"pair": str(ASSISTANT_DIR), "random:gemma4-e2b": "random:gemma4-e2b-assistant"}
 
 
 def idle_us(events) -> list[float]:
@@ -61,6 +67,9 @@ def main() -> None:
     ap.add_argument("--kinds", default="plain,auto")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument(
+        "--prompt-len", type=int, default=None, help="the README's prompt repeated to N tokens"
+    )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=None)
@@ -68,17 +77,19 @@ def main() -> None:
     device = devices.current(args.device)
     dtype = torch.bfloat16 if device.name == "cuda" else torch.float32
     prompt = Tokenizer.from_file(str(TARGET_DIR / "tokenizer.json")).encode(PROMPT).ids
+    if args.prompt_len:
+        prompt = (prompt * (args.prompt_len // len(prompt) + 1))[: args.prompt_len]
     params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    drafter = None
     rows = []
     for model in args.models.split(","):
         target = load_model(str(TARGET_DIR) if model == "pair" else model, device, dtype)
+        drafter = None
         for kind in args.kinds.split(","):
-            if kind == "auto" and model != "pair":
-                continue  # the embedded assistant drafts for the embedded target alone
-            if kind == "auto" and drafter is None:
-                drafter = load_model(str(ASSISTANT_DIR), device, dtype)
+            if kind != "plain" and model not in DRAFTERS:
+                continue  # no assistant drafts for it
+            if kind != "plain" and drafter is None:
+                drafter = load_model(DRAFTERS[model], device, dtype)
             for size in sizes:
                 context = len(prompt) + args.tokens + 18  # as bench/spec_matrix.py sizes it
                 engines = {}
@@ -90,6 +101,8 @@ def main() -> None:
                     strategy = None
                     if kind == "auto":
                         strategy = MTPDecoding(drafter, SpecConfig(5, adaptive=True))
+                    elif kind != "plain":  # rounds of that many draft steps
+                        strategy = MTPDecoding(drafter, SpecConfig(int(kind)))
                     engines[overlap] = Engine(target, cfg, device, strategy)
                 prompts = [prompt] * size
                 results = {False: [], True: []}
