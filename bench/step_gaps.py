@@ -129,7 +129,7 @@ def main() -> None:
     print(
         f"{device.name}, {dtype}, {args.tokens} tokens x {args.reps}; host {host:.2f} us a launch"
     )
-    print(f"{'model':<16}{'kind':<6}{'bs':>4} {'launch':<8}{'tok/s':>10}{'x':>7}"
+    print(f"{'model':<19}{'kind':<6}{'bs':>4} {'launch':<8}{'tok/s':>10}{'x':>7}"
           f"{'idle us':>9}{'p90':>8}{'idle %':>8}")  # fmt: skip
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for row in rows:
@@ -140,7 +140,7 @@ def main() -> None:
         )  # fmt: skip
         share = None if row["idle_share"] is None else 100 * row["idle_share"]
         print(
-            f"{row['model']:<16}{row['kind']:<6}{row['batch']:>4} "
+            f"{row['model']:<19}{row['kind']:<6}{row['batch']:>4} "
             f"{'ahead' if row['overlap'] else 'read':<8}{row['tokens_per_s']:>10.1f}"
             f"{row['tokens_per_s'] / base['tokens_per_s']:>7.2f}"
             f"{fmt(row['idle_median_us'], '9.1f'):>9}{fmt(row['idle_p90_us'], '8.1f'):>8}"
