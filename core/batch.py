@@ -52,6 +52,10 @@ class ForwardBatch:
     # one-token-a-request batch whose four fields are views of them (they came in one
     # copy: Ledger.append_one), or None: a graph loads them with one copy, not four.
     packed_rows: torch.Tensor | None = None
+    # (3, B, W) int64 device rows input_ids, positions, out_cache_loc of a batch of W
+    # tokens a request (a round's verify tree) whose three fields are views of them (one
+    # copy: spec.round_graph.round_batch), or None: a graph loads them with one copy.
+    packed_nodes: torch.Tensor | None = None
     # Some row may hold the attention backend's long-row count of visible keys or more
     # (``AttentionBackend.long_row_keys``): a backend with a schedule of their own uses it
     # (a graph captured with it set keeps it). Every row is served right either way.

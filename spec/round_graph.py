@@ -115,7 +115,8 @@ def round_batch(
     per_request[1] = kv_lens + n  # (the static buffer is int32: its copy casts)
     per_request[2] = [r.params.speculate for r in reqs]
     on_device = to_device(torch.from_numpy(host), device)
-    tokens, positions, slots = on_device[: 3 * bs * n].view(3, bs * n)
+    nodes = on_device[: 3 * bs * n].view(3, bs, n)  # a graph loads these in one copy
+    tokens, positions, slots = nodes.view(3, bs * n)
     req_slots, seq_lens, speculate = on_device[3 * bs * n :].view(3, bs)
     if last_tokens is not None:  # BAD_LOGITS (-1) becomes a valid token: dropped later
         torch.clamp(last_tokens.unsqueeze(1).expand(bs, n), min=0, out=tokens.view(bs, n))
@@ -132,6 +133,7 @@ def round_batch(
         seq_lens_cpu=after,
         extend_lens_cpu=[n] * bs,
         spec_info=RoundInput(speculate=speculate, **state),
+        packed_nodes=nodes,
     )
 
 

@@ -57,12 +57,14 @@ class GraphInputBuffers:
         # One token a request: the four int64 inputs are rows of one block, in the order
         # of ForwardBatch.packed_rows, so a decode step loads (and pads) them at once.
         self.rows = zeros(4 * max_bs).view(4, max_bs) if shape.width == 1 else None
+        # Wider rows (a verify tree's nodes): the three per-token inputs are rows of one
+        # block, (3, max_bs, width), in the order of ForwardBatch.packed_nodes, so a round
+        # loads (and pads) them at once: each a request-major (max_bs * width,) view.
+        self.nodes = None if self.rows is not None else zeros(3 * tokens).view(3, max_bs, -1)
         if self.rows is not None:
             self.out_cache_loc, self.req_pool_indices, self.positions, self.input_ids = self.rows
         else:
-            self.input_ids = zeros(tokens)  # (max_bs * width,)
-            self.positions = zeros(tokens)
-            self.out_cache_loc = zeros(tokens)
+            self.input_ids, self.positions, self.out_cache_loc = self.nodes.flatten(1)
             self.req_pool_indices = zeros(max_bs)  # (max_bs,)
         self.seq_lens = zeros(max_bs, torch.int32)
         self.spec = {
@@ -96,6 +98,9 @@ class GraphInputBuffers:
         tokens = bs * self.shape.width
         if self.rows is not None and batch.packed_rows is not None:
             self.rows[:, :bs].copy_(batch.packed_rows, non_blocking=True)
+        elif self.nodes is not None and batch.packed_nodes is not None:
+            self.nodes[:, :bs].copy_(batch.packed_nodes, non_blocking=True)
+            self.req_pool_indices[:bs].copy_(batch.req_pool_indices, non_blocking=True)
         else:
             self.input_ids[:tokens].copy_(batch.input_ids, non_blocking=True)
             self.positions[:tokens].copy_(batch.positions, non_blocking=True)
@@ -119,15 +124,12 @@ class GraphInputBuffers:
         # write their KV into slot 0, which no live request owns.
         if start == end:
             return
-        width = self.shape.width
         if self.rows is not None:
             # Token 0 at position 0, writing and reading slot 0 (PADDING_SLOT, asserted
             # 0 at import): the four rows in one fill.
             self.rows[:, start:end].zero_()
         else:
-            self.input_ids[start * width : end * width].zero_()
-            self.positions[start * width : end * width].zero_()
-            self.out_cache_loc[start * width : end * width].fill_(PADDING_SLOT)
+            self.nodes[:, start:end].zero_()  # (the same, a node's three rows in one fill)
             self.req_pool_indices[start:end].fill_(PADDING_SLOT)
         self.seq_lens[start:end].fill_(self._pad_len(seq_len_fill))
         for field in self.shape.fields:
