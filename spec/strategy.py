@@ -591,7 +591,11 @@ class MTPDecoding(DecodeStrategy):
         )  # fmt: skip
         for req in reqs:  # every node draws from its request's stream (see verify)
             req.draws += n
-        (packed,) = graph.execute(batch)  # a clone: the next replay leaves it
+        # A view of the graph's output, as a plain step's (PlainDecode.launch): the host's
+        # read is queued at once (HostRead), and what a step launched behind this one is
+        # fed (``feed``) is consumed by ops queued before its replay, which may overwrite
+        # it. A clone here was one more device op between two rounds.
+        (packed,) = graph.execute(batch, clone=False)
         return packed, HeldSlots(held_host, batch.out_cache_loc)
 
     def round_inputs(self, reqs: list[Request], nodes: int = 0) -> RoundInputs:
