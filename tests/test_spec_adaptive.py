@@ -484,8 +484,6 @@ def test_a_short_closed_batch_runs_no_length_it_would_capture(
     run (their graphs are captured when first needed); with the horizon within reach,
     or an engine that has run that many steps already (a long-lived one), lengths 1 and
     2 are captured when first chosen and keep running after."""
-    from graphrt.spec import adaptive
-
     target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
     drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
     prompts = random_prompts((5, 11), seed=35, vocab=target.model.vocab_size)
