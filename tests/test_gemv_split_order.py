@@ -42,7 +42,8 @@ POINTERS = {
 }
 # A 16-row tile split along K with PDL on (a verify's down projection); each case sets the rest
 SPLIT_TILE = dict(
-    BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, ONE_CHUNK=False, SPLIT_K=4, ROW_K=0, GATED=False,
+    BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, ONE_CHUNK=False, SPLIT_K=4, SWAP_AB=False, ROW_K=0,
+    GATED=False,
     HAS_UP=False, HAS_BIAS=False, HAS_RESIDUAL=True, NORM=False, RES_NORM=False,
     RES_SCALAR=False, RES_NORM_NEXT=False, ACT=0, PRECISE=True, USE_PDL=True, ROPE=False,
     HEAD_DIM=1, Q_ROWS=0, KV_ROWS=0,
@@ -51,10 +52,10 @@ SPLIT_TILE = dict(
 
 def _split_configs():
     try:
-        from graphrt.devices.cuda.triton_gemv import SPLIT_CONFIGS
+        from graphrt.devices.cuda.triton_gemv import SPLIT_CONFIGS, SWAP_SPLIT_CONFIGS
     except ImportError:  # no triton: needs_triton skips
         return []
-    return SPLIT_CONFIGS
+    return SPLIT_CONFIGS + SWAP_SPLIT_CONFIGS
 
 
 @needs_triton
@@ -66,7 +67,7 @@ def test_a_split_counts_itself_only_after_every_warps_sums_are_stored(config, ga
 
     constants = SPLIT_TILE | dict(
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
-        GATED=gated, HAS_RESIDUAL=not gated, ACT=1 if gated else 0,
+        SWAP_AB=config.swap_ab, GATED=gated, HAS_RESIDUAL=not gated, ACT=1 if gated else 0,
     )  # fmt: skip
     compiled = compile_for_h200(
         _gemv_kernel, constants, num_warps=config.num_warps, pointers=POINTERS,

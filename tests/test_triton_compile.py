@@ -72,7 +72,7 @@ def _cases():
             "GROUPED": False, "BLOCK_HQ": 8, "BLOCK_HKV": 1}  # fmt: skip
     gemv = {"BLOCK_N": 16, "BLOCK_K": 256, "HAS_BIAS": False, "PRECISE": True, "ROPE": False,
             "HEAD_DIM": 1, "Q_ROWS": 0, "KV_ROWS": 0, "RES_NORM": False,
-            "RES_NORM_NEXT": False, "RES_SCALAR": False}  # fmt: skip
+            "RES_NORM_NEXT": False, "RES_SCALAR": False, "SWAP_AB": False}  # fmt: skip
     yield "rms_norm", triton_ops._rms_norm_kernel, norm, None
     yield (
         "gemma_norm",
@@ -191,19 +191,50 @@ def _cases():
                 {"M": "i32", "N": "i32", "K": "i32"},
             )
 
+    # Swapped operands (w @ x.T: 64 weight rows a tile, Hopper's wide MMA) under PDL, with
+    # and without split-K: the norm and gate fused, or the residual add.
+    for split, gated, norm, residual in ((1, True, True, False), (1, False, False, True),
+                                         (4, True, True, False)):  # fmt: skip
+        yield (
+            f"gemv_swap-split{split}-gated{gated}-norm{norm}-res{residual}",
+            triton_gemv._gemv_kernel,
+            {
+                **gemv,
+                "BLOCK_N": 64,
+                "BLOCK_K": 128,
+                "SWAP_AB": True,
+                "SPLIT_K": split,
+                "ROW_K": 0,
+                "BLOCK_M": 16,
+                "GATED": gated,
+                "HAS_UP": False,
+                "ACT": int(gated),
+                "NORM": norm,
+                "HAS_RESIDUAL": residual,
+                "ONE_CHUNK": False,
+                "USE_PDL": True,
+            },  # fmt: skip
+            {"M": "i32", "N": "i32", "K": "i32"},
+        )
+
     # Llama's q/k/v with rope and the KV write in the epilogue: the row path (norm fused, its
     # weight read before the PDL wait) and a tile, several chunks, and split-K's tile.
     rope = {**gemv, "ROPE": True, "HEAD_DIM": 64, "Q_ROWS": 2048, "KV_ROWS": 512, "GATED": False,
             "HAS_UP": False, "ACT": 0, "HAS_RESIDUAL": False, "NORM": True, "ROW_K": 0}  # fmt: skip
-    for rows, split, one_chunk, bias in ((1, 1, True, False), (1, 1, False, True),
-                                         (16, 1, False, True), (16, 4, False, False)):  # fmt: skip
+    # (rows, split, one chunk, bias, swapped operands)
+    for rows, split, one_chunk, bias, swap in ((1, 1, True, False, False),
+                                               (1, 1, False, True, False),
+                                               (16, 1, False, True, False),
+                                               (16, 4, False, False, False),
+                                               (16, 4, False, False, True)):  # fmt: skip
         yield (
-            f"gemv_rope-M{rows}-split{split}-onechunk{one_chunk}-bias{bias}",
+            f"gemv_rope-M{rows}-split{split}-onechunk{one_chunk}-bias{bias}-swap{swap}",
             triton_gemv._gemv_kernel,
             {
                 **rope,
                 "BLOCK_M": rows,
                 "SPLIT_K": split,
+                "SWAP_AB": swap,
                 "ONE_CHUNK": one_chunk,
                 "USE_PDL": one_chunk,
                 "HAS_BIAS": bias,

@@ -225,8 +225,11 @@ def _cpu_configs(rows):
     if rows == 1:
         return (GemvConfig(8, 64, block_m=1), configs_for(rows)[0])
     # one K range a program; at 3 rows of K 200 also split-K (2 splits of 2 chunks: the
-    # second split's last chunk masked); then the tuner's interpreter pick
-    split = (GemvConfig(16, 64, split_k=2),) if rows == 3 else ()
+    # second split's last chunk masked) and swapped operands with and without splits; then
+    # the tuner's interpreter pick
+    split = ()
+    if rows == 3:
+        split = tuple(GemvConfig(16, 64, split_k=s, swap_ab=w) for s, w in ((2, 0), (1, 1), (2, 1)))
     return (GemvConfig(16, 64), *split, configs_for(rows)[0])
 
 
@@ -706,18 +709,26 @@ def test_cuda_fused_kernels_match_reference(dtype, part):
 @pytest.mark.cuda
 @needs_gpu
 @needs_triton
-@pytest.mark.parametrize("path", ["tiles0", "tiles1", "rows"])
+@pytest.mark.parametrize("path", ["tiles0", "tiles1", "swapped", "rows"])
 @pytest.mark.parametrize("k", [1536, 8192])  # one K chunk for some configurations, several for all
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_cuda_gemv_rows_are_batch_invariant(dtype, k, path):
-    """Every tile configuration (16 to 128 rows, mma and wgmma) gives a row the bits it
-    gets alone in the first 16-row tile, at any M; every row-path configuration gives a
-    row its own one-row bits. The tiles run in two halves (each with the first tile, the
-    bits every other must give): their compiles took 100 s in one test."""
-    from graphrt.devices.cuda.triton_gemv import DOT_CONFIGS, ROW_CONFIGS, TILE_CONFIGS
+    """Every tile configuration (16 to 128 rows, mma and wgmma, operands swapped or not)
+    gives a row the bits it gets alone in the first 16-row tile, at any M; every row-path
+    configuration gives a row its own one-row bits. The tiles run in parts (each with the
+    first tile, the bits every other must give): their compiles took 100 s in one test."""
+    from graphrt.devices.cuda.triton_gemv import (
+        DOT_CONFIGS,
+        ROW_CONFIGS,
+        SWAP_CONFIGS,
+        TILE_CONFIGS,
+    )
 
     if path == "rows":
         results = gemv_invariance(dtype, ROW_CONFIGS, "cuda", (2, 6), k=k, seed=k)
+    elif path == "swapped":
+        tiles = DOT_CONFIGS[:1] + SWAP_CONFIGS
+        results = gemv_invariance(dtype, tiles, "cuda", (1, 5, 16, 40), k, k, True)
     else:
         tiles = DOT_CONFIGS + TILE_CONFIGS
         half = tiles[:1] + tiles[1:][int(path.removeprefix("tiles")) :: 2]

@@ -32,6 +32,9 @@ of its outputs, each row a one-row call's arithmetic. Tensor-core tiles (``block
 to 128) serve more rows; their sums follow the MMAs' k order, so a row's bits do not
 depend on M or the tile (batch invariance, see TILE_CONFIGS), and the fused norm's sum of
 squares is the diagonal of x @ x.T for that reason (a tl.sum's tree follows the layout).
+A tile may swap the MMA's operands (``swap_ab``: w @ x.T, the weight tile on the left), so
+that 64 weight rows reach Hopper's wide MMA whatever M; the products and their k order are
+the same (SWAP_CONFIGS, being measured).
 
 With ``norm`` before the projection that reads the residual stream, ``residual`` after
 the one that writes it and ``rope`` on q/k/v, a Llama decode layer is 6 launches: qkv,
@@ -59,6 +62,7 @@ Capture-safe: no host reads of tensor values, outputs and the split-K workspace 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -82,7 +86,7 @@ from graphrt.devices.cuda.triton_rope import _rope_epilogue
 MAX_ROWS = 16  # M above this goes to cuBLAS: tensor-core tiles win there
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class GemvConfig:
     block_n: int  # output rows per program
     block_k: int  # reduction chunk per loop iteration
@@ -90,14 +94,29 @@ class GemvConfig:
     num_stages: int = 3
     block_m: int = 16  # x rows per program: 1 is the CUDA-core row path, else tensor-core tiles
     split_k: int = 1  # tiles: programs along K per output tile, their sums added in split order
+    # tiles: the weight tile is the MMA's left operand (BLOCK_N rows) and x's rows its right
+    # (BLOCK_M columns), so BLOCK_N of 64 and more reaches the wide MMAs at any M
+    swap_ab: bool = False
+
+    def __repr__(self) -> str:
+        # The tuner's cache keys digest reprs of candidates: configurations made before
+        # swap_ab existed keep theirs (the shipped choices stay valid).
+        fields = ", ".join(
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.name != "swap_ab" or self.swap_ab
+        )
+        return f"GemvConfig({fields})"
 
     @property
     def label(self) -> str:
         """Short and whole: the row path or the tile's rows, outputs x K chunk, warps,
-        stages, splits (a split-K tile must not read as a plain one in a report)."""
+        stages, splits, swapped operands (no two configurations read alike in a report)."""
         path = "row" if self.block_m == 1 else f"m{self.block_m}"
         split = f" split{self.split_k}" if self.split_k > 1 else ""
-        return f"{path} {self.block_n}x{self.block_k} w{self.num_warps}s{self.num_stages}{split}"
+        swap = " swap" if self.swap_ab else ""
+        launch = f"w{self.num_warps}s{self.num_stages}"
+        return f"{path} {self.block_n}x{self.block_k} {launch}{split}{swap}"
 
 
 # What the tuner tries (and the interpreter's default is the first): small blocks keep
@@ -150,6 +169,26 @@ SPLIT_CONFIGS = (
 )
 
 
+# Tiles with the operands swapped (w @ x.T): the weight tile is the MMA's left operand, so a
+# tile of 64 weight rows runs Hopper's wide MMA (64 rows a warpgroup) with x's rows, padded
+# to 16, as its columns. Being measured against the row path and the 16-row tiles at 1 to
+# 16 rows (bench/swap_tiles.py); not offered to the tuner until they pay.
+SWAP_CONFIGS = (
+    GemvConfig(64, 128, swap_ab=True),
+    GemvConfig(64, 256, swap_ab=True),
+    GemvConfig(64, 128, num_stages=5, swap_ab=True),
+    GemvConfig(128, 128, num_warps=8, swap_ab=True),
+    GemvConfig(128, 64, num_stages=4, swap_ab=True),
+    GemvConfig(32, 256, swap_ab=True),
+    GemvConfig(16, 256, swap_ab=True),
+)
+SWAP_SPLIT_CONFIGS = (
+    GemvConfig(64, 128, split_k=4, swap_ab=True),
+    GemvConfig(64, 128, num_stages=4, split_k=8, swap_ab=True),
+    GemvConfig(32, 256, split_k=4, swap_ab=True),
+)
+
+
 def configs_for(rows: int) -> tuple[GemvConfig, ...]:
     if rows == 1:
         return ROW_CONFIGS
@@ -162,15 +201,19 @@ def invariant_configs(rows: int) -> tuple[GemvConfig, ...]:
 
 
 @triton.jit
-def _dot(acc, x, w, PRECISE: tl.constexpr):
-    """acc (16, BLOCK_N) += x (16, BLOCK_K) @ w (BLOCK_N, BLOCK_K).T on tensor cores."""
-    if PRECISE:  # 16-bit products are exact in float32
-        if x.dtype == tl.float32:  # not TF32: float32 keeps float32 products
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
-    else:  # the interpreter's dot mishandles bfloat16 operands (triton 3.7): float32 ones
-        acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+def _dot(acc, x, w, PRECISE: tl.constexpr, SWAP_AB: tl.constexpr = False):
+    """acc (BLOCK_M, BLOCK_N) += x (BLOCK_M, BLOCK_K) @ w (BLOCK_N, BLOCK_K).T on tensor
+    cores; with ``SWAP_AB`` acc is (BLOCK_N, BLOCK_M) and gains w @ x.T (the same products
+    in the same k order, the operands' roles swapped)."""
+    if not PRECISE:  # the interpreter's dot mishandles bfloat16 operands (triton 3.7)
+        x, w = x.to(tl.float32), w.to(tl.float32)
+    a, b = x, tl.trans(w)
+    if SWAP_AB:
+        a, b = w, tl.trans(x)
+    if PRECISE and x.dtype == tl.float32:  # not TF32: float32 keeps float32 products
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:  # 16-bit products are exact in float32
+        acc = tl.dot(a, b, acc)
     return acc
 
 
@@ -323,6 +366,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     ONE_CHUNK: tl.constexpr,  # K <= BLOCK_K: the weight tile is loaded before the PDL wait
     SPLIT_K: tl.constexpr,  # tiles only: programs along K per output tile (1: none)
+    SWAP_AB: tl.constexpr,  # tiles only: w @ x.T, the weight the MMA's left operand
     ROW_K: tl.constexpr,  # the row path's norm over several chunks: x's row in one load
     GATED: tl.constexpr,
     HAS_UP: tl.constexpr,
@@ -448,13 +492,16 @@ def _gemv_kernel(
         row_inv_rms = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
         if NORM:
             row_inv_rms = _inv_rms_rows(x_rows, m_mask, K, eps, BLOCK_M, BLOCK_K, PRECISE)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP_AB:  # the sums transposed until the loop ends
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = acc
         if ONE_CHUNK:
             x = _load_x(x_rows, m_mask, NormWeight, row_inv_rms, 0, K, BLOCK_K, NORM, dtype)
-            acc = _dot(acc, x.to(dtype), w_first, PRECISE)
+            acc = _dot(acc, x.to(dtype), w_first, PRECISE, SWAP_AB)
             if GATED:
-                acc_up = _dot(acc_up, x.to(dtype), w_up_first, PRECISE)
+                acc_up = _dot(acc_up, x.to(dtype), w_up_first, PRECISE, SWAP_AB)
         else:
             k_lo, k_hi = 0, K
             if SPLIT_K > 1:  # this program's K range
@@ -463,9 +510,12 @@ def _gemv_kernel(
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 x = _load_x(x_rows, m_mask, NormWeight, row_inv_rms, k0, K, BLOCK_K, NORM, dtype)
                 w, w_up = _load_w(w_rows, up_offset, k0, K, n_mask, BLOCK_K, GATED)
-                acc = _dot(acc, x.to(dtype), w, PRECISE)  # (BLOCK_M, BLOCK_K) x (BLOCK_N, BLOCK_K)
+                # x (BLOCK_M, BLOCK_K), w (BLOCK_N, BLOCK_K)
+                acc = _dot(acc, x.to(dtype), w, PRECISE, SWAP_AB)
                 if GATED:
-                    acc_up = _dot(acc_up, x.to(dtype), w_up, PRECISE)
+                    acc_up = _dot(acc_up, x.to(dtype), w_up, PRECISE, SWAP_AB)
+        if SWAP_AB:  # (BLOCK_N, BLOCK_M) -> (BLOCK_M, BLOCK_N), as the epilogues take them
+            acc, acc_up = tl.trans(acc), tl.trans(acc_up)
         finish = True
         if SPLIT_K > 1:  # the tile's last split to arrive adds up all of them and finishes
             acc, acc_up, finish = _split_sums(
@@ -752,6 +802,7 @@ def gemv(
         BLOCK_K=config.block_k,
         ONE_CHUNK=k <= config.block_k,
         SPLIT_K=splits,
+        SWAP_AB=config.swap_ab,
         ROW_K=_row_k(config, k, norm is not None),
         GATED=gated,
         HAS_UP=up is not None,
