@@ -204,7 +204,7 @@ def gemv_cases(dtype, shapes, configs_for_rows, device, seed=0) -> dict:
                 "gated_silu": gemv(x, weight, bias, config, act="silu", gated=True),
                 "up_gelu": gemv(x, weight[:n], half_bias, config, act="gelu_pytorch_tanh", up=up),
             }
-            tag = f"{config.block_n}x{config.block_k}w{config.num_warps}s{config.split_k}"
+            tag = config.label.replace(" ", "-")
             for op, got in runs.items():
                 results[f"{name}/M{m}-N{n}-K{k}-b{int(has_bias)}/{tag}/{op}"] = check(
                     got, refs[op], "matmul"
@@ -262,7 +262,7 @@ def gemv_invariance(dtype, configs, device, row_counts, k=200, seed=0, across=Fa
     results = {}
     name = str(dtype).removeprefix("torch.")
     for config in configs:
-        tag = f"{config.block_m}x{config.block_n}x{config.block_k}w{config.num_warps}"
+        tag = config.label.replace(" ", "-")
         for op, run in ops.items():
             solo = configs[0] if across else config
             alone = torch.cat([run(solo, r, r + 1) for r in range(rows)])
@@ -306,6 +306,7 @@ def invariant_ops_results(gen: torch.Generator) -> dict:
 
 def interpreter_results() -> dict:
     from graphrt.devices.cuda.ops import TRITON_OPS
+    from graphrt.devices.cuda.triton_gemv import invariant_configs
 
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -335,6 +336,12 @@ def interpreter_results() -> dict:
             # N 12: two blocks of 8 outputs, the second masked as 20's third is; a row
             # is 2 interpreted programs, not 3.
             results.update(gemv_invariance(dtype, _cpu_configs(1), "cpu", (2, 4), n=12))
+            # The invariant ops' tiles, swapped or not: a row's bits alone in the first
+            # 16-row tile, at 1 and 3 rows (the CUDA test holds the MMAs to it)
+            swapped = tuple(c for c in invariant_configs(3) if c.swap_ab)
+            assert swapped and all(c.block_m >= 16 for c in invariant_configs(3))
+            tiles = invariant_configs(3)[:1] + swapped
+            results.update(gemv_invariance(dtype, tiles, "cpu", (1, 3), n=12, across=True))
         if dtype == torch.bfloat16:
             results.update(invariant_ops_results(gen))
         # Past 16 rows: the matmul stays torch's, the activation is the Triton kernel.
@@ -351,10 +358,11 @@ def interpreter_results() -> dict:
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_fused_kernels_under_interpreter_match_reference():
     results = run_under_triton_interpreter(__file__)
-    # 2 dtypes x (2 gemma shapes x 23 outputs + (2 + 3 + 2) gemv configs x 5 ops + 4 ops),
-    # and in bfloat16 2 configs x 3 ops x 2 row counts of width invariance, then the
-    # batch-invariant ops: 2 ops x 2 row counts and the tiles-only check
-    assert len(results) == 2 * (2 * 23 + 7 * 5 + 4) + 12 + 5
+    # 2 dtypes x (2 gemma shapes x 23 outputs + (2 + 5 + 2) gemv configs x 5 ops + 4 ops),
+    # and in bfloat16 2 configs x 3 ops x 2 row counts of width invariance, the invariant
+    # tiles (the first and the 2 swapped) x 3 ops x 2 row counts, then the batch-invariant
+    # ops: 2 ops x 2 row counts and the tiles-only check
+    assert len(results) == 2 * (2 * 23 + 9 * 5 + 4) + 12 + 18 + 5
     bad = {key: m for key, m in results.items() if not m["ok"]}
     assert not bad, bad
 

@@ -258,7 +258,7 @@ def _add_check_weights(p: argparse.ArgumentParser) -> None:
         default=None,
         help="matmuls whose every row's result does not depend on the batch (CUDA: "
         "tensor-core tiles only), so drafting keeps greedy output equal to --no-draft in "
-        "bfloat16 and float16; 1.4-1.5x a batch-1 step from hidden size 512 up, see "
+        "bfloat16 and float16; 1.25-1.45x a batch-1 step from hidden size 512 up, see "
         "BENCHMARKS.md (default: on for models of hidden size 256 or less, such as the "
         "embedded pair, where it is free)",
     )

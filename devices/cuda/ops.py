@@ -286,7 +286,7 @@ def _tile_class(x: torch.Tensor) -> str:
 
 def invariant_linear(x, weight, bias=None, *, norm=None, residual=None) -> torch.Tensor:
     """``linear`` whose every row gets the same bits whatever the rows beside it: the norm
-    kernel (per row), then tensor-core tiles only (triton_gemv.TILE_CONFIGS). The GEMV's
+    kernel (per row), then tensor-core tiles only (triton_gemv.invariant_configs). The GEMV's
     fused norm is left out: its sum of squares runs in another order than the norm
     kernel's, and one model must not mix the two across row classes."""
     if not _skinny(x, weight, max_rows=INVARIANT_MAX_ROWS):

@@ -34,7 +34,7 @@ depend on M or the tile (batch invariance, see TILE_CONFIGS), and the fused norm
 squares is the diagonal of x @ x.T for that reason (a tl.sum's tree follows the layout).
 A tile may swap the MMA's operands (``swap_ab``: w @ x.T, the weight tile on the left), so
 that 64 weight rows reach Hopper's wide MMA whatever M; the products and their k order are
-the same (SWAP_CONFIGS, being measured).
+the same, and so are the bits (SWAP_CONFIGS).
 
 With ``norm`` before the projection that reads the residual stream, ``residual`` after
 the one that writes it and ``rope`` on q/k/v, a Llama decode layer is 6 launches: qkv,
@@ -170,18 +170,22 @@ SPLIT_CONFIGS = (
 
 
 # Tiles with the operands swapped (w @ x.T): the weight tile is the MMA's left operand, so a
-# tile of 64 weight rows runs Hopper's wide MMA (64 rows a warpgroup) with x's rows, padded
-# to 16, as its columns. Being measured against the row path and the 16-row tiles at 1 to
-# 16 rows (bench/swap_tiles.py); not offered to the tuner until they pay.
+# tile of 64 weight rows runs Hopper's wide MMA (wgmma, 64 rows a warpgroup) with x's rows,
+# padded to 16, as its columns. They give every row the 16-row tile's bits (every Gemma 4
+# E2B and llama-1b projection at 1 and 5 rows, bench/swap_tiles.py; the CUDA invariance
+# test), and are the faster tiles at 1 to 16 rows on most projections: on an H100 the
+# batch-invariant ops' projections of a decode step at batch 1 took 2,115 us instead of
+# 2,440 (Gemma 4 E2B) and 1,346 instead of 1,813 (llama-1b), and random:gemma4-e2b's
+# --batch-invariant step 3.241 ms instead of 3.865 (BENCHMARKS.md, stop 73). These two
+# were each within 1.8% of the best of seven tried, on every projection.
 SWAP_CONFIGS = (
-    GemvConfig(64, 128, swap_ab=True),
-    GemvConfig(64, 256, swap_ab=True),
     GemvConfig(64, 128, num_stages=5, swap_ab=True),
-    GemvConfig(128, 128, num_warps=8, swap_ab=True),
-    GemvConfig(128, 64, num_stages=4, swap_ab=True),
-    GemvConfig(32, 256, swap_ab=True),
-    GemvConfig(16, 256, swap_ab=True),
+    GemvConfig(64, 256, swap_ab=True),
 )
+# Split along K as well (the down projections' few output tiles want it). Swapped tiles, split
+# or not, took 2-3% off the default ops' projections at 5 rows on an H100, measured per
+# projection only; not offered to them until a round measures it end to end (and the
+# shipped choices of 2 to 16 rows, gemv_choices/, are timed again with them).
 SWAP_SPLIT_CONFIGS = (
     GemvConfig(64, 128, split_k=4, swap_ab=True),
     GemvConfig(64, 128, num_stages=4, split_k=8, swap_ab=True),
@@ -196,8 +200,8 @@ def configs_for(rows: int) -> tuple[GemvConfig, ...]:
 
 
 def invariant_configs(rows: int) -> tuple[GemvConfig, ...]:
-    """Tensor-core tiles only: the row path sums in another order than the tiles."""
-    return DOT_CONFIGS if rows <= MAX_ROWS else DOT_CONFIGS + TILE_CONFIGS
+    """Tensor-core tiles only, swapped or not: the row path sums in another order."""
+    return DOT_CONFIGS + SWAP_CONFIGS if rows <= MAX_ROWS else DOT_CONFIGS + TILE_CONFIGS
 
 
 @triton.jit
