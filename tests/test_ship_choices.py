@@ -60,3 +60,30 @@ def test_shipped_merge_answers_a_fresh_tuner_and_keeps_older_choices(tmp_path, m
     stray.write_text("{}")
     monkeypatch.setattr("sys.argv", ["ship_choices.py", str(stray), "--into", str(shipped_dir)])
     assert main() == 1
+
+
+def test_every_shipped_choice_was_timed_among_candidates_offered_today():
+    """A shipped choice counts only among the candidates it was timed among (their digest
+    is in its key). A change to the candidate sets, or to how a configuration prints (the
+    digest hashes reprs: a new GemvConfig field left every old one's repr as it was, stop
+    73), silently sends a fresh machine back to timing every shape: such a change must come
+    with shipped files timed anew. Each entry's digest is one of today's candidate sets
+    (cuBLAS and one row class's configurations, or the residual linear's one-chunk row
+    configurations), and its choice is one of that set."""
+    pytest.importorskip("triton")
+    import hashlib
+
+    from graphrt.devices.cuda.gemv_tuner import CUBLAS, SHIPPED_DIR
+    from graphrt.devices.cuda.triton_gemv import ROW_CONFIGS, GemvConfig, configs_for
+
+    sets = [(CUBLAS, *configs_for(rows)) for rows in (1, 2)]
+    sets += [(CUBLAS, *(c for c in ROW_CONFIGS if c.block_k >= k)) for k in (512, 1024, 2048)]
+    offered = {hashlib.sha1(repr(s).encode()).hexdigest()[:12]: s for s in sets}
+    files = sorted(SHIPPED_DIR.glob("*.json"))
+    assert files
+    for path in files:
+        for key, fields in json.loads(path.read_text()).items():
+            digest = key.rsplit(" among ", 1)[1]
+            assert digest in offered, f"{path.name}: {key} was timed among candidates gone"
+            choice = None if fields is None else GemvConfig(**fields)
+            assert choice in offered[digest], f"{path.name}: {key} chose {choice}"
