@@ -97,14 +97,14 @@ class GraphInputBuffers:
         bs, size = batch.batch_size, static.batch_size
         tokens = bs * self.shape.width
         if self.rows is not None and batch.packed_rows is not None:
-            self.rows[:, :bs].copy_(batch.packed_rows, non_blocking=True)
-        elif self.nodes is not None and batch.packed_nodes is not None:
-            self.nodes[:, :bs].copy_(batch.packed_nodes, non_blocking=True)
-            self.req_pool_indices[:bs].copy_(batch.req_pool_indices, non_blocking=True)
+            self.rows[:, :bs].copy_(batch.packed_rows, non_blocking=True)  # request slots too
         else:
-            self.input_ids[:tokens].copy_(batch.input_ids, non_blocking=True)
-            self.positions[:tokens].copy_(batch.positions, non_blocking=True)
-            self.out_cache_loc[:tokens].copy_(batch.out_cache_loc, non_blocking=True)
+            if self.nodes is not None and batch.packed_nodes is not None:
+                self.nodes[:, :bs].copy_(batch.packed_nodes, non_blocking=True)
+            else:
+                self.input_ids[:tokens].copy_(batch.input_ids, non_blocking=True)
+                self.positions[:tokens].copy_(batch.positions, non_blocking=True)
+                self.out_cache_loc[:tokens].copy_(batch.out_cache_loc, non_blocking=True)
             self.req_pool_indices[:bs].copy_(batch.req_pool_indices, non_blocking=True)
         self.seq_lens[:bs].copy_(batch.seq_lens, non_blocking=True)
         for name, buf in self.spec.items():
