@@ -13,6 +13,7 @@ Last, a plain step of as many requests as verify has rows (the same matmul width
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import sys
@@ -26,6 +27,7 @@ from graphrt.core.bench.rounds import RoundBenchConfig, round_engines
 from graphrt.core.bench.timing import median_ms
 from graphrt.core.engine import Engine
 from graphrt.core.models import load_model
+from graphrt.devices.cuda import ops as cuda_ops
 from graphrt.devices.cuda.gemv_tuner import CUBLAS, TUNER
 from graphrt.devices.cuda.triton_gemv import configs_for
 from graphrt.spec import MTPDecoding, SpecConfig
@@ -56,6 +58,26 @@ def main() -> None:
 
         TUNER.choose = without_cublas
         print("  (ROUND_NO_CUBLAS: 2 to 16 rows never on cuBLAS)")
+    phase = ["spec"]
+    seen = collections.defaultdict(set)  # phase -> the GEMV calls' signatures at verify's rows
+    choose, real_gemv = TUNER.choose, cuda_ops.gemv
+
+    def recorded_choose(key, rows, weight, run, candidates=None):
+        choice = choose(key, rows, weight, run, candidates)
+        if rows > 1:
+            seen[phase[0]].add(("choice", rows, key, repr(choice)))
+        return choice
+
+    def recorded_gemv(x, weight, bias, config, **fused):
+        if x.shape[0] > 1:
+            tags = "+".join(k for k, v in fused.items() if v is not None and v is not False)
+            ptrs = [t.data_ptr() % 16 for t in (x, fused.get("up"), fused.get("residual"))
+                    if isinstance(t, torch.Tensor)]  # fmt: skip
+            seen[phase[0]].add(("gemv", x.shape[0], tuple(weight.shape), tags, x.stride(0),
+                                tuple(ptrs), repr(config)))  # fmt: skip
+        return real_gemv(x, weight, bias, config, **fused)
+
+    TUNER.choose, cuda_ops.gemv = recorded_choose, recorded_gemv
     target = load_model("random:gemma4-e2b", device, torch.bfloat16)
     drafter = load_model("random:gemma4-e2b-assistant", device, torch.bfloat16)
     cfg = RoundBenchConfig(batch_sizes=(bs,), steps=4)
@@ -68,6 +90,7 @@ def main() -> None:
             engine.step()  # prefill
     batch = plain.build_decode_batch(plain.running)
     print(f"== batch {bs}, topk {topk}")
+    traces = {}
     with strategy.bench_pieces(spec.running) as pieces:
         for name, fn in [
             ("decode graph step", lambda: plain.graph_runner.execute(batch)),
@@ -77,7 +100,8 @@ def main() -> None:
             fn()
             replay = median_ms(fn, device.synchronize, 50, 10)
             print(f"  {name}: replay {replay:.3f} ms (median of 50)")
-            print_kernels(name, device_trace(fn, device.synchronize, torch.device("cuda")), top=top)
+            traces[name] = device_trace(fn, device.synchronize, torch.device("cuda"))
+            print_kernels(name, traces[name], top=top)
         # The draft loop's graph alone: "replay" above is its execute, whose 6 input copies
         # and 5 output clones a one-graph round (the default) does not have.
         draft = strategy.draft_graph
@@ -94,6 +118,7 @@ def main() -> None:
         plain.config, max_running_requests=rows, graph_buckets=(rows,),
         kv_pool_tokens=rows * plain.config.max_context_len,
     )  # fmt: skip
+    phase[0] = "wide"
     wide = Engine(target, config, device)
     for _ in range(rows):
         wide.add_request(torch.randint(0, target.model.vocab_size, (512,)).tolist())
@@ -105,7 +130,39 @@ def main() -> None:
     replay = median_ms(fn, device.synchronize, 50, 10)
     name = f"decode graph step, {rows} requests"
     print(f"  {name}: replay {replay:.3f} ms (median of 50)")
-    print_kernels(name, device_trace(fn, device.synchronize, torch.device("cuda")), top=top)
+    wide_trace = device_trace(fn, device.synchronize, torch.device("cuda"))
+    print_kernels(name, wide_trace, top=top)
+    print_launch_differences("verify graph", traces["verify graph"], name, wide_trace, top)
+    rows_seen = {s[1] for s in seen["wide"]}
+    print(f"  GEMV choices and calls at {sorted(rows_seen)} rows in one build only:")
+    for which, other in (("spec", "wide"), ("wide", "spec")):
+        for sig in sorted(s for s in seen[which] - seen[other] if s[1] in rows_seen):
+            print(f"    {which} only: {sig}")
+
+
+def print_launch_differences(name_a: str, a: list[dict], name_b: str, b: list[dict], top: int):
+    """Where two traces of the same matmul widths part: GPU time by kernel and launch
+    (grid and block), the launches whose time or count differs most first."""
+
+    def by_launch(trace):
+        sums = collections.defaultdict(lambda: [0, 0.0])
+        for e in trace:
+            args = e.get("args", {})
+            key = (e["name"][:40], str(args.get("grid", "")), str(args.get("block", "")))
+            sums[key][0] += 1
+            sums[key][1] += e["dur"]
+        return sums
+
+    sa, sb = by_launch(a), by_launch(b)
+    rows = []
+    for key in set(sa) | set(sb):
+        (ca, ua), (cb, ub) = sa.get(key, (0, 0.0)), sb.get(key, (0, 0.0))
+        rows.append((ua - ub, key, ca, ua, cb, ub))
+    print(f"  launches that differ, {name_a} minus {name_b} (us):")
+    for diff, (kernel, grid, block), ca, ua, cb, ub in sorted(rows, key=lambda r: -abs(r[0]))[:top]:
+        print(
+            f"    {diff:+8.1f}  {kernel} grid {grid} block {block}: x{ca} {ua:.1f} | x{cb} {ub:.1f}"
+        )
 
 
 if __name__ == "__main__":
