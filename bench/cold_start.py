@@ -10,6 +10,9 @@ tuner's timing (compiles inside it excluded), graph captures, the rest.
                                           # and the captures' 30 costliest calls (cProfile,
                                           # main thread): on the H200 captures took 4.6 s
                                           # cold against 0.14 warm with no compile inside
+    python bench/cold_start.py --profile-ahead 30
+                                          # compiling ahead's 30 costliest calls (its dry
+                                          # runs and its waits; warm: 1.1 s on an H100)
 
 --cold points TRITON_CACHE_DIR and GRAPHRT_CACHE_DIR at new temporary directories
 before Triton is imported, so it is cold on any machine.
@@ -35,6 +38,11 @@ def main() -> int:
     parser.add_argument(
         "--profile-captures", type=int, default=0, metavar="N",
         help="print the N calls of the graph captures with the most cumulative time",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile-ahead", type=int, default=0, metavar="N",
+        help="print the N calls of compiling ahead (its dry runs, its waits) with the most "
+        "cumulative time, on the main thread",
     )  # fmt: skip
     parser.add_argument("generate_args", nargs="*", help="more `graphrt generate` flags")
     args = parser.parse_args()
@@ -113,6 +121,18 @@ def main() -> int:
         return totals
 
     tuner = time_calls(gemv_tuner.GemvTuner, "_time", "tuner")
+    ahead_profiler = cProfile.Profile() if args.profile_ahead else None
+    if ahead_profiler is not None:
+        real_ahead = compile_ahead.compile_ahead
+
+        def profiled_ahead(*a, **k):
+            ahead_profiler.enable()
+            try:
+                return real_ahead(*a, **k)
+            finally:
+                ahead_profiler.disable()
+
+        compile_ahead.compile_ahead = profiled_ahead
     ahead = time_calls(compile_ahead, "compile_ahead", "ahead")  # its compiles: on threads
     profiler = cProfile.Profile() if args.profile_captures else None
     if profiler is not None:  # (a runner's capture calls no other's: never nested)
@@ -180,6 +200,11 @@ def main() -> int:
         print(f"\ngraph captures, the {args.profile_captures} calls with the most cumulative time:")
         pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(
             args.profile_captures
+        )
+    if ahead_profiler is not None:
+        print(f"\ncompiling ahead, the {args.profile_ahead} calls with the most cumulative time:")
+        pstats.Stats(ahead_profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(
+            args.profile_ahead
         )
     return rc
 

@@ -458,8 +458,10 @@ if [[ $what == cold || $what == recheck ]]; then
     TRITON_CACHE_DIR=$(mktemp -d) GRAPHRT_CACHE_DIR=$(mktemp -d)
     for run in cold warm; do
         start=$(date +%s.%N)
-        # (the cold run also lists its captures' costliest calls, last in its file)
-        python bench/cold_start.py $([[ $run == cold ]] && echo --profile-captures 30) \
+        # (the cold run also lists its captures' costliest calls, the warm one compiling
+        # ahead's: its dry runs find every kernel cached; last in its file)
+        python bench/cold_start.py \
+            $([[ $run == cold ]] && echo --profile-captures 30 || echo --profile-ahead 30) \
             > "$OUT/first-$run.txt" 2>&1
         rc=$? wall=$(python -c "print(round($(date +%s.%N) - $start, 1))")
         echo "first command ($run): exit $rc, $wall s wall"
@@ -468,6 +470,8 @@ if [[ $what == cold || $what == recheck ]]; then
         # The cold captures' profile in this log too: the file may not come back (the
         # device tool brings 8 files; stop 56's did not).
         [[ $run == cold ]] && sed -n '/^graph captures, the/,$p' "$OUT/first-$run.txt" \
+            | grep -E "ncalls|^ +[0-9]" | cut -c1-160 | head -n 34
+        [[ $run == warm ]] && sed -n '/^compiling ahead, the/,$p' "$OUT/first-$run.txt" \
             | grep -E "ncalls|^ +[0-9]" | cut -c1-160 | head -n 34
     done
     # The GEMV tuner's choices (devices/cuda/gemv_choices/ ships a card's): its file name
