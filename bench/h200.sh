@@ -28,7 +28,8 @@
 #     paths that run them: conformance, parity, Gemma 4, the embedded pair, engine,
 #     attention, verify), then the greedy sampler by vocabulary width (bench/greedy_argmax.py)
 #   bash bench/h200.sh cold: the README's first command from empty caches, then warm, with
-#     where the seconds go (bench/cold_start.py)
+#     where the seconds go (bench/cold_start.py; the cold run's captures and the warm run's
+#     compiling ahead profiled)
 #   bash bench/h200.sh splits: decode attention by KV split count and context (issue 21;
 #     bench/decode_splits.py, the combine's narrower step beside), then the decode step
 #     against the context (graphrt bench --prompt-len 512,2048,8192,32768)
