@@ -120,32 +120,29 @@ def main() -> int:
         setattr(owner, name, timed)
         return totals
 
-    tuner = time_calls(gemv_tuner.GemvTuner, "_time", "tuner")
-    ahead_profiler = cProfile.Profile() if args.profile_ahead else None
-    if ahead_profiler is not None:
-        real_ahead = compile_ahead.compile_ahead
+    def profile_calls(owner, name: str, wanted: int) -> cProfile.Profile | None:
+        """Wraps ``owner.name`` in one profiler (its calls never nest) when ``wanted``."""
+        if not wanted:
+            return None
+        profiler, real = cProfile.Profile(), getattr(owner, name)
 
-        def profiled_ahead(*a, **k):
-            ahead_profiler.enable()
-            try:
-                return real_ahead(*a, **k)
-            finally:
-                ahead_profiler.disable()
-
-        compile_ahead.compile_ahead = profiled_ahead
-    ahead = time_calls(compile_ahead, "compile_ahead", "ahead")  # its compiles: on threads
-    profiler = cProfile.Profile() if args.profile_captures else None
-    if profiler is not None:  # (a runner's capture calls no other's: never nested)
-        real_capture = GraphRunner.capture
-
-        def profiled_capture(*a, **k):
+        def profiled(*a, **k):
+            profiled.calls += 1
             profiler.enable()
             try:
-                return real_capture(*a, **k)
+                return real(*a, **k)
             finally:
                 profiler.disable()
 
-        GraphRunner.capture = profiled_capture
+        profiled.calls = 0
+        setattr(owner, name, profiled)
+        profiler.wrapper = profiled  # its calls: pstats refuses a profiler that never ran
+        return profiler
+
+    tuner = time_calls(gemv_tuner.GemvTuner, "_time", "tuner")
+    ahead_profiler = profile_calls(compile_ahead, "compile_ahead", args.profile_ahead)
+    ahead = time_calls(compile_ahead, "compile_ahead", "ahead")  # its compiles: on threads
+    profiler = profile_calls(GraphRunner, "capture", args.profile_captures)
     captures = time_calls(GraphRunner, "capture", "capture")
     timing = time_calls(Engine, "_time_steps", "start-up timing")
     real_step = Engine._step
@@ -196,16 +193,15 @@ def main() -> int:
     print("| kernel | compiles | s (thread time) |\n|---|---:|---:|")
     for name, seconds in compile_s.most_common(20):
         print(f"| {name} | {compile_n[name]} | {seconds:.2f} |")
-    if profiler is not None:
-        print(f"\ngraph captures, the {args.profile_captures} calls with the most cumulative time:")
-        pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(
-            args.profile_captures
-        )
-    if ahead_profiler is not None:
-        print(f"\ncompiling ahead, the {args.profile_ahead} calls with the most cumulative time:")
-        pstats.Stats(ahead_profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(
-            args.profile_ahead
-        )
+    for title, prof, top in (
+        ("graph captures", profiler, args.profile_captures),
+        ("compiling ahead", ahead_profiler, args.profile_ahead),
+    ):
+        if prof is not None and not prof.wrapper.calls:
+            print(f"\n{title}: none ran (nothing to profile)")
+        elif prof is not None:
+            print(f"\n{title}, the {top} calls with the most cumulative time:")
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(top)
     return rc
 
 
