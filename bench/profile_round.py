@@ -8,7 +8,11 @@ Run on the device: python bench/profile_round.py [topk, default 1] [kernels list
 default 15] [batch size, default 1]. ROUND_NO_CUBLAS=1: matmuls of 2 to 16 rows never take
 cuBLAS (an experiment: what cuBLAS's leaving the GEMV's PDL chain costs a verify);
 ROUND_NO_PDL=1: no programmatic dependent launch, so each kernel's time is its own.
-Last, a plain step of as many requests as verify has rows (the same matmul widths).
+Last, a plain step of as many requests as verify has rows (the same matmul widths), then
+where verify and it part: the launches (kernel, grid, block) whose GPU time differs most,
+and the GEMV choices and calls (configuration, x's stride, pointer alignment) at those
+rows that only one of the two builds made (stop 74: none; same launches, yet verify's
+gate/up and grid-96 GEMVs read 7-17% slower in the profiler).
 """
 
 from __future__ import annotations
