@@ -59,20 +59,28 @@ def _split_configs():
 
 
 @needs_triton
+@pytest.mark.parametrize("one_chunk", [False, True], ids=["chunks", "one_chunk"])
 @pytest.mark.parametrize("gated", [False, True], ids=["residual", "gated"])
 @pytest.mark.parametrize("config", _split_configs(), ids=lambda c: c.label)
-def test_a_split_counts_itself_only_after_every_warps_sums_are_stored(config, gated):
-    from graphrt.devices.cuda.offline_compile import compile_for_h200
+def test_a_split_counts_itself_only_after_every_warps_sums_are_stored(config, gated, one_chunk):
+    """Whether a split loops over several K chunks or reads its one chunk's weight tile
+    before the PDL wait (a split whose K range is one chunk), its sums are stored by every
+    warp before it counts itself; and every split configuration fits an H200's shared
+    memory either way, gated too (a launch that asks for more fails, and the tuner with
+    it)."""
+    from graphrt.devices.cuda.offline_compile import H200_SHARED_BYTES, compile_for_h200
     from graphrt.devices.cuda.triton_gemv import _gemv_kernel
 
     constants = SPLIT_TILE | dict(
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
         SWAP_AB=config.swap_ab, GATED=gated, HAS_RESIDUAL=not gated, ACT=1 if gated else 0,
+        ONE_CHUNK=one_chunk,
     )  # fmt: skip
     compiled = compile_for_h200(
         _gemv_kernel, constants, num_warps=config.num_warps, pointers=POINTERS,
         num_stages=config.num_stages, aligned=True,
     )  # fmt: skip
+    assert compiled.metadata.shared <= H200_SHARED_BYTES, compiled.metadata.shared
     lines = [line.strip() for line in compiled.asm["ptx"].splitlines()]
     (count,) = [i for i, line in enumerate(lines) if "atom.global.gpu.acq_rel.add" in line]
     stores = [i for i, line in enumerate(lines[:count]) if line.startswith("st.global")]

@@ -167,10 +167,12 @@ def _cases():
         for gated, up, act, norm, residual, pdl in variants:
             one_chunk = pdl
             if split > 1 and pdl:
-                # split-K runs on several chunks, under PDL on the H200: that pairing once
-                if (gated, norm) != (True, True):
+                # split-K under PDL on the H200: norm + gate/up over several chunks a split,
+                # and norm + residual add on one chunk a split (its weight read before the
+                # wait, at its split's K offset)
+                if (gated, norm) != (True, True) and not (norm and residual):
                     continue
-                one_chunk = False
+                one_chunk = not gated
             yield (
                 f"gemv-M{rows}-split{split}-gated{gated}-up{up}-act{act}-norm{norm}"
                 f"-res{residual}-pdl{pdl}-onechunk{one_chunk}",

@@ -225,11 +225,14 @@ def _cpu_configs(rows):
     if rows == 1:
         return (GemvConfig(8, 64, block_m=1), configs_for(rows)[0])
     # one K range a program; at 3 rows of K 200 also split-K (2 splits of 2 chunks: the
-    # second split's last chunk masked) and swapped operands with and without splits; then
-    # the tuner's interpreter pick
+    # second split's last chunk masked), swapped operands with and without splits, and
+    # splits of one chunk each, operands swapped or not (the weight tile read before the
+    # wait, at the split's K offset: 2 splits where 4 were asked, K offering 2 chunks);
+    # then the tuner's interpreter pick
     split = ()
     if rows == 3:
         split = tuple(GemvConfig(16, 64, split_k=s, swap_ab=w) for s, w in ((2, 0), (1, 1), (2, 1)))
+        split += (GemvConfig(16, 128, split_k=4), GemvConfig(16, 128, split_k=4, swap_ab=True))
     return (GemvConfig(16, 64), *split, configs_for(rows)[0])
 
 
@@ -358,11 +361,11 @@ def interpreter_results() -> dict:
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_fused_kernels_under_interpreter_match_reference():
     results = run_under_triton_interpreter(__file__)
-    # 2 dtypes x (2 gemma shapes x 23 outputs + (2 + 5 + 2) gemv configs x 5 ops + 4 ops),
+    # 2 dtypes x (2 gemma shapes x 23 outputs + (2 + 7 + 2) gemv configs x 5 ops + 4 ops),
     # and in bfloat16 2 configs x 3 ops x 2 row counts of width invariance, the invariant
     # tiles (the first and the 2 swapped) x 3 ops x 2 row counts, then the batch-invariant
     # ops: 2 ops x 2 row counts and the tiles-only check
-    assert len(results) == 2 * (2 * 23 + 9 * 5 + 4) + 12 + 18 + 5
+    assert len(results) == 2 * (2 * 23 + 11 * 5 + 4) + 12 + 18 + 5
     bad = {key: m for key, m in results.items() if not m["ok"]}
     assert not bad, bad
 

@@ -41,9 +41,10 @@ the one that writes it and ``rope`` on q/k/v, a Llama decode layer is 6 launches
 attention (2), o, gate/up, down.
 
 Launched with programmatic dependent launch where the card has it (``pdl``: read
-that file's contract before touching the order of loads here): with one K chunk the
-weight tile is read before ``griddepcontrol.wait``, while the previous kernel drains;
-x, ``up`` and ``residual`` after it.
+that file's contract before touching the order of loads here): where a program's K range
+is one chunk (all of K, or a split-K tile's split) its weight tile is read before
+``griddepcontrol.wait``, while the previous kernel drains; x, ``up`` and ``residual`` after
+it.
 
 Rounding follows the unfused reference: the matmul's result is rounded to the
 activation dtype, then each elementwise step rounds as torch does
@@ -160,12 +161,23 @@ TILE_CONFIGS = (
 # the tuner: on the H200 they took the decode step of random:gemma4-e2b from 3.190 to
 # 2.926 ms at batch 8 and the speculative round at batch 1 from 4.465 to 4.173 ms
 # (BENCHMARKS.md, "Split-K GEMV tiles").
+#
+# A split whose K range is one chunk reads its weight tile before the PDL wait, as the
+# row path does at one row. The last two are for that: 64 weight rows on the MMA's left
+# (swap_ab), up to 16 splits of one chunk each (K up to 4096 and 8192; a K of 1536 in 6
+# and 3 splits). On an H100 at 5 rows, timed the tuner's way, they took Gemma 4 E2B's
+# sliding qkv from 5.7 us (cuBLAS, the best before) to 4.3, its sliding q from 5.4 to 4.0
+# and its sliding o from 5.7 to 4.1; a round of 4 at batch 1 moved within its noise
+# (BENCHMARKS.md, stop 75). Their few stages keep a gated tile that does loop (K over 16
+# chunks) within shared memory (tests/test_gemv_split_order.py).
 SPLIT_CONFIGS = (
     GemvConfig(16, 256, split_k=4),
     GemvConfig(16, 128, num_stages=4, split_k=4),
     GemvConfig(16, 256, split_k=8),
     GemvConfig(16, 128, num_stages=4, split_k=8),
     GemvConfig(32, 128, split_k=4),
+    GemvConfig(64, 256, num_stages=2, split_k=16, swap_ab=True),
+    GemvConfig(64, 512, num_warps=8, num_stages=1, split_k=16, swap_ab=True),
 )
 
 
@@ -368,7 +380,9 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ONE_CHUNK: tl.constexpr,  # K <= BLOCK_K: the weight tile is loaded before the PDL wait
+    # a program's K range (all of K, or its split's) is one BLOCK_K chunk: the weight tile is
+    # loaded before the PDL wait
+    ONE_CHUNK: tl.constexpr,
     SPLIT_K: tl.constexpr,  # tiles only: programs along K per output tile (1: none)
     SWAP_AB: tl.constexpr,  # tiles only: w @ x.T, the weight the MMA's left operand
     ROW_K: tl.constexpr,  # the row path's norm over several chunks: x's row in one load
@@ -419,11 +433,12 @@ def _gemv_kernel(
     n_mask = offs_n < N
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1) row pointers
     up_offset = N * stride_wn
+    k_lo = split * k_per_split  # this program's K range (0 but for split-K tiles)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start its weight reads
     # One chunk: the whole weight tile is read first, overlapping the previous kernel's tail.
     if ONE_CHUNK:
-        w_first, w_up_first = _load_w(w_rows, up_offset, 0, K, n_mask, BLOCK_K, GATED)
+        w_first, w_up_first = _load_w(w_rows, up_offset, k_lo, K, n_mask, BLOCK_K, GATED)
         if (NORM or RES_NORM) and BLOCK_M == 1:  # the norm's weight (never written)
             offs_k = tl.arange(0, BLOCK_K)
             g_first = tl.load(NormWeight + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
@@ -501,15 +516,14 @@ def _gemv_kernel(
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = acc
-        if ONE_CHUNK:
-            x = _load_x(x_rows, m_mask, NormWeight, row_inv_rms, 0, K, BLOCK_K, NORM, dtype)
+        if ONE_CHUNK:  # all of K, or one split's chunk (the splits' sums below)
+            x = _load_x(x_rows, m_mask, NormWeight, row_inv_rms, k_lo, K, BLOCK_K, NORM, dtype)
             acc = _dot(acc, x.to(dtype), w_first, PRECISE, SWAP_AB)
             if GATED:
                 acc_up = _dot(acc_up, x.to(dtype), w_up_first, PRECISE, SWAP_AB)
         else:
-            k_lo, k_hi = 0, K
+            k_hi = K
             if SPLIT_K > 1:  # this program's K range
-                k_lo = split * k_per_split
                 k_hi = tl.minimum(K, k_lo + k_per_split)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 x = _load_x(x_rows, m_mask, NormWeight, row_inv_rms, k0, K, BLOCK_K, NORM, dtype)
@@ -804,7 +818,7 @@ def gemv(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        ONE_CHUNK=k <= config.block_k,
+        ONE_CHUNK=k_per_split <= config.block_k,
         SPLIT_K=splits,
         SWAP_AB=config.swap_ab,
         ROW_K=_row_k(config, k, norm is not None),
