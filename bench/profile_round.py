@@ -49,7 +49,9 @@ def main() -> None:
         pdl.ENABLED = False  # read at each launch: the graphs captured below keep it
         print("  (ROUND_NO_PDL: kernels launched without PDL)")
     if os.environ.get("ROUND_NO_CUBLAS") == "1":
-        choose = TUNER.choose
+        # its own name: `choose` below is rebound to this wrapper, which would then call
+        # itself (stop 75: the run ended in a draft over no rows)
+        tuned_choose = TUNER.choose
 
         def without_cublas(key, rows, weight, run, candidates=None):
             if rows == 1 or key[0] == "residual_linear":  # there None is "two launches"
@@ -58,7 +60,7 @@ def main() -> None:
                 candidates = tuple(c for c in candidates if c is not CUBLAS) or candidates
             else:
                 candidates = configs_for(rows)
-            return choose(key, rows, weight, run, candidates)
+            return tuned_choose(key, rows, weight, run, candidates)
 
         TUNER.choose = without_cublas
         print("  (ROUND_NO_CUBLAS: 2 to 16 rows never on cuBLAS)")
