@@ -3,7 +3,7 @@
 # generate, and the decode benchmark. Logs and JSON under $OUT; a short
 # table prints last. Usage: bash bench/h200.sh [tests|bench|spec|all] [bench runners] [spec topks]
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
-#   bash bench/h200.sh pytest "FILES [pytest args]": those CUDA tests (CUDA_WORKERS, 8)
+#   bash bench/h200.sh pytest "FILES [pytest args]": those CUDA tests (CUDA_WORKERS, 8; CUDA_DIST, loadfile)
 #   bash bench/h200.sh exec "COMMAND": any command with this tree's package and the caches
 #   bash bench/h200.sh chooser [tokens]: auto's charges by kind of step in fresh processes
 #     (bench/chooser_trace.py, CHOOSER_REPS pairs with --no-draft), then bench/profile_auto.py
@@ -226,9 +226,11 @@ fi
 
 if [[ $what == pytest ]]; then
     # Some CUDA tests with this tree's package and the carried caches: the files or pytest
-    # arguments in $2, in CUDA_WORKERS processes (8).
+    # arguments in $2, in CUDA_WORKERS processes (8), CUDA_DIST their spread (loadfile; `load`
+    # spreads one file's cases: tests/test_triton_fused.py on one worker ran past 200 s
+    # after a GEMV edit, stop 75, every variant compiling afresh).
     python -m pytest $2 -m cuda -q -p no:cacheprovider -ra -n "${CUDA_WORKERS:-8}" \
-        --dist loadfile 2>&1 | tee "$OUT/tests-pytest.log" | tail -n 15
+        --dist "${CUDA_DIST:-loadfile}" 2>&1 | tee "$OUT/tests-pytest.log" | tail -n 15
 fi
 
 if [[ $what == auto ]]; then
