@@ -87,3 +87,54 @@ def test_a_split_counts_itself_only_after_every_warps_sums_are_stored(config, ga
     barriers = [i for i, line in enumerate(lines[:count]) if line.startswith("bar.sync")]
     assert stores, "the splits' sums are stored before the count"
     assert barriers and barriers[-1] > stores[-1], "no CTA barrier between the sums and the count"
+
+
+@needs_triton
+@pytest.mark.parametrize("config", _split_configs(), ids=lambda c: c.label)
+def test_a_one_chunk_split_reads_its_weight_before_the_pdl_wait(config):
+    """A split whose K range is one chunk issues its weight tile's loads before
+    ``griddepcontrol.wait`` in sm_90's PTX (they overlap the previous kernel's tail); a
+    split over several chunks issues none there. Compiler or code that sank them past the
+    wait would keep the bits and lose the overlap: only this notices."""
+    import re
+
+    from graphrt.devices.cuda.offline_compile import compile_for_h200
+    from graphrt.devices.cuda.triton_gemv import _gemv_kernel
+
+    def loads_before_the_wait(one_chunk: bool) -> int:
+        constants = SPLIT_TILE | dict(
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+            SWAP_AB=config.swap_ab, ONE_CHUNK=one_chunk,
+        )  # fmt: skip
+        compiled = compile_for_h200(
+            _gemv_kernel, constants, num_warps=config.num_warps, pointers=POINTERS,
+            num_stages=config.num_stages, aligned=True,
+        )  # fmt: skip
+        before = compiled.asm["ptx"].split("griddepcontrol.wait")[0]
+        return len(re.findall(r"\bld\.global|cp\.async\.c[ag]", before))
+
+    assert loads_before_the_wait(True) > 0
+    assert loads_before_the_wait(False) == 0
+
+
+def test_gemv_launches_a_split_of_one_chunk_as_one_chunk(monkeypatch):
+    """The host side of the above: ``gemv`` tells the kernel ONE_CHUNK where each split's
+    K range is one BLOCK_K chunk (2 splits where 4 were asked: K 200 is 2 chunks of 128),
+    and not where a split loops (2 splits of 2 chunks of 64)."""
+    pytest.importorskip("triton")
+    import torch
+
+    from graphrt.devices.cuda import triton_gemv
+    from graphrt.devices.cuda.triton_gemv import GemvConfig, gemv
+
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(kwargs)
+
+    monkeypatch.setattr(triton_gemv, "_gemv_kernel", Recorder())
+    x, w = torch.randn(3, 200), torch.randn(20, 200)
+    for config in (GemvConfig(16, 128, split_k=4), GemvConfig(16, 64, split_k=2)):
+        gemv(x, w, None, config)
+    assert [(k["SPLIT_K"], k["ONE_CHUNK"]) for k in launched] == [(2, True), (2, False)]
