@@ -194,10 +194,11 @@ SWAP_CONFIGS = (
     GemvConfig(64, 128, num_stages=5, swap_ab=True),
     GemvConfig(64, 256, swap_ab=True),
 )
-# Split along K as well (the down projections' few output tiles want it). Swapped tiles, split
-# or not, took 2-3% off the default ops' projections at 5 rows on an H100, measured per
-# projection only; not offered to them until a round measures it end to end (and the
-# shipped choices of 2 to 16 rows, gemv_choices/, are timed again with them).
+# Split along K as well, each split over several chunks (the down projections' few output
+# tiles want it). These and SWAP_CONFIGS took 2-3% off the default ops' projections at 5
+# rows on an H100, measured per projection only (stop 73), and are not offered to them
+# (bench/swap_tiles.py times them); the two swapped tiles in SPLIT_CONFIGS are, for their
+# one-chunk splits' 20-28% on the small projections (stop 75, also per projection only).
 SWAP_SPLIT_CONFIGS = (
     GemvConfig(64, 128, split_k=4, swap_ab=True),
     GemvConfig(64, 128, num_stages=4, split_k=8, swap_ab=True),
