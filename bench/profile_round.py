@@ -31,6 +31,7 @@ from graphrt.core.bench.rounds import RoundBenchConfig, round_engines
 from graphrt.core.bench.timing import median_ms
 from graphrt.core.engine import Engine
 from graphrt.core.models import load_model
+from graphrt.devices.cuda import compile_ahead
 from graphrt.devices.cuda import ops as cuda_ops
 from graphrt.devices.cuda.gemv_tuner import CUBLAS, TUNER
 from graphrt.devices.cuda.triton_gemv import configs_for
@@ -70,12 +71,14 @@ def main() -> None:
 
     def recorded_choose(key, rows, weight, run, candidates=None):
         choice = choose(key, rows, weight, run, candidates)
-        if rows > 1:
+        # (a dry run's answer is the first candidate, not a choice: stop 75's log listed
+        # each such as "spec only")
+        if rows > 1 and not compile_ahead.dry():
             seen[phase[0]].add(("choice", rows, key, repr(choice)))
         return choice
 
     def recorded_gemv(x, weight, bias, config, **fused):
-        if x.shape[0] > 1:
+        if x.shape[0] > 1 and not compile_ahead.dry():
             tags = "+".join(k for k, v in fused.items() if v is not None and v is not False)
             ptrs = [t.data_ptr() % 16 for t in (x, fused.get("up"), fused.get("residual"))
                     if isinstance(t, torch.Tensor)]  # fmt: skip
