@@ -128,3 +128,20 @@ def test_cli_prints_what_was_produced_then_one_error_line(capsys, monkeypatch):
     assert len(second["output_ids"]) == 4
     error = cli_error_line(captured.err)
     assert "1 of 2 requests failed (request 0: RuntimeError: injected failure)" in error
+
+
+def test_bench_whose_prefill_fails_stops_with_that_error_in_one_line(capsys, monkeypatch):
+    """Timing requests whose prefill failed once ended in a TypeError from the token table
+    (a request without a slot) that named nothing; the bench now names the failure."""
+    from graphrt.core.bench import decode
+
+    monkeypatch.setattr(decode, "copy_bandwidth_gbps", lambda *a: 10.0)  # skips a 1 GiB copy
+    _fail_on_call(monkeypatch, sampling_module, "sample", 1)  # batch 1's prefill
+    argv = ["bench", "--model", "random:llama-tiny", "--device", "cpu", "--runners", "eager"]
+    argv += ["--batch-sizes", "1", "--prompt-len", "8", "--steps", "2", "--warmup", "1"]
+    assert main([*argv, "--json", "--no-plot"]) == 1
+    err = capsys.readouterr().err  # the bench's own header line, then the error
+    assert "Traceback" not in err and err.count("graphrt: error:") == 1, err
+    assert err.strip().splitlines()[-1] == (
+        "graphrt: error: bench: 1 of 1 requests failed in prefill (RuntimeError: injected failure)"
+    ), err

@@ -28,8 +28,9 @@ from graphrt.core.bench.timing import (
     step_bytes_read,
     weight_bytes,
 )
-from graphrt.core.engine import Engine, EngineConfig, SamplingParams
+from graphrt.core.engine import Engine, EngineConfig, Request, SamplingParams
 from graphrt.core.engine.sampling import greedy_tokens
+from graphrt.core.errors import GraphrtError
 from graphrt.core.models.ops import model_ops
 from graphrt.core.parallel.group import SINGLE
 
@@ -99,12 +100,34 @@ class DecodeBenchResult:
         return asdict(self)
 
 
+def prefilled(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
+    """Requests for ``prompts``, prefilled chunk by chunk. A step that fails finishes its
+    requests with an error and frees their slots (``Engine.step``); timing them on would
+    fail later with an error that names nothing (a bench whose Triton could not compile
+    stopped in the token table's update with a TypeError over a request without a slot), so
+    the first failure is raised here, in one line."""
+    reqs = [engine.add_request(p, params) for p in prompts]
+    while engine.prefill_pending:
+        engine.step()
+    raise_failed(reqs, "prefill")
+    return reqs
+
+
+def raise_failed(reqs: list[Request], what: str) -> None:
+    """One line naming the first of ``reqs`` whose step failed, if any did."""
+    failed = [r for r in reqs if r.error is not None]
+    if failed:
+        raise GraphrtError(
+            f"bench: {len(failed)} of {len(reqs)} requests failed in {what} ({failed[0].error})"
+        )
+
+
 def generate_tokens_per_s(engine: Engine, prompts, params: SamplingParams) -> float:
     """Decoding tokens/s of one ``engine.generate(prompts, params)`` call alone: what the
     CLI reports (``EngineStats.tokens_per_s``), for this call's share of the stats."""
     stats = engine.stats
     tokens, seconds = stats.decoded_tokens, stats.decoding_s
-    engine.generate(prompts, params)
+    raise_failed(engine.generate(prompts, params), "generate")
     return (stats.decoded_tokens - tokens) / (stats.decoding_s - seconds)
 
 
@@ -210,12 +233,8 @@ def run_decode_bench(
 
 def _time_graphrt(engine, cfg, bs, params, bandwidth, sync, report) -> BatchResult:
     vocab = engine.loaded.model.vocab_size
-    reqs = [
-        engine.add_request(torch.randint(0, vocab, (cfg.prompt_len,)).tolist(), params)
-        for _ in range(bs)
-    ]
-    while engine.prefill_pending:  # prefill every request, chunk by chunk
-        engine.step()
+    prompts = [torch.randint(0, vocab, (cfg.prompt_len,)).tolist() for _ in range(bs)]
+    reqs = prefilled(engine, prompts, params)
     batch = engine.build_decode_batch(reqs)
     read = step_bytes_read(engine.loaded.model, batch.seq_lens_cpu, engine.kv_pool.dtype)
     result = BatchResult(

@@ -26,6 +26,7 @@ from statistics import median
 
 import torch
 
+from graphrt.core.bench.decode import prefilled
 from graphrt.core.bench.output import fmt
 from graphrt.core.bench.timing import median_ms
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
@@ -129,11 +130,9 @@ def run_round_bench(
 
 
 def _requests(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
-    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    reqs = [engine.add_request(p, params) for p in prompts]
-    while engine.prefill_pending:  # prefill every request, chunk by chunk
-        engine.step()
-    return reqs
+    return prefilled(
+        engine, prompts, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    )
 
 
 def _decode_ms(engine: Engine, prompts, cfg: RoundBenchConfig, sync) -> float:
