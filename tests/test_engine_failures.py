@@ -145,3 +145,16 @@ def test_bench_whose_prefill_fails_stops_with_that_error_in_one_line(capsys, mon
     assert err.strip().splitlines()[-1] == (
         "graphrt: error: bench: 1 of 1 requests failed in prefill (RuntimeError: injected failure)"
     ), err
+
+
+def test_steady_decoding_stops_at_a_failed_step_with_its_error(loaded, monkeypatch):
+    """A request that fails while steady_tokens_per_s runs would be replaced like one that
+    finished, its missing tokens hidden in the rate: the bench stops there instead."""
+    from graphrt.core.bench import decode
+    from graphrt.core.errors import GraphrtError
+
+    engine = cpu_engine(loaded, max_context_len=64, max_running_requests=2)
+    _fail_on_call(monkeypatch, sampling_module, "sample", 3)  # the first decode step
+    with pytest.raises(GraphrtError, match=r"2 of 2 requests failed in steady decoding \("):
+        decode.steady_tokens_per_s(engine, random_prompts((5, 9)), GREEDY)
+    assert_engine_idle(engine)

@@ -157,6 +157,7 @@ def steady_tokens_per_s(
                 raise RuntimeError("steady_tokens_per_s: no request left to step")
             engine.step()
             done = [r for r in running if r.finished]
+            raise_failed(done, "steady decoding")  # replaced, they would count as served
             finished += len(done)
             running = [r for r in running if not r.finished]
             running += [engine.add_request(next(queue), params) for _ in done]
