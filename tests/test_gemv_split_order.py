@@ -58,6 +58,21 @@ def _split_configs():
     return SPLIT_CONFIGS + SWAP_SPLIT_CONFIGS
 
 
+def _compile_split(config, **constants):
+    """SPLIT_TILE with ``config``'s tile and ``constants``, compiled for an H200."""
+    from graphrt.devices.cuda.offline_compile import compile_for_h200
+    from graphrt.devices.cuda.triton_gemv import _gemv_kernel
+
+    constants = SPLIT_TILE | dict(
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+        SWAP_AB=config.swap_ab, **constants,
+    )  # fmt: skip
+    return compile_for_h200(
+        _gemv_kernel, constants, num_warps=config.num_warps, pointers=POINTERS,
+        num_stages=config.num_stages, aligned=True,
+    )  # fmt: skip
+
+
 @needs_triton
 @pytest.mark.parametrize("one_chunk", [False, True], ids=["chunks", "one_chunk"])
 @pytest.mark.parametrize("gated", [False, True], ids=["residual", "gated"])
@@ -68,18 +83,11 @@ def test_a_split_counts_itself_only_after_every_warps_sums_are_stored(config, ga
     warp before it counts itself; and every split configuration fits an H200's shared
     memory either way, gated too (a launch that asks for more fails, and the tuner with
     it)."""
-    from graphrt.devices.cuda.offline_compile import H200_SHARED_BYTES, compile_for_h200
-    from graphrt.devices.cuda.triton_gemv import _gemv_kernel
+    from graphrt.devices.cuda.offline_compile import H200_SHARED_BYTES
 
-    constants = SPLIT_TILE | dict(
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
-        SWAP_AB=config.swap_ab, GATED=gated, HAS_RESIDUAL=not gated, ACT=1 if gated else 0,
-        ONE_CHUNK=one_chunk,
-    )  # fmt: skip
-    compiled = compile_for_h200(
-        _gemv_kernel, constants, num_warps=config.num_warps, pointers=POINTERS,
-        num_stages=config.num_stages, aligned=True,
-    )  # fmt: skip
+    compiled = _compile_split(
+        config, GATED=gated, HAS_RESIDUAL=not gated, ACT=1 if gated else 0, ONE_CHUNK=one_chunk
+    )
     assert compiled.metadata.shared <= H200_SHARED_BYTES, compiled.metadata.shared
     lines = [line.strip() for line in compiled.asm["ptx"].splitlines()]
     (count,) = [i for i, line in enumerate(lines) if "atom.global.gpu.acq_rel.add" in line]
@@ -98,18 +106,8 @@ def test_a_one_chunk_split_reads_its_weight_before_the_pdl_wait(config):
     wait would keep the bits and lose the overlap: only this notices."""
     import re
 
-    from graphrt.devices.cuda.offline_compile import compile_for_h200
-    from graphrt.devices.cuda.triton_gemv import _gemv_kernel
-
     def loads_before_the_wait(one_chunk: bool) -> int:
-        constants = SPLIT_TILE | dict(
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
-            SWAP_AB=config.swap_ab, ONE_CHUNK=one_chunk,
-        )  # fmt: skip
-        compiled = compile_for_h200(
-            _gemv_kernel, constants, num_warps=config.num_warps, pointers=POINTERS,
-            num_stages=config.num_stages, aligned=True,
-        )  # fmt: skip
+        compiled = _compile_split(config, ONE_CHUNK=one_chunk)
         before = compiled.asm["ptx"].split("griddepcontrol.wait")[0]
         return len(re.findall(r"\bld\.global|cp\.async\.c[ag]", before))
 
@@ -117,11 +115,11 @@ def test_a_one_chunk_split_reads_its_weight_before_the_pdl_wait(config):
     assert loads_before_the_wait(False) == 0
 
 
+@needs_triton
 def test_gemv_launches_a_split_of_one_chunk_as_one_chunk(monkeypatch):
     """The host side of the above: ``gemv`` tells the kernel ONE_CHUNK where each split's
     K range is one BLOCK_K chunk (2 splits where 4 were asked: K 200 is 2 chunks of 128),
     and not where a split loops (2 splits of 2 chunks of 64)."""
-    pytest.importorskip("triton")
     import torch
 
     from graphrt.devices.cuda import triton_gemv
