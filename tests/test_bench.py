@@ -274,7 +274,9 @@ def test_round_bench_times_every_piece_of_a_round(
         pieces = ["draft", "draft_eager", "verify", "verify_eager"] if round_graphs == "two" else []
         assert list(r.pieces_ms) == pieces
         assert all(ms > 0 for ms in r.pieces_ms.values()), r.pieces_ms
-        assert r.decode_ms > 0 and r.round_ms > 0
+        assert r.decode_ms > 0 and r.round_ms > 0 and r.decode_step_ms > 0
+        assert r.break_even_accept_length == pytest.approx(r.round_ms / r.decode_step_ms)
+        assert r.decode_tokens_per_s == pytest.approx(r.batch_size / r.decode_step_ms * 1e3)
         assert r.graph_gap_ms is None  # the CPU has no events
         assert 1.0 <= r.accept_length_mean <= spec.num_steps + 1
         # Unrounded: what the measured round time gives at every accept length.
@@ -287,11 +289,14 @@ def test_round_bench_times_every_piece_of_a_round(
     assert ("draft eager" in table(results)[0]) is (round_graphs == "two")
     out = result_json(results, model="t", draft="d", device_name="cpu", dtype="float32",
                       spec_steps=3, spec_topk=1)  # fmt: skip
-    issue_fields = {"batch_size", "decode_ms", "round_ms", "accept_length_mean",
+    issue_fields = {"batch_size", "decode_ms", "decode_step_ms", "round_ms",
+                    "break_even_accept_length", "accept_length_mean",
                     "spec_tokens_per_s", "decode_tokens_per_s", "hf_assisted_tokens_per_s"}  # fmt: skip
     if round_graphs == "two":
         issue_fields |= {"draft_ms", "draft_eager_ms", "verify_ms", "verify_eager_ms"}
     assert issue_fields <= set(out["batches"][0])
+    # The plain step timed on graphs, a step a call, at each batch size.
+    assert engines[1].stats.graph_steps == len(cfg.batch_sizes) * (cfg.warmup + cfg.steps)
     engine = engines[0]
     assert engine.stats.graph_rounds == engine.stats.spec_rounds > 0  # rounds on graphs
     assert engine.kv_pool.available() == engine.kv_pool.num_slots  # verify's slots freed

@@ -103,7 +103,7 @@ def plot_spec_throughput(result: dict, path: Path) -> bool:
     if figure is None:
         return False
     plt, batches, sizes, fig, ax = figure
-    ax.plot(sizes, [b["decode_tokens_per_s"] for b in batches], "-o", label="decode (graph)")
+    ax.plot(sizes, [b["decode_tokens_per_s"] for b in batches], "-o", label="plain (engine step)")
     ax.plot(sizes, [b["spec_tokens_per_s"] for b in batches], "-o", label="speculative, measured")
     for i in range(len(batches[0]["tokens_per_s_at_accept_length"])):
         points = [b["tokens_per_s_at_accept_length"][i] for b in batches]

@@ -1,7 +1,8 @@
 """Speculative-round benchmark (`graphrt bench --draft`): the pieces of a round, side by side.
 
 Per request batch size, on one target and a drafting strategy: a plain decode step
-(graph), every piece the strategy names (``DecodeStrategy.bench_pieces``; frozen-KV MTP
+(the graph's execute alone, and a whole engine step: the round's like, so their ratio is
+the accept length at which drafting breaks even), every piece the strategy names (``DecodeStrategy.bench_pieces``; frozen-KV MTP
 with two graphs a round: the draft loop and the verify forward; with one, none) on graphs
 and eagerly, a whole round, the accept length those rounds reached, tokens/s with and
 without the drafter, and the tokens/s the measured round time would give at every accept
@@ -47,11 +48,14 @@ class RoundBenchConfig:
 @dataclass
 class RoundBatchResult:
     batch_size: int
-    decode_ms: float | None = None
+    decode_ms: float | None = None  # the decode graph's execute: inputs, replay, output
+    # A plain engine step, timed as a round is (launch, the read, the host's bookkeeping).
+    decode_step_ms: float | None = None
     # Per piece of the strategy: "<name>" on graphs, "<name>_eager" (JSON: "<key>_ms").
     pieces_ms: dict[str, float | None] = field(default_factory=dict)
     round_ms: float | None = None
     graph_gap_ms: float | None = None  # device idle between a round's graphs (one: 0)
+    break_even_accept_length: float | None = None  # round_ms / decode_step_ms
     accept_length_mean: float | None = None
     spec_tokens_per_s: float | None = None
     decode_tokens_per_s: float | None = None
@@ -107,14 +111,15 @@ def run_round_bench(
     for bs in cfg.batch_sizes:
         result = RoundBatchResult(batch_size=bs)
         prompts = [[rng.randrange(vocab) for _ in range(cfg.prompt_len)] for _ in range(bs)]
-        result.decode_ms = _decode_ms(plain_engine, prompts, cfg, sync)
+        result.decode_ms, result.decode_step_ms = _decode_ms(plain_engine, prompts, cfg, sync)
         _time_round(round_engine, prompts, cfg, sync, result, report)
-        result.decode_tokens_per_s = bs / result.decode_ms * 1e3
+        result.break_even_accept_length = result.round_ms / result.decode_step_ms
+        result.decode_tokens_per_s = bs / result.decode_step_ms * 1e3
         result.spec_tokens_per_s = bs * result.accept_length_mean / result.round_ms * 1e3
         report(
-            f"{bs:>4} decode {result.decode_ms:.3f} ms | "
-            + " | ".join(f"{k} {fmt(ms)}" for k, ms in result.pieces_ms.items())
-            + f" | round {result.round_ms:.3f} ms, gap {fmt(result.graph_gap_ms)} ms"
+            f"{bs:>4} decode {result.decode_ms:.3f} ms, step {result.decode_step_ms:.3f} ms | "
+            + "".join(f"{k} {fmt(ms)} | " for k, ms in result.pieces_ms.items())
+            + f"round {result.round_ms:.3f} ms, gap {fmt(result.graph_gap_ms)} ms"
             f" | accept {result.accept_length_mean:.2f}"
         )
         results.append(result)
@@ -135,15 +140,18 @@ def _requests(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
     )
 
 
-def _decode_ms(engine: Engine, prompts, cfg: RoundBenchConfig, sync) -> float:
+def _decode_ms(engine: Engine, prompts, cfg: RoundBenchConfig, sync) -> tuple[float, float]:
+    """(the decode graph's execute, a whole plain engine step) in ms."""
     reqs = _requests(engine, prompts, cfg.warmup + cfg.steps + 4)
     batch = engine.build_decode_batch(reqs)
     runner = engine.graph_runner
     assert runner is not None and runner.can_run_graph(batch), "no decode graph fits"
-    ms = median_ms(lambda: runner.execute(batch), sync, cfg.steps, cfg.warmup)
+    # The same batch over and over: its KV slots written again, its requests not moved on.
+    execute_ms = median_ms(lambda: runner.execute(batch), sync, cfg.steps, cfg.warmup)
+    step_ms = median_ms(engine.step, sync, cfg.steps, cfg.warmup)
     for req in reqs:
         engine.abort(req)
-    return ms
+    return execute_ms, step_ms
 
 
 def _time_round(engine: Engine, prompts, cfg, sync, result: RoundBatchResult, report) -> None:
@@ -229,14 +237,17 @@ def result_json(results: list[RoundBatchResult], **header) -> dict:
 def table(results: list[RoundBatchResult]) -> list[str]:
     """The results as lines of a table: header first."""
     pieces = list(results[0].pieces_ms)
-    head = f"{'bs':>4} {'decode':>8} " + " ".join(f"{p.replace('_', ' '):>12}" for p in pieces)
-    head += f" {'round':>8} {'gap':>6} {'accept':>6} {'spec tok/s':>10} {'decode tok/s':>12}"
+    head = f"{'bs':>4} {'decode':>8} {'step':>8} "
+    head += " ".join(f"{p.replace('_', ' '):>12}" for p in pieces)
+    head += f" {'round':>8} {'gap':>6} {'even at':>7} {'accept':>6} {'spec tok/s':>10}"
+    head += f" {'decode tok/s':>12}"
     lines = [head + f" {'hf tok/s':>8}"]
     for r in results:
         lines.append(
-            f"{r.batch_size:>4} {fmt(r.decode_ms):>8} "
+            f"{r.batch_size:>4} {fmt(r.decode_ms):>8} {fmt(r.decode_step_ms):>8} "
             + " ".join(f"{fmt(r.pieces_ms[p]):>12}" for p in pieces)
             + f" {fmt(r.round_ms):>8} {fmt(r.graph_gap_ms):>6} "
+            f"{fmt(r.break_even_accept_length, '.2f'):>7} "
             f"{fmt(r.accept_length_mean, '.2f'):>6} {fmt(r.spec_tokens_per_s, '.1f'):>10} "
             f"{fmt(r.decode_tokens_per_s, '.1f'):>12} {fmt(r.hf_assisted_tokens_per_s, '.2f'):>8}"
         )
