@@ -89,8 +89,14 @@ def interpreter_results() -> list[dict]:
     from graphrt.devices.cuda.triton_gemma import selected_argmax, topk_set
 
     # rows, vocab, hidden, cluster, k: one block a row, several, a partial last block, and
-    # a hidden width of several chunks that is not a power of two.
-    shapes = [(3, 512, 64, 16, 6), (5, 1024, 48, 8, 40), (2, 4096, 160, 32, 16)]
+    # a hidden width that is not a power of two, in one masked chunk (below FEW_ROWS rows:
+    # small blocks of whole hidden rows) and in several (from FEW_ROWS rows).
+    shapes = [
+        (3, 512, 64, 16, 6),
+        (5, 1024, 48, 8, 40),
+        (2, 4096, 160, 32, 16),
+        (4, 4096, 160, 32, 16),
+    ]
     return [
         {**r, "dtype_name": str(dtype)}
         for dtype in (torch.float32, torch.float16)
@@ -109,7 +115,7 @@ def check(results: list[dict]) -> None:
 @pytest.mark.skipif(OLD_INTERPRETER, reason="triton < 3.7: its interpreter mishandles loop bounds")
 def test_centroid_ops_under_interpreter_match_torch():
     results = run_under_triton_interpreter(__file__)
-    assert len(results) == 6
+    assert len(results) == 8
     check(results)
 
 

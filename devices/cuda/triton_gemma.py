@@ -318,10 +318,14 @@ def gemma_per_layer_inputs(
     return out
 
 
-# Selected tokens a stage-1 program scores: 4,096 a row (32 clusters of 128) make 32
-# programs a row, enough to spread one row's 2 MB of gathered weight rows over the SMs.
-SELECTED_BLOCK = 128
-SELECTED_CHUNK = 64  # hidden columns a step: a 128 x 64 float32 tile is 64 registers a thread
+# Selected tokens a stage-1 program scores. From 4 rows, 128: a row's 4,096 (32 clusters
+# of 128) in 32 programs, enough programs for the SMs. Below, 32: one row in 32 programs
+# left most SMs idle while each walked its 64 KB share in four dependent gathers, so a
+# program takes a quarter of the tokens and their whole hidden rows in one gather. One
+# row on the H200, both launches in a graph: 7.95 us at 128, 4.36 at 32 (16 to 64 tokens,
+# 1 to 8 warps: 4.0 to 4.9; bench/results/h200-centroid-head-configs-stop77.log).
+SELECTED_BLOCK, SELECTED_BLOCK_FEW_ROWS, FEW_ROWS = 128, 32, 4
+SELECTED_TILE = 8192  # tokens x hidden columns a step: 64 float32 registers a thread (4 warps)
 
 
 @triton.jit
@@ -443,7 +447,8 @@ def selected_argmax(
     assert top.shape[0] == rows and top.stride(1) == 1
     if rows == 0:
         return torch.empty(0, dtype=torch.int64, device=hidden.device)
-    block_s = min(SELECTED_BLOCK, triton.next_power_of_2(selected))
+    block_s = SELECTED_BLOCK_FEW_ROWS if rows < FEW_ROWS else SELECTED_BLOCK
+    block_s = min(block_s, triton.next_power_of_2(selected))
     blocks = triton.cdiv(selected, block_s)
     partial_max = torch.empty((rows, blocks), dtype=torch.float32, device=hidden.device)
     partial_token = torch.empty((rows, blocks), dtype=torch.int64, device=hidden.device)
@@ -462,7 +467,7 @@ def selected_argmax(
         blocks,
         CLUSTER=cluster,
         HIDDEN=width,
-        BLOCK_H=min(SELECTED_CHUNK, triton.next_power_of_2(width)),
+        BLOCK_H=min(SELECTED_TILE // block_s, triton.next_power_of_2(width)),
         BLOCK_S=block_s,
         num_warps=4,
     )
