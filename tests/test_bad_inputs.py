@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import CPU, cli_error_line
+from helpers import CPU, cli_error_line, needs_gpu
 
 from graphrt import devices
 from graphrt.core.cli.main import main
@@ -335,7 +335,9 @@ def test_a_kv_pool_larger_than_free_memory_is_refused_before_allocating(capsys):
 # ---- no silent garbage ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_gpu])]
+)
 def test_rows_with_nan_or_inf_logits_are_marked_and_minus_inf_is_not(device):
     """Greedy and sampled rows: the max reduction's NaN propagation must reach the mark
     wherever the NaN sits (before or after the row's largest finite logit)."""

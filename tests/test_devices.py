@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from helpers import needs_gpu
 
 import graphrt.devices as devices
 from graphrt.core.errors import DeviceUnavailableError
@@ -328,6 +329,7 @@ def test_cpu_offers_compiled_graphs_only_with_a_cxx_compiler(monkeypatch):
 
 
 @pytest.mark.cuda
+@needs_gpu
 @pytest.mark.parametrize("kind", ["full", "breakable"])
 def test_cuda_graphs_go_to_the_device_as_they_are_captured(monkeypatch, kind):
     """Each captured graph (each segment of a breakable one) is uploaded at capture
