@@ -1,12 +1,13 @@
 """Speculative-round benchmark (`graphrt bench --draft`): the pieces of a round, side by side.
 
-Per request batch size, on one target and a drafting strategy: a plain decode step
-(the graph's execute alone, and a whole engine step: the round's like, so their ratio is
-the accept length at which drafting breaks even), every piece the strategy names (``DecodeStrategy.bench_pieces``; frozen-KV MTP
-with two graphs a round: the draft loop and the verify forward; with one, none) on graphs
-and eagerly, a whole round, the accept length those rounds reached, tokens/s with and
-without the drafter, and the tokens/s the measured round time would give at every accept
-length (round time does not depend on acceptance). Between the graphs of a two-graph
+Per request batch size, on one target and a drafting strategy: a plain decode step, as
+its graph's execute alone and as a whole engine step timed as a round is (a round over
+that step is the accept length at which drafting breaks even), every piece the strategy
+names (``DecodeStrategy.bench_pieces``; frozen-KV MTP with two graphs a round: the draft
+loop and the verify forward; with one, none) on graphs and eagerly, a whole round, the
+accept length those rounds reached, tokens/s with and without the drafter, and the
+tokens/s the measured round time would give at every accept length (round time does not
+depend on acceptance). Between the graphs of a two-graph
 round the device may idle while the host prepares the next: device events recorded
 around every replay (the backend's ``replay_observer``) time that gap (0 with one
 graph a round).
@@ -111,7 +112,7 @@ def run_round_bench(
     for bs in cfg.batch_sizes:
         result = RoundBatchResult(batch_size=bs)
         prompts = [[rng.randrange(vocab) for _ in range(cfg.prompt_len)] for _ in range(bs)]
-        result.decode_ms, result.decode_step_ms = _decode_ms(plain_engine, prompts, cfg, sync)
+        result.decode_ms, result.decode_step_ms = _decode_times(plain_engine, prompts, cfg, sync)
         _time_round(round_engine, prompts, cfg, sync, result, report)
         result.break_even_accept_length = result.round_ms / result.decode_step_ms
         result.decode_tokens_per_s = bs / result.decode_step_ms * 1e3
@@ -140,7 +141,7 @@ def _requests(engine: Engine, prompts: list[list[int]], max_new_tokens: int):
     )
 
 
-def _decode_ms(engine: Engine, prompts, cfg: RoundBenchConfig, sync) -> tuple[float, float]:
+def _decode_times(engine: Engine, prompts, cfg: RoundBenchConfig, sync) -> tuple[float, float]:
     """(the decode graph's execute, a whole plain engine step) in ms."""
     reqs = _requests(engine, prompts, cfg.warmup + cfg.steps + 4)
     batch = engine.build_decode_batch(reqs)

@@ -323,7 +323,7 @@ def gemma_per_layer_inputs(
 # left most SMs idle while each walked its 64 KB share in four dependent gathers, so a
 # program takes a quarter of the tokens and their whole hidden rows in one gather. One
 # row on the H200, both launches in a graph: 7.95 us at 128, 4.36 at 32 (16 to 64 tokens,
-# 1 to 8 warps: 4.0 to 4.9; bench/results/h200-centroid-head-configs-stop77.log).
+# 2 to 8 warps: 4.0 to 6.1; bench/results/h200-centroid-head-configs-stop77.log).
 SELECTED_BLOCK, SELECTED_BLOCK_FEW_ROWS, FEW_ROWS = 128, 32, 4
 SELECTED_TILE = 8192  # tokens x hidden columns a step: 64 float32 registers a thread (4 warps)
 
