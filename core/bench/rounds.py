@@ -7,10 +7,9 @@ names (``DecodeStrategy.bench_pieces``; frozen-KV MTP with two graphs a round: t
 loop and the verify forward; with one, none) on graphs and eagerly, a whole round, the
 accept length those rounds reached, tokens/s with and without the drafter, and the
 tokens/s the measured round time would give at every accept length (round time does not
-depend on acceptance). Between the graphs of a two-graph
-round the device may idle while the host prepares the next: device events recorded
-around every replay (the backend's ``replay_observer``) time that gap (0 with one
-graph a round).
+depend on acceptance). Between the graphs of a two-graph round the device may idle while
+the host prepares the next: device events recorded around every replay (the backend's
+``replay_observer``) time that gap (0 with one graph a round).
 
 The strategy offers its pieces through core's protocol, as it offers its rounds to the
 engine, so this bench imports nothing from spec/: the CLI, the composition root, builds
