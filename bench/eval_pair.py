@@ -15,9 +15,21 @@ topk {1, 3}) with ``SpecConfig``'s default verify-tree size. Per configuration i
   graph capture, compilation and prefill steps are excluded;
 - whether every request's output ids equal the no-draft run's (greedy: they must).
 
+With ``--oracle-rate R`` the drafts are an oracle's (issue 20's, bench/oracles.py
+``TokenOracle``): along each tree's first-child path the target's own greedy token, known
+from the no-draft run, replaces the assistant's at depth d with probability R ** d, inside
+the captured rounds; verify still decides. With ``--batch-invariant`` every replaced token
+is accepted, so the accept length follows R and the output must equal the no-draft run's
+in 16-bit too: the measure of width-invariant verify on a large random target, whose
+own assistant (random) is never right. ``--tokens random`` takes ``--files`` prompts of
+random ids instead of held-out files.
+
 Run from the repository root (prints a markdown table; --out also writes JSON):
 
     python bench/eval_pair.py [--runner eager|graph] [--device cpu] [--out eval.json]
+    python bench/eval_pair.py --device cuda --runner graph --target random:gemma4-e2b \
+        --draft random:gemma4-e2b-assistant --tokens random --dtype bfloat16 \
+        --batch-invariant --oracle-rate 0.7 --configs 4x1,3x3
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import time
 from dataclasses import asdict
 
 import torch
+from oracles import TokenOracle  # bench/oracles.py (bench/ is the script's directory)
 
 from graphrt import devices
 from graphrt.core import pretrained
@@ -88,7 +101,28 @@ class StepClock:
         self.last = now
 
 
-def run_config(target, drafter, spec: SpecConfig | None, prompts, args, device) -> dict:
+class Teacher:
+    """``Engine.generate``'s on_step hook with an oracle: tells it each request's greedy
+    sequence (prompt, then the no-draft run's output) by request slot once admitted. A
+    round launched before that (steps launched ahead) drafts the slot's stale row: verify
+    rejects what differs, so only acceptance pays for it."""
+
+    def __init__(self, oracle: TokenOracle, sequences: dict[tuple[int, ...], list[int]]):
+        self.oracle, self.sequences = oracle, sequences
+        self.told: dict[int, object] = {}  # slot -> the request told about
+
+    def __call__(self, stepped) -> None:
+        for req in stepped:
+            if req.req_slot is not None and self.told.get(req.req_slot) is not req:
+                self.told[req.req_slot] = req
+                self.oracle.know(req.req_slot, self.sequences[tuple(req.prompt_ids)])
+
+
+def run_config(
+    target, drafter, spec: SpecConfig | None, prompts, args, device, sequences=None
+) -> dict:
+    """One configuration's timed generate (``sequences``: the no-draft run's greedy
+    sequences by prompt, which ``--oracle-rate`` drafts from)."""
     # Room for the deepest verify tree past the last token: no round is cut short by the
     # context's end. Kept tight because graphs attend over the whole context.
     headroom = max(spec.num_draft_tokens for spec in args.configs)  # KV slots a round holds
@@ -101,17 +135,29 @@ def run_config(target, drafter, spec: SpecConfig | None, prompts, args, device) 
         # One bucket, smaller batches padded up to it: the warm-up compiles every graph used.
         graph_buckets=(args.batch_size,),
     )
-    strategy = MTPDecoding(drafter, spec) if spec is not None else None
+    oracle = teacher = None
+    if spec is not None and args.oracle_rate is not None:
+        oracle = TokenOracle(args.batch_size, context, device.torch_device())
+        oracle.rate.fill_(args.oracle_rate)
+        teacher = Teacher(oracle, sequences)
+    strategy = MTPDecoding(drafter, spec, draft_rule=oracle) if spec is not None else None
     start = time.perf_counter()
     engine = Engine(target, config, device, strategy)  # captures graphs (cpu: lazily)
     capture_s = engine.stats.capture_time_s
-    engine.generate(prompts[: args.batch_size], SamplingParams(max_new_tokens=16))  # warm-up
+    warmup = SamplingParams(max_new_tokens=16)
+    engine.generate(prompts[: args.batch_size], warmup, on_step=teacher)  # warm-up
     warmup_s = time.perf_counter() - start
     engine.stats = EngineStats()  # count the timed run only
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     clock = StepClock()
-    reqs = engine.generate(prompts, params, on_step=clock)
+
+    def on_step(stepped) -> None:
+        if teacher is not None:
+            teacher(stepped)
+        clock(stepped)
+
+    reqs = engine.generate(prompts, params, on_step=on_step)
     engine.cleanup()
     decode_tokens = sum(len(r.output_ids) - 1 for r in reqs)  # each request's first is prefill's
     stats = engine.stats
@@ -199,7 +245,9 @@ def main() -> int:
         "--draft", default=str(pretrained.ASSISTANT_DIR), help="assistant (default: embedded)"
     )
     p.add_argument(
-        "--tokens", default="build/pair/tokens.pt", help="scripts/train_pair.py tokenize output"
+        "--tokens",
+        default="build/pair/tokens.pt",
+        help="scripts/train_pair.py tokenize output; random: --files prompts of random ids",
     )
     p.add_argument("--files", type=int, default=16, help="held-out files to take prompts from")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per file")
@@ -231,8 +279,17 @@ def main() -> int:
         action="store_true",
         help="where outputs differ: the target's top-2 logit gap there (transformers, float32)",
     )
+    p.add_argument(
+        "--oracle-rate",
+        type=float,
+        default=None,
+        help="drafts: the target's own greedy continuation (the no-draft run's) at depth d "
+        "with probability RATE ** d, the assistant's elsewhere (bench/oracles.py)",
+    )
     p.add_argument("--out", default=None, help="JSON results file; none: print only")
     args = p.parse_args()
+    if args.oracle_rate is not None and not 0.0 <= args.oracle_rate <= 1.0:
+        p.error(f"--oracle-rate {args.oracle_rate}: a probability, from 0 to 1")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -240,8 +297,15 @@ def main() -> int:
     dtype = None if args.dtype == "auto" else parse_dtype(args.dtype)
     target = load_model(args.target, device, dtype, batch_invariant=args.batch_invariant)
     drafter = load_model(args.draft, device, dtype or target.dtype)  # they share KV
-    heldout = torch.load(args.tokens)["heldout"]
-    prompts = heldout_prompts(heldout, target.eos_token_ids, args.files, args.prompt_len)
+    if args.tokens == "random":  # a random target: any ids will do, one prompt a "file"
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(
+            1, target.model.vocab_size, (args.files, args.prompt_len), generator=generator
+        )
+        prompts = ids.tolist()
+    else:
+        heldout = torch.load(args.tokens)["heldout"]
+        prompts = heldout_prompts(heldout, target.eos_token_ids, args.files, args.prompt_len)
     print(
         f"{len(prompts)} prompts of {args.prompt_len} tokens, {args.max_new_tokens} new tokens "
         f"each, batch {args.batch_size}, runner {args.runner} on {device.describe()}, "
@@ -249,10 +313,13 @@ def main() -> int:
         file=sys.stderr,
     )
 
-    results = {}
+    results, sequences = {}, None
     for spec in [None, *args.configs]:
         name = config_name(spec)
-        results[name] = run_config(target, drafter, spec, prompts, args, device)
+        results[name] = run_config(target, drafter, spec, prompts, args, device, sequences)
+        if spec is None:  # what the oracle drafts from
+            outputs = results[name]["output_ids"]
+            sequences = {tuple(p): p + out for p, out in zip(prompts, outputs)}
         print(f"  {name}: {results[name]['decode_s']:.1f} s decoding", file=sys.stderr)
 
     base = results["no draft"]

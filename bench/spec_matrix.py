@@ -31,12 +31,15 @@ loop's and verify's, instead of one: spec.round_graph); a mode with the suffix "
 ("4+2g", "auto+2g") runs that mode on two graphs a round, beside the one-graph mode
 [--batch-invariant] (the targets' batch-invariant kernels: every mode writes the same
 text in bf16, so that a cell compares choices, not texts; BENCHMARKS.md stop 50)
+[--lazy-auto] (auto's engine captures a length when a step first needs it, as `graphrt
+generate`; by default every length at start-up, as `graphrt serve`: ``engine_for``)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import platform
@@ -47,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from oracles import CoinAcceptance  # bench/oracles.py (bench/ is the script's directory)
 from tokenizers import Tokenizer
 
 from graphrt import devices
@@ -66,74 +70,32 @@ PAIR_PROMPTS = [
 MAX_STEPS = 5
 
 
-class CoinAcceptance:
-    """The oracle: acceptance decided inside the verify graph at a set rate per position.
-
-    The engines' acceptance rule (``MTPDecoding(accept_rule=...)``): the assistant's
-    drafts stay as drafted, and node d of a chain counts as the target's own token where
-    ``u < rate ** d``, one uniform ``u`` a row and round, after which the real acceptance
-    walks the path, commits it and emits it. So a round accepts at least d drafts with
-    probability ``rate ** d``, as independent coins per position would give.
-
-    ``u`` comes from a stratified stream: each block of ``STRATA`` rounds takes one value
-    from each 1/STRATA of [0, 1), in a random order, so a row's accept lengths match their
-    expectation over a few blocks where coins drift by 1/sqrt(rounds). With coins, one
-    request's 128 tokens at rate 0.9 accepted 5.38 a round in rounds of 5 (expected 4.69)
-    and auto's rounds 4.45, which read as auto at 0.87 of the best mode (H100, stop 53):
-    a measure of luck, not of the chooser. Not a Weyl sequence (round x golden ratio,
-    tried): its rounds alternate (at rate 0.5 a round after an accepting one accepted
-    with probability 0.24), which misleads a chooser that follows recent acceptance; here
-    neighbouring rounds correlate by -1/(STRATA - 1). Each row reads its own part of the
-    stream.
-
-    Comparing drafts with a greedy continuation computed beforehand does not work in
-    bfloat16 on a random target: its top logits are within rounding of each other, so
-    decode's and verify's roundings disagree on nearly every token (measured: accept
-    length 1.0 at every rate). The emitted text is the drafts', so it is no model's output:
-    this measures speed only. Costs a few small kernels a round inside the verify graph.
-    Chains only (topk 1)."""
-
-    STRATA = 32  # rounds a block; its u values are one per stratum of [0, 1)
-    BLOCKS = 4096
-    ROW_STRIDE = 97  # blocks between rows' starts (coprime to BLOCKS: every row apart)
-    MAX_ROWS = 4096
-
-    def __init__(self, real_accept, device, seed: int = 0):
-        self.real_accept = real_accept
-        self.rate = torch.zeros((), device=device)  # a device scalar: captured graphs read it
-        generator = torch.Generator().manual_seed(seed)
-        order = torch.rand(self.BLOCKS, self.STRATA, generator=generator).argsort(dim=1)
-        jitter = torch.rand(self.BLOCKS, self.STRATA, generator=generator)
-        self.stream = ((order + jitter) / self.STRATA).flatten().to(device)  # (BLOCKS*STRATA,)
-        rows = torch.arange(self.MAX_ROWS, device=device)
-        self.starts = rows * self.ROW_STRIDE * self.STRATA % self.stream.numel()
-        # Each row's rounds so far: state the captured graphs advance on every replay.
-        self.rounds = torch.zeros(self.MAX_ROWS, dtype=torch.long, device=device)
-        self.max_context_len = 0  # set per engine (acceptance is given the context's room)
-
-    def __call__(self, tree, target_tokens, max_accept):
-        batch = tree.tokens.shape[0]
-        at = (self.starts[:batch] + self.rounds[:batch]) % self.stream.numel()
-        u = self.stream[at]  # (B,)
-        self.rounds[:batch] += 1
-        passed = u.unsqueeze(1) < self.rate**tree.depth  # (B, n); depth 0 passes
-        # A chain's node j + 1 hangs off node j: where it passes, the target "emitted" it.
-        forced = target_tokens.clone()
-        forced[:, :-1] = torch.where(passed[:, 1:], tree.tokens[:, 1:], target_tokens[:, :-1])
-        return self.real_accept(tree, forced, max_accept)
-
-
 TWO_GRAPHS = "+2g"  # a mode's suffix: its rounds on two graphs each (draft loop, verify)
 
 
 def engine_for(
-    mode: str, target, drafter, device, cfg: EngineConfig, oracle=None, one_graph=True
+    mode: str,
+    target,
+    drafter,
+    device,
+    cfg: EngineConfig,
+    oracle=None,
+    one_graph=True,
+    lazy_auto=False,
 ) -> Engine:
+    """``mode``'s engine. Auto's captures every length at start-up (``capture_all_graphs``,
+    as `graphrt serve` and issue 20's start-up do), unless ``lazy_auto``: then as `graphrt
+    generate`, a length when a step first needs it, and a closed batch too short to win a
+    capture back (``spec.adaptive.CAPTURE_HORIZON``: every cell here) runs only the longest
+    rounds and plain steps. Stop 78's matrix on an H100 ran that way: auto 0.85 of rounds
+    of 3 at batch 64, rate 0.5, having never run a round of 3."""
     if mode.endswith(TWO_GRAPHS):  # "4+2g", "auto+2g": that mode, rounds on two graphs
         mode, one_graph = mode.removesuffix(TWO_GRAPHS), False
     if mode == "plain":  # (no rounds: "plain+2g" is plain decoding too)
         return Engine(target, cfg, device)
     steps, adaptive = (MAX_STEPS, True) if mode == "auto" else (int(mode), False)
+    if adaptive and not lazy_auto:
+        cfg = dataclasses.replace(cfg, capture_all_graphs=True)
     spec = SpecConfig(steps, adaptive=adaptive, one_graph=one_graph)
     strategy = MTPDecoding(drafter, spec, oracle or accept)
     return Engine(target, cfg, device, strategy)
@@ -177,7 +139,7 @@ def run_model(subject: Subject, args, device, results) -> None:
             start = time.perf_counter()
             engines[mode] = engine_for(
                 mode, subject.target, subject.drafter, device, cfg, subject.oracle,
-                not args.two_graph,
+                not args.two_graph, args.lazy_auto,
             )  # fmt: skip
             print(f"# {subject.name} {mode}: engine built in {time.perf_counter() - start:.1f} s")
         run_cells(subject, engines, args, results)
@@ -395,6 +357,12 @@ def main() -> None:
         "--two-graph",
         action="store_true",
         help="each round on two graphs, the draft loop's and verify's (default: one graph)",
+    )
+    parser.add_argument(
+        "--lazy-auto",
+        action="store_true",
+        help="auto's engine captures a length when a step first needs it, as `graphrt "
+        "generate` does (default: all at start-up, as `graphrt serve` does)",
     )
     parser.add_argument(
         "--batch-invariant",

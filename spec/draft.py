@@ -76,14 +76,28 @@ def top_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     return (top - logits.logsumexp(dim=-1, keepdim=True)).exp(), index
 
 
-def draft_verify_tree(run_step, cfg: SpecConfig, tokens, seed_hidden, *rows) -> VerifyTree:
+# What a round's drafted tree becomes before verify: (tree, request slots (B,), each
+# request's root position (B,)) -> tree, device ops only (it runs inside the captured
+# draft loop or round). None in the engine; benchmarks and tests pass an oracle that
+# drafts the target's own continuation (bench/token_oracle.py).
+DraftRule = Callable[[VerifyTree, torch.Tensor, torch.Tensor], VerifyTree]
+
+
+def draft_verify_tree(
+    run_step, cfg: SpecConfig, tokens, seed_hidden, *rows, rule: DraftRule | None = None
+) -> VerifyTree:
     """The round's verify tree: ``draft_tree`` (same arguments) built into mask, depths
-    and parents, with the last accepted tokens as roots. A chain that verifies every
-    drafted token (topk 1, the default tree width) takes ``draft_chain``: the same tree."""
+    and parents, with the last accepted tokens as roots, then ``rule`` applied. A chain
+    that verifies every drafted token (topk 1, the default tree width) takes
+    ``draft_chain``: the same tree."""
     if is_full_chain(cfg):
-        return draft_chain(run_step, cfg, tokens, seed_hidden, *rows)
-    drafted = draft_tree(run_step, cfg, tokens, seed_hidden, *rows)
-    return build_verify_tree(tokens, *drafted, cfg.topk)
+        tree = draft_chain(run_step, cfg, tokens, seed_hidden, *rows)
+    else:
+        tree = build_verify_tree(
+            tokens, *draft_tree(run_step, cfg, tokens, seed_hidden, *rows), cfg.topk
+        )
+    req_pool_indices, kv_lens = rows[0], rows[1]
+    return tree if rule is None else rule(tree, req_pool_indices, kv_lens)
 
 
 def is_full_chain(cfg: SpecConfig) -> bool:
@@ -165,10 +179,13 @@ def draft_shape(seed_hidden_size: int, dtype: torch.dtype, num_steps: int) -> Gr
     )
 
 
-def captured_draft_loop(drafter, attn: AttentionBackend, cfg: SpecConfig):
+def captured_draft_loop(
+    drafter, attn: AttentionBackend, cfg: SpecConfig, rule: DraftRule | None = None
+):
     """The function a draft-loop graph computes from its static request rows: the whole
     draft (every draft step, the top-k expansions, the organised results) and the verify
-    tree built from it, so the verify graph can follow with no eager work between."""
+    tree built from it (``rule`` applied), so the verify graph can follow with no eager
+    work between."""
 
     def run_step(step: ForwardBatch) -> RunnerOutput:
         # Step rows are derived inside the graph from the static buffers; their
@@ -185,6 +202,7 @@ def captured_draft_loop(drafter, attn: AttentionBackend, cfg: SpecConfig):
             static.req_pool_indices,
             static.seq_lens,
             static.seq_lens_cpu,
+            rule=rule,
         ).tensors()
 
     return forward

@@ -40,7 +40,7 @@ from graphrt.core.models.ops import model_ops
 from graphrt.core.runners import GraphShape, StaticField
 from graphrt.core.runners.base import RunnerOutput, forward_model
 from graphrt.spec.config import SpecConfig
-from graphrt.spec.draft import draft_verify_tree, is_full_chain
+from graphrt.spec.draft import DraftRule, draft_verify_tree, is_full_chain
 from graphrt.spec.verify import (
     SAMPLING_FIELDS,
     SAMPLING_NAMES,
@@ -145,10 +145,12 @@ def captured_round(
     tables: RoundTables,
     max_context_len: int,
     accept_rule: AcceptRule,
+    draft_rule: DraftRule | None = None,
 ):
     """The function a one-graph round computes from its static batch: the draft loop
-    (as spec.draft's captured loop), the verify batch of its tree, verify and the tail
-    (as spec.verify's round); -> (packed,), what the host reads."""
+    (as spec.draft's captured loop, ``draft_rule`` applied), the verify batch of its
+    tree, verify and the tail (as spec.verify's round); -> (packed,), what the host
+    reads."""
 
     def run_step(step: ForwardBatch) -> RunnerOutput:
         attn.init_metadata_for_capture(step)  # capture-safe: device tensors only
@@ -172,6 +174,7 @@ def captured_round(
             static.req_pool_indices,
             kv_lens.clamp(min=1),
             [1] * len(static.seq_lens_cpu),
+            rule=draft_rule,
         )
         # The verify batch as spec.verify.verify_batch builds it, on the static batch's own
         # lengths: verify_batch would derive host lengths from the static batch's values,

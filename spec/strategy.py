@@ -57,6 +57,7 @@ from graphrt.spec.accept import accept
 from graphrt.spec.adaptive import DraftChooser
 from graphrt.spec.config import SpecConfig
 from graphrt.spec.draft import (
+    DraftRule,
     captured_draft_loop,
     draft_batch,
     draft_shape,
@@ -116,10 +117,12 @@ class MTPDecoding(DecodeStrategy):
         drafter: LoadedModel,
         config: SpecConfig | None = None,
         accept_rule: AcceptRule = accept,
+        draft_rule: DraftRule | None = None,
     ):
         self.drafter = drafter
         self.cfg = config or SpecConfig()
         self.accept_rule = accept_rule  # spec.accept.accept; an oracle in benchmarks
+        self.draft_rule = draft_rule  # None; an oracle's drafts in benchmarks and tests
         lengths = range(1, self.cfg.num_steps + 1) if self.cfg.adaptive else (self.cfg.num_steps,)
         self.variants = {k: RoundGraphs(self.cfg.for_steps(k)) for k in lengths}
         self.chooser = DraftChooser(self.cfg.num_steps) if self.cfg.adaptive else None
@@ -218,7 +221,7 @@ class MTPDecoding(DecodeStrategy):
             # step (a breakable backend's) drafts eagerly and verifies on graphs.
             if ctx.attn_backend.capture_safe:
                 steps = variant.cfg.num_steps
-                loop = captured_draft_loop(drafter, ctx.attn_backend, variant.cfg)
+                loop = captured_draft_loop(drafter, ctx.attn_backend, variant.cfg, self.draft_rule)
                 shape = draft_shape(target.config.hidden_size, dtype, steps)
                 variant.draft = GraphRunner(drafter, ctx.attn_backend, *args, shape, forward=loop)
         # The longest rounds' verify graphs (the larger) first, the draft loops last.
@@ -248,6 +251,7 @@ class MTPDecoding(DecodeStrategy):
                 self.tables(),
                 ctx.max_context_len,
                 self.accept_rule,
+                self.draft_rule,
             )
             variant.round, variant.sampled_round = (
                 GraphRunner(
@@ -632,7 +636,9 @@ class MTPDecoding(DecodeStrategy):
         graph = variant.draft
         if graphs and graph is not None and graph.can_run_graph(batch):
             return VerifyTree(*graph.execute(batch)), True
-        tree = draft_verify_tree(self.draft_eager.execute, variant.cfg, *args, inputs.kv_lens_cpu)
+        tree = draft_verify_tree(
+            self.draft_eager.execute, variant.cfg, *args, inputs.kv_lens_cpu, rule=self.draft_rule
+        )
         return tree, False
 
     def verify(

@@ -5,6 +5,9 @@ distribution on a vocabulary of 8."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import (
@@ -25,20 +28,28 @@ from graphrt.spec import MTPDecoding, SpecConfig
 from graphrt.spec.draft import draft_chain, draft_tree
 from graphrt.spec.tree import build_verify_tree
 
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 PROMPT_LENS = (9, 16, 12)  # all longer than the sliding window (6)
 NEW_TOKENS = 24
 SAMPLING_TEMPERATURE = 0.3
 
 
 def spec_engine(
-    target, drafter, steps: int, topk: int, device=None, one_graph: bool = True, **config
+    target,
+    drafter,
+    steps: int,
+    topk: int,
+    device=None,
+    one_graph: bool = True,
+    draft_rule=None,
+    **config,
 ) -> Engine:
     """An Engine with frozen-KV MTP drafting, eager unless ``device`` brings graphs;
     ``one_graph``: each round on one graph (the default) or the draft loop's and verify's."""
     loaded = load_model(str(target.path), CPU, torch.float32)
     draft = load_model(str(drafter.path), CPU, torch.float32)
     spec = SpecConfig(num_steps=steps, topk=topk, one_graph=one_graph)
-    strategy = MTPDecoding(draft, spec)
+    strategy = MTPDecoding(draft, spec, draft_rule=draft_rule)
     runner = "graph" if device is not None else "eager"
     return cpu_engine(
         loaded, strategy, device, **{"max_context_len": 128, "runner": runner, **config}
@@ -428,6 +439,62 @@ def test_rounds_on_graphs_per_request_batch_size(
     for graph in on_graphs:  # 3 requests padded to 4, then 2 and 1 (padded to 2)
         assert set(graph.replays_per_size()) == {2, 4}
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
+
+
+@pytest.fixture(scope="module")
+def oracles():
+    """bench/oracles.py, loaded by its path (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("oracles", BENCH / "oracles.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("steps", "topk", "rounds"),
+    [
+        (3, 1, "eager"),
+        pytest.param(3, 1, "one-graph", marks=pytest.mark.graphs),
+        pytest.param(3, 1, "two-graph", marks=pytest.mark.graphs),
+        (2, 3, "eager"),
+        pytest.param(2, 3, "one-graph", marks=pytest.mark.graphs),
+    ],
+)
+def test_the_token_oracle_drafts_the_targets_own_continuation(
+    rounds, steps, topk, oracles, gemma4_tiny, gemma4_assistant, hf_reference
+):
+    """bench/oracles.py's ``TokenOracle``, a draft rule (``MTPDecoding(draft_rule=...)``)
+    run inside the captured rounds: at rate 1 each node of a tree's first-child path
+    drafts the target's own greedy token, told by request slot and read at the node's
+    position. So a chain accepts every draft in every round but a request's last (the
+    one that runs past the known sequence), a tree at least its first, and the output is
+    transformers' greedy. A slot or a position off by one drafts tokens verify rejects."""
+    prompts, expected = hf_reference
+    oracle = oracles.TokenOracle(max_requests=4, max_context_len=128, device="cpu")
+    oracle.rate.fill_(1.0)
+    graphs = rounds != "eager"
+    engine = spec_engine(
+        gemma4_tiny, gemma4_assistant, steps, topk,
+        device=graph_device("standin-cuda-full") if graphs else None,
+        one_graph=rounds == "one-graph", draft_rule=oracle, max_running_requests=4,
+    )  # fmt: skip
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    engine.step()  # prefill assigns request slots
+    for req, continuation in zip(reqs, expected):
+        oracle.know(req.req_slot, req.prompt_ids + continuation)
+    while engine.has_work:
+        engine.step()
+    assert [r.output_ids for r in reqs] == expected
+    for req in reqs:
+        accepted = [len(rnd["accepted_tokens"]) for rnd in req.spec_rounds]
+        if topk == 1:
+            assert accepted[:-1] == [steps] * (len(accepted) - 1), accepted
+        else:
+            assert min(accepted[:-1]) >= 1, accepted
+    stats = engine.stats
+    assert stats.spec_rounds > 0
+    assert stats.graph_rounds == (stats.spec_rounds if graphs else 0)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 @pytest.fixture
 def matrix(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # its sibling modules (bench/oracles.py)
     spec = importlib.util.spec_from_file_location("spec_matrix", BENCH / "spec_matrix.py")
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "spec_matrix", module)  # its dataclasses look it up
