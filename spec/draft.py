@@ -79,7 +79,7 @@ def top_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 # What a round's drafted tree becomes before verify: (tree, request slots (B,), each
 # request's root position (B,)) -> tree, device ops only (it runs inside the captured
 # draft loop or round). None in the engine; benchmarks and tests pass an oracle that
-# drafts the target's own continuation (bench/token_oracle.py).
+# drafts the target's own continuation (bench/oracles.py).
 DraftRule = Callable[[VerifyTree, torch.Tensor, torch.Tensor], VerifyTree]
 
 
