@@ -53,6 +53,9 @@
 #   bash bench/h200.sh onegraph [batch sizes]: one graph a round (spec.round_graph, the
 #     default) against two-graph rounds: the one-graph conformance tests on CUDA,
 #     step_phases side by side at batch 1 and 64, the pair's matrix with both kinds of round
+#   bash bench/h200.sh oracle [rate]: random:gemma4-e2b with bench/oracles.py's TokenOracle
+#     (bench/eval_pair.py --oracle-rate, 0.7): bf16 and fp16 output with the drafter against
+#     without, batch-invariant kernels and default (issue 20)
 #   bash bench/h200.sh invariant [eval configs]: batch-invariant kernels' tests, bf16 spec ==
 #     plain on the embedded pair with and without --batch-invariant, the README's command
 #     with its default kernels and without (its decode cost by model: bench/invariant_cost.sh)
@@ -302,6 +305,23 @@ if [[ $what == onegraph ]]; then
         --modes plain,4,4+2g,auto,auto+2g --tokens 128 --out "$OUT/spec-matrix.json" 2>&1 \
         | grep -v Warning > "$OUT/spec-matrix.log"
     echo "matrix exit $?"; grep -v '^{' "$OUT/spec-matrix.log" | tail -n 12
+fi
+
+if [[ $what == oracle ]]; then
+    # Issue 20: random:gemma4-e2b's greedy output with an oracle drafter that drafts the
+    # target's own continuation (bench/oracles.py's TokenOracle, rate $2, 0.7) equal to
+    # plain decoding's, on 16 random prompts: batch-invariant kernels in bf16 and fp16, then
+    # the default kernels in bf16 (stop 78, an H100: 16/16, 16/16, 0/16).
+    for run in "bfloat16 invariant" "float16 invariant" "bfloat16 default"; do
+        read -r dtype kernels <<< "$run"
+        flag=; [[ $kernels == invariant ]] && flag=--batch-invariant
+        echo "== $dtype, $kernels kernels"
+        python bench/eval_pair.py --device cuda --runner graph --target random:gemma4-e2b \
+            --draft random:gemma4-e2b-assistant --tokens random --files 16 --prompt-len 64 \
+            --max-new-tokens 128 --oracle-rate "${2:-0.7}" --configs 4x1,3x3 --dtype "$dtype" \
+            $flag --out "$OUT/eval-oracle-$dtype-$kernels.json" 2>&1 \
+            | grep -v "Warning\|Loading weights" | tail -n 6
+    done
 fi
 
 if [[ $what == invariant ]]; then
