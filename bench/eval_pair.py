@@ -48,6 +48,7 @@ from graphrt import devices
 from graphrt.core import pretrained
 from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.engine.engine import EngineStats
+from graphrt.core.engine.request import Request
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype
 from graphrt.spec import MTPDecoding, SpecConfig
@@ -103,15 +104,16 @@ class StepClock:
 
 class Teacher:
     """``Engine.generate``'s on_step hook with an oracle: tells it each request's greedy
-    sequence (prompt, then the no-draft run's output) by request slot once admitted. A
-    round launched before that (steps launched ahead) drafts the slot's stale row: verify
-    rejects what differs, so only acceptance pays for it."""
+    sequence (prompt, then the no-draft run's output) by request slot once admitted,
+    between its prefill step and its first round (no round is launched ahead while a
+    request prefills). Were a round to draft from a slot's stale row, verify would reject
+    what differs: acceptance would pay, never output."""
 
     def __init__(self, oracle: TokenOracle, sequences: dict[tuple[int, ...], list[int]]):
         self.oracle, self.sequences = oracle, sequences
-        self.told: dict[int, object] = {}  # slot -> the request told about
+        self.told: dict[int, Request] = {}  # slot -> the request told about
 
-    def __call__(self, stepped) -> None:
+    def __call__(self, stepped: list[Request]) -> None:
         for req in stepped:
             if req.req_slot is not None and self.told.get(req.req_slot) is not req:
                 self.told[req.req_slot] = req
@@ -290,6 +292,8 @@ def main() -> int:
     args = p.parse_args()
     if args.oracle_rate is not None and not 0.0 <= args.oracle_rate <= 1.0:
         p.error(f"--oracle-rate {args.oracle_rate}: a probability, from 0 to 1")
+    if args.explain and args.target.startswith("random:"):
+        p.error("--explain loads the target with transformers: not a random: target")
     if args.threads:
         torch.set_num_threads(args.threads)
 

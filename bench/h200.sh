@@ -315,12 +315,14 @@ if [[ $what == oracle ]]; then
     for run in "bfloat16 invariant" "float16 invariant" "bfloat16 default"; do
         read -r dtype kernels <<< "$run"
         flag=; [[ $kernels == invariant ]] && flag=--batch-invariant
-        echo "== $dtype, $kernels kernels"
-        python bench/eval_pair.py --device cuda --runner graph --target random:gemma4-e2b \
-            --draft random:gemma4-e2b-assistant --tokens random --files 16 --prompt-len 64 \
-            --max-new-tokens 128 --oracle-rate "${2:-0.7}" --configs 4x1,3x3 --dtype "$dtype" \
-            $flag --out "$OUT/eval-oracle-$dtype-$kernels.json" 2>&1 \
-            | grep -v "Warning\|Loading weights" | tail -n 6
+        # 38-53 s each on an H100 with warm kernel caches (stop 78).
+        timeout 170 python bench/eval_pair.py --device cuda --runner graph \
+            --target random:gemma4-e2b --draft random:gemma4-e2b-assistant --tokens random \
+            --files 16 --prompt-len 64 --max-new-tokens 128 --oracle-rate "${2:-0.7}" \
+            --configs 4x1,3x3 --dtype "$dtype" $flag --out "$OUT/eval-oracle-$dtype-$kernels.json" \
+            > "$OUT/eval-oracle-$dtype-$kernels.log" 2>&1
+        echo "== $dtype, $kernels kernels: exit $?"
+        grep -v "Warning\|Loading weights" "$OUT/eval-oracle-$dtype-$kernels.log" | tail -n 6
     done
 fi
 

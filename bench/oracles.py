@@ -18,9 +18,9 @@ independent coins per position would give.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
+
+from graphrt.spec.tree import every_ancestor
 
 
 class RoundCoins:
@@ -76,7 +76,6 @@ class CoinAcceptance(RoundCoins):
     def __init__(self, real_accept, device, seed: int = 0):
         super().__init__(device, seed)
         self.real_accept = real_accept
-        self.max_context_len = 0  # set per engine (acceptance is given the context's room)
 
     def __call__(self, tree, target_tokens, max_accept):
         passed = self.passes(tree.depth)  # (B, n)
@@ -89,16 +88,21 @@ class CoinAcceptance(RoundCoins):
 class TokenOracle(RoundCoins):
     """An ``MTPDecoding`` draft rule: along each tree's first-child path (a chain: the
     chain), the node at depth d drafts the target's own greedy token at its position
-    where the coin passes depth d; every other node keeps the assistant's draft.
+    where the coin passes depth d; every other node keeps the assistant's draft (a
+    sibling may then hold the same token: acceptance takes the deepest accepted node).
 
     ``know(slot, ids)`` tells it a request's whole greedy sequence (prompt, then the plain
     run's output) by request slot, as ``Request.req_slot`` holds it once admitted; a
     position it does not know (-1), or a slot told about another request, drafts a token
-    that verify rejects, which costs acceptance and never output."""
+    that verify rejects, which costs acceptance and never output. HAZARD: it needs a row
+    for every slot the engine may use (``max_requests``: the engine's
+    ``max_running_requests``, start-up's throwaway requests included); a slot past them
+    indexes out of the table, a device assert on CUDA."""
 
     def __init__(self, max_requests: int, max_context_len: int, device, seed: int = 0):
         super().__init__(device, seed)
         # (slots + 1, context) each request slot's greedy sequence by position; -1 unknown.
+        # Row 0 is the padding rows' slot, never told.
         self.known = torch.full(
             (max_requests + 1, max_context_len), -1, dtype=torch.long, device=device
         )
@@ -109,21 +113,18 @@ class TokenOracle(RoundCoins):
         ids = ids[: row.numel()]
         row[: len(ids)] = torch.tensor(ids, dtype=torch.long)
 
-    def __call__(self, tree, req_slots, kv_lens):
-        batch, n = tree.tokens.shape
-        context = self.known.shape[1]
+    def __call__(self, tree, req_slots, kv_lens) -> torch.Tensor:
+        """-> the tree's tokens (B, n), the oracle's where it drafts."""
+        n, context = tree.tokens.shape[1], self.known.shape[1]
         nodes = torch.arange(n, device=tree.tokens.device)
-        passed = self.passes(nodes.expand(batch, n))  # (B, n) by depth, not node
-        tokens = tree.tokens.clone()  # (B, n)
-        node = torch.zeros(batch, dtype=torch.long, device=tokens.device)  # the path's last
-        for d in range(1, n):  # (a tree's depths stop short of n: its loop finds no child)
-            # The path's node at depth d: the first child of its node at d - 1 (n: none).
-            child = torch.where(tree.parents == node.unsqueeze(1), nodes, n).amin(dim=1)
-            at = child.clamp(max=n - 1).unsqueeze(1)  # (B, 1)
-            position = kv_lens.long() + d  # (B,) the root sits at kv_lens
-            want = self.known[req_slots.long(), position.clamp(max=context - 1)]  # (B,)
-            write = (child < n) & (position < context) & (want >= 0) & passed[:, d]
-            current = tokens.gather(1, at).squeeze(1)
-            tokens.scatter_(1, at, torch.where(write, want, current).unsqueeze(1))
-            node = child
-        return dataclasses.replace(tree, tokens=tokens)
+        parents = tree.parents  # (B, n): -1 at the root and at dropped nodes
+        # [b, i, j]: node j is a sibling of node i with a lower index.
+        earlier = (parents.unsqueeze(2) == parents.unsqueeze(1)) & (nodes.unsqueeze(1) > nodes)
+        first_child = (parents >= 0) & ~earlier.any(dim=-1)  # (B, n)
+        # On the path: the root, or a first child all of whose ancestors are (a dropped
+        # node's mask row holds itself alone, and it is no first child).
+        on_path = every_ancestor(tree.mask, first_child | (nodes == 0))  # (B, n)
+        position = kv_lens.long().unsqueeze(1) + tree.depth  # (B, n): the root's is kv_lens
+        want = self.known[req_slots.long().unsqueeze(1), position.clamp(max=context - 1)]
+        write = on_path & (tree.depth > 0) & (position < context) & (want >= 0)
+        return torch.where(write & self.passes(tree.depth), want, tree.tokens)

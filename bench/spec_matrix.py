@@ -132,14 +132,13 @@ def run_model(subject: Subject, args, device, results) -> None:
     )
     if subject.rates != (None,):  # acceptance by coin, in every engine's verify graph
         subject.oracle = CoinAcceptance(accept, device.torch_device())
-        subject.oracle.max_context_len = min(subject.target.model.max_context_len, tokens)
     engines = {}
     try:
         for mode in args.modes:
             start = time.perf_counter()
             engines[mode] = engine_for(
                 mode, subject.target, subject.drafter, device, cfg, subject.oracle,
-                not args.two_graph, args.lazy_auto,
+                one_graph=not args.two_graph, lazy_auto=args.lazy_auto,
             )  # fmt: skip
             print(f"# {subject.name} {mode}: engine built in {time.perf_counter() - start:.1f} s")
         run_cells(subject, engines, args, results)
@@ -418,6 +417,8 @@ def main() -> None:
         "workloads": args.workloads,
         "overlap": device.overlap_by_default if args.overlap is None else args.overlap,
         "batch_invariant": args.batch_invariant,
+        "two_graph": args.two_graph,
+        "lazy_auto": args.lazy_auto,  # auto's lengths captured lazily, not at start-up
         # The host's speed: host-bound cells (the pair, small batches) move with it.
         "host_launch_us": host_launch_us(device.torch_device(), device.synchronize),
     }

@@ -53,7 +53,8 @@ def accept(
     # hold every node, so the root is on the path by fiat, as it always is.
     root = torch.arange(n, device=target_tokens.device) == 0  # (n,)
     on_path = every_ancestor(tree.mask, drafted_target | root) | root  # (B, n)
-    # Children of one node drafted distinct tokens, so the accepted nodes form one chain.
+    # Children of one node drafted distinct tokens, so the accepted nodes form one chain
+    # (a draft rule may repeat one: then the deepest of them, and its ancestors, are the path).
     accept_len, last_node = torch.where(on_path, tree.depth, -1).max(dim=1)  # (B,), (B,)
     ancestors = tree.mask.gather(1, last_node.view(bs, 1, 1).expand(bs, 1, n)).squeeze(1)
     by_depth = torch.where(ancestors, tree.depth, n + tree.depth)  # path nodes first

@@ -76,28 +76,40 @@ def top_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     return (top - logits.logsumexp(dim=-1, keepdim=True)).exp(), index
 
 
-# What a round's drafted tree becomes before verify: (tree, request slots (B,), each
-# request's root position (B,)) -> tree, device ops only (it runs inside the captured
-# draft loop or round). None in the engine; benchmarks and tests pass an oracle that
-# drafts the target's own continuation (bench/oracles.py).
-DraftRule = Callable[[VerifyTree, torch.Tensor, torch.Tensor], VerifyTree]
+# What a round's drafted tokens become before verify: (tree, request slots (B,), each
+# request's root position (B,)) -> the tree's tokens (B, n); its structure (parents, mask,
+# depths) stays, which the captured shapes and chain verify rely on. Device ops only: it
+# runs inside the captured draft loop or round, at capture and warm-up too (a stateful
+# rule advances there). Padding rows come with request slot 0 and a placeholder position.
+# None in the engine; benchmarks and tests pass an oracle that drafts the target's own
+# continuation (bench/oracles.py), which may repeat a sibling's token: acceptance then
+# still takes the deepest accepted node and its ancestors as the path.
+DraftRule = Callable[[VerifyTree, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def draft_verify_tree(
-    run_step, cfg: SpecConfig, tokens, seed_hidden, *rows, rule: DraftRule | None = None
+    run_step,
+    cfg: SpecConfig,
+    tokens: torch.Tensor,  # (B,) last accepted token of each request
+    seed_hidden: torch.Tensor,  # (B, H)
+    req_pool_indices: torch.Tensor,  # (B,)
+    kv_lens: torch.Tensor,  # (B,) int32: each root's position
+    kv_lens_cpu: list[int],
+    rule: DraftRule | None = None,
 ) -> VerifyTree:
     """The round's verify tree: ``draft_tree`` (same arguments) built into mask, depths
-    and parents, with the last accepted tokens as roots, then ``rule`` applied. A chain
-    that verifies every drafted token (topk 1, the default tree width) takes
+    and parents, with the last accepted tokens as roots, its tokens then ``rule``'s. A
+    chain that verifies every drafted token (topk 1, the default tree width) takes
     ``draft_chain``: the same tree."""
+    rows = (req_pool_indices, kv_lens, kv_lens_cpu)
     if is_full_chain(cfg):
         tree = draft_chain(run_step, cfg, tokens, seed_hidden, *rows)
     else:
-        tree = build_verify_tree(
-            tokens, *draft_tree(run_step, cfg, tokens, seed_hidden, *rows), cfg.topk
-        )
-    req_pool_indices, kv_lens = rows[0], rows[1]
-    return tree if rule is None else rule(tree, req_pool_indices, kv_lens)
+        drafted = draft_tree(run_step, cfg, tokens, seed_hidden, *rows)
+        tree = build_verify_tree(tokens, *drafted, cfg.topk)
+    if rule is None:
+        return tree
+    return dataclasses.replace(tree, tokens=rule(tree, req_pool_indices, kv_lens))
 
 
 def is_full_chain(cfg: SpecConfig) -> bool:

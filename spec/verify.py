@@ -123,7 +123,7 @@ class RoundTables:
 
 
 # The rule that turns the target's token at every node into the accepted path: ``accept``
-# (spec.accept); benchmarks pass an oracle (bench/spec_matrix.py). Device ops only: it runs
+# (spec.accept); benchmarks pass an oracle (bench/oracles.py). Device ops only: it runs
 # inside the verify graph.
 AcceptRule = Callable[[VerifyTree, torch.Tensor, torch.Tensor], Acceptance]
 

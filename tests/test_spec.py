@@ -458,6 +458,7 @@ def oracles():
         pytest.param(3, 1, "two-graph", marks=pytest.mark.graphs),
         (2, 3, "eager"),
         pytest.param(2, 3, "one-graph", marks=pytest.mark.graphs),
+        pytest.param(2, 3, "two-graph", marks=pytest.mark.graphs),
     ],
 )
 def test_the_token_oracle_drafts_the_targets_own_continuation(
@@ -467,8 +468,9 @@ def test_the_token_oracle_drafts_the_targets_own_continuation(
     run inside the captured rounds: at rate 1 each node of a tree's first-child path
     drafts the target's own greedy token, told by request slot and read at the node's
     position. So a chain accepts every draft in every round but a request's last (the
-    one that runs past the known sequence), a tree at least its first, and the output is
-    transformers' greedy. A slot or a position off by one drafts tokens verify rejects."""
+    one that runs past the known sequence), a tree at least its first (which nodes it
+    redrafts: tests/test_oracles.py), and the output is transformers' greedy. A slot or a
+    position off by one drafts tokens verify rejects."""
     prompts, expected = hf_reference
     oracle = oracles.TokenOracle(max_requests=4, max_context_len=128, device="cpu")
     oracle.rate.fill_(1.0)

@@ -76,8 +76,8 @@ class TorchAttentionBackend(AttentionBackend):
         k_buf = self.kv_pool.k_buffers[spec.cache_index]
         v_buf = self.kv_pool.v_buffers[spec.cache_index]
         slots = self.req_to_token_pool.req_to_token[batch.req_pool_indices, :kv_len]  # (B, L)
-        key = gather_slots(k_buf, slots).transpose(1, 2)  # (B, Hkv, L, D)
-        value = gather_slots(v_buf, slots).transpose(1, 2)
+        key = _gather_slots(k_buf, slots).transpose(1, 2)  # (B, Hkv, L, D)
+        value = _gather_slots(v_buf, slots).transpose(1, 2)
         pos = torch.arange(kv_len, device=q.device)
         seq_lens = batch.seq_lens.unsqueeze(1)  # (B, 1)
         visible = pos < seq_lens  # (B, L)
@@ -109,8 +109,8 @@ class TorchAttentionBackend(AttentionBackend):
             ],
             dim=1,
         )  # (B, L + n)
-        key = gather_slots(k_buf, slots).transpose(1, 2)  # (B, Hkv, L + n, D)
-        value = gather_slots(v_buf, slots).transpose(1, 2)
+        key = _gather_slots(k_buf, slots).transpose(1, 2)  # (B, Hkv, L + n, D)
+        value = _gather_slots(v_buf, slots).transpose(1, 2)
         prefix = (batch.seq_lens - n).unsqueeze(1)  # (B, 1)
         cached = torch.arange(kv_len, device=q.device) < prefix  # (B, L)
         visible = torch.cat(
@@ -192,14 +192,10 @@ class TorchAttentionBackend(AttentionBackend):
         return _causal(q, key, value, scale, gqa)
 
 
-def gather_slots(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``buf[slots]``: a KV buffer's (S, Hkv, D) rows at ``slots`` (any shape), as one
-    ``index_select`` over the flattened slots. The same rows as advanced indexing, which
-    on the CPU took 3-4x as long a gather (220 rows of 128: 21.6 against 6.7 us, one
-    thread), twice a layer every decode, draft and verify step: the embedded target's
-    plain steps ran 10% faster (147.8 against 134.7 tok/s, medians of six alternating
-    runs in one process, 2 cores), rounds of 5 4% (129.8 against 124.5, fourteen).
-    Prefill (``_extend_request``, CUDA's too) keeps its indexing: once a prompt."""
+def _gather_slots(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``buf[slots]``: a KV buffer's (S, Hkv, D) rows at ``slots`` (any shape), by one
+    ``index_select``: advanced indexing took 3-4x as long on the CPU (BENCHMARKS.md,
+    stop 78)."""
     return buf.index_select(0, slots.reshape(-1)).view(*slots.shape, *buf.shape[1:])
 
 
