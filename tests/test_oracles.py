@@ -4,23 +4,10 @@ it leaves (siblings, dropped nodes, unknown positions, padding rows, failed coin
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from graphrt.spec.tree import VerifyTree, ancestors
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-@pytest.fixture(scope="module")
-def oracles():
-    spec = importlib.util.spec_from_file_location("oracles", BENCH / "oracles.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def tree_of(parents: list[int], rows: int) -> VerifyTree:

@@ -5,9 +5,6 @@ distribution on a vocabulary of 8."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from helpers import (
@@ -28,7 +25,6 @@ from graphrt.spec import MTPDecoding, SpecConfig
 from graphrt.spec.draft import draft_chain, draft_tree
 from graphrt.spec.tree import build_verify_tree
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 PROMPT_LENS = (9, 16, 12)  # all longer than the sliding window (6)
 NEW_TOKENS = 24
 SAMPLING_TEMPERATURE = 0.3
@@ -439,15 +435,6 @@ def test_rounds_on_graphs_per_request_batch_size(
     for graph in on_graphs:  # 3 requests padded to 4, then 2 and 1 (padded to 2)
         assert set(graph.replays_per_size()) == {2, 4}
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
-
-
-@pytest.fixture(scope="module")
-def oracles():
-    """bench/oracles.py, loaded by its path (bench/ is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("oracles", BENCH / "oracles.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize(
