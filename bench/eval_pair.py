@@ -110,7 +110,9 @@ class Teacher:
     what differs: acceptance would pay, never output."""
 
     def __init__(self, oracle: TokenOracle, sequences: dict[tuple[int, ...], list[int]]):
-        self.oracle, self.sequences = oracle, sequences
+        self.oracle = oracle
+        # On the device before any timing: telling the oracle then waits on nothing.
+        self.sequences = {prompt: oracle.staged(ids) for prompt, ids in sequences.items()}
         self.told: dict[int, Request] = {}  # slot -> the request told about
 
     def __call__(self, stepped: list[Request]) -> None:

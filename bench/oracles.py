@@ -107,11 +107,18 @@ class TokenOracle(RoundCoins):
             (max_requests + 1, max_context_len), -1, dtype=torch.long, device=device
         )
 
-    def know(self, slot: int, ids: list[int]) -> None:
+    def know(self, slot: int, ids: list[int] | torch.Tensor) -> None:
+        """Slot ``slot``'s sequence from now on: ``ids`` as a list, or already on the
+        device (``staged``), which copies with no wait on the device."""
         row = self.known[slot]
         row.fill_(-1)
         ids = ids[: row.numel()]
-        row[: len(ids)] = torch.tensor(ids, dtype=torch.long)
+        row[: len(ids)].copy_(torch.as_tensor(ids, dtype=torch.long))
+
+    def staged(self, ids: list[int]) -> torch.Tensor:
+        """``ids`` on the oracle's device, for ``know`` inside a timed run: a list would be
+        copied from pageable host memory, a wait on the device per request told."""
+        return torch.tensor(ids, dtype=torch.long).to(self.known.device)
 
     def __call__(self, tree, req_slots, kv_lens) -> torch.Tensor:
         """-> the tree's tokens (B, n), the oracle's where it drafts."""
