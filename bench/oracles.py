@@ -52,6 +52,14 @@ class RoundCoins:
         # Each row's rounds so far: state the captured graphs advance on every replay.
         self.rounds = torch.zeros(self.MAX_ROWS, dtype=torch.long, device=device)
 
+    def restart(self, block: int) -> None:
+        """Every row reads its stream again from its ``block``-th block. The matrix restarts
+        the coins before each mode's timed run of a repetition, so the modes compared in a
+        cell meet the same coins round for round (common random numbers): a repetition's
+        luck then moves every mode alike, and auto / best measures the chooser. In place:
+        captured graphs keep reading ``rounds``."""
+        self.rounds.fill_(block * self.STRATA)
+
     def passes(self, depth: torch.Tensor) -> torch.Tensor:
         """(B, n) node depths -> (B, n) bool: this round's coin passes each depth (depth 0
         always); advances every row of the batch by one round."""

@@ -8,7 +8,8 @@ Rows: models x batch sizes; columns: plain decoding, rounds of 1 to 5 draft step
   accepts at a set rate per position (``CoinAcceptance``): the assistant's draft graph and
   the verify graph run as ever (their cost is real), and each drafted node counts as the
   target's own token with probability ``rate`` given its parent's (a stratified
-  stream a row, so that every mode accepts close to its expectation, not at its luck).
+  stream a row, so that every mode accepts close to its expectation, not at its luck;
+  restarted before each timed run, so that the modes of a repetition meet the same coins).
 
 Each cell: one engine per mode (all built first, graphs captured once, reused across
 cells), its requests of ``--tokens`` new tokens each, after one warm-up generate at that
@@ -162,7 +163,7 @@ def run_cells(subject: Subject, engines: dict[str, Engine], args, results) -> No
             for rep in range(args.reps):
                 order = args.modes if rep % 2 == 0 else args.modes[::-1]
                 for mode in order:
-                    cell = measure(engines[mode], subject, bs, model, mode, args, workload)
+                    cell = measure(engines[mode], subject, bs, model, mode, args, workload, rep)
                     cells[mode].append(cell)
             for mode in args.modes:
                 cell = median_cell(cells[mode])
@@ -171,10 +172,20 @@ def run_cells(subject: Subject, engines: dict[str, Engine], args, results) -> No
 
 
 def measure(
-    engine: Engine, subject: Subject, bs: int, model: str, mode: str, args, workload: str
+    engine: Engine,
+    subject: Subject,
+    bs: int,
+    model: str,
+    mode: str,
+    args,
+    workload: str,
+    rep: int = 0,
 ) -> dict:
     """One measurement of one cell: a warm-up generate at this batch size (its graphs,
-    auto's first looks), then the timed one, closed or steady (``workload``)."""
+    auto's first looks), then the timed one, closed or steady (``workload``). An oracle's
+    coins restart at block ``rep`` before the timed run: every mode of a repetition meets
+    the same coins (stop 78 read a repetition's luck, up to 16% at batch 1, as the
+    chooser's)."""
     params = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
     warm = SamplingParams(max_new_tokens=16, ignore_eos=True)
     prompts = subject.prompts_for(bs)
@@ -183,6 +194,8 @@ def measure(
     with chooser_trace(engine, args.trace, label + " warm"):
         engine.generate(prompts, warm)
     hist0 = list(s.accept_histogram)
+    if subject.oracle is not None:
+        subject.oracle.restart(rep)
     run = steady_tokens_per_s if workload == "steady" else generate_tokens_per_s
     with step_timer(engine, bs) as step_ms, chooser_trace(engine, args.trace, label):
         tps = run(engine, prompts, params)

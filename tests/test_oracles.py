@@ -55,3 +55,22 @@ def test_the_oracles_coin_passes_a_depth_with_its_rate(oracles):
     assert torch.equal(chains, chains.cumprod(dim=1))  # a depth only behind the one above
     rates = chains.mean(dim=0)
     assert (rates - torch.tensor([0.5, 0.25, 0.125], dtype=torch.float64)).abs().max() < 0.08
+
+
+def test_restarted_coins_repeat_round_for_round(oracles):
+    """``restart(block)`` replays every row's stream from that block: the matrix's modes
+    of one repetition meet the same coins, and another repetition meets others."""
+    coins = oracles.RoundCoins("cpu")
+    coins.rate.fill_(0.7)
+    depth = torch.arange(6).repeat(4, 1)  # (rows, depths 0 .. 5)
+
+    def draw(rounds):
+        return torch.stack([coins.passes(depth) for _ in range(rounds)])
+
+    coins.restart(1)
+    first = draw(40)
+    draw(7)  # a warm-up's rounds in between
+    coins.restart(1)
+    assert torch.equal(draw(40), first)
+    coins.restart(2)
+    assert not torch.equal(draw(40), first)
