@@ -4,7 +4,8 @@ devices/cuda/triton_round_tail.py) against spec's tensor ops (spec.verify.round_
 table and the seed table must come out equal.
 
 Trees are random forests with dropped nodes, siblings drafting distinct tokens as a
-drafter's top-k does, and target tokens that follow a child's draft three times in four,
+drafter's top-k does (and in one shape a token repeated, as a draft rule may: the deepest
+accepted node of lowest index ends the path), and target tokens that follow a child's draft three times in four,
 so that paths run deep; chains (topk 1) too. Each batch holds a request at the context's
 end (its acceptance capped) and a graph's padding request (every mask entry True, slot 0).
 Hiddens and the seed table are bfloat16 or float32 (the target's dtype, both), and wider
@@ -29,7 +30,15 @@ from graphrt.spec.tree import ancestors
 from graphrt.spec.verify import RoundTables, VerifyInput, round_tail
 
 VOCAB, CONTEXT = 6, 64
-SHAPES = [(5, 2, True), (5, 5, True), (6, 6, False), (4, 9, False), (3, 17, False)]  # B, n, chain
+# B, n, chain, siblings repeating a token (a draft rule's trees: bench/oracles.py's TokenOracle)
+SHAPES = [
+    (5, 2, True, False),
+    (5, 5, True, False),
+    (6, 6, False, False),
+    (4, 9, False, False),
+    (3, 17, False, False),
+    (5, 9, False, True),
+]
 
 
 def forest(n: int, chain: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +56,16 @@ def forest(n: int, chain: bool, gen: torch.Generator) -> tuple[torch.Tensor, tor
     return parents, valid
 
 
-def case(bs: int, n: int, chain: bool, device, seed: int, dtype=torch.bfloat16, context=CONTEXT):
+def case(
+    bs: int,
+    n: int,
+    chain: bool,
+    device,
+    seed: int,
+    dtype=torch.bfloat16,
+    context=CONTEXT,
+    repeat: bool = False,
+):
     """-> (logits (B * n, V), hidden (B * n, H), batch, tables): a verify's outputs and its
     batch; the last request is padding, the one before it at the context's end."""
     gen = torch.Generator().manual_seed(seed)
@@ -58,6 +76,8 @@ def case(bs: int, n: int, chain: bool, device, seed: int, dtype=torch.bfloat16, 
         for p in range(n):
             kids = [c for c in range(1, n) if valid[b, c] and parents[b, c] == p]
             tokens[b, kids] = torch.randperm(max(VOCAB, len(kids)), generator=gen)[: len(kids)]
+            if repeat and len(kids) > 1:  # the last sibling repeats the first's token
+                tokens[b, kids[-1]] = tokens[b, kids[0]]
     target = torch.randint(VOCAB, (bs, n), generator=gen)
     for b in range(bs):  # a child's draft, three times in four (always at the context's end)
         for i in range(n):
@@ -104,9 +124,9 @@ def case(bs: int, n: int, chain: bool, device, seed: int, dtype=torch.bfloat16, 
 def compare(kernel, device) -> list[dict]:
     fused_ops = dataclasses.replace(TORCH_OPS, round_tail=kernel)
     results = []
-    for i, (bs, n, chain) in enumerate(SHAPES):
+    for i, (bs, n, chain, repeat) in enumerate(SHAPES):
         dtype = torch.bfloat16 if i % 2 == 0 else torch.float32
-        logits, hidden, batch, tables = case(bs, n, chain, device, seed=i, dtype=dtype)
+        logits, hidden, batch, tables = case(bs, n, chain, device, i, dtype, repeat=repeat)
         want_tables = RoundTables(*(t.clone() for t in dataclasses.astuple(tables)))
         want = round_tail(logits, hidden, batch, want_tables, CONTEXT, ops=TORCH_OPS)
         got = round_tail(logits, hidden, batch, tables, CONTEXT, ops=fused_ops)
@@ -148,7 +168,7 @@ def test_cases_reach_the_context_end_cap():
     """In some compared case the request at the context's end would accept more without
     its cap (two drafts at most there): the cases test the cap."""
     capped = []
-    for i, (bs, n, chain) in enumerate(SHAPES):
+    for i, (bs, n, chain, _) in enumerate(SHAPES):
         logits, hidden, batch, tables = case(bs, n, chain, torch.device("cpu"), seed=i)
         packed = round_tail(logits, hidden, batch, tables, CONTEXT, ops=TORCH_OPS)
         wide = RoundTables(tables.req_to_token.new_zeros(bs + 4, 2 * CONTEXT), tables.seeds)
@@ -156,6 +176,23 @@ def test_cases_reach_the_context_end_cap():
         assert int(packed[-2, 0]) <= 2
         capped.append(int(uncapped[-2, 0]) > int(packed[-2, 0]))
     assert any(capped)
+
+
+def test_the_repeating_shape_accepts_two_siblings_of_one_token():
+    """In the shape whose siblings may repeat a token, some request's two siblings both
+    drafted their parent's target token: the kernel's choice among tied paths is tested."""
+    i = next(i for i, shape in enumerate(SHAPES) if shape[3])
+    bs, n, chain, repeat = SHAPES[i]
+    logits, _, batch, _ = case(bs, n, chain, torch.device("cpu"), i, repeat=repeat)
+    target = logits.argmax(dim=-1).view(bs, n)
+    tokens, parents = batch.input_ids.view(bs, n), batch.spec_info.parents
+    tied = [
+        (b, p)
+        for b in range(bs - 1)  # (not the padding request)
+        for p in range(n)
+        if sum(int(parents[b, c] == p and tokens[b, c] == target[b, p]) for c in range(n)) > 1
+    ]
+    assert tied
 
 
 @needs_triton

@@ -72,7 +72,9 @@ def _round_tail_kernel(
     rows = tl.load(Mask + b * n * n + node[:, None] * n + node[None, :], mask=pair, other=0)
     wrong_ancestor = (rows != 0) & (ok == 0)[None, :]
     on_path = ((tl.max(wrong_ancestor.to(tl.int32), axis=1) == 0) | (node == 0)) & live
-    # The accepted nodes form one chain (siblings drafted distinct tokens): its deepest.
+    # Siblings drafted distinct tokens, so the accepted nodes form one chain: its deepest.
+    # A draft rule may repeat one (spec.draft.DraftRule): then the deepest accepted node
+    # of lowest index and its ancestors are the path, as accept's max(dim=1) picks.
     accept_len = tl.max(tl.where(on_path, depth, -1), axis=0)
     last = tl.min(tl.where(on_path & (depth == accept_len), node, BLOCK_N), axis=0)
     # The path: the last node's ancestors by depth, then the rest by depth, ties by index.
