@@ -82,3 +82,30 @@ def test_the_oracle_accepts_each_row_near_its_rate_with_rounds_unlinked(matrix, 
     lag_one = (now * after).mean(0) / (now * now).mean(0)  # (B,) autocorrelation
     assert lag_one.mean().abs() < 0.1  # a Weyl sequence at rate 0.5: -0.53
     assert not torch.equal(passed[:, 0], passed[:, 1])  # rows read apart
+
+
+def test_every_mode_of_a_repetition_meets_the_same_coins(matrix, tmp_path, monkeypatch):
+    """The oracle's coins restart before each mode's timed run: rounds of 4 on one graph a
+    round and on two (the same rounds, eagerly here) accept alike in every repetition,
+    and the two repetitions, on other coins, differ. The embedded pair stands in for the
+    oracle's random target (a small one, on the CPU)."""
+    from graphrt.core.pretrained import ASSISTANT_DIR, TARGET_DIR
+
+    out = tmp_path / "matrix.json"
+    argv = ["spec_matrix.py", "--device", "cpu", "--models", "oracle",
+            "--oracle-model", str(TARGET_DIR), "--oracle-draft", str(ASSISTANT_DIR),
+            "--prompt-len", "8", "--rates", "0.7", "--batch-sizes", "2",
+            "--modes", "4,4+2g", "--tokens", "40", "--reps", "2", "--out", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    accepted = {}
+    measure = matrix.measure
+
+    def kept(engine, subject, bs, model, mode, args, workload, rep=0):
+        cell = measure(engine, subject, bs, model, mode, args, workload, rep)
+        accepted[mode, rep] = (cell["rounds"], cell["accept_length"])  # the timed run's
+        return cell
+
+    monkeypatch.setattr(matrix, "measure", kept)
+    matrix.main()
+    assert accepted["4", 0] == accepted["4+2g", 0] and accepted["4", 1] == accepted["4+2g", 1]
+    assert accepted["4", 0] != accepted["4", 1]
