@@ -18,7 +18,7 @@ median kept; decoding tokens/s counts decode steps and rounds only (prefill and 
 apart), as the CLI.
 
 Run on the device: python bench/spec_matrix.py [--batch-sizes 1,8,32,64] [--rates
-0.5,0.7,0.9] [--modes plain,1,2,3,4,5,auto] [--tokens 64] [--reps 3] [--out matrix.json]
+0.5,0.7,0.7413,0.9] [--modes plain,1,2,3,4,5,auto] [--tokens 64] [--reps 3] [--out matrix.json]
 [--trace steps.jsonl] (the auto chooser's every step: kind, time, acceptance, what it
 weighed) [--workloads closed,steady] (closed, the default: a generate of the batch's
 prompts, whose speculative rounds end in a tail of shrinking batches; steady, also
@@ -340,7 +340,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch-sizes", default="1,8,32,64")
-    parser.add_argument("--rates", default="0.5,0.7,0.9")
+    parser.add_argument(
+        "--rates",
+        default="0.5,0.7,0.7413,0.9",
+        help="the oracle's acceptance a position; at 0.7413 rounds of 4 accept 3 tokens "
+        "(1 + r + ... + r^4 = 3: issue 20's 'accept length 3')",
+    )
     parser.add_argument("--modes", default="plain,1,2,3,4,5,auto")
     parser.add_argument("--models", default="pair,oracle")
     parser.add_argument("--tokens", type=int, default=64)
