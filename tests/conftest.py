@@ -23,6 +23,7 @@ from helpers import (  # noqa: E402
     TINY,
     Checkpoint,
     GraphWitness,
+    load_bench,
     make_checkpoint,
 )
 
@@ -129,15 +130,8 @@ def _save(tmp_path_factory, name: str, config, **kwargs) -> Checkpoint:
 
 @pytest.fixture(scope="session")
 def oracles():
-    """bench/oracles.py (the benchmarks' oracle drafters), loaded by its path: bench/ holds
-    scripts, not a package."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "oracles.py"
-    spec = importlib.util.spec_from_file_location("oracles", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """bench/oracles.py, the benchmarks' oracle drafters."""
+    return load_bench("oracles")
 
 
 @pytest.fixture(scope="session")

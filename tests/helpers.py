@@ -13,8 +13,10 @@ import math
 import os
 import re
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -54,6 +56,25 @@ class Checkpoint:
 
 
 # What `graphrt generate` may print on stderr before an error: its phase lines.
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load_bench(name: str) -> ModuleType:
+    """bench/``name``.py, loaded by its path (bench/ holds scripts, not a package), afresh
+    each call. Registered in ``sys.modules`` under its name: its dataclasses look their
+    module up there. bench/ is on ``sys.path`` while it loads, for its sibling imports
+    (``from oracles import ...``)."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
 _STATUS_LINE = re.compile(r"[^\n]+: \d+\.\d s")
 
 

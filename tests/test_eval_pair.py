@@ -5,21 +5,16 @@ request's last accepts all its drafts and every output equals the no-draft run's
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from helpers import load_bench
 
 
 def test_an_oracle_run_accepts_the_targets_own_continuation(
     tmp_path, monkeypatch, gemma4_tiny, gemma4_assistant
 ):
-    monkeypatch.syspath_prepend(str(BENCH))  # its sibling module, bench/oracles.py
-    spec = importlib.util.spec_from_file_location("eval_pair", BENCH / "eval_pair.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_bench("eval_pair")
     out = tmp_path / "eval.json"
     argv = ["eval_pair.py", "--target", str(gemma4_tiny.path), "--draft",
             str(gemma4_assistant.path), "--tokens", "random", "--files", "4",

@@ -4,13 +4,11 @@ anchors would tune it on the wrong text."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_bench
 
 from graphrt import devices
 from graphrt.core import pretrained
@@ -18,22 +16,13 @@ from graphrt.core.engine import Engine, EngineConfig, SamplingParams
 from graphrt.core.models import load_model
 from graphrt.spec import MTPDecoding, SpecConfig
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 TOKENS = 40
-
-
-def _bench_module(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def pair_runs():
     transformers = pytest.importorskip("transformers")
-    pair_acceptance = _bench_module("pair_acceptance")
+    pair_acceptance = load_bench("pair_acceptance")
     target_dir, draft_dir = pretrained.model_and_draft(None, None)
     tokenizer = transformers.AutoTokenizer.from_pretrained(target_dir)
     prompts = [
@@ -82,7 +71,7 @@ def test_every_mode_of_a_cell_reads_the_same_acceptance():
     """Common random numbers: a cell's acceptance is drawn once, so a mode's tokens/s do
     not depend on what drew from the step-time noise before it, and a chooser that knows
     every round's acceptance (the reference) does at least as well as the fixed lengths."""
-    chooser_sim = _bench_module("chooser_sim")
+    chooser_sim = load_bench("chooser_sim")
     runs = chooser_sim.acceptance_runs(7, 1, 0.7, 64)
     assert runs == chooser_sim.acceptance_runs(7, 1, 0.7, 64)
     assert any(n > 0 for n in runs[0]) and any(n < 5 for n in runs[0])

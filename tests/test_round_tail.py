@@ -5,8 +5,8 @@ table and the seed table must come out equal.
 
 Trees are random forests with dropped nodes, siblings drafting distinct tokens as a
 drafter's top-k does (and in one shape a token repeated, as a draft rule may: the deepest
-accepted node of lowest index ends the path), and target tokens that follow a child's draft three times in four,
-so that paths run deep; chains (topk 1) too. Each batch holds a request at the context's
+accepted node of lowest index ends the path), and target tokens that follow a child's
+draft three times in four, so that paths run deep; chains (topk 1) too. Each batch holds a request at the context's
 end (its acceptance capped) and a graph's padding request (every mask entry True, slot 0).
 Hiddens and the seed table are bfloat16 or float32 (the target's dtype, both), and wider
 than one of the kernel's blocks.

@@ -6,13 +6,12 @@ admitting and lets what is in flight finish."""
 
 from __future__ import annotations
 
-import importlib.util
 import queue
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from helpers import load_bench
 
 from graphrt.core.engine import EngineConfig
 from graphrt.core.errors import UsageError
@@ -89,11 +88,7 @@ def test_concurrent_callers_each_get_their_own_greedy_text(llm):
     assert [p["t"] for p in passes] == sorted(p["t"] for p in passes)
     # bench/step_trace.py reads what --step-trace writes: every pass classed, the tokens
     # counted once.
-    spec = importlib.util.spec_from_file_location(
-        "step_trace", Path(__file__).parents[1] / "bench" / "step_trace.py"
-    )
-    step_trace = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(step_trace)
+    step_trace = load_bench("step_trace")
     trace = {"fields": list(PASS_FIELDS), "passes": [list(p) for p in loop.trace]}
     (summary,) = [step_trace.summarise(t) for t in step_trace.segments(trace, idle_s=60.0)]
     assert summary["passes"] == len(passes) and "prefill" in summary["kinds"]

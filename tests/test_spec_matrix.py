@@ -5,26 +5,18 @@ a change to the chooser's record signature once broke it unseen)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from helpers import load_bench
 
 
 @pytest.fixture
-def matrix(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))  # its sibling modules (bench/oracles.py)
-    spec = importlib.util.spec_from_file_location("spec_matrix", BENCH / "spec_matrix.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "spec_matrix", module)  # its dataclasses look it up
-    spec.loader.exec_module(module)
-    return module
+def matrix():
+    return load_bench("spec_matrix")
 
 
 def test_the_matrix_measures_the_pairs_cells_and_traces_auto(matrix, tmp_path, monkeypatch):
