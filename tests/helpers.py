@@ -6,14 +6,18 @@ on ``sys.path`` so that works under every pytest import mode and from nox.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.metadata
 import importlib.util
+import json
 import math
 import os
 import re
 import signal
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -268,28 +272,47 @@ def exact_interpreter_dots() -> None:
     InterpreterBuilder.create_dot = create_dot
 
 
+_INTERPRETER: subprocess.Popen | None = None  # this process's interpreter_server.py
+
+
 def run_under_triton_interpreter(test_file: str, *args: str) -> Any:
     """Run ``test_file`` as a script (with ``args``) with TRITON_INTERPRET=1 and return the
     JSON it prints last.
 
     The interpreter must be switched on before triton is first imported, and other tests
-    in this process may already have imported it: hence a subprocess.
+    in this process may already have imported it: hence another process. One server per
+    pytest process forks a child for each script (tests/interpreter_server.py), so that
+    scripts do not each start Python and import torch.
     """
-    import json
-    import os
-    import subprocess
-    import sys
-
+    global _INTERPRETER
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(Path(test_file).resolve()), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    if _INTERPRETER is None or _INTERPRETER.poll() is not None:
+        server = str(Path(__file__).with_name("interpreter_server.py"))
+        _INTERPRETER = subprocess.Popen(
+            [sys.executable, server],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        atexit.register(_stop_interpreter, _INTERPRETER)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp, "out"), Path(tmp, "err")
+        argv = [str(Path(test_file).resolve()), *args]
+        request = {"argv": argv, "env": env, "out": str(out), "err": str(err), "timeout": 600}
+        _INTERPRETER.stdin.write(json.dumps(request) + "\n")
+        _INTERPRETER.stdin.flush()
+        reply = _INTERPRETER.stdout.readline()
+        assert reply, "the interpreter server ended"  # (its traceback went to stderr)
+        status = json.loads(reply)["status"]
+        assert status == 0, f"exit {status}: " + err.read_text()[-6000:]
+        return json.loads(out.read_text().strip().splitlines()[-1])
+
+
+def _stop_interpreter(server: subprocess.Popen) -> None:
+    """At exit: the server ends when its stdin closes."""
+    server.stdin.close()
+    server.wait(timeout=30)
 
 
 class OracleDraftRunner:
