@@ -59,7 +59,6 @@ class Checkpoint:
     hf: Any  # the transformers model it was saved from (float32, eval)
 
 
-# What `graphrt generate` may print on stderr before an error: its phase lines.
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -79,6 +78,7 @@ def load_bench(name: str) -> ModuleType:
     return module
 
 
+# What `graphrt generate` may print on stderr before an error: its phase lines.
 _STATUS_LINE = re.compile(r"[^\n]+: \d+\.\d s")
 
 
