@@ -94,6 +94,7 @@ def test_nested_jit_functions_are_interpreted_and_the_language_patched_once_a_la
     assert result["patches"] == [{"tl": 1, "core": 1}] + [{"tl": 2, "core": 1}] * 2
 
 
+@needs_triton  # the server imports triton
 def test_a_script_that_fails_fails_its_test_with_its_traceback(tmp_path):
     script = tmp_path / "failing.py"
     script.write_text("raise ValueError('planted in the script')\n")
