@@ -6,7 +6,8 @@ warmed up, then ``reps`` generate calls of each in turn (the machine's drift and
 fall on all three alike). Prints each engine's decoding tokens/s (median over the reps),
 the ratio to plain, and auto's steps by draft length; with PROFILE=1, then profiles 20
 steps of each (host operators, device kernels) into the log. FORCED=1 adds an auto engine
-forced to rounds of 5 (auto's machinery without its choice: "auto=5"). INVARIANT=1 adds
+forced to rounds of 5 (auto's machinery without its choice: "auto=5"). LENGTHS=1,2,3 adds
+an engine of each of those fixed lengths ("spec 1", ...). INVARIANT=1 adds
 a plain and an auto engine on a target loaded with batch-invariant matmuls ("... inv"),
 and says whether each auto engine wrote its plain twin's tokens. BUSY=1 then runs each
 engine once more under torch.profiler: the GPU's share of the wall (host- or
@@ -94,6 +95,10 @@ def main() -> None:
         "auto": Engine(target, cfg, device, MTPDecoding(drafter, SpecConfig(5, adaptive=True))),
         "spec 5": Engine(target, cfg, device, MTPDecoding(drafter, SpecConfig(5))),
     }
+    for steps in filter(None, os.environ.get("LENGTHS", "").split(",")):
+        engines[f"spec {steps}"] = Engine(
+            target, cfg, device, MTPDecoding(drafter, SpecConfig(int(steps)))
+        )
     if os.environ.get("FORCED") == "1":  # auto's machinery, its choice fixed at rounds of 5
         forced = Engine(target, cfg, device, MTPDecoding(drafter, SpecConfig(5, adaptive=True)))
         forced.strategy.force_step(5)
