@@ -5,7 +5,7 @@ Started once with TRITON_INTERPRET=1, it imports torch and triton, then forks a 
 for each script. A script thus pays neither Python's start nor torch's import: 2 s each
 on 2 cores, for 17 scripts in the CPU lane, which had come within seconds of its 6 minutes.
 Each child is a fresh copy of the server, so what a script patches dies with it: module
-constants, the interpreter's dot (``helpers.exact_float32_dots``).
+constants, the interpreter's dot (``helpers.exact_interpreter_dots``).
 
 The protocol is one JSON line each way, on stdin and stdout:
 
@@ -50,7 +50,7 @@ def patch_language_once_per_launch() -> None:
     unless its module holds another language module, and never restores. A nested call
     whose modules the running launch has already patched is skipped here; any other call
     patches as before. Hazard: written against Triton 3.7's interpreter; where
-    ``_patch_lang`` is missing, nothing is changed."""
+    ``_patch_lang`` or ``GridExecutor`` is missing, nothing is changed."""
     original = getattr(interpreter, "_patch_lang", None)
     executor = getattr(interpreter, "GridExecutor", None)
     if original is None or executor is None:
@@ -100,6 +100,8 @@ def run_script(request: dict) -> None:
         runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as stop:
         status = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+        if stop.code is not None and not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)  # as Python prints sys.exit("message")
     except BaseException:
         traceback.print_exc()
         status = 1

@@ -34,15 +34,13 @@ from triton.runtime import interpreter
 
 from core_helper import plus_one
 
-import triton.language.core
-
 # Per launch: how often the language modules themselves were patched.
 patches = []
 patch_builtin = interpreter._patch_builtin
 
 
 def counting_patch_builtin(pkg, *args):
-    for name, module in (("tl", tl), ("core", triton.language.core)):
+    for name, module in (("tl", tl), ("core", tl.core)):
         patches[-1][name] += pkg is module
     return patch_builtin(pkg, *args)
 
@@ -102,6 +100,9 @@ def test_a_script_that_fails_fails_its_test_with_its_traceback(tmp_path):
         run_under_triton_interpreter(str(script))
     script.write_text("import sys\nsys.exit(3)\n")
     with pytest.raises(AssertionError, match="exit 3"):
+        run_under_triton_interpreter(str(script))
+    script.write_text("import sys\nsys.exit('planted message')\n")
+    with pytest.raises(AssertionError, match="exit 1: planted message"):
         run_under_triton_interpreter(str(script))
     # The server goes on serving the next script.
     script.write_text("print('[1, 2]')\n")
