@@ -10,6 +10,7 @@ rounding in bfloat16).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -183,10 +184,13 @@ def torch_linear(
     *,
     norm: PreNorm | None = None,
     residual: torch.Tensor | None = None,
+    matmul: Callable[..., torch.Tensor] = F.linear,
 ) -> torch.Tensor:
+    """``matmul``: (x, weight, bias) -> x @ weight.T + bias, ``F.linear``'s contract (a
+    device's own: ``torch_ops_on``)."""
     if norm is not None:
         x = torch_rms_norm(x, norm.weight, norm.eps)
-    out = F.linear(x, weight, bias)
+    out = matmul(x, weight, bias)
     return out if residual is None else residual + out
 
 
@@ -200,12 +204,13 @@ def torch_linear_act_mul(
     norm: PreNorm | None = None,
     act_mul: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor] = torch_act_mul,
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None,
+    matmul: Callable[..., torch.Tensor] = F.linear,
 ) -> torch.Tensor:
     """The unfused reference: the norm, one matmul, then ``act_mul`` (a device may pass its
-    own norm and act_mul)."""
+    own norm, act_mul and matmul)."""
     if norm is not None:
         x = (rms_norm or torch_rms_norm)(x, norm.weight, norm.eps)
-    out = F.linear(x, weight, bias)
+    out = matmul(x, weight, bias)
     if up is None:
         out, up = out.chunk(2, dim=-1)
     return act_mul(out, up, act)
@@ -354,24 +359,33 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out
 
 
-TORCH_OPS = ModelOps(
-    name="torch",
-    rms_norm=torch_rms_norm,
-    gemma_rms_norm=torch_gemma_rms_norm,
-    act_mul=torch_act_mul,
-    rope=torch_rope,
-    linear=torch_linear,
-    linear_act_mul=torch_linear_act_mul,
-    linear_rope=linear_then_rope(torch_linear, torch_rope),
-    gemma_residual_norm=torch_gemma_residual_norm,
-    gemma_residual_linear=residual_norm_then_linear(
-        torch_gemma_residual_norm, torch_linear, torch_linear_act_mul
-    ),
-    gemma_qkv_norm_rope=torch_gemma_qkv_norm_rope,
-    gemma_per_layer_inputs=torch_gemma_per_layer_inputs,
-    float_logits=torch_float_logits,
-    topk_set=torch_topk_set,
-    selected_argmax=torch_selected_argmax,
-    greedy_tokens=torch_greedy_tokens,
-    scaled_embed=torch_scaled_embed,
-)
+def torch_ops_on(name: str, matmul: Callable[..., torch.Tensor]) -> ModelOps:
+    """The reference table with every projection on ``matmul`` ((x, weight, bias) -> x @
+    weight.T + bias, ``F.linear``'s contract): a device whose own matmul is its one
+    difference (the CPU: oneDNN's at a few rows)."""
+    linear = functools.partial(torch_linear, matmul=matmul)
+    linear_act_mul = functools.partial(torch_linear_act_mul, matmul=matmul)
+    return ModelOps(
+        name=name,
+        rms_norm=torch_rms_norm,
+        gemma_rms_norm=torch_gemma_rms_norm,
+        act_mul=torch_act_mul,
+        rope=torch_rope,
+        linear=linear,
+        linear_act_mul=linear_act_mul,
+        linear_rope=linear_then_rope(linear, torch_rope),
+        gemma_residual_norm=torch_gemma_residual_norm,
+        gemma_residual_linear=residual_norm_then_linear(
+            torch_gemma_residual_norm, linear, linear_act_mul
+        ),
+        gemma_qkv_norm_rope=torch_gemma_qkv_norm_rope,
+        gemma_per_layer_inputs=torch_gemma_per_layer_inputs,
+        float_logits=torch_float_logits,
+        topk_set=torch_topk_set,
+        selected_argmax=torch_selected_argmax,
+        greedy_tokens=torch_greedy_tokens,
+        scaled_embed=torch_scaled_embed,
+    )
+
+
+TORCH_OPS = torch_ops_on("torch", F.linear)

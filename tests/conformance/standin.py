@@ -99,6 +99,8 @@ def _is_tensor(x: Any) -> bool:
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
+    if t.is_mkldnn:  # the CPU ops' packed weights (devices/cpu/onednn.py): no storage
+        return id(t)  # to read, and no op's output aliases one
     return t.untyped_storage().data_ptr()
 
 

@@ -1,0 +1,100 @@
+"""float32 matmuls of a few rows on oneDNN's linear, over weights reordered once into its
+blocked layout: the CPU's projections at verify and small-batch widths.
+
+Why: torch's CPU matmul is MKL's sgemm, whose small-row path on the 2-core AMD EPYC
+host of this project's CI costs about one row's time a row: a projection of 3 rows took
+2.4-2.9x one row's time, so a speculative round's verify of 3 rows cost 1.4x a decode
+step and drafting lost to plain decoding. oneDNN's linear on a prepacked weight costs
+nearly the same at 2 to 16 rows (the embedded pair's 4096 x 256 head: 309 -> 87 us at 3
+rows; BENCHMARKS.md, stop 82). One row stays on MKL, which is as fast or faster there for
+the small projections, so a plain decode step is unchanged. ``torch.compile`` (the CPU's
+graph backend) packs weights its own way: a traced call keeps ``F.linear``.
+
+HAZARD: the packed copy is taken at a weight's first matmul here and kept beside it
+(its memory again, within ``budget_bytes``): a weight changed in place afterwards is
+repacked (its version counter moves), but one whose storage is swapped for another
+(``param.data = ...``) is caught only by its data pointer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# The row counts sent to oneDNN: one row is MKL's (faster for projections under 1,280
+# outputs); past 16, MKL's sgemm blocks rows as well as oneDNN does.
+MIN_ROWS, MAX_ROWS = 2, 16
+
+
+def onednn_available() -> bool:
+    """Does this torch build have oneDNN's prepacked linear (x86 builds do)?"""
+    mkldnn = torch.ops.mkldnn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(mkldnn, "_reorder_linear_weight")
+        and hasattr(mkldnn, "_linear_pointwise")
+    )
+
+
+class PackedWeights:
+    """``linear(x, weight, bias)`` (``F.linear``'s contract) on oneDNN for float32 inputs
+    of MIN_ROWS..MAX_ROWS rows, each weight reordered at its first such call while the
+    packed copies fit ``budget_bytes``; every other call is ``F.linear``."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.packed_bytes = 0
+        self.usable = onednn_available()
+        # id(weight) -> (weight, data_ptr, version, bytes, packed): the weight is held so
+        # that its id is not reused while the entry stands (model weights live as long
+        # as the model, which holds this table through its ops).
+        self._packed: dict[int, tuple[torch.Tensor, int, int, int, torch.Tensor]] = {}
+        self.packs = 0  # weights reordered so far, repacks included
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        packed = self._for(x, weight, bias)
+        if packed is None:
+            return F.linear(x, weight, bias)
+        # (T, K) @ packed (N, K).T + bias -> (T, N)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+    def _for(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """``weight``'s packed copy where this call may use one, else None."""
+        if (
+            not self.usable
+            or x.dim() != 2
+            or not MIN_ROWS <= x.shape[0] <= MAX_ROWS
+            or x.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or (bias is not None and bias.dtype != torch.float32)
+            or weight.device.type != "cpu"
+            or torch.compiler.is_compiling()
+            # oneDNN's op has no backward: a call that records one keeps F.linear.
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        ):
+            return None
+        version = 0 if weight.is_inference() else weight._version
+        entry = self._packed.get(id(weight))
+        if entry is not None:
+            _, data_ptr, packed_version, size, packed = entry
+            if data_ptr == weight.data_ptr() and packed_version == version:
+                return packed
+            self.packed_bytes -= size
+            del self._packed[id(weight)]
+        size = weight.numel() * weight.element_size()  # the packed copy's, near enough
+        if self.packed_bytes + size > self.budget_bytes:
+            return None
+        try:
+            # The hint is the row count oneDNN tunes the layout for; 4 sits mid-range.
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 4)
+        except RuntimeError:  # a CPU or build whose oneDNN cannot: MKL from now on
+            self.usable = False
+            return None
+        self._packed[id(weight)] = (weight, weight.data_ptr(), version, size, packed)
+        self.packed_bytes += size
+        self.packs += 1
+        return packed
