@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import cpu_engine
+from helpers import cpu_engine, load_bench
 
 from graphrt.core import pretrained
 from graphrt.core.engine import SamplingParams
@@ -96,3 +96,11 @@ def test_the_pair_verifies_on_packed_weights_with_plain_output():
     spec = cpu_engine(target, MTPDecoding(drafter, SpecConfig(2))).generate([prompt], params)
     assert spec[0].output_ids == plain
     assert packed.packs > 0 and packed.packed_bytes <= packed.budget_bytes
+
+
+def test_the_rows_bench_times_every_shape(capsys, monkeypatch):
+    bench = load_bench("cpu_matmul_rows")
+    monkeypatch.setattr("sys.argv", ["cpu_matmul_rows.py", "2"])
+    bench.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4")]
+    assert len(rows) == 1 and rows[0].count(" / ") == len(bench.ROWS), rows

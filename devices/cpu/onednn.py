@@ -36,6 +36,19 @@ def onednn_available() -> bool:
     )
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) float32 -> its copy in oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    # The hint is the row count oneDNN tunes the layout for; 4 sits mid-range.
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 4)
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(T, K) @ packed (N, K).T + bias -> (T, N), on oneDNN."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
 class PackedWeights:
     """``linear(x, weight, bias)`` (``F.linear``'s contract) on oneDNN for float32 inputs
     of MIN_ROWS..MAX_ROWS rows, each weight reordered at its first such call while the
@@ -57,8 +70,7 @@ class PackedWeights:
         packed = self._for(x, weight, bias)
         if packed is None:
             return F.linear(x, weight, bias)
-        # (T, K) @ packed (N, K).T + bias -> (T, N)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        return packed_linear(x, packed, bias)
 
     def _for(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -89,8 +101,7 @@ class PackedWeights:
         if self.packed_bytes + size > self.budget_bytes:
             return None
         try:
-            # The hint is the row count oneDNN tunes the layout for; 4 sits mid-range.
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 4)
+            packed = pack_weight(weight)
         except RuntimeError:  # a CPU or build whose oneDNN cannot: MKL from now on
             self.usable = False
             return None

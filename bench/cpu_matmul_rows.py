@@ -1,0 +1,65 @@
+"""The CPU's projections by row count: torch's matmul (MKL) against oneDNN's linear on a
+prepacked weight (devices/cpu/onednn.py), on the embedded pair's shapes, float32.
+
+Prints us a call (median of 5 timings of ``calls`` calls each) for each shape and row
+count, the largest difference from ``F.linear``, and whether each row count's rows equal
+the same rows computed among 16 (row invariance). Why the CPU verifies on oneDNN: stop 82
+in BENCHMARKS.md.
+
+Run: python bench/cpu_matmul_rows.py [calls, default 2000]   (threads: OMP_NUM_THREADS)
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from graphrt.devices.cpu.onednn import pack_weight, packed_linear
+
+# (N, K): the target's q/k/v, o, gate/up and down, its head, the assistant's gate/up and down
+SHAPES = [(384, 256), (256, 256), (1280, 256), (256, 640), (4096, 256), (2048, 256), (256, 1024)]
+ROWS = (1, 2, 3, 4, 6, 16)
+
+
+def per_call_us(fn, args: tuple, calls: int) -> float:
+    for _ in range(50):
+        fn(*args)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(*args)
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def main() -> None:
+    calls = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    gen = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; us a call, MKL / oneDNN")
+    print("| N x K | " + " | ".join(f"{m} rows" for m in ROWS) + " | max diff | rows invariant |")
+    print("|---|" + "---:|" * len(ROWS) + "---:|---|")
+    for n, k in SHAPES:
+        weight = torch.randn(n, k, generator=gen) / k**0.5
+        x = torch.randn(max(ROWS), k, generator=gen)
+        packed = pack_weight(weight)
+        cells, diff = [], 0.0
+        for m in ROWS:
+            rows = x[:m].contiguous()
+            mkl = per_call_us(F.linear, (rows, weight), calls)
+            dnn = per_call_us(packed_linear, (rows, packed), calls)
+            diff = max(
+                diff, (packed_linear(rows, packed) - F.linear(rows, weight)).abs().max().item()
+            )
+            cells.append(f"{mkl:.1f} / {dnn:.1f}")
+        among16 = packed_linear(x, packed)
+        invariant = all(torch.equal(packed_linear(x[:m], packed), among16[:m]) for m in ROWS)
+        print(f"| {n} x {k} | " + " | ".join(cells) + f" | {diff:.1e} | {invariant} |")
+
+
+if __name__ == "__main__":
+    main()
