@@ -11,10 +11,13 @@ from graphrt.devices.base import Device
 if TYPE_CHECKING:
     import torch
 
+    from graphrt.core.models.ops import ModelOps
+
 
 # Each model's oneDNN weight copies (``model_ops``) may take this share of the memory free
-# when it loads; where that is unknown, PACKED_FALLBACK_BYTES. Past it, a weight's matmuls
-# stay on MKL: a model too large for a second copy keeps most of its memory.
+# at its first packing (its first verify or small batch); where that is unknown,
+# PACKED_FALLBACK_BYTES. Past it, a weight's matmuls stay on MKL: a model too large for a
+# second copy keeps most of its memory.
 PACKED_SHARE = 0.125
 PACKED_FALLBACK_BYTES = 1 << 30
 
@@ -47,17 +50,19 @@ class CpuDevice(Device):
         # decodes ~60 tokens/s (BENCHMARKS.md, issue 9). `--runner graph` still compiles.
         return "eager"
 
-    def model_ops(self, batch_invariant: bool = False):
+    def model_ops(self, batch_invariant: bool = False) -> ModelOps:
         """torch's ops with float32 projections of 2 to 16 rows (verify, small batches) on
-        oneDNN's prepacked weights (devices/cpu/onednn.py), the packed copies within
-        PACKED_SHARE of the free memory. No batch-invariant kernels: ``batch_invariant``
-        changes nothing (torch's own, no promise)."""
+        oneDNN's prepacked weights (devices/cpu/onednn.py), each model's copies within
+        PACKED_SHARE of the memory free at its first packing. No batch-invariant kernels:
+        ``batch_invariant`` changes nothing (torch's own, no promise)."""
         from graphrt.core.models.ops import torch_ops_on
         from graphrt.devices.cpu.onednn import PackedWeights
 
-        free = self.free_memory_bytes()
-        budget = int(free * PACKED_SHARE) if free is not None else PACKED_FALLBACK_BYTES
-        return torch_ops_on("torch-onednn", PackedWeights(budget).linear)
+        def budget_bytes() -> int:
+            free = self.free_memory_bytes()
+            return PACKED_FALLBACK_BYTES if free is None else int(free * PACKED_SHARE)
+
+        return torch_ops_on("torch-onednn", PackedWeights(budget_bytes).linear)
 
     def free_memory_bytes(self) -> int | None:
         # MemAvailable: what the kernel can hand out without swapping (Linux only).

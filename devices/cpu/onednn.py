@@ -4,25 +4,34 @@ blocked layout: the CPU's projections at verify and small-batch widths.
 Why: torch's CPU matmul is MKL's sgemm, whose small-row path on the 2-core AMD EPYC
 host of this project's CI costs about one row's time a row: a projection of 3 rows took
 2.4-2.9x one row's time, so a speculative round's verify of 3 rows cost 1.4x a decode
-step and drafting lost to plain decoding. oneDNN's linear on a prepacked weight costs
-nearly the same at 2 to 16 rows (the embedded pair's 4096 x 256 head: 309 -> 87 us at 3
-rows; BENCHMARKS.md, stop 82). One row stays on MKL, which is as fast or faster there for
-the small projections, so a plain decode step is unchanged. ``torch.compile`` (the CPU's
-graph backend) packs weights its own way: a traced call keeps ``F.linear``.
+step and drafting lost to plain decoding. oneDNN's linear on a prepacked weight grows far
+slower with the rows (the embedded pair's 4096 x 256 head, us at 1 / 3 / 6 / 16 rows:
+MKL 110 / 313 / 301 / 488, oneDNN 75 / 88 / 139 / 331; BENCHMARKS.md, stop 82). One row
+stays on MKL, which is as fast or faster there for the small projections, so a plain
+decode step is unchanged. ``torch.compile`` (the CPU's graph backend) packs weights its
+own way: a traced call keeps ``F.linear``.
 
-HAZARD: the packed copy is taken at a weight's first matmul here and kept beside it
-(its memory again, within ``budget_bytes``): a weight changed in place afterwards is
-repacked (its version counter moves), but one whose storage is swapped for another
-(``param.data = ...``) is caught only by its data pointer.
+HAZARDS: a weight's packed copy is taken at its first matmul here and kept beside it
+(its memory again, within the budget):
+- it is repacked when the weight changes in place (its version counter moves) or its
+  storage is swapped (``param.data = ...``), but not after ``param.data.copy_(...)``
+  (``.data`` counts its own versions): weights must be written before their first
+  matmul, as the loaders do;
+- a weight is known by its identity: pass stable parameters, not a view made per call
+  (each would be packed anew and held until the budget is spent), and give each model
+  its own table (a table holds the weights it packed).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-# The row counts sent to oneDNN: one row is MKL's (faster for projections under 1,280
-# outputs); past 16, MKL's sgemm blocks rows as well as oneDNN does.
+# The row counts sent to oneDNN: verify's and small batches'. One row is MKL's (faster for
+# projections under 1,280 outputs). Past 16 oneDNN still led by 10-30% on the pair's
+# larger shapes and not on the smaller (one thread); prefill's chunks stay on MKL.
 MIN_ROWS, MAX_ROWS = 2, 16
 
 
@@ -45,17 +54,21 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """(T, K) @ packed (N, K).T + bias -> (T, N), on oneDNN."""
+    """(T, K) @ packed (N, K).T + bias (N,), contiguous -> (T, N), on oneDNN."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 class PackedWeights:
     """``linear(x, weight, bias)`` (``F.linear``'s contract) on oneDNN for float32 inputs
     of MIN_ROWS..MAX_ROWS rows, each weight reordered at its first such call while the
-    packed copies fit ``budget_bytes``; every other call is ``F.linear``."""
+    packed copies fit the budget; every other call is ``F.linear``.
 
-    def __init__(self, budget_bytes: int):
-        self.budget_bytes = budget_bytes
+    ``budget_bytes``: called once, at the first packing (the model's weights and the KV
+    pool are in memory by then), for how many bytes the copies may take."""
+
+    def __init__(self, budget_bytes: Callable[[], int]):
+        self._budget_of = budget_bytes
+        self.budget_bytes: int | None = None  # set at the first packing
         self.packed_bytes = 0
         self.usable = onednn_available()
         # id(weight) -> (weight, data_ptr, version, bytes, packed): the weight is held so
@@ -67,26 +80,29 @@ class PackedWeights:
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        packed = self._for(x, weight, bias)
+        packed = self._packed_copy(x, weight, bias)
         if packed is None:
             return F.linear(x, weight, bias)
         return packed_linear(x, packed, bias)
 
-    def _for(
+    def _packed_copy(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """``weight``'s packed copy where this call may use one, else None."""
+        """``weight``'s packed copy where this call may run on oneDNN, else None."""
         if (
             not self.usable
             or x.dim() != 2
             or not MIN_ROWS <= x.shape[0] <= MAX_ROWS
             or x.dtype != torch.float32
             or weight.dtype != torch.float32
-            or (bias is not None and bias.dtype != torch.float32)
             or weight.device.type != "cpu"
+            # oneDNN reads the bias as a dense (N,) row: another stride or shape would be
+            # read wrong or refused, where F.linear broadcasts it.
+            or (bias is not None and not (bias.dim() == 1 and bias.is_contiguous()))
+            or (bias is not None and bias.dtype != torch.float32)
             or torch.compiler.is_compiling()
             # oneDNN's op has no backward: a call that records one keeps F.linear.
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            or (torch.is_grad_enabled() and any(_needs_grad(t) for t in (x, weight, bias)))
         ):
             return None
         version = 0 if weight.is_inference() else weight._version
@@ -97,6 +113,8 @@ class PackedWeights:
                 return packed
             self.packed_bytes -= size
             del self._packed[id(weight)]
+        if self.budget_bytes is None:
+            self.budget_bytes = self._budget_of()
         size = weight.numel() * weight.element_size()  # the packed copy's, near enough
         if self.packed_bytes + size > self.budget_bytes:
             return None
@@ -109,3 +127,7 @@ class PackedWeights:
         self.packed_bytes += size
         self.packs += 1
         return packed
+
+
+def _needs_grad(t: torch.Tensor | None) -> bool:
+    return t is not None and t.requires_grad
