@@ -1,4 +1,4 @@
-"""The CPU's projections of 2 to 16 float32 rows on oneDNN's prepacked weights
+"""The CPU's projections of 2 or more float32 rows on oneDNN's prepacked weights
 (devices/cpu/onednn.py): the same results as ``F.linear``, the weights they were packed
 from (repacked after a change), a memory budget, and the embedded pair's verify on them."""
 
@@ -16,7 +16,7 @@ from graphrt.core.engine import SamplingParams
 from graphrt.core.models import load_model
 from graphrt.devices import cpu as cpu_device
 from graphrt.devices.cpu import CpuDevice
-from graphrt.devices.cpu.onednn import MAX_ROWS, MIN_ROWS, PackedWeights, onednn_available
+from graphrt.devices.cpu.onednn import MIN_ROWS, PackedWeights, onednn_available
 from graphrt.spec import MTPDecoding, SpecConfig
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
@@ -30,18 +30,15 @@ def _packed_weights(ops) -> PackedWeights:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_every_width_matches_F_linear_and_only_2_to_16_rows_pack(bias):
+def test_every_width_matches_F_linear_and_only_one_row_stays_on_mkl(bias):
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(384, 256, generator=gen) / 16
     b = torch.randn(384, generator=gen) if bias else None
-    x = torch.randn(20, 256, generator=gen)
+    x = torch.randn(300, 256, generator=gen)
     packed = PackedWeights(lambda: BUDGET)
-    for rows in (1, MAX_ROWS + 1, 20):  # MKL's: nothing packed
-        torch.testing.assert_close(
-            packed.linear(x[:rows], weight, b), F.linear(x[:rows], weight, b)
-        )
+    torch.testing.assert_close(packed.linear(x[:1], weight, b), F.linear(x[:1], weight, b))
     assert packed.packs == 0
-    for rows in range(MIN_ROWS, MAX_ROWS + 1):
+    for rows in [*range(MIN_ROWS, 21), 64, 300]:
         got = packed.linear(x[:rows], weight, b)
         torch.testing.assert_close(got, F.linear(x[:rows], weight, b), rtol=1e-5, atol=1e-5)
     # A column slice (rows strided past K) is the same input.
@@ -133,7 +130,7 @@ def test_the_pair_verifies_on_packed_weights_with_plain_output():
     drafter = load_model(str(pretrained.ASSISTANT_DIR), cpu, torch.float32)
     assert target.model.ops.name == "torch-onednn"
     packed = _packed_weights(target.model.ops)
-    prompt = list(range(2, 2 + MAX_ROWS + 4))  # a prefill past MAX_ROWS: MKL's
+    prompt = [2]  # a one-row prefill: MKL's, as the one-row decode steps
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     plain = cpu_engine(target).generate([prompt], params)[0].output_ids
     assert packed.packs == 0  # one-row decode steps

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 # Each model's oneDNN weight copies (``model_ops``) may take this share of the memory free
-# at its first packing (its first verify or small batch); where that is unknown,
+# at its first packing (its first matmul of 2 rows or more); where that is unknown,
 # PACKED_FALLBACK_BYTES. Past it, a weight's matmuls stay on MKL: a model too large for a
 # second copy keeps most of its memory.
 PACKED_SHARE = 0.125
@@ -51,8 +51,8 @@ class CpuDevice(Device):
         return "eager"
 
     def model_ops(self, batch_invariant: bool = False) -> ModelOps:
-        """torch's ops with float32 projections of 2 to 16 rows (verify, small batches) on
-        oneDNN's prepacked weights (devices/cpu/onednn.py), each model's copies within
+        """torch's ops with float32 projections of 2 rows or more (verify, batches, prefill)
+        on oneDNN's prepacked weights (devices/cpu/onednn.py), each model's copies within
         PACKED_SHARE of the memory free at its first packing. No batch-invariant kernels:
         ``batch_invariant`` changes nothing (torch's own, no promise)."""
         from graphrt.core.models.ops import torch_ops_on

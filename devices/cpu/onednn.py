@@ -1,14 +1,15 @@
-"""float32 matmuls of a few rows on oneDNN's linear, over weights reordered once into its
-blocked layout: the CPU's projections at verify and small-batch widths.
+"""float32 matmuls of 2 rows or more on oneDNN's linear, over weights reordered once into
+its blocked layout: the CPU's projections at verify widths, in batches and in prefill.
 
 Why: torch's CPU matmul is MKL's sgemm, whose small-row path on the 2-core AMD EPYC
 host of this project's CI costs about one row's time a row: a projection of 3 rows took
 2.4-2.9x one row's time, so a speculative round's verify of 3 rows cost 1.4x a decode
 step and drafting lost to plain decoding. oneDNN's linear on a prepacked weight grows far
 slower with the rows (the embedded pair's 4096 x 256 head, us at 1 / 3 / 6 / 16 rows:
-MKL 110 / 313 / 301 / 488, oneDNN 75 / 88 / 139 / 331; BENCHMARKS.md, stop 82). One row
-stays on MKL, which is as fast or faster there for the small projections, so a plain
-decode step is unchanged. ``torch.compile`` (the CPU's graph backend) packs weights its
+MKL 110 / 313 / 301 / 488, oneDNN 75 / 88 / 139 / 331; BENCHMARKS.md, stop 82), and it
+still led by 7-20% at 256 to 2,048 rows, on the pair's shapes and llama-1b's. One row stays
+on MKL, which is as fast or faster there for the small projections, so a plain decode
+step at batch 1 is unchanged. ``torch.compile`` (the CPU's graph backend) packs weights its
 own way: a traced call keeps ``F.linear``.
 
 HAZARDS: a weight's packed copy is taken at its first matmul here and kept beside it
@@ -29,10 +30,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-# The row counts sent to oneDNN: verify's and small batches'. One row is MKL's (faster for
-# projections under 1,280 outputs). Past 16 oneDNN still led by 10-30% on the pair's
-# larger shapes and not on the smaller (one thread); prefill's chunks stay on MKL.
-MIN_ROWS, MAX_ROWS = 2, 16
+# The fewest rows sent to oneDNN: one row is MKL's (faster for projections under 1,280
+# outputs, and llama-1b's gate/up and down).
+MIN_ROWS = 2
 
 
 def onednn_available() -> bool:
@@ -60,7 +60,7 @@ def packed_linear(
 
 class PackedWeights:
     """``linear(x, weight, bias)`` (``F.linear``'s contract) on oneDNN for float32 inputs
-    of MIN_ROWS..MAX_ROWS rows, each weight reordered at its first such call while the
+    of MIN_ROWS rows or more, each weight reordered at its first such call while the
     packed copies fit the budget; every other call is ``F.linear``.
 
     ``budget_bytes``: called once, at the first packing (the model's weights and the KV
@@ -92,7 +92,7 @@ class PackedWeights:
         if (
             not self.usable
             or x.dim() != 2
-            or not MIN_ROWS <= x.shape[0] <= MAX_ROWS
+            or x.shape[0] < MIN_ROWS
             or x.dtype != torch.float32
             or weight.dtype != torch.float32
             or weight.device.type != "cpu"
