@@ -362,7 +362,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def torch_ops_on(name: str, matmul: Callable[..., torch.Tensor]) -> ModelOps:
     """The reference table with every projection on ``matmul`` ((x, weight, bias) -> x @
     weight.T + bias, ``F.linear``'s contract): a device whose own matmul is its one
-    difference (the CPU: oneDNN's at a few rows)."""
+    difference (the CPU: oneDNN's from 2 rows, devices/cpu/onednn.py)."""
     linear = functools.partial(torch_linear, matmul=matmul)
     linear_act_mul = functools.partial(torch_linear_act_mul, matmul=matmul)
     return ModelOps(

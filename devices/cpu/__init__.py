@@ -58,11 +58,11 @@ class CpuDevice(Device):
         from graphrt.core.models.ops import torch_ops_on
         from graphrt.devices.cpu.onednn import PackedWeights
 
-        def budget_bytes() -> int:
+        def packed_budget() -> int:
             free = self.free_memory_bytes()
             return PACKED_FALLBACK_BYTES if free is None else int(free * PACKED_SHARE)
 
-        return torch_ops_on("torch-onednn", PackedWeights(budget_bytes).linear)
+        return torch_ops_on("torch-onednn", PackedWeights(packed_budget).linear)
 
     def free_memory_bytes(self) -> int | None:
         # MemAvailable: what the kernel can hand out without swapping (Linux only).

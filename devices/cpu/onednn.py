@@ -63,12 +63,12 @@ class PackedWeights:
     of MIN_ROWS rows or more, each weight reordered at its first such call while the
     packed copies fit the budget; every other call is ``F.linear``.
 
-    ``budget_bytes``: called once, at the first packing (the model's weights and the KV
+    ``read_budget``: called once, at the first packing (the model's weights and the KV
     pool are in memory by then), for how many bytes the copies may take."""
 
-    def __init__(self, budget_bytes: Callable[[], int]):
-        self._budget_of = budget_bytes
-        self.budget_bytes: int | None = None  # set at the first packing
+    def __init__(self, read_budget: Callable[[], int]):
+        self._read_budget = read_budget
+        self.budget_bytes: int | None = None  # read_budget's answer, at the first packing
         self.packed_bytes = 0
         self.usable = onednn_available()
         # id(weight) -> (weight, data_ptr, version, bytes, packed): the weight is held so
@@ -114,7 +114,7 @@ class PackedWeights:
             self.packed_bytes -= size
             del self._packed[id(weight)]
         if self.budget_bytes is None:
-            self.budget_bytes = self._budget_of()
+            self.budget_bytes = self._read_budget()
         size = weight.numel() * weight.element_size()  # the packed copy's, near enough
         if self.packed_bytes + size > self.budget_bytes:
             return None
