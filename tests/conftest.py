@@ -62,8 +62,8 @@ _share_the_gpu()
 _GRAPHS_AT_SETUP: dict[str, tuple[int, int]] = {}
 
 
-def _graph_counts() -> tuple[int, int]:
-    return GraphWitness.replays, GraphWitness.captures
+def _graph_counts() -> tuple[int, int, int]:
+    return GraphWitness.replays, GraphWitness.captures, GraphWitness.drops
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -84,14 +84,25 @@ def pytest_runtest_call(item):
         return
     # A test about capture itself must capture; every other graphs test must replay.
     kind, index = ("captured", 1) if item.get_closest_marker("graphs_capture") else ("replayed", 0)
-    if _graph_counts()[index] == at_setup[index]:
+    now = _graph_counts()
+    why = None
+    if now[index] == at_setup[index]:
+        why = (
+            f"marked graphs, but no graph was {kind} in this test's process while it "
+            "ran (graphs a child process replayed: report them with "
+            "helpers.GraphWitness.saw; a shared fixture's: mark the test graphs_shared)"
+        )
+    elif now[2] > at_setup[2] and not item.get_closest_marker("graphs_drops"):
+        # Some sizes then ran on a larger bucket or eagerly: the replay count above cannot
+        # see it, and a capture broken at one size would pass as a graph run.
+        why = (
+            f"marked graphs, but {now[2] - at_setup[2]} bucket capture(s) failed and were "
+            "dropped while it ran (the warning says why; a test about dropped buckets: mark "
+            "it graphs_drops)"
+        )
+    if why is not None:
         try:  # pytest.fail's exception without a traceback: the test's frames are gone
-            pytest.fail(
-                f"marked graphs, but no graph was {kind} in this test's process while it "
-                "ran (graphs a child process replayed: report them with "
-                "helpers.GraphWitness.saw; a shared fixture's: mark the test graphs_shared)",
-                pytrace=False,
-            )
+            pytest.fail(why, pytrace=False)
         except pytest.fail.Exception as failure:
             outcome.force_exception(failure)
 

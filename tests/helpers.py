@@ -152,10 +152,13 @@ class GraphWitness:
     ``graphs_capture`` too) must capture. A test whose graphs run in processes it starts
     reports their replays with ``saw``; one whose graphs a fixture other tests share built
     is marked ``graphs_shared`` as well, and tests/test_graphs_required.py runs those with
-    every capture failing."""
+    every capture failing. A graphs test in whose process a bucket's capture failed is
+    failed too (some sizes then ran on another bucket or eagerly, unseen by the replay
+    count), unless marked ``graphs_drops``: a test about dropped buckets."""
 
     replays = 0
     captures = 0
+    drops = 0  # buckets whose capture failed and now run otherwise (GraphRunner._drop_bucket)
 
     @classmethod
     def saw(cls, replays: int) -> None:
@@ -170,6 +173,7 @@ class GraphWitness:
         for owner, name, counter in (
             (ExecutionBackend, "replay", "replays"),
             (GraphRunner, "capture_one_shape", "captures"),
+            (GraphRunner, "_drop_bucket", "drops"),
         ):
             real = getattr(owner, name)
 

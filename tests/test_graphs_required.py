@@ -6,8 +6,9 @@ marked ``graphs`` is held to graphs two ways:
 
 - conftest fails one that passes with no graph replayed in its process while it ran
   (helpers.GraphWitness; graphs a child process replayed, the test reports), or, for a
-  test about capture itself (``graphs_capture``), none captured; its hooks are tested
-  here;
+  test about capture itself (``graphs_capture``), none captured; and one in whose process
+  a bucket's capture failed and was dropped (its sizes ran on another bucket or eagerly),
+  unless it is about that (``graphs_drops``); its hooks are tested here;
 - a test whose graphs that witness cannot see (built by a fixture other tests share) is
   marked ``graphs_shared`` too, and must fail when it runs with every capture forced to
   fail, in pytest and in every process the tests start (tests/fail_captures/).
@@ -92,7 +93,7 @@ def _generate(prompts=((5, 6, 7), (8, 9)), **config):
     from graphrt.devices.cpu import CpuDevice
 
     loaded = load_model("random:llama-tiny", CpuDevice(), torch.float32)
-    engine = cpu_engine(loaded, max_context_len=32, graph_buckets=(2,), **config)
+    engine = cpu_engine(loaded, max_context_len=32, **{"graph_buckets": (2,), **config})
     if prompts:
         engine.generate(
             [list(p) for p in prompts], SamplingParams(max_new_tokens=3, ignore_eos=True)
@@ -154,3 +155,34 @@ def test_conftest_fails_a_graphs_test_that_ran_no_graph(request):
     assert _outcome_of(conftest, about_capture, capture_only) is None
     captured_nothing = _outcome_of(conftest, about_capture, _generate)
     assert "marked graphs, but no graph was captured" in str(captured_nothing)
+
+
+def test_conftest_fails_a_graphs_test_whose_bucket_was_dropped(request, monkeypatch):
+    from helpers import standin_device
+
+    from graphrt.core.runners.graph import GraphRunner
+
+    path = Path(__file__).with_name("conftest.py")
+    plugins = request.config.pluginmanager.get_plugins()
+    (conftest,) = [p for p in plugins if getattr(p, "__file__", None) == str(path)]
+    capture = GraphRunner.capture_one_shape  # the witness's counting wrapper
+
+    def failing_at_one(runner, size):
+        if size == 1:
+            raise torch.OutOfMemoryError("injected: no memory for batch 1")
+        return capture(runner, size)
+
+    monkeypatch.setattr(GraphRunner, "capture_one_shape", failing_at_one)
+    engines = []
+
+    def one_dropped():  # batches of 2 replay their graph; the 1 bucket failed at capture
+        engine = _generate(runner="graph", device=standin_device(), graph_buckets=(1, 2))
+        assert engine.stats.graph_steps > 0
+        engines.append(engine)
+
+    dropped = _outcome_of(conftest, _Probe("dropped", "graphs"), one_dropped)
+    assert isinstance(dropped, pytest.fail.Exception)
+    assert "1 bucket capture(s) failed and were dropped" in str(dropped)
+    assert list(engines[0].graph_runner.dropped_buckets) == [1]
+    about_drops = _Probe("about drops", "graphs", "graphs_drops")
+    assert _outcome_of(conftest, about_drops, one_dropped) is None

@@ -16,7 +16,11 @@ from graphrt.core.batch import ForwardMode
 from graphrt.core.engine import Engine, SamplingParams
 from graphrt.core.runners.graph import GraphRunner
 
-pytestmark = [pytest.mark.graphs, pytest.mark.usefixtures("cpu_compile_without_inductor")]
+pytestmark = [
+    pytest.mark.graphs,
+    pytest.mark.graphs_drops,
+    pytest.mark.usefixtures("cpu_compile_without_inductor"),
+]
 
 LENS = (5, 33, 12, 1, 21, 8)  # decode batches of 6 (above the buckets) down to 1
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
