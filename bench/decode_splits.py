@@ -2,10 +2,8 @@
 kernels replayed from a CUDA graph (triton.testing.do_bench_cudagraph, median), and of
 that the combine kernel alone, for a model's attention shape over contexts and batch sizes:
 every row at a fixed split count, then the engine's choice ("auto": splits from each
-row's length, scratch for a 131,072-token context, short rows on ``batch_short_splits``
-of the launch's (row, KV head) pairs, as a model without width invariance runs; "auto16":
-short rows on 16 at every batch, as a width-invariant model runs). Issue 21 chose the
-rule from this table.
+row's length, scratch for a 131,072-token context). Issue 21 chose the rule from this
+table.
 
 Run on the device: python bench/decode_splits.py [--shape llama-1b|gemma4-sliding|gemma4-global]
 [--contexts 512,2048,8192,32768] [--batch-sizes 1,8,64] [--splits 8,16,32,64,128]
@@ -26,9 +24,7 @@ import torch
 import triton
 
 from graphrt.devices.cuda.triton_decode import (
-    NUM_KV_SPLITS,
     allocate_decode_scratch,
-    batch_short_splits,
     combine_splits,
     decode_attention,
     max_kv_splits,
@@ -55,13 +51,11 @@ def layer_us(
     launch: tuple[int, ...] | None = None,  # see parse_launch
     contiguous: bool = False,
     timed: bool = True,
-    by_pairs: bool = False,  # splits None: short rows on batch_short_splits, else 16
 ) -> tuple[float, float, torch.Tensor]:
     """One layer's decode attention over ``bs`` rows of ``ctx`` keys, us, of that the
     combine alone, and the output: ``splits`` for every row, or (None) the engine's
-    rule (``by_pairs``: a short row's count from the batch's pairs, else 16), its
-    combine taking ``rest_chunk`` splits a step past a short row's (None: the default);
-    ``launch``: stage 1's (BLOCK_N, num_warps, num_stages). ``timed=False``:
+    rule, its combine taking ``rest_chunk`` splits a step past the first 16 (None: the
+    default); ``launch``: stage 1's (BLOCK_N, num_warps, num_stages). ``timed=False``:
     two launches and no timing (0 us), for a profiler to read one (``--once``)."""
     heads, kv_heads, head_dim = SHAPES[shape]
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -78,9 +72,7 @@ def layer_us(
     q = torch.randn(bs, heads, head_dim, device=dev, dtype=dtype)
     out = torch.empty_like(q)
     max_splits = max_kv_splits(131072) if splits is None else splits
-    short = {"short_splits": splits}  # fixed: short = most
-    if splits is None:
-        short = {"short_splits": batch_short_splits(bs * kv_heads) if by_pairs else NUM_KV_SPLITS}
+    short = {} if splits is None else {"short_splits": splits}  # fixed: short = most
     stage1 = dict(zip(("block_n", "num_warps", "num_stages"), launch or ()))
     if launch and len(launch) == 5:  # (..., long rows' BLOCK_N, from keys)
         stage1 = dict(zip(("block_n", "num_warps", "num_stages"), launch[:3]))
@@ -147,11 +139,8 @@ def sweep_launches(args: argparse.Namespace) -> None:
             print(f"{bs:>5} {ctx:>7} " + " ".join(f"{c:>15}" for c in cells), flush=True)
 
 
-def _label(splits: int | None, rest_chunk: int | None, by_pairs: bool) -> str:
-    if splits:
-        return str(splits)
-    auto = "auto" if by_pairs else "auto16"
-    return f"{auto}/{rest_chunk}" if rest_chunk else auto
+def _label(splits: int | None, rest_chunk: int | None) -> str:
+    return str(splits) if splits else f"auto/{rest_chunk}" if rest_chunk else "auto"
 
 
 def main() -> None:
@@ -175,11 +164,9 @@ def main() -> None:
         sweep_launches(args)
         return
     heads, kv_heads, head_dim = SHAPES[args.shape]
-    # (splits, rest chunk, by pairs): fixed counts, the length rule (short rows by the
-    # batch's pairs, and on 16), and with --rest-chunk the latter's variant
-    columns = [(int(s), None, False) for s in args.splits.split(",")]
-    columns += [(None, None, True), (None, None, False)]
-    columns += [(None, args.rest_chunk, False)] if args.rest_chunk else []
+    # (splits, rest chunk): fixed counts, the length rule, and with --rest-chunk its variant
+    columns = [(int(s), None) for s in args.splits.split(",")] + [(None, None)]
+    columns += [(None, args.rest_chunk)] if args.rest_chunk else []
     print(
         f"{args.shape}: {heads} heads on {kv_heads} KV heads, head_dim {head_dim}, bf16; "
         "us a layer / of that the combine, by split count"
@@ -191,8 +178,8 @@ def main() -> None:
             if kv_bytes > 16 << 30:
                 continue
             cells = []
-            for s, rest, by_pairs in columns:
-                us, combine_us, _ = layer_us(args.shape, bs, ctx, s, rest, by_pairs=by_pairs)
+            for s, rest in columns:
+                us, combine_us, _ = layer_us(args.shape, bs, ctx, s, rest)
                 cells.append(f"{us:7.1f} / {combine_us:5.1f}")
             print(f"{bs:>5} {ctx:>7} " + " ".join(f"{c:>15}" for c in cells), flush=True)
 
