@@ -1,0 +1,128 @@
+"""Decode attention, one layer, by a short row's split count and stage 1's programs along the
+splits, over batches that mix row lengths (issue 21; stop 83's question).
+
+Stop 83 gave short rows fewer splits in launches of many (row, KV head) pairs, and the
+programs along the splits (``split_programs``) fell with them: 2 a pair at batch 64 of
+llama-1b. Uniform batches of 512 keys gained (BENCHMARKS.md, stop 83), but a long row among
+short ones would then walk its 128 splits on those 2 programs. This times each variant
+SHORT:PROGRAMS (0 programs: ``split_programs``' choice for that short count) on uniform and
+mixed batches, so the two can be weighed in one run.
+
+Run on the device: python bench/decode_mixed.py [--shape llama-1b|gemma4-sliding|...]
+[--batches 64x512,63x512+1x32768,8x512+1x8192] [--variants 16:0,2:0,2:16,4:0,8:0]
+
+Each cell: us a layer (partial + combine kernels replayed from a CUDA graph, median), and
+"=" where the output equals, bit for bit, the first variant of the same short count (the
+programs along the splits must change no bit), "!" where it does not. ``--device cpu
+--once`` launches each variant twice under Triton's interpreter without timing (a smoke
+test: TRITON_INTERPRET=1, small batches).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+
+from graphrt.devices.cuda.triton_decode import (
+    allocate_decode_scratch,
+    decode_attention,
+    max_kv_splits,
+)
+
+# name -> (query heads, KV heads, head_dim), as bench/decode_splits.py
+SHAPES = {
+    "llama-1b": (32, 8, 64),
+    "llama-8b": (32, 8, 128),
+    "gemma4-sliding": (8, 1, 256),
+    "gemma4-global": (8, 1, 512),
+}
+
+
+def parse_batch(text: str) -> list[int]:
+    """ "63x512+1x32768" -> [512] * 63 + [32768]: each row's visible keys."""
+    lens = []
+    for part in text.split("+"):
+        count, _, keys = part.partition("x")
+        lens += [int(keys)] * int(count)
+    return lens
+
+
+def parse_variant(text: str) -> tuple[int, int]:
+    """ "2:16" -> (short splits 2, 16 programs along the splits); "2:0": split_programs'."""
+    short, _, programs = text.partition(":")
+    return int(short), int(programs or 0)
+
+
+class Layer:
+    """One layer's K/V pool, token table, queries and scratch for rows of ``lens`` keys
+    (slots scattered, as a pool's are); ``run(short, programs)`` launches decode attention."""
+
+    def __init__(self, shape: str, lens: list[int], device: torch.device, dtype: torch.dtype):
+        heads, kv_heads, head_dim = SHAPES[shape]
+        torch.manual_seed(0)  # the same K, V and q for every variant
+        total, longest, bs = sum(lens), max(lens), len(lens)
+        slots = 1 + torch.randperm(total, device=device)
+        self.k = torch.randn(total + 1, kv_heads, head_dim, device=device, dtype=dtype)
+        self.v = torch.randn_like(self.k)
+        self.table = torch.zeros(bs + 1, longest, dtype=torch.int64, device=device)
+        start = 0
+        for row, n in enumerate(lens):
+            self.table[row + 1, :n] = slots[start : start + n]
+            start += n
+        self.reqs = torch.arange(1, bs + 1, device=device)
+        self.lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        self.q = torch.randn(bs, heads, head_dim, device=device, dtype=dtype)
+        self.out = torch.empty_like(self.q)
+        # The engine's scratch for the longest row (at most MAX_KV_SPLITS), whatever the short
+        # count: what a context of that length allocates with 16 short splits.
+        self.scratch = allocate_decode_scratch(bs, heads, head_dim, device, max_kv_splits(longest))
+        self.scale = head_dim**-0.5
+
+    def run(self, short: int, programs: int) -> None:
+        decode_attention(
+            self.q, self.k, self.v, self.table, self.reqs, self.lens, self.out, *self.scratch,
+            self.scale, short_splits=short, programs=programs or None,
+        )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
+    parser.add_argument("--batches", default="64x512,63x512+1x32768,8x512,7x512+1x8192")
+    parser.add_argument("--variants", default="16:0,2:0,2:16,4:0,4:16,8:0")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--once", action="store_true", help="launch twice, untimed (smoke test)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    variants = [parse_variant(v) for v in args.variants.split(",")]
+    heads, kv_heads, head_dim = SHAPES[args.shape]
+    print(
+        f"{args.shape}: {heads} heads on {kv_heads} KV heads, head_dim {head_dim}, {dtype}; "
+        "us a layer by SHORT:PROGRAMS (= same bits as the first variant of its short count)"
+    )
+    print(f"{'batch':>24} " + " ".join(f"{v:>10}" for v in args.variants.split(",")))
+    for text in args.batches.split(","):
+        layer = Layer(args.shape, parse_batch(text), device, dtype)
+        first: dict[int, torch.Tensor] = {}  # short count -> its first variant's output
+        cells = []
+        for short, programs in variants:
+            layer.run(short, programs)
+            layer.run(short, programs)
+            us = float("nan")
+            if not args.once:
+                torch.cuda.synchronize()
+                us = triton.testing.do_bench_cudagraph(
+                    lambda s=short, p=programs, layer=layer: layer.run(s, p), rep=50
+                ) * 1e3  # fmt: skip
+                layer.run(short, programs)
+            out = layer.out.clone()
+            same = torch.equal(out, first.setdefault(short, out))
+            cells.append(f"{us:8.1f} {'=' if same else '!'}")
+        print(f"{text:>24} " + " ".join(f"{c:>10}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
