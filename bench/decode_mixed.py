@@ -24,20 +24,13 @@ import argparse
 
 import torch
 import triton
+from decode_splits import SHAPES  # bench/decode_splits.py (bench/ is the script's directory)
 
 from graphrt.devices.cuda.triton_decode import (
     allocate_decode_scratch,
     decode_attention,
     max_kv_splits,
 )
-
-# name -> (query heads, KV heads, head_dim), as bench/decode_splits.py
-SHAPES = {
-    "llama-1b": (32, 8, 64),
-    "llama-8b": (32, 8, 128),
-    "gemma4-sliding": (8, 1, 256),
-    "gemma4-global": (8, 1, 512),
-}
 
 
 def parse_batch(text: str) -> list[int]:
