@@ -1,7 +1,7 @@
 """The CPU's projections by row count: torch's matmul (MKL) against oneDNN's linear on a
 prepacked weight (devices/cpu/onednn.py), on the embedded pair's shapes, float32.
 
-Prints us a call (median of 5 timings of ``--calls`` calls each) for each shape and row
+Prints us a call (median of ``--calls`` calls, each timed alone) for each shape and row
 count, the largest difference from ``F.linear``, and whether each row count's rows equal
 the same rows computed among 16 (row invariance); writes them to ``--out`` as JSON. Why
 the CPU verifies on oneDNN: stop 82 in BENCHMARKS.md.
@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from graphrt.core.bench.timing import median_ms
 from graphrt.devices.cpu.onednn import pack_weight, packed_linear
 
 # (N, K): the target's q/k/v, o, gate/up and down, its head, the assistant's gate/up and down
@@ -28,20 +27,12 @@ ROWS = (1, 2, 3, 4, 6, 16)
 
 
 def per_call_us(fn, args: tuple, calls: int) -> float:
-    for _ in range(50):
-        fn(*args)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn(*args)
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
+    return median_ms(lambda: fn(*args), lambda: None, steps=calls, warmup=50) * 1e3
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=2000, help="calls a timing")
+    parser.add_argument("--calls", type=int, default=2000, help="calls timed, each alone")
     parser.add_argument("--out", default="cpu-matmul-rows.json")
     args = parser.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
