@@ -59,7 +59,7 @@ def _share_the_gpu() -> None:
 
 
 _share_the_gpu()
-_GRAPHS_AT_SETUP: dict[str, tuple[int, int]] = {}
+_GRAPHS_AT_SETUP: dict[str, tuple[int, int, int]] = {}  # replays, captures, drops
 
 
 def _graph_counts() -> tuple[int, int, int]:
