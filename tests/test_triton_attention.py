@@ -144,8 +144,10 @@ def interpreter_results() -> dict:
     The interpreter takes ~0.5 s per launch on 2 cores: the launch count is kept small.
     """
     from graphrt.devices.cuda import attention as cuda_attention
+    from graphrt.devices.cuda import triton_decode as cuda_decode
     from graphrt.devices.cuda.attention import TritonAttentionBackend
     from graphrt.devices.cuda.triton_decode import (
+        SHORT_SPLIT_PROGRAMS,
         allocate_decode_scratch,
         decode_attention,
         store_kv,
@@ -229,6 +231,24 @@ def interpreter_results() -> dict:
                 and not torch.equal(long_out[long], out[long])
                 and rel_err(long_out, naive) < 1e-5
             )
+
+    # Many (row, KV head) pairs (the program target patched down to this batch's 10 pairs
+    # at 2 splits): the backend's decode hands short rows fewer splits and stays right; a
+    # width-invariant model keeps num_kv_splits (its verify rows reuse decode's splits).
+    asked, launch = [], cuda_attention.decode_attention
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["short_splits"])
+        return launch(*args, **kwargs)
+
+    cuda_attention.decode_attention, cuda_decode.SHORT_SPLIT_PROGRAMS = spy, 2 * 10
+    few = run_decode(triton_backend, pools, q, k, v, spec, batch)
+    invariant = dataclasses.replace(spec, width_invariant=True)
+    kept = run_decode(triton_backend, pools, q, k, v, invariant, batch)
+    cuda_attention.decode_attention = launch
+    cuda_decode.SHORT_SPLIT_PROGRAMS = SHORT_SPLIT_PROGRAMS
+    flags["batch_short_splits"] = asked == [2, 4] and torch.equal(kept, out)
+    errors["batch_short_splits_vs_naive"] = rel_err(few[:real], naive[:real])
 
     # Scratch (last case, G = 2): sized for the graph batch once graphs are set up, one
     # pair shared by the layers of one (H, D) whatever their window; results unchanged.
@@ -356,10 +376,11 @@ def test_decode_kernel_under_interpreter_matches_reference_and_naive():
     results = run_under_triton_interpreter(__file__)
     # Per case: 3 errors and 2 flags; the two launcher cases' 3-split and long-row
     # launches (2 errors and a flag each), and the backend's long rows (without a
-    # window: a flag); scratch and store flags.
+    # window: a flag); fewer splits at many pairs (an error and a flag); scratch and
+    # store flags.
     num_cases = len(INTERPRETER_CASES)
-    assert len(results["errors"]) == 3 * num_cases + 4
-    assert len(results["flags"]) == 2 * num_cases + 7
+    assert len(results["errors"]) == 3 * num_cases + 5
+    assert len(results["flags"]) == 2 * num_cases + 8
     too_far = {name: err for name, err in results["errors"].items() if not err < 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]
@@ -858,3 +879,19 @@ def test_split_counts_follow_a_rows_length_never_the_batch():
     # One request with 8 KV heads: 128 programs a head; 8 requests: 16; never below 16.
     assert [split_programs(n, 128) for n in (8, 64, 512, 4096)] == [128, 16, 16, 16]
     assert split_programs(8, 16) == 16 and split_programs(1, 3) == 3
+
+
+@needs_triton
+def test_short_rows_take_fewer_splits_in_launches_of_many_pairs():
+    """Where a row's bits may follow its batch: 16 splits up to 16 (row, KV head) pairs,
+    halved while pairs x splits exceed 256, 2 at least; longer rows double from there."""
+    from graphrt.devices.cuda.triton_decode import batch_short_splits, row_splits, split_programs
+
+    pairs = (1, 8, 16, 17, 32, 33, 64, 65, 128, 512, 4096)
+    assert [batch_short_splits(n) for n in pairs] == [16, 16, 16, 8, 8, 4, 4, 2, 2, 2, 2]
+    assert batch_short_splits(1, 4) == 4 and batch_short_splits(4096, 4) == 2
+    # Llama-1b's 8 KV heads at batch 64 (2 splits), rows of 512 / 2,048 / 8,192 / 32,768 keys.
+    assert [row_splits(n, 128, 2) for n in (512, 2048, 8192, 32768)] == [2, 8, 32, 128]
+    # Stage 1's programs along the splits keep NUM_KV_SPLITS as their floor whatever the short
+    # count, so a long row among short ones still spreads its splits (stop 83's hazard).
+    assert [split_programs(n, 128, 2) for n in (8, 64, 512, 4096)] == [128, 16, 16, 16]

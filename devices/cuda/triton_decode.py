@@ -12,12 +12,15 @@ latency-bound loop per head; decode is bandwidth-bound, so reading each tile
 once is the win, and the padded rows cost idle tensor-core lanes only
 (float32 caches take exact FMA dots instead of tf32 ones). The S
 splits of a row's visible range exist so that batch 1 still fills the GPU.
-S is a function of the row's own visible length (``row_splits``): 16 up to
-8,191 keys, then doubling with every doubling of the length, up to the
-scratch's split dimension (``max_kv_splits`` of the engine's context). At
-32k keys one request with 8 KV heads was read at 0.73 TB/s with 16 splits and
-2.7 TB/s with 128 on an H200 (bench/decode_splits.py); a split count chosen
-from the batch instead would make a request's bits depend on its neighbours.
+S is a function of the row's own visible length (``row_splits``): a short row's
+count (``short_splits``, 16 by default) up to 8,191 keys, then doubling with every
+doubling of the length, up to the scratch's split dimension (``max_kv_splits`` of the
+engine's context). At 32k keys one request with 8 KV heads was read at 0.73 TB/s with
+16 splits and 2.7 TB/s with 128 on an H200 (bench/decode_splits.py). The short count is
+the launch's: at 16, rows of a few hundred keys in a launch of many (row, KV head) pairs
+ran as programs of a block or less each, so a backend may lower it there
+(``batch_short_splits``), where a row's bits may depend on its batch. Width-invariant
+models keep 16 at every batch: their verify rows must round as decode rows.
 Splits are block-cyclic: keys are walked in BLOCK_N blocks aligned to absolute positions
 (block j holds positions [j * BLOCK_N, (j + 1) * BLOCK_N)), and split s walks
 the blocks j = s (mod S) of the row's visible range, in order. So the partition
@@ -35,9 +38,9 @@ the pool before stage 1 runs, so every split sees them.
 Capture-safe: the launches read only device tensors and host shapes, never
 sync, allocate nothing (the caller owns ``out`` and the scratch), and their
 grids depend on the batch size, head counts and scratch shape alone. Each
-row's split count is derived on the device from its own length, so an eager
-run and a graph replay of the same padded batch are bitwise identical, and a
-row's output does not depend on the batch around it.
+row's split count is derived on the device from its own length and the launch's
+short count, so an eager run and a graph replay of the same padded batch are bitwise
+identical, and at one short count a row's output does not depend on the batch around it.
 """
 
 from __future__ import annotations
@@ -65,6 +68,16 @@ SPLIT_KEYS = 256
 MAX_KV_SPLITS = 128
 # Stage-1 programs a launch aims for (split_programs): 128 a KV head at batch 1.
 TARGET_PROGRAMS = 1024
+# Where a row's bits may depend on its batch (``batch_short_splits``: models without width
+# invariance), short rows take fewer splits in launches of many (row, KV head) pairs: their
+# splits were a block or less of keys each, and the partials' programs, not the KV, set the
+# time. One layer, 512 keys a row, us at 2 / 4 / 8 / 16 splits (H100, bench/decode_splits.py,
+# BENCHMARKS.md stop 83): llama-1b's 8 KV heads, 64 rows 38.0 / 39.1 / 37.2 / 46.7, 32 rows
+# 15.3 / 18.4 / 18.5 / 23.5, 8 rows 9.5 / 7.4 / 6.8 / 8.0; Gemma 4's sliding layers (one KV
+# head, D 256), 64 rows 17.5 / 13.9 / 18.7 / 25.3, 32 rows 16.1 / 11.3 / 9.5 / 12.3, 8 rows
+# 15.1 / 10.0 / 7.2 / 6.8; at one row 16 splits (or 8: equal) were best in every shape.
+SHORT_SPLIT_PROGRAMS = 256
+FEWEST_SHORT_SPLITS = 2
 # tl.dot on NVIDIA GPUs needs an inner dimension >= 16, and before triton 3.7 M, N >= 16.
 MIN_DOT = 16
 # A row class's upper bound when it has none (visible keys are int32).
@@ -419,6 +432,17 @@ def row_splits(visible_len: int, max_splits: int, short: int = NUM_KV_SPLITS) ->
     return splits
 
 
+def batch_short_splits(pairs: int, most: int = NUM_KV_SPLITS) -> int:
+    """A short row's splits in a launch of ``pairs`` (row, KV head) pairs, where a row's bits
+    may depend on its batch (models without width invariance): ``most``, halved while the
+    short rows' programs would exceed SHORT_SPLIT_PROGRAMS, FEWEST_SHORT_SPLITS at least.
+    Longer rows double from there (``row_splits``)."""
+    splits = most
+    while splits > FEWEST_SHORT_SPLITS and pairs * splits > SHORT_SPLIT_PROGRAMS:
+        splits //= 2
+    return splits
+
+
 def min_splits(max_splits: int, short: int = NUM_KV_SPLITS) -> int:
     """A short row's splits: ``short``, or all the scratch holds if fewer."""
     return min(short, max_splits)
@@ -433,9 +457,13 @@ def max_kv_splits(context_len: int, short: int = NUM_KV_SPLITS) -> int:
 
 def split_programs(programs_per_split: int, max_splits: int, short: int = NUM_KV_SPLITS) -> int:
     """Stage 1's programs along the splits (P): enough for TARGET_PROGRAMS in all, at
-    least a short row's splits, at most the scratch's. Any P gives the same bits."""
+    least a short row's splits and NUM_KV_SPLITS, at most the scratch's. Any P gives the
+    same bits. HAZARD: the floor stays NUM_KV_SPLITS where short rows take fewer
+    (``batch_short_splits``): a long row among them walks its splits on P programs, and
+    one 32k row's 128 splits on 2 programs a KV head would cost it about 0.7 ms a layer
+    (stop 83); short rows' programs past their splits return at once."""
     wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, max(programs_per_split, 1)))
-    return max(min_splits(max_splits, short), min(wanted, max_splits))
+    return max(min_splits(max_splits, max(short, NUM_KV_SPLITS)), min(wanted, max_splits))
 
 
 def split_constants(max_splits: int, short: int = NUM_KV_SPLITS) -> dict[str, int]:
