@@ -150,20 +150,22 @@ class GraphWitness:
     ``pytest_runtest_call``), so a capture that degraded to eager steps, or graphs captured
     and never replayed, cannot pass as a graph run; a test about capture itself (marked
     ``graphs_capture`` too) must capture. A test whose graphs run in processes it starts
-    reports their replays with ``saw``; one whose graphs a fixture other tests share built
-    is marked ``graphs_shared`` as well, and tests/test_graphs_required.py runs those with
-    every capture failing. A graphs test in whose process a bucket's capture failed is
-    failed too (some sizes then ran on another bucket or eagerly, unseen by the replay
-    count), unless marked ``graphs_drops``: a test about dropped buckets."""
+    reports their replays and dropped buckets with ``saw`` (the child installs the counts
+    itself); one whose graphs a fixture other tests share built is marked ``graphs_shared``
+    as well, and tests/test_graphs_required.py runs those with every capture failing. A
+    graphs test in whose process a bucket's capture failed, shared fixtures' setup
+    included, is failed too (some sizes then ran on another bucket or eagerly, unseen by
+    the replay count), unless marked ``graphs_drops``: a test about dropped buckets."""
 
     replays = 0
     captures = 0
     drops = 0  # buckets whose capture failed and now run otherwise (GraphRunner._drop_bucket)
 
     @classmethod
-    def saw(cls, replays: int) -> None:
-        """Graph replays a child process reports (a TP rank's steps)."""
+    def saw(cls, replays: int, drops: int) -> None:
+        """Graph replays and dropped buckets a child process reports (a TP rank's)."""
         cls.replays += replays
+        cls.drops += drops
 
     @classmethod
     def install(cls) -> None:

@@ -186,3 +186,8 @@ def test_conftest_fails_a_graphs_test_whose_bucket_was_dropped(request, monkeypa
     assert list(engines[0].graph_runner.dropped_buckets) == [1]
     about_drops = _Probe("about drops", "graphs", "graphs_drops")
     assert _outcome_of(conftest, about_drops, one_dropped) is None
+    # A shared fixture's captures run in the setup of its first test: its drops fail that
+    # test though it need not replay.
+    shared = _outcome_of(conftest, _Probe("shared", "graphs", "graphs_shared"), one_dropped)
+    assert isinstance(shared, pytest.fail.Exception)
+    assert "1 bucket capture(s) failed and were dropped" in str(shared)

@@ -45,13 +45,16 @@ def _generate(path: str, tp: TPGroup, runner: str) -> tuple[list[list[int]], int
         max_prefill_tokens=4, overlap=overlap,
     )  # fmt: skip
     prompts = random_prompts(LENS, seed=5, vocab=loaded.model.vocab_size)
+    drops = GraphWitness.drops
     outputs = [r.output_ids for r in engine.generate(prompts, GREEDY)]
-    return outputs, engine.stats.graph_steps, engine.stats.launched_ahead
+    drops = GraphWitness.drops - drops  # the buckets this job dropped (a rank's counts)
+    return outputs, engine.stats.graph_steps, engine.stats.launched_ahead, drops
 
 
 def _rank_main(rank: int, port: int, jobs: dict, out_dir: str) -> None:
     # No reference to the group outlives the jobs: leave_job frees it, as a product rank.
     tp = join_gloo(rank, 2, port)
+    GraphWitness.install()  # this process's drops, for the parent's check
     results = {key: _generate(path, tp, key[1]) for key, path in jobs.items()}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     del tp
@@ -89,11 +92,11 @@ def two_ranks(request, tmp_path_factory) -> tuple[dict, list[dict]]:
 def test_two_ranks_give_the_tokens_of_one(two_ranks, model, runner):
     expected, ranks = two_ranks
     for rank, results in enumerate(ranks):
-        tokens, graph_steps, launched_ahead = results[(model, runner)]
+        tokens, graph_steps, launched_ahead, drops = results[(model, runner)]
         assert tokens == expected[model], f"rank {rank}"
         assert (graph_steps > 0) == runner.startswith("graph")  # decode replayed the graphs
         assert (launched_ahead > 0) == runner.endswith("overlap")
-        GraphWitness.saw(graph_steps)  # the ranks' graphs, for conftest's check
+        GraphWitness.saw(graph_steps, drops)  # the ranks' graphs, for conftest's check
 
 
 def test_a_model_without_tensor_parallelism_is_refused_in_one_line():

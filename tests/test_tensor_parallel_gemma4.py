@@ -87,6 +87,7 @@ def _generate(
         loaded, strategy, device, runner=runner, max_context_len=64, graph_buckets=(4,)
     )
     prompts = random_prompts(LENS, seed=5, vocab=loaded.model.vocab_size)
+    drops = GraphWitness.drops
     reqs = engine.generate(prompts, GREEDY)
     s = engine.stats
     return dict(
@@ -97,11 +98,13 @@ def _generate(
         graph_rounds=s.graph_rounds,
         rounds_by_steps=dict(s.rounds_by_steps),
         plain_steps=s.spec_plain_steps,
+        drops=GraphWitness.drops - drops,  # the buckets this job dropped (a rank's counts)
     )
 
 
 def _rank_main(rank: int, port: int, jobs: dict, out_dir: str) -> None:
     tp = join_gloo(rank, 2, port)
+    GraphWitness.install()  # this process's drops, for the parent's check
     results = {key: _generate(*args, tp, key[1]) for key, args in jobs.items()}
     # The scripted auto lengths, in one order on every rank (a set's order is each
     # process's own: ranks that ran the runners in different orders broke the job).
@@ -216,7 +219,7 @@ def test_two_ranks_give_the_tokens_of_one(two_ranks, case, runner):
     drafter = CASES[case][1]
     for rank, results in enumerate(ranks):
         got = results[(case, runner)]
-        GraphWitness.saw(got["graph_steps"] + got["graph_rounds"])  # for conftest's check
+        GraphWitness.saw(got["graph_steps"] + got["graph_rounds"], got["drops"])  # conftest's
         assert got["tokens"] == expected[case]["tokens"], f"rank {rank}"
         if drafter is None:
             assert (got["graph_steps"] > 0) == (runner == "graph")
@@ -238,7 +241,7 @@ def test_auto_lengths_follow_rank_0s_choice_on_every_rank(two_ranks, runner):
     got = [results[("auto", runner)] for results in ranks]
     for rank in got:
         graphs = rank["graph_steps"] + rank["graph_rounds"]
-        GraphWitness.saw(graphs)  # for conftest's check
+        GraphWitness.saw(graphs, rank["drops"])  # for conftest's check
         assert (graphs > 0) == (runner == "graph")
         rounds = sum(rank["rounds_by_steps"].values())  # every round on graphs, or none
         assert rank["graph_rounds"] == (rounds if runner == "graph" else 0)

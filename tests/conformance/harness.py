@@ -382,6 +382,7 @@ def check_many_runners(h: Harness) -> int:
     for size in MANY_RUNNER_SIZES:
         runners.append(h.new_runner((size,)))
         runners[-1].capture()
+        assert not runners[-1].dropped_buckets, runners[-1].dropped_buckets  # as in Harness
     for runner, size in zip(runners, MANY_RUNNER_SIZES):
         batch = h.decode_batch(reqs[:size])
         graph = runner.execute(batch)

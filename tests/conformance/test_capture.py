@@ -105,7 +105,8 @@ def test_many_runners_in_one_process_each_replay_their_own_graphs(graph_case: Ha
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    GraphWitness.saw(int(proc.stdout.split()[-1]))  # the child's replays, for conftest
+    # The child's replays, for conftest; it fails on a dropped bucket itself.
+    GraphWitness.saw(int(proc.stdout.split()[-1]), drops=0)
 
 
 @pytest.mark.graphs_capture  # what capture built; nothing replays
