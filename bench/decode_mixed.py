@@ -10,6 +10,13 @@ mixed batches, so the two can be weighed in one run.
 
 Run on the device: python bench/decode_mixed.py [--shape llama-1b|gemma4-sliding|...]
 [--batches 64x512,63x512+1x32768,8x512+1x8192] [--variants 16:0,2:0,2:16,4:0,8:0]
+[--context 131072]
+
+The scratch's split dimension is what an engine of ``--context`` keys allocates
+(``max_kv_splits``, as CudaAttentionBackend sizes it from its token table); 0, the default,
+sizes it for the batch's longest row. HAZARD (comparing rules): the split count is then a
+constant where the scratch holds no more than a short row's splits (DOUBLINGS 0: 16 at up
+to 8,191 keys), a kernel other than the engine's, whose scratch a long context sizes.
 
 Each cell: us a layer (partial + combine kernels replayed from a CUDA graph, median), and
 "=" where the output equals, bit for bit, the first variant of the same short count (the
@@ -52,7 +59,9 @@ class Layer:
     """One layer's K/V pool, token table, queries and scratch for rows of ``lens`` keys
     (slots scattered, as a pool's are); ``run(short, programs)`` launches decode attention."""
 
-    def __init__(self, shape: str, lens: list[int], device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, shape: str, lens: list[int], device: torch.device, dtype: torch.dtype, context: int
+    ):
         heads, kv_heads, head_dim = SHAPES[shape]
         torch.manual_seed(0)  # the same K, V and q for every variant
         total, longest, bs = sum(lens), max(lens), len(lens)
@@ -68,9 +77,10 @@ class Layer:
         self.lens = torch.tensor(lens, dtype=torch.int32, device=device)
         self.q = torch.randn(bs, heads, head_dim, device=device, dtype=dtype)
         self.out = torch.empty_like(self.q)
-        # The engine's scratch for the longest row (at most MAX_KV_SPLITS), whatever the short
-        # count: what a context of that length allocates with 16 short splits.
-        self.scratch = allocate_decode_scratch(bs, heads, head_dim, device, max_kv_splits(longest))
+        # The engine's scratch for a context of ``context`` keys, or of the longest row (at most
+        # MAX_KV_SPLITS), whatever the short count: what it allocates with 16 short splits.
+        splits = max_kv_splits(max(context, longest))
+        self.scratch = allocate_decode_scratch(bs, heads, head_dim, device, splits)
         self.scale = head_dim**-0.5
 
     def run(self, short: int, programs: int) -> None:
@@ -85,6 +95,9 @@ def main() -> None:
     parser.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
     parser.add_argument("--batches", default="64x512,63x512+1x32768,8x512,7x512+1x8192")
     parser.add_argument("--variants", default="16:0,2:0,2:16,4:0,4:16,8:0")
+    parser.add_argument(
+        "--context", type=int, default=0, help="size the scratch as an engine of this context"
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--once", action="store_true", help="launch twice, untimed (smoke test)")
     args = parser.parse_args()
@@ -94,11 +107,12 @@ def main() -> None:
     heads, kv_heads, head_dim = SHAPES[args.shape]
     print(
         f"{args.shape}: {heads} heads on {kv_heads} KV heads, head_dim {head_dim}, {dtype}; "
+        f"scratch of a {args.context or 'longest row'}-key context; "
         "us a layer by SHORT:PROGRAMS (= same bits as the first variant of its short count)"
     )
     print(f"{'batch':>24} " + " ".join(f"{v:>10}" for v in args.variants.split(",")))
     for text in args.batches.split(","):
-        layer = Layer(args.shape, parse_batch(text), device, dtype)
+        layer = Layer(args.shape, parse_batch(text), device, dtype, args.context)
         first: dict[int, torch.Tensor] = {}  # short count -> its first variant's output
         cells = []
         for short, programs in variants:

@@ -189,14 +189,15 @@ def test_decode_bench_reports_bytes_floor_bandwidth_and_kernels(monkeypatch, gem
     assert lines[-2].split()[-1] == "-/-"  # kernels: none seen on the CPU
 
 
-def _cli_bench(monkeypatch, out, prompt_len: str) -> dict:
-    """`graphrt bench` of random:llama-tiny, eager, on the CPU, batches 1 and 2 -> its JSON."""
+def _cli_bench(monkeypatch, out, prompt_len: str, *more: str) -> dict:
+    """`graphrt bench` of random:llama-tiny, eager, on the CPU, batches 1 and 2, with the
+    flags ``more`` -> its JSON."""
     from graphrt.core.cli.main import main
 
     monkeypatch.setattr(decode, "copy_bandwidth_gbps", lambda *a: 10.0)  # skips a 1 GiB copy
     argv = ["bench", "--model", "random:llama-tiny", "--device", "cpu", "--runners", "eager"]
     argv += ["--batch-sizes", "1,2", "--prompt-len", prompt_len, "--steps", "2", "--warmup", "1"]
-    assert main([*argv, "--out", str(out), "--no-plot"]) == 0
+    assert main([*argv, *more, "--out", str(out), "--no-plot"]) == 0
     return json.loads(out.read_text())
 
 
@@ -216,6 +217,53 @@ def test_cli_bench_writes_the_new_fields(monkeypatch, tmp_path):
     # Which kernels ran: llama-tiny (hidden 64) asks for batch-invariant ones by default,
     # and the CPU's torch ops promise nothing.
     assert result["batch_invariant"] is False
+
+
+def test_cli_bench_sizes_the_context_as_asked_and_the_pool_for_its_requests(monkeypatch, tmp_path):
+    """``--max-context-len``: the engine's context (what sizes decode attention's scratch,
+    as a server's), raised to what the timed requests need, the model's at most; the KV
+    pool stays sized for the requests."""
+    from graphrt.core.engine import Engine
+
+    pools = []
+    real_init = Engine.__init__
+
+    def spy(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        pools.append(self.kv_plan.slots)
+
+    monkeypatch.setattr(Engine, "__init__", spy)
+    out = tmp_path / "bench.json"
+    needed = 8 + 2 + 1 + 8  # prompt, timed steps, warm-up, margin (make_engine)
+    assert _cli_bench(monkeypatch, out, "8")["max_context_len"] == needed
+    asked = _cli_bench(monkeypatch, out, "8", "--max-context-len", "512")
+    assert asked["max_context_len"] == 512
+    assert _cli_bench(monkeypatch, out, "8", "--max-context-len", "4")["max_context_len"] == needed
+    # llama-tiny's own context is 1,024 tokens: no more.
+    assert _cli_bench(monkeypatch, out, "8", "--max-context-len", "4096")["max_context_len"] == 1024
+    assert pools == [2 * needed] * 4  # batch 2's requests, whatever the context
+    # The timings' inputs are the same: the same bytes read at every context.
+    assert [b["kv_bytes_read"] for b in asked["batches"]] == [
+        b["kv_bytes_read"] for b in _cli_bench(monkeypatch, out, "8")["batches"]
+    ]
+
+
+def test_round_bench_engines_take_the_asked_context_and_a_pool_for_their_requests(monkeypatch):
+    from graphrt.core.bench import rounds
+
+    class FiveSlots:  # a strategy whose rounds hold 5 slots beyond a request's own
+        def extra_kv_slots(self) -> int:
+            return 5
+
+    monkeypatch.setattr(rounds, "Engine", lambda target, config, device, strategy=None: config)
+    cfg = RoundBenchConfig(batch_sizes=(1, 4), prompt_len=12, steps=2, warmup=1)
+    needed = 12 + (1 + 2 + 4) * 5 + 8  # prompt, rounds of up to 5 tokens, margin
+    for asked, context in ((None, needed), (10, needed), (4096, 4096)):
+        spec, plain = rounds.round_engines(
+            None, FiveSlots(), None, dataclasses.replace(cfg, max_context_len=asked)
+        )
+        assert spec.max_context_len == plain.max_context_len == context
+        assert spec.kv_pool_tokens == 4 * (needed + 5)
 
 
 def test_cli_bench_sweeps_prompt_lengths_into_one_json(monkeypatch, tmp_path, capsys):

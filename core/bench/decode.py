@@ -44,6 +44,10 @@ class DecodeBenchConfig:
     warmup: int = 5
     max_running_requests: int = 256  # graph buckets are captured up to this
     seed: int = 0
+    # The engine's context, raised to what the timed requests need (None: just that). Decode
+    # attention's scratch, and with it its kernels' split constants, is sized from it, as a
+    # server's is from the model's context; the KV pool stays what the requests need.
+    max_context_len: int | None = None
 
 
 @dataclass
@@ -86,6 +90,7 @@ class DecodeBenchResult:
     prompt_len: int
     versions: dict[str, str]
     host_launch_us: float  # the host's speed (timing.host_launch_us)
+    max_context_len: int  # the engine's (DecodeBenchConfig.max_context_len; the model's at most)
     copy_bandwidth_gbps: float
     weight_bytes: int
     kv_bytes_per_token: int
@@ -310,11 +315,11 @@ def make_engine(
 ) -> Engine:
     """An Engine on graphrt ``device`` sized for the benchmark (graphs up to its batch sizes)."""
     max_bs = max(cfg.max_running_requests, max(cfg.batch_sizes))
-    context = cfg.prompt_len + cfg.steps + cfg.warmup + 8
+    needed = cfg.prompt_len + cfg.steps + cfg.warmup + 8
     config = EngineConfig(
         max_running_requests=max_bs,
-        max_context_len=context,
-        kv_pool_tokens=max(cfg.batch_sizes) * context,
+        max_context_len=max(needed, cfg.max_context_len or 0),
+        kv_pool_tokens=max(cfg.batch_sizes) * needed,
         seed=cfg.seed,
         runner="graph" if graphs else "eager",
         graph_backend=graph_backend,

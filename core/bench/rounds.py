@@ -43,6 +43,7 @@ class RoundBenchConfig:
     steps: int = 30  # timed calls per measurement (eager ones: a third)
     warmup: int = 3
     seed: int = 0
+    max_context_len: int | None = None  # as DecodeBenchConfig's
 
 
 @dataclass
@@ -76,11 +77,11 @@ def round_engines(
     """(engine decoding with ``strategy``, plain engine) over one target, graphs at the
     batch sizes, the context long enough for every timed round."""
     max_bs = max(cfg.batch_sizes)
-    context = cfg.prompt_len + (cfg.warmup + cfg.steps + 4) * _tokens_per_round(strategy) + 8
+    needed = cfg.prompt_len + (cfg.warmup + cfg.steps + 4) * _tokens_per_round(strategy) + 8
     config = EngineConfig(
         max_running_requests=max_bs,
-        max_context_len=context,
-        kv_pool_tokens=max_bs * (context + strategy.extra_kv_slots()),
+        max_context_len=max(needed, cfg.max_context_len or 0),
+        kv_pool_tokens=max_bs * (needed + strategy.extra_kv_slots()),
         seed=cfg.seed,
         runner="graph",
         graph_buckets=tuple(cfg.batch_sizes),

@@ -559,6 +559,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="graphs captured up to this (default: %(default)s)",
     )
     bench.add_argument(
+        "--max-context-len",
+        type=_positive,
+        default=None,
+        help="the engine's context, at least what the timed requests need; decode "
+        "attention's scratch and kernels are sized from it, as a server's are from its "
+        "context (the model's by default), e.g. 131072 (default: what the requests need)",
+    )
+    bench.add_argument(
         "--seed",
         type=_whole,
         default=0,

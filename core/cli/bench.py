@@ -105,6 +105,7 @@ def _decode_bench(
         warmup=args.warmup,
         max_running_requests=args.max_running_requests,
         seed=args.seed,
+        max_context_len=args.max_context_len,
     )
     graphs = "graph" in runners
     log(
@@ -129,6 +130,7 @@ def _decode_bench(
     )
     result = DecodeBenchResult(
         **header(args, device, dtype, prompt_len, loaded),
+        max_context_len=engine.max_context_len,
         tp=tp.size,
         copy_bandwidth_gbps=round(bandwidth, 1),
         weight_bytes=weights,
@@ -163,6 +165,7 @@ def _run_round_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> in
         steps=args.steps,
         warmup=args.warmup,
         seed=args.seed,
+        max_context_len=args.max_context_len,
     )
     target = load_model(
         args.model, device, dtype, check_finite=args.check_weights, tp=tp,
@@ -199,6 +202,7 @@ def _run_round_bench(args: argparse.Namespace, device, dtype, tp: TPGroup) -> in
         spec_topk=spec.topk,
         spec_draft_tokens=spec.num_draft_tokens,
         round_graphs=round_graphs,
+        max_context_len=spec_engine.max_context_len,
         capture_time_s=round(spec_engine.stats.capture_time_s, 3),
         graph_memory_bytes=spec_engine.stats.graph_memory_bytes,
     )
