@@ -10,13 +10,15 @@ mixed batches, so the two can be weighed in one run.
 
 Run on the device: python bench/decode_mixed.py [--shape llama-1b|gemma4-sliding|...]
 [--batches 64x512,63x512+1x32768,8x512+1x8192] [--variants 16:0,2:0,2:16,4:0,8:0]
-[--context 131072]
+[--context 131072] [--combine]
 
 The scratch's split dimension is what an engine of ``--context`` keys allocates
 (``max_kv_splits``, as CudaAttentionBackend sizes it from its token table); 0, the default,
 sizes it for the batch's longest row. HAZARD (comparing rules): the split count is then a
 constant where the scratch holds no more than a short row's splits (DOUBLINGS 0: 16 at up
 to 8,191 keys), a kernel other than the engine's, whose scratch a long context sizes.
+``--combine`` adds a line under each batch: the combine kernel alone, over the partials the
+variant's stage 1 left (the rest of the cell is stage 1's).
 
 Each cell: us a layer (partial + combine kernels replayed from a CUDA graph, median), and
 "=" where the output equals, bit for bit, the first variant of the same short count (the
@@ -35,6 +37,7 @@ from decode_splits import SHAPES  # bench/decode_splits.py (bench/ is the script
 
 from graphrt.devices.cuda.triton_decode import (
     allocate_decode_scratch,
+    combine_splits,
     decode_attention,
     max_kv_splits,
 )
@@ -89,6 +92,10 @@ class Layer:
             self.scale, short_splits=short, programs=programs or None,
         )  # fmt: skip
 
+    def combine(self, short: int) -> None:
+        """The combine alone, over the partials the last ``run`` left."""
+        combine_splits(*self.scratch, self.out, short)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -97,6 +104,9 @@ def main() -> None:
     parser.add_argument("--variants", default="16:0,2:0,2:16,4:0,4:16,8:0")
     parser.add_argument(
         "--context", type=int, default=0, help="size the scratch as an engine of this context"
+    )
+    parser.add_argument(
+        "--combine", action="store_true", help="time the combine kernel alone too (a line)"
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--once", action="store_true", help="launch twice, untimed (smoke test)")
@@ -114,21 +124,30 @@ def main() -> None:
     for text in args.batches.split(","):
         layer = Layer(args.shape, parse_batch(text), device, dtype, args.context)
         first: dict[int, torch.Tensor] = {}  # short count -> its first variant's output
-        cells = []
+        cells, combines = [], []
         for short, programs in variants:
             layer.run(short, programs)
             layer.run(short, programs)
-            us = float("nan")
+            us = combine_us = float("nan")
             if not args.once:
                 torch.cuda.synchronize()
                 us = triton.testing.do_bench_cudagraph(
                     lambda s=short, p=programs, layer=layer: layer.run(s, p), rep=50
                 ) * 1e3  # fmt: skip
                 layer.run(short, programs)
+                if args.combine:
+                    combine_us = triton.testing.do_bench_cudagraph(
+                        lambda s=short, layer=layer: layer.combine(s), rep=50
+                    ) * 1e3  # fmt: skip
+            if args.combine:
+                layer.combine(short)  # the same output: it reads what stage 1 left
+                combines.append(f"{combine_us:8.1f}  ")
             out = layer.out.clone()
             same = torch.equal(out, first.setdefault(short, out))
             cells.append(f"{us:8.1f} {'=' if same else '!'}")
         print(f"{text:>24} " + " ".join(f"{c:>10}" for c in cells), flush=True)
+        if args.combine:
+            print(f"{'combine':>24} " + " ".join(f"{c:>10}" for c in combines), flush=True)
 
 
 if __name__ == "__main__":
