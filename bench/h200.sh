@@ -3,7 +3,7 @@
 # generate, and the decode benchmark. Logs and JSON under $OUT; a short
 # table prints last. Usage: bash bench/h200.sh [tests|bench|spec|all] [bench runners] [spec topks]
 #   bash bench/h200.sh kernels [pytest -k filter]: the fused-kernel CUDA tests only
-#   bash bench/h200.sh pytest "FILES [pytest args]": those CUDA tests (CUDA_WORKERS, 8; CUDA_DIST, loadfile)
+#   bash bench/h200.sh pytest "FILES [pytest args]": those CUDA tests (CUDA_WORKERS, 8; CUDA_DIST, loadgroup)
 #   bash bench/h200.sh exec "COMMAND": any command with this tree's package and the caches
 #   bash bench/h200.sh chooser [tokens]: auto's charges by kind of step in fresh processes
 #     (bench/chooser_trace.py, CHOOSER_REPS pairs with --no-draft), then bench/profile_auto.py
@@ -182,11 +182,14 @@ if [[ $what == tests || $what == all ]]; then
     # -v: each test's name and result as it finishes, so a run cut at LANE_LIMIT seconds
     # (the device's commands stop at 10 minutes) still names its failures; stop 44's -q
     # run printed five Fs and no names. 14 workers: the lane in about 7 minutes from cold
-    # caches (the slowest 25 tests listed last). A cut run writes no last-failed cache:
+    # caches (the slowest 25 tests listed last). loadgroup: each file's tests on one worker,
+    # as loadfile, except the slow kernel tests marked own_worker, each by itself (conftest's
+    # group_by_file: tests/test_triton_fused.py's, about 550 s on one worker, cut the lane at
+    # 480-500 s at stops 84 and 86). A cut run writes no last-failed cache:
     # the rerun below follows a run that finished only.
     cache="-o cache_dir=$(mktemp -d)"
     timeout "${LANE_LIMIT:-480}" python -m pytest tests -m cuda -v $cache -ra --durations=25 \
-        -n "${CUDA_WORKERS:-14}" --dist loadfile > "$OUT/tests-cuda.log" 2>&1
+        -n "${CUDA_WORKERS:-14}" --dist loadgroup > "$OUT/tests-cuda.log" 2>&1
     status=$?
     grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR)" "$OUT/tests-cuda.log" | sort -u | head -n 20
     tail -n 3 "$OUT/tests-cuda.log"
@@ -229,11 +232,12 @@ fi
 
 if [[ $what == pytest ]]; then
     # Some CUDA tests with this tree's package and the carried caches: the files or pytest
-    # arguments in $2, in CUDA_WORKERS processes (8), CUDA_DIST their spread (loadfile; `load`
-    # spreads one file's cases: tests/test_triton_fused.py on one worker ran past 200 s
-    # after a GEMV edit, stop 75, every variant compiling afresh).
+    # arguments in $2, in CUDA_WORKERS processes (8), CUDA_DIST their spread (loadgroup: a
+    # file's tests on one worker, but those marked own_worker each by itself, see conftest's
+    # group_by_file; `load` spreads every case: tests/test_triton_fused.py on one worker ran
+    # past 200 s after a GEMV edit, stop 75, every variant compiling afresh).
     python -m pytest $2 -m cuda -q -p no:cacheprovider -ra -n "${CUDA_WORKERS:-8}" \
-        --dist "${CUDA_DIST:-loadfile}" 2>&1 | tee "$OUT/tests-pytest.log" | tail -n 15
+        --dist "${CUDA_DIST:-loadgroup}" 2>&1 | tee "$OUT/tests-pytest.log" | tail -n 15
 fi
 
 if [[ $what == auto ]]; then

@@ -105,6 +105,8 @@ def pytest_runtest_call(item):
             outcome.force_exception(failure)
 
 
+# Before pytest-xdist's own hook, which reads the xdist_group marks added here.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     # Under pytest-xdist a long test that starts last leaves the other workers idle while
     # it runs: the forced-failure rerun first (the longest test), then the other slow ones;
@@ -113,6 +115,19 @@ def pytest_collection_modifyitems(items):
         return item.path.name != "test_graphs_required.py", not item.get_closest_marker("slow")
 
     items.sort(key=start_late)
+    group_by_file(items)
+
+
+def group_by_file(items) -> None:
+    """Under ``--dist loadgroup`` (the CUDA lane: bench/h200.sh) a test runs on the worker of
+    its file's other tests, as under loadfile, so a module's costly fixtures are built once,
+    unless marked ``own_worker``: one that is slow alone, scheduled by itself. The CUDA
+    lane's kernel tests of tests/test_triton_fused.py took about 550 s on one worker (stops
+    57-63's slowest 25) and cut the lane at its limit (stops 84 and 86). Other --dist modes
+    ignore the marks."""
+    for item in items:
+        if not item.get_closest_marker("own_worker"):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(autouse=True)

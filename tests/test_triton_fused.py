@@ -694,6 +694,7 @@ FUSED_PARTS += [(torch.bfloat16, f"gemv{i}") for i in range(GEMV_SHARDS)]
 
 
 @pytest.mark.cuda
+@pytest.mark.own_worker  # 15-35 s each (mostly compiles): the lane spreads them
 @needs_gpu
 @needs_triton
 @pytest.mark.parametrize("dtype, part", FUSED_PARTS, ids=lambda p: str(p).removeprefix("torch."))
@@ -718,6 +719,7 @@ def test_cuda_fused_kernels_match_reference(dtype, part):
 
 
 @pytest.mark.cuda
+@pytest.mark.own_worker  # 15-36 s each (mostly compiles): the lane spreads them
 @needs_gpu
 @needs_triton
 @pytest.mark.parametrize("path", ["tiles0", "tiles1", "swapped", "rows"])
