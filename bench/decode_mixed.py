@@ -20,6 +20,12 @@ to 8,191 keys), a kernel other than the engine's, whose scratch a long context s
 ``--combine`` adds a line under each batch: the combine kernel alone, over the partials the
 variant's stage 1 left (the rest of the cell is stage 1's).
 
+HAZARD (order): variants timed one after another in a fixed order read slower the later they
+ran at stop 86 (llama-1b, 64 x 2k, four variants of 16 splits each, one kernel's work:
+126.8, 131.5, 131.6, 144.6 us). ``--passes`` (2) times them in the given order, then
+reversed, and so on; a cell is the mean of its passes, and each batch's line ends with the
+largest spread between one variant's passes.
+
 Each cell: us a layer (partial + combine kernels replayed from a CUDA graph, median), and
 "=" where the output equals, bit for bit, the first variant of the same short count (the
 programs along the splits must change no bit), "!" where it does not. ``--device cpu
@@ -30,6 +36,7 @@ test: TRITON_INTERPRET=1, small batches).
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import triton
@@ -108,6 +115,9 @@ def main() -> None:
     parser.add_argument(
         "--combine", action="store_true", help="time the combine kernel alone too (a line)"
     )
+    parser.add_argument(
+        "--passes", type=int, default=2, help="timings of each variant, the order reversed each"
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--once", action="store_true", help="launch twice, untimed (smoke test)")
     args = parser.parse_args()
@@ -121,33 +131,46 @@ def main() -> None:
         "us a layer by SHORT:PROGRAMS (= same bits as the first variant of its short count)"
     )
     print(f"{'batch':>24} " + " ".join(f"{v:>10}" for v in args.variants.split(",")))
+    passes = 1 if args.once else args.passes
     for text in args.batches.split(","):
         layer = Layer(args.shape, parse_batch(text), device, dtype, args.context)
         first: dict[int, torch.Tensor] = {}  # short count -> its first variant's output
-        cells, combines = [], []
-        for short, programs in variants:
-            layer.run(short, programs)
-            layer.run(short, programs)
-            us = combine_us = float("nan")
-            if not args.once:
-                torch.cuda.synchronize()
-                us = triton.testing.do_bench_cudagraph(
-                    lambda s=short, p=programs, layer=layer: layer.run(s, p), rep=50
-                ) * 1e3  # fmt: skip
+        same = [False] * len(variants)
+        stage = [[] for _ in variants]  # us of each pass, by variant
+        combine = [[] for _ in variants]
+        for p in range(passes):
+            order = list(enumerate(variants))
+            for index, (short, programs) in order if p % 2 == 0 else order[::-1]:
                 layer.run(short, programs)
+                layer.run(short, programs)
+                if not args.once:
+                    stage[index].append(time_us(functools.partial(layer.run, short, programs)))
+                    layer.run(short, programs)
+                    if args.combine:
+                        combine[index].append(time_us(functools.partial(layer.combine, short)))
                 if args.combine:
-                    combine_us = triton.testing.do_bench_cudagraph(
-                        lambda s=short, layer=layer: layer.combine(s), rep=50
-                    ) * 1e3  # fmt: skip
-            if args.combine:
-                layer.combine(short)  # the same output: it reads what stage 1 left
-                combines.append(f"{combine_us:8.1f}  ")
-            out = layer.out.clone()
-            same = torch.equal(out, first.setdefault(short, out))
-            cells.append(f"{us:8.1f} {'=' if same else '!'}")
-        print(f"{text:>24} " + " ".join(f"{c:>10}" for c in cells), flush=True)
+                    layer.combine(short)  # the same output: it reads what stage 1 left
+                if p == 0:
+                    out = layer.out.clone()
+                    same[index] = torch.equal(out, first.setdefault(short, out))
+        cells = [f"{mean(us):8.1f} {'=' if ok else '!'}" for us, ok in zip(stage, same)]
+        spread = max((max(us) / min(us) - 1) * 100 for us in stage) if not args.once else 0.0
+        line = f"{text:>24} " + " ".join(f"{c:>10}" for c in cells)
+        print(f"{line}   spread {spread:.0f}%", flush=True)
         if args.combine:
-            print(f"{'combine':>24} " + " ".join(f"{c:>10}" for c in combines), flush=True)
+            print(
+                f"{'combine':>24} " + " ".join(f"{mean(us):8.1f}  " for us in combine), flush=True
+            )
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def time_us(run) -> float:
+    """``run``'s median time in us, replayed from a CUDA graph."""
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(run, rep=50) * 1e3
 
 
 if __name__ == "__main__":
