@@ -112,12 +112,15 @@ graphrt() { python -m graphrt.core.cli.main "$@"; }
 
 # Triton's and graphrt's caches kept between device calls: a bare machine compiles every
 # kernel again (most of the CUDA lane's 7 minutes, out of a session's 30). Each call
-# leaves both in $OUT/kernel-caches.tgz (if under the 16 MiB a file may bring back):
-# graphrt's whole, Triton's entries that this call's work opened (save_caches). Copy it to
-# .tcache/kernel-caches.tgz here (git ignores .tcache/) and carry .tcache:
-#   cp /work/.device/N/kernel-caches.tgz .tcache/   and   run(..., carry=[".tcache"])
-# (over 16 MiB it comes in parts: cat /work/.device/N/kernel-caches.tgz.part-* > .tcache/kernel-caches.tgz)
-# (a narrow call's archive holds its own kernels only: keep a lane call's for the lane).
+# leaves both in $OUT/kernel-caches.txz (xz; .tgz where the machine has no xz; if under the
+# 16 MiB a file may bring back): graphrt's whole, Triton's entries that this call's work
+# opened (save_caches). Copy it to .tcache/ here (git ignores .tcache/) and carry .tcache:
+#   cp /work/.device/N/kernel-caches.txz .tcache/   and   run(..., carry=[".tcache"])
+# (over 16 MiB it comes in parts: cat /work/.device/N/kernel-caches.txz.part-* > .tcache/kernel-caches.txz)
+# (a narrow call's archive holds its own kernels only: keep a lane call's for the lane, or
+# merge: extract both into one folder, the lane's last, and `tar -cJf` its triton and graphrt).
+# xz: the lane's kernels took 30 MiB gzipped, 14 xz'd (stop 86), and the carry is at most
+# 64 MiB with the tree (33 MiB).
 # Triton keys each entry by the kernel's source, so an edited kernel compiles afresh; its
 # index files hold absolute paths, so the caches live at one fixed path on every machine
 # (from a new random directory each call, nothing hit). `cold` empties its own caches.
@@ -127,8 +130,10 @@ export TRITON_CACHE_DIR="$caches/triton" GRAPHRT_CACHE_DIR="$caches/graphrt"
 if [[ -z ${H200_NESTED:-} ]]; then
     rm -rf "$caches"
     mkdir -p "$TRITON_CACHE_DIR" "$GRAPHRT_CACHE_DIR"
-    if [[ -f .tcache/kernel-caches.tgz ]]; then
-        tar -xzf .tcache/kernel-caches.tgz -C "$caches" && echo "kernel caches: $(du -sh "$caches" | cut -f1) carried"
+    # The newest archive carried (.txz or .tgz); tar finds the compression itself.
+    carried=$(ls -t .tcache/kernel-caches.txz .tcache/kernel-caches.tgz 2> /dev/null | head -n 1)
+    if [[ -n $carried ]]; then
+        tar -xf "$carried" -C "$caches" && echo "kernel caches: $(du -sh "$caches" | cut -f1) carried"
     fi
     find "$caches/triton" -name .used -delete  # marks of the calls that saved them
 fi
@@ -144,22 +149,25 @@ save_caches() {
     # kernels' too, had grown the archive past what comes back (22 MiB at stop 62).
     (cd "$caches" && find triton -name .used -printf '%h\n' | sort) > "$caches/used-entries"
     echo "kernel caches: $(wc -l < "$caches/used-entries") of $(ls "$caches/triton" | wc -l) Triton entries used"
-    tar -czf "$OUT/kernel-caches.tgz" -C "$caches" --exclude='*.llir' --exclude='*.ttir' \
+    local archive="$OUT/kernel-caches.txz" pack=-J bytes parts
+    if ! command -v xz > /dev/null; then
+        archive="$OUT/kernel-caches.tgz" pack=-z
+    fi
+    XZ_OPT="-T0 -6" tar $pack -cf "$archive" -C "$caches" --exclude='*.llir' --exclude='*.ttir' \
         --exclude='*.ttgir' --exclude='*.source' --exclude='*.ptx' --exclude=.used \
         -T "$caches/used-entries" graphrt
-    # A file over 16 MiB does not come back (the CUDA lane's kernels: 31 MiB at stop 63):
-    # in 15 MiB parts where the 8 files allow; here: cat kernel-caches.tgz.part-* > .tcache/kernel-caches.tgz
-    local bytes parts
-    bytes=$(stat -c %s "$OUT/kernel-caches.tgz")
+    # A file over 16 MiB does not come back (the CUDA lane's kernels: 31 MiB gzipped at stop
+    # 63): in 15 MiB parts where the 8 files allow; here: cat the parts into one archive.
+    bytes=$(stat -c %s "$archive")
     if (( bytes > 16 * 1024 * 1024 )); then
         parts=$(( (bytes + 15 * 1024 * 1024 - 1) / (15 * 1024 * 1024) ))
         if (( $(find "$OUT" -type f | wc -l) - 1 + parts <= 8 )); then
-            split -b 15M "$OUT/kernel-caches.tgz" "$OUT/kernel-caches.tgz.part-"
-            echo "kernel caches: $(du -sh "$OUT/kernel-caches.tgz" | cut -f1) in $parts parts (cat them into one)"
+            split -b 15M "$archive" "$archive.part-"
+            echo "kernel caches: $(du -sh "$archive" | cut -f1) in $parts parts (cat them into one)"
         else
-            echo "kernel caches: $(du -sh "$OUT/kernel-caches.tgz" | cut -f1), $parts parts: too many files to bring back"
+            echo "kernel caches: $(du -sh "$archive" | cut -f1), $parts parts: too many files to bring back"
         fi
-        rm -f "$OUT/kernel-caches.tgz"
+        rm -f "$archive"
     fi
 }
 [[ -z ${H200_NESTED:-} ]] && trap save_caches EXIT

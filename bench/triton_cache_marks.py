@@ -1,7 +1,7 @@
 """Triton's file cache, marking each kernel entry a process opens, for bench/h200.sh.
 
 The device tool brings back files of at most 16 MiB. Each call carries the kernel caches
-in (``.tcache/kernel-caches.tgz``) and saves them again, so every kernel ever compiled,
+in (``.tcache/kernel-caches.txz``) and saves them again, so every kernel ever compiled,
 stale sources included, stayed in the archive until it passed 16 MiB (22 MiB at stop 62)
 and came back no more: the next call compiled everything again. With
 ``TRITON_CACHE_MANAGER=triton_cache_marks:MarkingCacheManager`` every entry that Triton
