@@ -23,8 +23,8 @@ variant's stage 1 left (the rest of the cell is stage 1's).
 HAZARD (order): variants timed one after another in a fixed order read slower the later they
 ran at stop 86 (llama-1b, 64 x 2k, four variants of 16 splits each, one kernel's work:
 126.8, 131.5, 131.6, 144.6 us). ``--passes`` (2) times them in the given order, then
-reversed, and so on; a cell is the mean of its passes, and each batch's line ends with the
-largest spread between one variant's passes.
+reversed, and so on (an even count balances each variant's places); a cell is the mean of
+its passes, and each batch's line ends with the largest spread between one variant's passes.
 
 Each cell: us a layer (partial + combine kernels replayed from a CUDA graph, median), and
 "=" where the output equals, bit for bit, the first variant of the same short count (the
@@ -121,6 +121,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--once", action="store_true", help="launch twice, untimed (smoke test)")
     args = parser.parse_args()
+    if args.passes < 1:
+        parser.error(f"--passes must be 1 or more, got {args.passes}")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     variants = [parse_variant(v) for v in args.variants.split(",")]

@@ -130,9 +130,13 @@ export TRITON_CACHE_DIR="$caches/triton" GRAPHRT_CACHE_DIR="$caches/graphrt"
 if [[ -z ${H200_NESTED:-} ]]; then
     rm -rf "$caches"
     mkdir -p "$TRITON_CACHE_DIR" "$GRAPHRT_CACHE_DIR"
-    # The newest archive carried (.txz or .tgz); tar finds the compression itself.
-    carried=$(ls -t .tcache/kernel-caches.txz .tcache/kernel-caches.tgz 2> /dev/null | head -n 1)
-    if [[ -n $carried ]]; then
+    # The .txz carried, or a newer .tgz (a machine without xz saved one); tar finds the
+    # compression itself.
+    carried=.tcache/kernel-caches.txz
+    if [[ ! -f $carried || .tcache/kernel-caches.tgz -nt $carried ]]; then
+        carried=.tcache/kernel-caches.tgz
+    fi
+    if [[ -f $carried ]]; then
         tar -xf "$carried" -C "$caches" && echo "kernel caches: $(du -sh "$caches" | cut -f1) carried"
     fi
     find "$caches/triton" -name .used -delete  # marks of the calls that saved them
@@ -193,17 +197,19 @@ if [[ $what == tests || $what == all ]]; then
     # caches (the slowest 25 tests listed last). loadgroup: each file's tests on one worker,
     # as loadfile, except the slow kernel tests marked own_worker, each by itself (conftest's
     # group_by_file: tests/test_triton_fused.py's, about 550 s on one worker, cut the lane at
-    # 480-500 s at stops 84 and 86). A cut run writes no last-failed cache:
-    # the rerun below follows a run that finished only.
-    cache="-o cache_dir=$(mktemp -d)"
-    timeout "${LANE_LIMIT:-480}" python -m pytest tests -m cuda -v $cache -ra --durations=25 \
+    # 480-500 s at stops 84 and 86). The rerun below follows a run that finished only.
+    timeout "${LANE_LIMIT:-480}" python -m pytest tests -m cuda -v -p no:cacheprovider -ra --durations=25 \
         -n "${CUDA_WORKERS:-14}" --dist loadgroup > "$OUT/tests-cuda.log" 2>&1
     status=$?
     grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR)" "$OUT/tests-cuda.log" | sort -u | head -n 20
     tail -n 3 "$OUT/tests-cuda.log"
     if [[ $status != 0 && $status != 124 ]]; then
+        # By id from the log, less loadgroup's "@group" suffix (pytest's last-failed cache
+        # keeps the suffixed ids, which a run without xdist never collects).
+        failed=$(grep -oE "(FAILED|ERROR) tests/[^ ]+" "$OUT/tests-cuda.log" | cut -d' ' -f2 \
+            | sed 's/@[^]@]*$//' | sort -u | head -n 40)
         echo "== the failures again, one process"
-        python -m pytest tests -m cuda -q $cache -ra --last-failed --last-failed-no-failures none \
+        timeout 300 python -m pytest $failed -m cuda -q -p no:cacheprovider -ra \
             2>&1 | tee "$OUT/tests-cuda-rerun.log" | tail -n 15
     fi
     graphrt generate --model random:llama-1b --prompt-ids 1,2,3,4 --prompt-ids 5,6 --max-new-tokens 16 \

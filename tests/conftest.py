@@ -27,6 +27,22 @@ from helpers import (  # noqa: E402
     make_checkpoint,
 )
 
+
+def _xdist_groups_apply() -> bool:
+    """Whether a test's node id follows ``_nodeid``, which pytest-xdist 3.8 rewrites to
+    apply an xdist_group (conftest's ``group_by_file``; the CUDA lane's --dist loadgroup).
+    pytest 9.1 reads it (the device's); 9.2 builds the id otherwise, and the groups would
+    be dropped in silence, every test scheduled alone."""
+    from _pytest.nodes import Node
+
+    probe = object.__new__(Node)
+    probe._nodeid = "probe@group"
+    try:
+        return probe.nodeid == "probe@group"
+    except AttributeError:
+        return False
+
+
 # Set to 1, every graph capture raises, here and in every process the tests start, so
 # graph runners fall back to eager steps with a warning: each test marked ``graphs`` must
 # then fail (tests/test_graphs_required.py).
@@ -34,6 +50,12 @@ _FAIL_CAPTURES_DIR = Path(__file__).resolve().parent / "fail_captures"
 
 
 def pytest_configure(config):
+    if config.getoption("dist", None) == "loadgroup" and not _xdist_groups_apply():
+        raise pytest.UsageError(
+            f"--dist loadgroup: pytest-xdist cannot group tests under pytest "
+            f"{pytest.__version__} (it renames items, which pytest 9.2 no longer reads); "
+            "run with --dist loadfile, or pytest below 9.2"
+        )
     if os.environ.get(FAIL_CAPTURES) != "1":
         return
     # Child processes (TP ranks, CLI runs) run the folder's sitecustomize at start-up.
@@ -79,8 +101,10 @@ def pytest_runtest_call(item):
     if outcome.excinfo is not None or not item.get_closest_marker("graphs"):
         return
     # A test about capture itself must capture; every other graphs test must replay, but
-    # one whose graphs a shared fixture built may replay none in its own run. Its drops
-    # still count: the fixture's captures ran in the setup of the first test that used it.
+    # one whose graphs a shared fixture built may replay none in its own run. Drops still
+    # count: a shared fixture captures in the setup of the first test that uses it, so its
+    # drops fail that test where it is marked graphs (in a run where an unmarked test uses
+    # the fixture first, they go unseen).
     kind, index = ("captured", 1) if item.get_closest_marker("graphs_capture") else ("replayed", 0)
     now = _graph_counts()
     why = None

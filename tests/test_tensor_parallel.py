@@ -40,12 +40,12 @@ def _generate(path: str, tp: TPGroup, runner: str) -> tuple[list[list[int]], int
     # that complete no prompt compute no logits (the ranks gather zero vocabulary rows).
     # Decode runs once every prompt is in, a batch of 3 to the end: one bucket, padded to
     # 4; smaller ones would be captured, never replayed.
+    drops = GraphWitness.drops  # from before the engine: it captures as it is built
     engine = cpu_engine(
         loaded, device=device, runner=runner, max_context_len=64, graph_buckets=(4,),
         max_prefill_tokens=4, overlap=overlap,
     )  # fmt: skip
     prompts = random_prompts(LENS, seed=5, vocab=loaded.model.vocab_size)
-    drops = GraphWitness.drops
     outputs = [r.output_ids for r in engine.generate(prompts, GREEDY)]
     drops = GraphWitness.drops - drops  # the buckets this job dropped (a rank's counts)
     return outputs, engine.stats.graph_steps, engine.stats.launched_ahead, drops

@@ -83,11 +83,11 @@ def _generate(
     device = standin_device() if runner == "graph" else None
     # The requests decode in lockstep, a batch of 3 at every step and round (finishing
     # together): one bucket, padded to 4; smaller ones would be captured, never replayed.
+    drops = GraphWitness.drops  # from before the engine: it captures as it is built
     engine = cpu_engine(
         loaded, strategy, device, runner=runner, max_context_len=64, graph_buckets=(4,)
     )
     prompts = random_prompts(LENS, seed=5, vocab=loaded.model.vocab_size)
-    drops = GraphWitness.drops
     reqs = engine.generate(prompts, GREEDY)
     s = engine.stats
     return dict(

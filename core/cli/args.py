@@ -564,7 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the engine's context, at least what the timed requests need; decode "
         "attention's scratch and kernels are sized from it, as a server's are from its "
-        "context (the model's by default), e.g. 131072 (default: what the requests need)",
+        "context (the model's by default), e.g. 131072; the CPU's graphs read the whole "
+        "context every step (default: what the requests need)",
     )
     bench.add_argument(
         "--seed",
