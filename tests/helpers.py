@@ -142,6 +142,29 @@ def assert_engine_idle(engine) -> None:
     assert engine.ledger.reserved_tokens == 0
 
 
+def folder_conftest(config):
+    """This folder's conftest as pytest loaded it (`import conftest` may find another)."""
+    path = str(Path(__file__).with_name("conftest.py"))
+    (conftest,) = [
+        p for p in config.pluginmanager.get_plugins() if getattr(p, "__file__", None) == path
+    ]
+    return conftest
+
+
+class ProbeItem:
+    """A test item as conftest's hooks see it: its id, its marks, and add_marker."""
+
+    def __init__(self, nodeid: str, *marks: str):
+        self.nodeid = nodeid
+        self.marks = [getattr(pytest.mark, name).mark for name in marks]
+
+    def get_closest_marker(self, name: str):
+        return next((m for m in self.marks if m.name == name), None)
+
+    def add_marker(self, mark) -> None:
+        self.marks.append(mark.mark)
+
+
 class GraphWitness:
     """Counts the graphs this process replayed and captured, through the two methods every
     device backend's graphs pass (``ExecutionBackend.replay`` and

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAIL_CAPTURES
+from helpers import FAIL_CAPTURES, ProbeItem, folder_conftest
 from pluggy import Result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,17 +101,7 @@ def _generate(prompts=((5, 6, 7), (8, 9)), **config):
     return engine
 
 
-class _Probe:
-    """A test item as conftest's hooks see it: its id and its markers."""
-
-    def __init__(self, nodeid: str, *markers: str):
-        self.nodeid, self.markers = nodeid, markers
-
-    def get_closest_marker(self, name: str):
-        return name if name in self.markers else None
-
-
-def _outcome_of(conftest, item: _Probe, body) -> BaseException | None:
+def _outcome_of(conftest, item: ProbeItem, body) -> BaseException | None:
     """What conftest's setup and call hooks make of a passing test running ``body``."""
     setup = conftest.pytest_runtest_setup(item)
     next(setup)
@@ -129,29 +119,26 @@ def _outcome_of(conftest, item: _Probe, body) -> BaseException | None:
 def test_conftest_fails_a_graphs_test_that_ran_no_graph(request):
     from helpers import standin_device
 
-    # This folder's conftest as pytest loaded it (`import conftest` may find another).
-    path = Path(__file__).with_name("conftest.py")
-    plugins = request.config.pluginmanager.get_plugins()
-    (conftest,) = [p for p in plugins if getattr(p, "__file__", None) == str(path)]
+    conftest = folder_conftest(request.config)
 
-    eager = _outcome_of(conftest, _Probe("eager", "graphs"), _generate)
+    eager = _outcome_of(conftest, ProbeItem("eager", "graphs"), _generate)
     assert isinstance(eager, pytest.fail.Exception)
     assert "marked graphs, but no graph was replayed" in str(eager)
-    assert _outcome_of(conftest, _Probe("shared", "graphs", "graphs_shared"), _generate) is None
-    assert _outcome_of(conftest, _Probe("unmarked"), _generate) is None
+    assert _outcome_of(conftest, ProbeItem("shared", "graphs", "graphs_shared"), _generate) is None
+    assert _outcome_of(conftest, ProbeItem("unmarked"), _generate) is None
 
     def on_graphs():
         assert _generate(runner="graph", device=standin_device()).stats.graph_steps > 0
 
-    assert _outcome_of(conftest, _Probe("graphs", "graphs"), on_graphs) is None
+    assert _outcome_of(conftest, ProbeItem("graphs", "graphs"), on_graphs) is None
 
     def capture_only():  # the engine captures its buckets; nothing generates
         _generate(runner="graph", device=standin_device(), prompts=[])
 
-    never_replayed = _outcome_of(conftest, _Probe("captured", "graphs"), capture_only)
+    never_replayed = _outcome_of(conftest, ProbeItem("captured", "graphs"), capture_only)
     assert isinstance(never_replayed, pytest.fail.Exception)
     assert "marked graphs, but no graph was replayed" in str(never_replayed)
-    about_capture = _Probe("capture", "graphs", "graphs_capture")
+    about_capture = ProbeItem("capture", "graphs", "graphs_capture")
     assert _outcome_of(conftest, about_capture, capture_only) is None
     captured_nothing = _outcome_of(conftest, about_capture, _generate)
     assert "marked graphs, but no graph was captured" in str(captured_nothing)
@@ -162,9 +149,7 @@ def test_conftest_fails_a_graphs_test_whose_bucket_was_dropped(request, monkeypa
 
     from graphrt.core.runners.graph import GraphRunner
 
-    path = Path(__file__).with_name("conftest.py")
-    plugins = request.config.pluginmanager.get_plugins()
-    (conftest,) = [p for p in plugins if getattr(p, "__file__", None) == str(path)]
+    conftest = folder_conftest(request.config)
     capture = GraphRunner.capture_one_shape  # the witness's counting wrapper
 
     def failing_at_one(runner, size):
@@ -180,14 +165,14 @@ def test_conftest_fails_a_graphs_test_whose_bucket_was_dropped(request, monkeypa
         assert engine.stats.graph_steps > 0
         engines.append(engine)
 
-    dropped = _outcome_of(conftest, _Probe("dropped", "graphs"), one_dropped)
+    dropped = _outcome_of(conftest, ProbeItem("dropped", "graphs"), one_dropped)
     assert isinstance(dropped, pytest.fail.Exception)
     assert "1 bucket capture(s) failed and were dropped" in str(dropped)
     assert list(engines[0].graph_runner.dropped_buckets) == [1]
-    about_drops = _Probe("about drops", "graphs", "graphs_drops")
+    about_drops = ProbeItem("about drops", "graphs", "graphs_drops")
     assert _outcome_of(conftest, about_drops, one_dropped) is None
     # A shared fixture's captures run in the setup of its first test: its drops fail that
     # test though it need not replay.
-    shared = _outcome_of(conftest, _Probe("shared", "graphs", "graphs_shared"), one_dropped)
+    shared = _outcome_of(conftest, ProbeItem("shared", "graphs", "graphs_shared"), one_dropped)
     assert isinstance(shared, pytest.fail.Exception)
     assert "1 bucket capture(s) failed and were dropped" in str(shared)

@@ -3,34 +3,16 @@ file's worker, as under loadfile, unless marked ``own_worker``."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
-
-class _Item:
-    """A collected test as the hook sees it: its id, its marks, and add_marker."""
-
-    def __init__(self, nodeid: str, *marks: str):
-        self.nodeid = nodeid
-        self.marks = [getattr(pytest.mark, name).mark for name in marks]
-
-    def get_closest_marker(self, name: str):
-        return next((m for m in self.marks if m.name == name), None)
-
-    def add_marker(self, mark) -> None:
-        self.marks.append(mark.mark)
+from helpers import ProbeItem, folder_conftest
 
 
 def test_each_test_joins_its_files_group_unless_it_runs_on_its_own(request):
-    path = Path(__file__).with_name("conftest.py")
-    plugins = request.config.pluginmanager.get_plugins()
-    (conftest,) = [p for p in plugins if getattr(p, "__file__", None) == str(path)]
+    conftest = folder_conftest(request.config)
     items = [
-        _Item("tests/test_a.py::test_one"),
-        _Item("tests/test_a.py::test_slow[bfloat16]", "own_worker"),
-        _Item("tests/test_a.py::Case::test_two[x]"),
-        _Item("tests/conformance/test_b.py::test_three"),
+        ProbeItem("tests/test_a.py::test_one"),
+        ProbeItem("tests/test_a.py::test_slow[bfloat16]", "own_worker"),
+        ProbeItem("tests/test_a.py::Case::test_two[x]"),
+        ProbeItem("tests/conformance/test_b.py::test_three"),
     ]
     conftest.group_by_file(items)
     groups = [[m.args for m in item.marks if m.name == "xdist_group"] for item in items]
