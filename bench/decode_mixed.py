@@ -6,8 +6,7 @@ programs along the splits (``split_programs``) fell with them: 2 a pair at batch
 llama-1b. Uniform batches of 512 keys gained (BENCHMARKS.md, stop 83), but a long row among
 short ones would then walk its 128 splits on those 2 programs. This times each variant
 SHORT:PROGRAMS (0 programs: ``split_programs``' choice for that short count) on uniform and
-mixed batches, so the two can be weighed in one run. A variant SHORT:PROGRAMS:h launches
-stage 1's grid heads first (``decode_attention``'s heads_first: the same bits).
+mixed batches, so the two can be weighed in one run.
 
 Run on the device: python bench/decode_mixed.py [--shape llama-1b|gemma4-sliding|...]
 [--batches 64x512,63x512+1x32768,8x512+1x8192] [--variants 16:0,2:0,2:16,4:0,8:0]
@@ -60,19 +59,15 @@ def parse_batch(text: str) -> list[int]:
     return lens
 
 
-def parse_variant(text: str) -> tuple[int, int, bool]:
-    """ "2:16" -> (short splits 2, 16 programs along the splits, rows first); "2:0":
-    split_programs'; "2:16:h": stage 1's grid heads first."""
-    short, programs, order = (text.split(":") + ["", ""])[:3]
-    if order not in ("", "h"):
-        raise SystemExit(f"decode_mixed.py: variant {text!r}: the grid order is h or nothing")
-    return int(short), int(programs or 0), order == "h"
+def parse_variant(text: str) -> tuple[int, int]:
+    """ "2:16" -> (short splits 2, 16 programs along the splits); "2:0": split_programs'."""
+    short, _, programs = text.partition(":")
+    return int(short), int(programs or 0)
 
 
 class Layer:
     """One layer's K/V pool, token table, queries and scratch for rows of ``lens`` keys
-    (slots scattered, as a pool's are); ``run(short, programs, heads_first)`` launches decode
-    attention."""
+    (slots scattered, as a pool's are); ``run(short, programs)`` launches decode attention."""
 
     def __init__(
         self, shape: str, lens: list[int], device: torch.device, dtype: torch.dtype, context: int
@@ -98,10 +93,10 @@ class Layer:
         self.scratch = allocate_decode_scratch(bs, heads, head_dim, device, splits)
         self.scale = head_dim**-0.5
 
-    def run(self, short: int, programs: int, heads_first: bool = False) -> None:
+    def run(self, short: int, programs: int) -> None:
         decode_attention(
             self.q, self.k, self.v, self.table, self.reqs, self.lens, self.out, *self.scratch,
-            self.scale, short_splits=short, programs=programs or None, heads_first=heads_first,
+            self.scale, short_splits=short, programs=programs or None,
         )  # fmt: skip
 
     def combine(self, short: int) -> None:
@@ -147,13 +142,12 @@ def main() -> None:
         combine = [[] for _ in variants]
         for p in range(passes):
             order = list(enumerate(variants))
-            for index, (short, programs, heads) in order if p % 2 == 0 else order[::-1]:
-                layer.run(short, programs, heads)
-                layer.run(short, programs, heads)
+            for index, (short, programs) in order if p % 2 == 0 else order[::-1]:
+                layer.run(short, programs)
+                layer.run(short, programs)
                 if not args.once:
-                    run = functools.partial(layer.run, short, programs, heads)
-                    stage[index].append(time_us(run))
-                    layer.run(short, programs, heads)
+                    stage[index].append(time_us(functools.partial(layer.run, short, programs)))
+                    layer.run(short, programs)
                     if args.combine:
                         combine[index].append(time_us(functools.partial(layer.combine, short)))
                 if args.combine:

@@ -193,8 +193,7 @@ def interpreter_results() -> dict:
         wide_q[:, :, :head_dim] = q.view(-1, num_heads, head_dim)
         scratch = allocate_decode_scratch(8, num_heads, head_dim, torch.device("cpu"), 3)
         launches = {"short": {"block_n": 16}, "two": {"block_n": 16, "long_rows": (50, 32)},
-                    "wide": {"block_n": 32},
-                    "heads": {"block_n": 16, "long_rows": (50, 32), "heads_first": True}}  # fmt: skip
+                    "wide": {"block_n": 32}}  # fmt: skip
         outs = {}
         for name, launch in launches.items():
             # Each launch on poisoned scratch: empty splits store no output, never read, and
@@ -209,9 +208,6 @@ def interpreter_results() -> dict:
             )  # fmt: skip
         short, two, wide = outs["short"], outs["two"], outs["wide"]
         errors[f"{case}/3_splits_vs_naive"] = rel_err(short, naive)
-        # Stage 1's grid in the other order (KV heads, programs, rows): each program's work
-        # is unchanged, so are the bits.
-        flags[f"{case}/heads_first_bits"] = torch.equal(outs["heads"], two)
         # Rows of 50 visible keys and more (70) in a second launch of 32-key blocks (the
         # other launch's programs skip them): each row's output is, bit for bit, one
         # launch's at its class's block size. Without a window the two sizes give both
@@ -384,12 +380,12 @@ def extend_results(triton_backend_cls) -> dict:
 def test_decode_kernel_under_interpreter_matches_reference_and_naive():
     results = run_under_triton_interpreter(__file__)
     # Per case: 3 errors and 2 flags; the two launcher cases' 3-split and long-row
-    # launches (2 errors and 2 flags each: the long rows' bits, the grid order's), and the
-    # backend's long rows (without a window: a flag); fewer splits at many pairs (an error
-    # and a flag); scratch and store flags.
+    # launches (2 errors and a flag each), and the backend's long rows (without a
+    # window: a flag); fewer splits at many pairs (an error and a flag); scratch and
+    # store flags.
     num_cases = len(INTERPRETER_CASES)
     assert len(results["errors"]) == 3 * num_cases + 5
-    assert len(results["flags"]) == 2 * num_cases + 10
+    assert len(results["flags"]) == 2 * num_cases + 8
     too_far = {name: err for name, err in results["errors"].items() if not err < 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]
@@ -806,10 +802,8 @@ def test_kernels_compile_for_sm90_with_rows_that_double_their_splits():
     stage1 = dict(KV_GROUP=4, BLOCK_G=16, **split_constants(128), BLOCK_N=64, HEAD_DIM=head_dim,
                   BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
     assert stage1["DOUBLINGS"] == 3
-    decode = stage1 | {"USE_PDL": True, "HEADS_FIRST": False}
-    compile_for_h200(_decode_partial_kernel, decode | {"CHAIN_NODES": 0}, 4)
-    compile_for_h200(_decode_partial_kernel, decode | {"CHAIN_NODES": 5}, 4)
-    compile_for_h200(_decode_partial_kernel, decode | {"CHAIN_NODES": 0, "HEADS_FIRST": True}, 4)
+    compile_for_h200(_decode_partial_kernel, stage1 | {"USE_PDL": True, "CHAIN_NODES": 0}, 4)
+    compile_for_h200(_decode_partial_kernel, stage1 | {"USE_PDL": True, "CHAIN_NODES": 5}, 4)
     compile_for_h200(_verify_partial_kernel, stage1 | {"NODES": 4, "BLOCK_T": 8}, 4)
 
 
@@ -849,7 +843,7 @@ def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache, lon
     stage1 = dict(
         KV_GROUP=8, BLOCK_G=16, **td.split_constants(128), BLOCK_N=block_n, HEAD_DIM=head_dim,
         BLOCK_D=block_d, DOT_PRECISION="ieee" if size == 4 else "tf32", USE_PDL=True,
-        CHAIN_NODES=0, HEADS_FIRST=td.HEADS_FIRST,
+        CHAIN_NODES=0,
     )  # fmt: skip
     pointers = ATTENTION_POINTERS | {"K": f"*{cache}", "V": f"*{cache}"}
     stages = td.default_stages(block_n, head_dim, size)

@@ -62,9 +62,6 @@ NUM_KV_SPLITS = 16
 # request, us a layer at 16 / 32 / 64 / 128 splits: 8k keys 15.2 / 10.9 / 8.9 / 9.1,
 # 32k keys 91.9 / 50.8 / 31.7 / 25.0; at 8 requests 16 splits stay within 6% of best).
 SPLIT_KEYS = 256
-# Stage 1's grid order (decode_attention's heads_first): not yet measured on a GPU (stop 86);
-# the same bits either way. bench/decode_mixed.py's SHORT:PROGRAMS:h variants time it.
-HEADS_FIRST = False
 # The most splits a row gets (from 32,768 keys): the scratch is rows * H * S * D float32
 # (256 MiB for llama-1b's 32 heads x 64 at 256 rows; 768 MiB for Gemma 4's full layers,
 # 8 heads x 512, at 384 verify rows), and longer rows read more blocks a split instead.
@@ -308,16 +305,9 @@ def _decode_partial_kernel(
     DOT_PRECISION: tl.constexpr,
     CHAIN_NODES: tl.constexpr,  # 0: decode rows; n: rows are n-node chains (decode_attention)
     USE_PDL: tl.constexpr,  # launched with PDL: griddepcontrol.wait before q (pdl.py)
-    HEADS_FIRST: tl.constexpr,  # the grid's order (decode_attention's heads_first)
 ):
-    if HEADS_FIRST:  # grid (KV heads, P, rows)
-        kv_h = tl.program_id(0)
-        split_program, split_programs = tl.program_id(1), tl.num_programs(1)
-        b = tl.program_id(2)
-    else:  # grid (rows, KV heads, P)
-        b = tl.program_id(0)
-        kv_h = tl.program_id(1)
-        split_program, split_programs = tl.program_id(2), tl.num_programs(2)
+    b = tl.program_id(0)
+    kv_h = tl.program_id(1)
 
     # HAZARD (PDL): up to the wait this program may run beside the kernels before it, which
     # are still writing q, this step's key and value, the residual stream and the scratch.
@@ -344,14 +334,14 @@ def _decode_partial_kernel(
         pdl.wait_for_predecessor()  # q and this step's K/V are written
     if not in_class:
         return
-    if (kv_h == 0) & (split_program == 0):
+    if (kv_h == 0) & (tl.program_id(2) == 0):
         tl.store(PartialSplits + b, num_splits)
 
     q, heads, mask_g, offs_d, mask_d = _load_q_group(
         Q, b, kv_h, stride_qb, stride_qh, K.dtype.element_ty, KV_GROUP, BLOCK_G, HEAD_DIM, BLOCK_D
     )  # (BLOCK_G, BLOCK_D)
     # Splits p, p + P, ... of the row: each its own partial, whatever P is.
-    for split in range(split_program, num_splits, split_programs):
+    for split in range(tl.program_id(2), num_splits, tl.num_programs(2)):
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
         l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -623,7 +613,6 @@ def decode_attention(
     num_stages: int | None = None,  # None: default_stages
     long_rows: tuple[int, int] | None = None,  # (from keys, BLOCK_N): see below
     chain: tuple[torch.Tensor, int] | None = None,  # (the nodes' slots, n): see below
-    heads_first: bool = HEADS_FIRST,  # stage 1's grid order: see below
 ) -> torch.Tensor:
     """Attention of each row's one query over its visible cached keys; returns ``out``.
 
@@ -645,12 +634,6 @@ def decode_attention(
     length prefix + i + 1 whose keys past the prefix are the chain's nodes 0 .. i, their
     slots ``tree_loc[r - i ..]`` (they need not be in the token table yet). So a chain's
     node rounds exactly as decode rounds that token once its path is accepted.
-
-    ``heads_first``: stage 1's grid (KV heads, P, rows) instead of (rows, KV heads, P). The
-    GPU starts programs in grid order, the first axis fastest, so then a row's KV heads and
-    splits run side by side, reading one key's heads (adjacent in the pool: (slot, Hkv, D))
-    and the row's neighbouring blocks together, where (rows, ...) starts every row's
-    head 0 first. Each program computes what it did: the bits are the same (HEADS_FIRST).
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -686,9 +669,7 @@ def decode_attention(
         assert class_block_n >= MIN_DOT, class_block_n
         assert class_block_n == triton.next_power_of_2(class_block_n), class_block_n
         stages = num_stages or default_stages(class_block_n, head_dim, size)
-        grid = (num_kv_heads, programs, bs) if heads_first else (bs, num_kv_heads, programs)
-        assert grid[2] <= 65535, f"{grid[2]} rows: a grid's third axis holds 65,535"
-        _decode_partial_kernel[grid](
+        _decode_partial_kernel[(bs, num_kv_heads, programs)](
             q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, tree_loc,
             partial_out, partial_lse, partial_splits, float(sm_scale), window, min_keys, max_keys,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
@@ -698,8 +679,8 @@ def decode_attention(
             KV_GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), MIN_DOT),
             **split_constants(max_splits, short_splits), BLOCK_N=class_block_n,
             HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=dot_precision(k_buffer.dtype),
-            CHAIN_NODES=chain_nodes, HEADS_FIRST=heads_first, num_warps=num_warps,
-            num_stages=stages, **pdl.launch_options(),
+            CHAIN_NODES=chain_nodes, num_warps=num_warps, num_stages=stages,
+            **pdl.launch_options(),
         )  # fmt: skip
     return combine_splits(partial_out, partial_lse, partial_splits, out, short_splits, rest_chunk)
 
