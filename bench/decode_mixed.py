@@ -6,7 +6,9 @@ programs along the splits (``split_programs``) fell with them: 2 a pair at batch
 llama-1b. Uniform batches of 512 keys gained (BENCHMARKS.md, stop 83), but a long row among
 short ones would then walk its 128 splits on those 2 programs. This times each variant
 SHORT:PROGRAMS (0 programs: ``split_programs``' choice for that short count) on uniform and
-mixed batches, so the two can be weighed in one run.
+mixed batches, so the two can be weighed in one run. A variant SHORT:PROGRAMS:w launches
+stage 1's work as one list (``decode_attention``'s balanced: the same bits; PROGRAMS then
+counts a KV head's programs, 0 ``work_programs``').
 
 Run on the device: python bench/decode_mixed.py [--shape llama-1b|gemma4-sliding|...]
 [--batches 64x512,63x512+1x32768,8x512+1x8192] [--variants 16:0,2:0,2:16,4:0,8:0]
@@ -59,15 +61,19 @@ def parse_batch(text: str) -> list[int]:
     return lens
 
 
-def parse_variant(text: str) -> tuple[int, int]:
-    """ "2:16" -> (short splits 2, 16 programs along the splits); "2:0": split_programs'."""
-    short, _, programs = text.partition(":")
-    return int(short), int(programs or 0)
+def parse_variant(text: str) -> tuple[int, int, bool]:
+    """ "2:16" -> (short splits 2, 16 programs along the splits, by rows); "2:0":
+    split_programs'; "2:0:w": one work list, work_programs' programs."""
+    short, programs, grid = (text.split(":") + ["", ""])[:3]
+    if grid not in ("", "w"):
+        raise SystemExit(f"decode_mixed.py: variant {text!r}: the grid is w or nothing")
+    return int(short), int(programs or 0), grid == "w"
 
 
 class Layer:
     """One layer's K/V pool, token table, queries and scratch for rows of ``lens`` keys
-    (slots scattered, as a pool's are); ``run(short, programs)`` launches decode attention."""
+    (slots scattered, as a pool's are); ``run(short, programs, listed)`` launches decode
+    attention."""
 
     def __init__(
         self, shape: str, lens: list[int], device: torch.device, dtype: torch.dtype, context: int
@@ -93,10 +99,10 @@ class Layer:
         self.scratch = allocate_decode_scratch(bs, heads, head_dim, device, splits)
         self.scale = head_dim**-0.5
 
-    def run(self, short: int, programs: int) -> None:
+    def run(self, short: int, programs: int, listed: bool = False) -> None:
         decode_attention(
             self.q, self.k, self.v, self.table, self.reqs, self.lens, self.out, *self.scratch,
-            self.scale, short_splits=short, programs=programs or None,
+            self.scale, short_splits=short, programs=programs or None, balanced=listed,
         )  # fmt: skip
 
     def combine(self, short: int) -> None:
@@ -142,12 +148,13 @@ def main() -> None:
         combine = [[] for _ in variants]
         for p in range(passes):
             order = list(enumerate(variants))
-            for index, (short, programs) in order if p % 2 == 0 else order[::-1]:
-                layer.run(short, programs)
-                layer.run(short, programs)
+            for index, (short, programs, listed) in order if p % 2 == 0 else order[::-1]:
+                run = functools.partial(layer.run, short, programs, listed)
+                run()
+                run()
                 if not args.once:
-                    stage[index].append(time_us(functools.partial(layer.run, short, programs)))
-                    layer.run(short, programs)
+                    stage[index].append(time_us(run))
+                    run()
                     if args.combine:
                         combine[index].append(time_us(functools.partial(layer.combine, short)))
                 if args.combine:

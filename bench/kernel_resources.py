@@ -32,7 +32,7 @@ def main() -> None:
     for head_dim, block_n in ((256, 32), (512, 16)):
         common = dict(KV_GROUP=8, **split_constants(128), BLOCK_N=block_n, HEAD_DIM=head_dim,
                       BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
-        stage1 = common | {"BLOCK_G": 16, "USE_PDL": True, "CHAIN_NODES": 0}
+        stage1 = common | {"BLOCK_G": 16, "USE_PDL": True, "CHAIN_NODES": 0, "BLOCK_B": 0}
         print(f"decode D={head_dim}: {resources(_decode_partial_kernel, stage1, 4)}")
         combine = dict(MIN_SPLITS=16, BLOCK_S=16, BLOCK_REST=8192 // head_dim, HEAD_DIM=head_dim,
                        BLOCK_D=head_dim, LAUNCH_DEPENDENTS=True)  # fmt: skip

@@ -192,8 +192,12 @@ def interpreter_results() -> dict:
         wide_q = torch.zeros(batch.batch_size, num_heads, head_dim + 8)
         wide_q[:, :, :head_dim] = q.view(-1, num_heads, head_dim)
         scratch = allocate_decode_scratch(8, num_heads, head_dim, torch.device("cpu"), 3)
-        launches = {"short": {"block_n": 16}, "two": {"block_n": 16, "long_rows": (50, 32)},
-                    "wide": {"block_n": 32}}  # fmt: skip
+        by_rows = {"balanced": False}
+        launches = {"short": {"block_n": 16, **by_rows},
+                    "two": {"block_n": 16, "long_rows": (50, 32), **by_rows},
+                    "wide": {"block_n": 32, **by_rows},
+                    "listed": {"block_n": 16, "long_rows": (50, 32), "balanced": True},
+                    "listed_few": {"block_n": 16, "balanced": True, "programs": 2}}  # fmt: skip
         outs = {}
         for name, launch in launches.items():
             # Each launch on poisoned scratch: empty splits store no output, never read, and
@@ -208,6 +212,12 @@ def interpreter_results() -> dict:
             )  # fmt: skip
         short, two, wide = outs["short"], outs["two"], outs["wide"]
         errors[f"{case}/3_splits_vs_naive"] = rel_err(short, naive)
+        # Stage 1's work as one list: each split computed as by rows, so the same bits, with
+        # the long rows' second launch, and with 2 programs a KV head walking many rows'
+        # items (a row no program served would show: the scratch was poisoned).
+        flags[f"{case}/listed_bits"] = torch.equal(outs["listed"], two) and torch.equal(
+            outs["listed_few"], short
+        )
         # Rows of 50 visible keys and more (70) in a second launch of 32-key blocks (the
         # other launch's programs skip them): each row's output is, bit for bit, one
         # launch's at its class's block size. Without a window the two sizes give both
@@ -380,12 +390,12 @@ def extend_results(triton_backend_cls) -> dict:
 def test_decode_kernel_under_interpreter_matches_reference_and_naive():
     results = run_under_triton_interpreter(__file__)
     # Per case: 3 errors and 2 flags; the two launcher cases' 3-split and long-row
-    # launches (2 errors and a flag each), and the backend's long rows (without a
-    # window: a flag); fewer splits at many pairs (an error and a flag); scratch and
-    # store flags.
+    # launches (2 errors and 2 flags each: the long rows' bits, the work list's), and the
+    # backend's long rows (without a window: a flag); fewer splits at many pairs (an error
+    # and a flag); scratch and store flags.
     num_cases = len(INTERPRETER_CASES)
     assert len(results["errors"]) == 3 * num_cases + 5
-    assert len(results["flags"]) == 2 * num_cases + 8
+    assert len(results["flags"]) == 2 * num_cases + 10
     too_far = {name: err for name, err in results["errors"].items() if not err < 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]
@@ -802,25 +812,31 @@ def test_kernels_compile_for_sm90_with_rows_that_double_their_splits():
     stage1 = dict(KV_GROUP=4, BLOCK_G=16, **split_constants(128), BLOCK_N=64, HEAD_DIM=head_dim,
                   BLOCK_D=head_dim, DOT_PRECISION="tf32")  # fmt: skip
     assert stage1["DOUBLINGS"] == 3
-    compile_for_h200(_decode_partial_kernel, stage1 | {"USE_PDL": True, "CHAIN_NODES": 0}, 4)
-    compile_for_h200(_decode_partial_kernel, stage1 | {"USE_PDL": True, "CHAIN_NODES": 5}, 4)
+    decode = stage1 | {"USE_PDL": True, "BLOCK_B": 0}
+    compile_for_h200(_decode_partial_kernel, decode | {"CHAIN_NODES": 0}, 4)
+    compile_for_h200(_decode_partial_kernel, decode | {"CHAIN_NODES": 5}, 4)
+    compile_for_h200(_decode_partial_kernel, decode | {"CHAIN_NODES": 0, "BLOCK_B": 256}, 4)
     compile_for_h200(_verify_partial_kernel, stage1 | {"NODES": 4, "BLOCK_T": 8}, 4)
 
 
 @needs_triton
 @pytest.mark.parametrize(
-    "head_dim, cache, long, want_stages",
+    "head_dim, cache, long, want_stages, listed",
     [
-        (64, "bf16", False, 2),  # llama-1b's 16 KB tiles
-        (64, "bf16", True, 3),  # its long rows' 128-key blocks (long_block_n): 32 KB
-        (128, "bf16", False, 3),  # Llama 3 8B's: 32 KB
-        (256, "bf16", False, 3),  # Gemma 4's
-        (512, "bf16", False, 3),
-        (256, "fp32", False, 2),  # exact caches keep two
-        (512, "fp32", False, 2),
+        (64, "bf16", False, 2, False),  # llama-1b's 16 KB tiles
+        (64, "bf16", False, 2, True),  # as one work list (decode_attention's balanced)
+        (64, "bf16", True, 3, False),  # its long rows' 128-key blocks (long_block_n): 32 KB
+        (128, "bf16", False, 3, False),  # Llama 3 8B's: 32 KB
+        (256, "bf16", False, 3, False),  # Gemma 4's
+        (256, "bf16", False, 3, True),
+        (512, "bf16", False, 3, False),
+        (256, "fp32", False, 2, False),  # exact caches keep two
+        (512, "fp32", False, 2, False),
     ],
 )
-def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache, long, want_stages):
+def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(
+    head_dim, cache, long, want_stages, listed
+):
     """Stage 1 of decode attention as the engine launches it (its BLOCK_N, the long rows'
     where ``long``, and pipeline stages; pointers and strides aligned) compiles for sm_90
     within one SM's shared memory: more would fail at the first launch on the GPU, after
@@ -843,7 +859,7 @@ def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache, lon
     stage1 = dict(
         KV_GROUP=8, BLOCK_G=16, **td.split_constants(128), BLOCK_N=block_n, HEAD_DIM=head_dim,
         BLOCK_D=block_d, DOT_PRECISION="ieee" if size == 4 else "tf32", USE_PDL=True,
-        CHAIN_NODES=0,
+        CHAIN_NODES=0, BLOCK_B=64 if listed else 0,
     )  # fmt: skip
     pointers = ATTENTION_POINTERS | {"K": f"*{cache}", "V": f"*{cache}"}
     stages = td.default_stages(block_n, head_dim, size)
@@ -853,7 +869,8 @@ def test_decode_stage1_fits_an_sm_and_pipelines_as_launched(head_dim, cache, lon
     assert compiled.metadata.shared <= H200_SHARED_BYTES, (stages, compiled.metadata.shared)
     ptx = compiled.asm["ptx"]
     before, after = ptx.split("griddepcontrol.wait")
-    # Before it: the row's length and request slot, two scalar loads
+    # Before it: the row's length and request slot, two scalar loads (a work list: the
+    # rows' lengths, one vector load)
     assert "st.global" not in before and "cp.async" not in before
     assert before.count("ld.global") <= 2, before.count("ld.global")
     if stages == 3:

@@ -62,6 +62,12 @@ NUM_KV_SPLITS = 16
 # request, us a layer at 16 / 32 / 64 / 128 splits: 8k keys 15.2 / 10.9 / 8.9 / 9.1,
 # 32k keys 91.9 / 50.8 / 31.7 / 25.0; at 8 requests 16 splits stay within 6% of best).
 SPLIT_KEYS = 256
+# Stage 1's work as one list (decode_attention's balanced): not yet measured on a GPU (stop 87);
+# the same bits either way. bench/decode_mixed.py's SHORT:PROGRAMS:w variants time it.
+BALANCED = False
+# Work lists over more rows than this keep the grid by rows (a row's index is found by a
+# reduction over BLOCK_B of them each item).
+MOST_LISTED_ROWS = 1024
 # The most splits a row gets (from 32,768 keys): the scratch is rows * H * S * D float32
 # (256 MiB for llama-1b's 32 heads x 64 at 256 rows; 768 MiB for Gemma 4's full layers,
 # 8 heads x 512, at 384 verify rows), and longer rows read more blocks a split instead.
@@ -279,6 +285,7 @@ def _decode_partial_kernel(
     window,  # 0 = no sliding window
     min_keys,  # this launch's rows: min_keys <= visible keys < max_keys (the others'
     max_keys,  # programs return at once: another launch, of another BLOCK_N, serves them)
+    num_rows,  # B (read by work lists only)
     stride_qb,
     stride_qh,
     stride_kt,
@@ -305,7 +312,46 @@ def _decode_partial_kernel(
     DOT_PRECISION: tl.constexpr,
     CHAIN_NODES: tl.constexpr,  # 0: decode rows; n: rows are n-node chains (decode_attention)
     USE_PDL: tl.constexpr,  # launched with PDL: griddepcontrol.wait before q (pdl.py)
+    # 0: grid (rows, KV heads, P), program p computing splits p, p + P, ... of its row.
+    # n >= B: grid (P, KV heads), every (row, split) of the launch's rows one item of a list
+    # (row-major), program p computing items p, p + P, ... (decode_attention's balanced).
+    BLOCK_B: tl.constexpr,
 ):
+    if BLOCK_B > 0:
+        tl.static_assert(CHAIN_NODES == 0)
+        kv_h = tl.program_id(1)
+        # Before the wait (step inputs only, as below): each row's items, and where in the
+        # list each row's items end.
+        rows = tl.arange(0, BLOCK_B)
+        lens = tl.load(SeqLens + rows, mask=rows < num_rows, other=0).to(tl.int32)
+        los = tl.where(window > 0, tl.maximum(lens - window, 0), 0)
+        listed = (rows < num_rows) & (lens - los >= min_keys) & (lens - los < max_keys)
+        items = tl.where(listed, _row_splits(lens - los, MIN_SPLITS, DOUBLINGS, SPLIT_KEYS), 0)
+        ends = tl.cumsum(items, 0)  # (BLOCK_B,)
+        if USE_PDL:
+            pdl.wait_for_predecessor()  # q and this step's K/V are written
+        if (kv_h == 0) & (tl.program_id(0) == 0):
+            tl.store(PartialSplits + rows, items, mask=listed)
+        for item in range(tl.program_id(0), tl.sum(items, 0), tl.num_programs(0)):
+            b = tl.sum((ends <= item).to(tl.int32), 0)  # the row whose items hold it
+            split = item - tl.sum(tl.where(rows == b - 1, ends, 0), 0)
+            seq_len = tl.load(SeqLens + b).to(tl.int32)
+            lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+            q, heads, mask_g, offs_d, mask_d = _load_q_group(
+                Q, b, kv_h, stride_qb, stride_qh, K.dtype.element_ty, KV_GROUP, BLOCK_G,
+                HEAD_DIM, BLOCK_D,
+            )  # fmt: skip
+            _partial_of_split(
+                q, heads, mask_g, offs_d, mask_d, K, V, ReqToToken, TreeLoc, PartialOut,
+                PartialLse, b, kv_h, split,
+                _row_splits(seq_len - lo, MIN_SPLITS, DOUBLINGS, SPLIT_KEYS),
+                tl.load(ReqPoolIndices + b).to(tl.int64), lo, seq_len, seq_len, 0, sm_scale,
+                stride_kt, stride_kh, stride_vt, stride_vh, stride_req, stride_pob, stride_poh,
+                stride_pos, stride_plb, stride_plh, BLOCK_G, BLOCK_N, BLOCK_D, DOT_PRECISION,
+                False,
+            )  # fmt: skip
+        return
+
     b = tl.program_id(0)
     kv_h = tl.program_id(1)
 
@@ -342,18 +388,38 @@ def _decode_partial_kernel(
     )  # (BLOCK_G, BLOCK_D)
     # Splits p, p + P, ... of the row: each its own partial, whatever P is.
     for split in range(tl.program_id(2), num_splits, tl.num_programs(2)):
-        m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
-        l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        m, l_sum, acc = _attend_cached(
-            q, m, l_sum, acc, K, V, ReqToToken, req, lo, seq_len, split, num_splits, kv_h,
-            offs_d, mask_d, sm_scale, stride_req, stride_kt, stride_kh, stride_vt, stride_vh,
-            TreeLoc, prefix, tree_row, BLOCK_N, DOT_PRECISION, CHAIN_NODES > 0,
+        _partial_of_split(
+            q, heads, mask_g, offs_d, mask_d, K, V, ReqToToken, TreeLoc, PartialOut,
+            PartialLse, b, kv_h, split, num_splits, req, lo, seq_len, prefix, tree_row,
+            sm_scale, stride_kt, stride_kh, stride_vt, stride_vh, stride_req, stride_pob,
+            stride_poh, stride_pos, stride_plb, stride_plh, BLOCK_G, BLOCK_N, BLOCK_D,
+            DOT_PRECISION, CHAIN_NODES > 0,
         )  # fmt: skip
-        _store_partial(
-            PartialOut, PartialLse, heads * 0 + b, split, heads, mask_g, offs_d, mask_d, m,
-            l_sum, acc, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-        )  # fmt: skip
+
+
+@triton.jit
+def _partial_of_split(
+    q, heads, mask_g, offs_d, mask_d, K, V, ReqToToken, TreeLoc, PartialOut, PartialLse, b,
+    kv_h, split, num_splits, req, lo, seq_len, prefix, tree_row, sm_scale, stride_kt,
+    stride_kh, stride_vt, stride_vh, stride_req, stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, CHAIN: tl.constexpr,
+):  # fmt: skip
+    """Split ``split`` (of ``num_splits``) of row b's KV head ``kv_h`` (its query group q,
+    ``_load_q_group``'s) into its partial: the same work, so the same bits, whichever
+    program of whichever grid computes it."""
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of each head's scores
+    l_sum = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp(score - m)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m, l_sum, acc = _attend_cached(
+        q, m, l_sum, acc, K, V, ReqToToken, req, lo, seq_len, split, num_splits, kv_h, offs_d,
+        mask_d, sm_scale, stride_req, stride_kt, stride_kh, stride_vt, stride_vh, TreeLoc,
+        prefix, tree_row, BLOCK_N, DOT_PRECISION, CHAIN,
+    )  # fmt: skip
+    _store_partial(
+        PartialOut, PartialLse, heads * 0 + b, split, heads, mask_g, offs_d, mask_d, m, l_sum,
+        acc, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -464,6 +530,15 @@ def split_programs(programs_per_split: int, max_splits: int, short: int = NUM_KV
     (stop 83); short rows' programs past their splits return at once."""
     wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, max(programs_per_split, 1)))
     return max(min_splits(max_splits, max(short, NUM_KV_SPLITS)), min(wanted, max_splits))
+
+
+def work_programs(rows: int, num_kv_heads: int, max_splits: int, short: int = NUM_KV_SPLITS) -> int:
+    """A work list's programs a KV head (``decode_attention``'s balanced): one for each short
+    row's split, and at least ``split_programs`` gives one row, so a long row keeps the
+    programs it has at batch 1 and, among short rows, takes the programs of theirs that
+    finished (the grid by rows leaves it ``split_programs``' P, at least 16)."""
+    short_items = rows * min_splits(max_splits, short)
+    return max(short_items, split_programs(num_kv_heads, max_splits, short))
 
 
 def split_constants(max_splits: int, short: int = NUM_KV_SPLITS) -> dict[str, int]:
@@ -613,6 +688,7 @@ def decode_attention(
     num_stages: int | None = None,  # None: default_stages
     long_rows: tuple[int, int] | None = None,  # (from keys, BLOCK_N): see below
     chain: tuple[torch.Tensor, int] | None = None,  # (the nodes' slots, n): see below
+    balanced: bool | None = None,  # stage 1's work as one list; None: BALANCED (see below)
 ) -> torch.Tensor:
     """Attention of each row's one query over its visible cached keys; returns ``out``.
 
@@ -634,6 +710,14 @@ def decode_attention(
     length prefix + i + 1 whose keys past the prefix are the chain's nodes 0 .. i, their
     slots ``tree_loc[r - i ..]`` (they need not be in the token table yet). So a chain's
     node rounds exactly as decode rounds that token once its path is accepted.
+
+    ``balanced``: stage 1's grid is (P, KV heads) over one list of every row's (row, split)
+    items, program p computing items p, p + P, ... (``work_programs``), instead of (rows, KV
+    heads, P) with each row's splits on its own P programs. A batch of short rows then
+    launches no program without work (by rows, P stays at least 16 where short rows take 2),
+    and a long row's splits spread over every program. Each split is computed as by rows,
+    so the bits are the same. Decode rows only (chains keep the grid by rows), and at most
+    MOST_LISTED_ROWS rows.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -658,7 +742,15 @@ def decode_attention(
     window = 0 if sliding_window is None else int(sliding_window)
     assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
     group = num_heads // num_kv_heads
-    programs = programs or split_programs(bs * num_kv_heads, max_splits, short_splits)
+    balanced = BALANCED if balanced is None else balanced
+    listed = balanced and chain is None and bs <= MOST_LISTED_ROWS
+    block_b = triton.next_power_of_2(bs) if listed else 0
+    if listed:
+        programs = programs or work_programs(bs, num_kv_heads, max_splits, short_splits)
+        grid = (programs, num_kv_heads, 1)
+    else:
+        programs = programs or split_programs(bs * num_kv_heads, max_splits, short_splits)
+        grid = (bs, num_kv_heads, programs)
     # Row classes by visible keys: [lo, hi) and their block size. One class unless
     # ``long_rows`` = (from_keys, block_n) gives rows of from_keys keys and more larger
     # blocks in a second launch (each launch's programs skip the other class's rows).
@@ -669,17 +761,17 @@ def decode_attention(
         assert class_block_n >= MIN_DOT, class_block_n
         assert class_block_n == triton.next_power_of_2(class_block_n), class_block_n
         stages = num_stages or default_stages(class_block_n, head_dim, size)
-        _decode_partial_kernel[(bs, num_kv_heads, programs)](
+        _decode_partial_kernel[grid](
             q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, tree_loc,
             partial_out, partial_lse, partial_splits, float(sm_scale), window, min_keys, max_keys,
-            q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+            bs, q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
             v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1),
             KV_GROUP=group, BLOCK_G=max(triton.next_power_of_2(group), MIN_DOT),
             **split_constants(max_splits, short_splits), BLOCK_N=class_block_n,
             HEAD_DIM=head_dim, BLOCK_D=block_d, DOT_PRECISION=dot_precision(k_buffer.dtype),
-            CHAIN_NODES=chain_nodes, num_warps=num_warps, num_stages=stages,
+            CHAIN_NODES=chain_nodes, BLOCK_B=block_b, num_warps=num_warps, num_stages=stages,
             **pdl.launch_options(),
         )  # fmt: skip
     return combine_splits(partial_out, partial_lse, partial_splits, out, short_splits, rest_chunk)
