@@ -320,22 +320,27 @@ def _decode_partial_kernel(
     if BLOCK_B > 0:
         tl.static_assert(CHAIN_NODES == 0)
         kv_h = tl.program_id(1)
-        # Before the wait (step inputs only, as below): each row's items, and where in the
-        # list each row's items end.
+        step = tl.num_programs(0)
+        # Before the wait (step inputs only, as below): each row's items, where in the list
+        # each row's items end, and this program's first item's row (its length and
+        # request slot), as the grid by rows reads its row's.
         rows = tl.arange(0, BLOCK_B)
         lens = tl.load(SeqLens + rows, mask=rows < num_rows, other=0).to(tl.int32)
         los = tl.where(window > 0, tl.maximum(lens - window, 0), 0)
         listed = (rows < num_rows) & (lens - los >= min_keys) & (lens - los < max_keys)
         items = tl.where(listed, _row_splits(lens - los, MIN_SPLITS, DOUBLINGS, SPLIT_KEYS), 0)
         ends = tl.cumsum(items, 0)  # (BLOCK_B,)
+        b, seq_len, req = _listed_row(tl.program_id(0), ends, rows, lens, ReqPoolIndices, num_rows)
         if USE_PDL:
             pdl.wait_for_predecessor()  # q and this step's K/V are written
         if (kv_h == 0) & (tl.program_id(0) == 0):
             tl.store(PartialSplits + rows, items, mask=listed)
-        for item in range(tl.program_id(0), tl.sum(items, 0), tl.num_programs(0)):
-            b = tl.sum((ends <= item).to(tl.int32), 0)  # the row whose items hold it
+        for item in range(tl.program_id(0), tl.sum(items, 0), step):
+            # The next item's row first: its request slot's load flies while this one attends.
+            next_b, next_len, next_req = _listed_row(
+                item + step, ends, rows, lens, ReqPoolIndices, num_rows
+            )
             split = item - tl.sum(tl.where(rows == b - 1, ends, 0), 0)
-            seq_len = tl.load(SeqLens + b).to(tl.int32)
             lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
             q, heads, mask_g, offs_d, mask_d = _load_q_group(
                 Q, b, kv_h, stride_qb, stride_qh, K.dtype.element_ty, KV_GROUP, BLOCK_G,
@@ -344,12 +349,12 @@ def _decode_partial_kernel(
             _partial_of_split(
                 q, heads, mask_g, offs_d, mask_d, K, V, ReqToToken, TreeLoc, PartialOut,
                 PartialLse, b, kv_h, split,
-                _row_splits(seq_len - lo, MIN_SPLITS, DOUBLINGS, SPLIT_KEYS),
-                tl.load(ReqPoolIndices + b).to(tl.int64), lo, seq_len, seq_len, 0, sm_scale,
-                stride_kt, stride_kh, stride_vt, stride_vh, stride_req, stride_pob, stride_poh,
-                stride_pos, stride_plb, stride_plh, BLOCK_G, BLOCK_N, BLOCK_D, DOT_PRECISION,
-                False,
+                _row_splits(seq_len - lo, MIN_SPLITS, DOUBLINGS, SPLIT_KEYS), req, lo,
+                seq_len, seq_len, 0, sm_scale, stride_kt, stride_kh, stride_vt, stride_vh,
+                stride_req, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, BLOCK_G,
+                BLOCK_N, BLOCK_D, DOT_PRECISION, False,
             )  # fmt: skip
+            b, seq_len, req = next_b, next_len, next_req
         return
 
     b = tl.program_id(0)
@@ -395,6 +400,16 @@ def _decode_partial_kernel(
             stride_poh, stride_pos, stride_plb, stride_plh, BLOCK_G, BLOCK_N, BLOCK_D,
             DOT_PRECISION, CHAIN_NODES > 0,
         )  # fmt: skip
+
+
+@triton.jit
+def _listed_row(item, ends, rows, lens, ReqPoolIndices, num_rows):
+    """Work list item ``item``'s row b, its length and its request slot (a row past the
+    list's end: the last row's slot, never used)."""
+    b = tl.sum((ends <= item).to(tl.int32), 0)  # rows whose items all come before it
+    seq_len = tl.sum(tl.where(rows == b, lens, 0), 0)
+    req = tl.load(ReqPoolIndices + tl.minimum(b, num_rows - 1)).to(tl.int64)
+    return b, seq_len, req
 
 
 @triton.jit
