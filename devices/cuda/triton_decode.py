@@ -29,7 +29,9 @@ share their blocks: tree-verify attention (triton_verify.py) reads each shared
 block once for several tree nodes and still computes each node as decode
 would. Stage 1's grid is B x Hkv x P: program p computes splits p, p + P, ... of its
 row, each into its own partial, so P (``split_programs``: more at small
-batches) moves work between programs without changing any row's arithmetic.
+batches) moves work between programs without changing any row's arithmetic. Or
+(``decode_attention``'s balanced) the grid is P x Hkv over one list of every row's splits,
+program p computing items p, p + P, ...: the same splits, the same arithmetic.
 Stage 2 combines the S partials of each (request, query head) by their
 log-sum-exps (grid B x H): the 16 every row has at once, a long row's others in
 chunks, in split order. A third, tiny kernel stores the step's new K/V rows into
@@ -696,7 +698,9 @@ def decode_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     block_n: int | None = None,  # keys per loop step (>= 16); None: default_block_n
-    programs: int | None = None,  # stage 1's programs along the splits; None: split_programs
+    # Stage 1's programs along the splits (None: split_programs'); a work list's a KV head
+    # (None: work_programs').
+    programs: int | None = None,
     short_splits: int = NUM_KV_SPLITS,  # a short row's splits (at most the scratch's)
     rest_chunk: int | None = None,  # the combine's step over a long row's splits
     num_warps: int = 4,  # stage 1's launch (bench/decode_splits.py --launches sweeps them)
