@@ -114,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
     parser.add_argument("--batches", default="64x512,63x512+1x32768,8x512,7x512+1x8192")
-    parser.add_argument("--variants", default="16:0,2:0,2:16,4:0,4:16,8:0")
+    parser.add_argument("--variants", default="16:0,16:0:w,2:0,2:0:w,4:0,4:0:w")
     parser.add_argument(
         "--context", type=int, default=0, help="size the scratch as an engine of this context"
     )

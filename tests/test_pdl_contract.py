@@ -65,16 +65,35 @@ def _names(node: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and id(n) not in types}
 
 
-def _before_wait(fn: ast.FunctionDef) -> list[ast.stmt]:
-    """The kernel's statements up to the one holding its first ``pdl.wait_for_predecessor()``.
-    Every PDL kernel waits through it, never ``gdc_wait()`` itself: the one wait the CPU
-    stand-in below replaces."""
+WAIT = "pdl.wait_for_predecessor()"
+
+
+def _before_waits(fn: ast.FunctionDef) -> list[list[ast.stmt]]:
+    """For each path to a ``pdl.wait_for_predecessor()`` in the kernel, the statements run
+    before it on that path. Every PDL kernel waits through it, never ``gdc_wait()`` itself:
+    the one wait the CPU stand-in below replaces. A branch that holds a wait and ends in a
+    return (decode attention's work list) is a path of its own; the code after it, another."""
     source = ast.unparse(fn)
     assert "gdc_wait()" not in source, f"{fn.name} calls gdc_wait(): wait_for_predecessor()"
-    for i, stmt in enumerate(fn.body):
-        if "pdl.wait_for_predecessor()" in ast.unparse(stmt):
-            return fn.body[:i]
-    raise AssertionError(f"{fn.name} takes USE_PDL but never waits (griddepcontrol.wait)")
+    paths = _paths_to_waits(fn.body, [])
+    assert paths, f"{fn.name} takes USE_PDL but never waits (griddepcontrol.wait)"
+    return paths
+
+
+def _paths_to_waits(body: list[ast.stmt], before: list[ast.stmt]) -> list[list[ast.stmt]]:
+    paths = []
+    for stmt in body:
+        if WAIT not in ast.unparse(stmt):
+            before = before + [stmt]
+            continue
+        if isinstance(stmt, ast.Expr):  # the wait itself
+            return paths + [before]
+        assert isinstance(stmt, ast.If) and WAIT not in ast.unparse(stmt.orelse), ast.unparse(stmt)
+        # The branch's condition runs before the wait, then its statements up to it.
+        paths += _paths_to_waits(stmt.body, before + [ast.Expr(stmt.test)])
+        if not isinstance(stmt.body[-1], ast.Return):
+            return paths  # ``if USE_PDL: wait``: this path has waited
+    return paths
 
 
 def test_the_gemv_and_decode_attention_are_launched_with_pdl():
@@ -86,17 +105,22 @@ def test_a_pdl_kernel_reads_only_weights_or_step_inputs_before_its_wait(name):
     fn = _pdl_kernels()[name]
     pointers = _pointers(fn)
     allowed = EARLY_READS.get(name, WEIGHTS)
-    early = _before_wait(fn)
-    # Names bound before the wait from activation pointers would carry them past it.
-    touched = set().union(*(_names(s) for s in early)) if early else set()
-    assert not (touched & (pointers - allowed)), (
-        f"{name} names {sorted(touched & (pointers - allowed))} before its wait"
-    )
-    assert not any("tl.store" in ast.unparse(s) for s in early), f"{name} stores before its wait"
-    # A program that returned without waiting could let the kernel finish before the one
-    # before it, and the next kernel (launched without PDL) start on half-written inputs.
-    returns = [n for s in early for n in ast.walk(s) if isinstance(n, ast.Return)]
-    assert not returns, f"{name} may return before its wait (line {returns[0].lineno})"
+    paths = _before_waits(fn)
+    # Decode attention: the grid by rows and the work list wait on paths of their own.
+    assert len(paths) == (2 if name == "_decode_partial_kernel" else 1), len(paths)
+    for early in paths:
+        # Names bound before the wait from activation pointers would carry them past it.
+        touched = set().union(*(_names(s) for s in early)) if early else set()
+        assert not (touched & (pointers - allowed)), (
+            f"{name} names {sorted(touched & (pointers - allowed))} before its wait"
+        )
+        assert not any("tl.store" in ast.unparse(s) for s in early), (
+            f"{name} stores before its wait"
+        )
+        # A program that returned without waiting could let the kernel finish before the one
+        # before it, and the next kernel (launched without PDL) start on half-written inputs.
+        returns = [n for s in early for n in ast.walk(s) if isinstance(n, ast.Return)]
+        assert not returns, f"{name} may return before its wait (line {returns[0].lineno})"
 
 
 # (head_dim, num_heads, sliding window, lengths): one KV head; 16-key blocks, one split, one
@@ -109,18 +133,22 @@ STAND_IN_CASES = [(24, 4, None, (1, 5, 16, 17, 40)), (16, 2, 8, (64, 70))]
 def stand_in_results() -> dict:
     """Runs under TRITON_INTERPRET=1 (the subprocess below): decode attention's stage 1
     launched as with PDL, where the kernel before it stores the step's key and value only
-    when stage 1 waits. Until then the cache holds NaN where they go. -> each case: its
-    output equal (bit for bit) to the launch without PDL, and finite."""
+    when stage 1 waits. Until then the cache holds NaN where they go. -> each case, on the
+    grid by rows and on the work list: its output equal (bit for bit) to the launch without
+    PDL, and finite."""
     return {
-        f"D{head_dim}-window{window}-len{seq_len}": _stand_in_case(
-            head_dim, num_heads, window, seq_len
+        f"D{head_dim}-window{window}-len{seq_len}-{'listed' if listed else 'rows'}": (
+            _stand_in_case(head_dim, num_heads, window, seq_len, listed)
         )
         for head_dim, num_heads, window, lengths in STAND_IN_CASES
         for seq_len in lengths
+        for listed in (False, True)
     }
 
 
-def _stand_in_case(head_dim: int, num_heads: int, window: int | None, seq_len: int) -> bool:
+def _stand_in_case(
+    head_dim: int, num_heads: int, window: int | None, seq_len: int, listed: bool
+) -> bool:
     from graphrt.devices.cuda import pdl
     from graphrt.devices.cuda import triton_decode as td
 
@@ -139,7 +167,7 @@ def _stand_in_case(head_dim: int, num_heads: int, window: int | None, seq_len: i
         out = torch.empty_like(q)
         scratch = td.allocate_decode_scratch(1, num_heads, head_dim, q.device, 1)
         args = (q, k_buffer, v_buffer, table, req, lens, out, *scratch, 0.3, window)
-        return td.decode_attention(*args, block_n=16, programs=1, short_splits=1)
+        return td.decode_attention(*args, block_n=16, programs=1, short_splits=1, balanced=listed)
 
     plain = attend()  # no PDL (the interpreter's default)
     k_buffer[new_slot], v_buffer[new_slot] = float("nan"), float("nan")
@@ -167,7 +195,7 @@ def test_decode_attention_reads_the_steps_own_key_only_after_its_wait():
     first block read before the wait did, stop 65) would see NaN where they go, or a key
     of zeros where it masked them out and never read them again."""
     results = run_under_triton_interpreter(__file__)
-    assert len(results) == sum(len(c[-1]) for c in STAND_IN_CASES)
+    assert len(results) == 2 * sum(len(c[-1]) for c in STAND_IN_CASES)
     assert all(results.values()), {case: ok for case, ok in results.items() if not ok}
 
 

@@ -290,7 +290,39 @@ def interpreter_results() -> dict:
     flags["store_kv/matches_index_put"] = torch.equal(k_buffer, want_k) and torch.equal(
         v_buffer, want_v
     )
+    flags["listed_doublings_bits"] = listed_doublings_bits()
     return {"errors": errors, "flags": flags, "extend": extend_results(TritonAttentionBackend)}
+
+
+def listed_doublings_bits() -> bool:
+    """Stage 1's work list over rows of 1, 2, 1 and 4 splits (one short split, doubling at
+    512 and 1,024 keys), 3 programs walking their items, against the grid by rows, each on
+    poisoned scratch: the same bits, where rows of equal split counts would hide a wrong
+    split offset in the list."""
+    from graphrt.devices.cuda.triton_decode import allocate_decode_scratch, decode_attention
+
+    gen = torch.Generator().manual_seed(7)
+    lens, heads, kv_heads, head_dim = [40, 600, 5, 1100], 4, 2, 16
+    slots = 1 + torch.randperm(sum(lens), generator=gen)
+    k = torch.randn(sum(lens) + 1, kv_heads, head_dim, generator=gen)
+    v = torch.randn(sum(lens) + 1, kv_heads, head_dim, generator=gen)
+    table = torch.zeros(len(lens) + 1, max(lens), dtype=torch.int64)
+    for row, start in enumerate(torch.tensor([0] + lens[:-1]).cumsum(0).tolist()):
+        table[row + 1, : lens[row]] = slots[start : start + lens[row]]
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    reqs = torch.arange(1, len(lens) + 1)
+    outs = []
+    for launch in ({"balanced": False}, {"balanced": True, "programs": 3}):
+        scratch = allocate_decode_scratch(len(lens), heads, head_dim, torch.device("cpu"), 4)
+        for part in scratch:
+            part.fill_(float("nan") if part.is_floating_point() else 1)
+        outs.append(torch.empty_like(q))
+        decode_attention(
+            q, k, v, table, reqs, torch.tensor(lens, dtype=torch.int32), outs[-1], *scratch,
+            head_dim**-0.5, block_n=16, short_splits=1, **launch,
+        )  # fmt: skip
+        splits = scratch[2][: len(lens)].tolist()
+    return splits == [1, 2, 1, 4] and torch.equal(*outs) and bool(torch.isfinite(outs[0]).all())
 
 
 # (tokens cached before the chunk, the chunk's tokens) per request: a whole prompt, one
@@ -392,10 +424,10 @@ def test_decode_kernel_under_interpreter_matches_reference_and_naive():
     # Per case: 3 errors and 2 flags; the two launcher cases' 3-split and long-row
     # launches (2 errors and 2 flags each: the long rows' bits, the work list's), and the
     # backend's long rows (without a window: a flag); fewer splits at many pairs (an error
-    # and a flag); scratch and store flags.
+    # and a flag); scratch and store flags; the work list over rows of unequal splits.
     num_cases = len(INTERPRETER_CASES)
     assert len(results["errors"]) == 3 * num_cases + 5
-    assert len(results["flags"]) == 2 * num_cases + 10
+    assert len(results["flags"]) == 2 * num_cases + 11
     too_far = {name: err for name, err in results["errors"].items() if not err < 1e-5}
     assert not too_far, too_far
     failed = [name for name, ok in results["flags"].items() if not ok]

@@ -287,7 +287,7 @@ def _decode_partial_kernel(
     window,  # 0 = no sliding window
     min_keys,  # this launch's rows: min_keys <= visible keys < max_keys (the others'
     max_keys,  # programs return at once: another launch, of another BLOCK_N, serves them)
-    num_rows,  # B (read by work lists only)
+    num_rows,  # B; 0 by rows (unread there: an int of 1 or 16k would compile its own kernel)
     stride_qb,
     stride_qh,
     stride_kt,
@@ -406,8 +406,8 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _listed_row(item, ends, rows, lens, ReqPoolIndices, num_rows):
-    """Work list item ``item``'s row b, its length and its request slot (a row past the
-    list's end: the last row's slot, never used)."""
+    """Work list item ``item``'s row b, its length and its request slot. Past the list's
+    end b is BLOCK_B, its length 0 and its slot the last row's: never used."""
     b = tl.sum((ends <= item).to(tl.int32), 0)  # rows whose items all come before it
     seq_len = tl.sum(tl.where(rows == b, lens, 0), 0)
     req = tl.load(ReqPoolIndices + tl.minimum(b, num_rows - 1)).to(tl.int64)
@@ -783,7 +783,7 @@ def decode_attention(
         _decode_partial_kernel[grid](
             q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, tree_loc,
             partial_out, partial_lse, partial_splits, float(sm_scale), window, min_keys, max_keys,
-            bs, q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+            bs if listed else 0, q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
             v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1),
