@@ -301,16 +301,10 @@ def listed_doublings_bits() -> bool:
     split offset in the list."""
     from graphrt.devices.cuda.triton_decode import allocate_decode_scratch, decode_attention
 
-    gen = torch.Generator().manual_seed(7)
     lens, heads, kv_heads, head_dim = [40, 600, 5, 1100], 4, 2, 16
-    slots = 1 + torch.randperm(sum(lens), generator=gen)
-    k = torch.randn(sum(lens) + 1, kv_heads, head_dim, generator=gen)
-    v = torch.randn(sum(lens) + 1, kv_heads, head_dim, generator=gen)
-    table = torch.zeros(len(lens) + 1, max(lens), dtype=torch.int64)
-    for row, start in enumerate(torch.tensor([0] + lens[:-1]).cumsum(0).tolist()):
-        table[row + 1, : lens[row]] = slots[start : start + lens[row]]
-    q = torch.randn(len(lens), heads, head_dim, generator=gen)
-    reqs = torch.arange(1, len(lens) + 1)
+    pools = Pools((head_dim,), kv_heads, len(lens), max(lens), torch.float32, "cpu", seed=7)
+    batch = pools.decode_batch(lens)
+    q = pools.rand(len(lens), heads, head_dim)
     outs = []
     for launch in ({"balanced": False}, {"balanced": True, "programs": 3}):
         scratch = allocate_decode_scratch(len(lens), heads, head_dim, torch.device("cpu"), 4)
@@ -318,8 +312,9 @@ def listed_doublings_bits() -> bool:
             part.fill_(float("nan") if part.is_floating_point() else 1)
         outs.append(torch.empty_like(q))
         decode_attention(
-            q, k, v, table, reqs, torch.tensor(lens, dtype=torch.int32), outs[-1], *scratch,
-            head_dim**-0.5, block_n=16, short_splits=1, **launch,
+            q, pools.kv_pool.k_buffers[0], pools.kv_pool.v_buffers[0],
+            pools.req_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, outs[-1],
+            *scratch, head_dim**-0.5, block_n=16, short_splits=1, **launch,
         )  # fmt: skip
         splits = scratch[2][: len(lens)].tolist()
     return splits == [1, 2, 1, 4] and torch.equal(*outs) and bool(torch.isfinite(outs[0]).all())
@@ -847,7 +842,6 @@ def test_kernels_compile_for_sm90_with_rows_that_double_their_splits():
     decode = stage1 | {"USE_PDL": True, "BLOCK_B": 0}
     compile_for_h200(_decode_partial_kernel, decode | {"CHAIN_NODES": 0}, 4)
     compile_for_h200(_decode_partial_kernel, decode | {"CHAIN_NODES": 5}, 4)
-    compile_for_h200(_decode_partial_kernel, decode | {"CHAIN_NODES": 0, "BLOCK_B": 256}, 4)
     compile_for_h200(_verify_partial_kernel, stage1 | {"NODES": 4, "BLOCK_T": 8}, 4)
 
 
