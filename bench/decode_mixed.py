@@ -22,11 +22,12 @@ to 8,191 keys), a kernel other than the engine's, whose scratch a long context s
 ``--combine`` adds a line under each batch: the combine kernel alone, over the partials the
 variant's stage 1 left (the rest of the cell is stage 1's).
 
-HAZARD (order): variants timed one after another in a fixed order read slower the later they
-ran at stop 86 (llama-1b, 64 x 2k, four variants of 16 splits each, one kernel's work:
-126.8, 131.5, 131.6, 144.6 us). ``--passes`` (2) times them in the given order, then
-reversed, and so on (an even count balances each variant's places); a cell is the mean of
-its passes, and each batch's line ends with the largest spread between one variant's passes.
+HAZARD (order): variants timed one after another in a fixed order may read slower the later
+they run. ``--passes`` (2) times them in the given order, then reversed, and so on (an even
+count balances each variant's places); a cell is the mean of its passes, and each batch's
+line ends with the largest spread between one variant's passes. (Stop 86 blamed the order
+for equal split counts reading 4-6% apart; ABBA at stop 87 kept the gap, 253.7 against 240.1
+us at 64 x 4k: it is the run-time split count of the scratch's DOUBLINGS, above.)
 
 Each cell: us a layer (partial + combine kernels replayed from a CUDA graph, median), and
 "=" where the output equals, bit for bit, the first variant of the same short count (the
