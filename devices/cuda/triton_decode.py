@@ -64,8 +64,12 @@ NUM_KV_SPLITS = 16
 # request, us a layer at 16 / 32 / 64 / 128 splits: 8k keys 15.2 / 10.9 / 8.9 / 9.1,
 # 32k keys 91.9 / 50.8 / 31.7 / 25.0; at 8 requests 16 splits stay within 6% of best).
 SPLIT_KEYS = 256
-# Stage 1's work as one list (decode_attention's balanced): not yet measured on a GPU (stop 87);
-# the same bits either way. bench/decode_mixed.py's SHORT:PROGRAMS:w variants time it.
+# Stage 1's work as one list (decode_attention's balanced); the same bits either way. Off:
+# on the H200 (stop 88, bench/decode_mixed.py's :w variants, us a layer by rows / listed) it
+# wins where a long row shares a batch with short ones (llama-1b 63 x 512 + 1 x 32k 154.6 /
+# 102.4, Gemma 4's full layers 252.1 / 92.2) but loses where rows are alike (llama-1b 64 x 512
+# 49.0 / 68.8, 64 x 2k 120.2 / 150.5), with as many programs: each item's row lookup is the
+# suspect, unprofiled. Its step was no faster (gemma4-e2b batch 64 4.049 / 3.798 ms).
 BALANCED = False
 # Work lists over more rows than this keep the grid by rows (a row's index is found by a
 # reduction over BLOCK_B of them each item).
@@ -550,12 +554,12 @@ def split_programs(programs_per_split: int, max_splits: int, short: int = NUM_KV
 
 
 def work_programs(rows: int, num_kv_heads: int, max_splits: int, short: int = NUM_KV_SPLITS) -> int:
-    """A work list's programs a KV head (``decode_attention``'s balanced): one for each short
-    row's split, and at least ``split_programs`` gives one row, so a long row keeps the
-    programs it has at batch 1 and, among short rows, takes the programs of theirs that
-    finished (the grid by rows leaves it ``split_programs``' P, at least 16)."""
-    short_items = rows * min_splits(max_splits, short)
-    return max(short_items, split_programs(num_kv_heads, max_splits, short))
+    """A work list's programs a KV head (``decode_attention``'s balanced): as many as the
+    grid by rows launches, rows x ``split_programs``' P. With fewer, rows whose splits
+    fill the grid by rows queue on the list: stop 88 (H200) gave the list one row's P
+    (128) at Gemma 4's 8 rows of 8k keys, 256 items, and its layer took 74 us against
+    49 by rows. A long row among short ones takes the programs of theirs that finished."""
+    return rows * split_programs(rows * num_kv_heads, max_splits, short)
 
 
 def split_constants(max_splits: int, short: int = NUM_KV_SPLITS) -> dict[str, int]:
@@ -732,9 +736,9 @@ def decode_attention(
 
     ``balanced``: stage 1's grid is (P, KV heads) over one list of every row's (row, split)
     items, program p computing items p, p + P, ... (``work_programs``), instead of (rows, KV
-    heads, P) with each row's splits on its own P programs. A batch of short rows then
-    launches no program without work (by rows, P stays at least 16 where short rows take 2),
-    and a long row's splits spread over every program. Each split is computed as by rows,
+    heads, P) with each row's splits on its own P programs. The list has as many programs
+    as the grid by rows, and a long row's splits spread over all of them instead of
+    queueing on its own P (16 at batch 64). Each split is computed as by rows,
     so the bits are the same. Decode rows only (chains keep the grid by rows), and at most
     MOST_LISTED_ROWS rows.
     """
