@@ -477,6 +477,40 @@ def test_cuda_long_row_keys_only_where_the_long_block_was_measured(dtype, head_d
 
 
 @needs_triton
+def test_cuda_long_batches_list_stage_1_only_where_rows_may_queue(monkeypatch):
+    """With LIST_LONG_ROWS, models without long rows' blocks take decode graphs of their own
+    from LISTED_ROW_KEYS (rows of more than NUM_KV_SPLITS splits), and only their layers
+    that see such rows (not a shorter window) launch stage 1 as one work list; models with
+    long rows' blocks keep LONG_ROW_KEYS and the blocks' second launch instead."""
+    from types import SimpleNamespace
+
+    from graphrt.devices.cuda import triton_decode as td
+    from graphrt.devices.cuda.attention import TritonAttentionBackend
+
+    assert td.LISTED_ROW_KEYS == 8192 and td.row_splits(td.LISTED_ROW_KEYS - 1, 128) == 16
+    assert td.row_splits(td.LISTED_ROW_KEYS, 128) == 32  # the first length that can queue
+
+    def keys(head_dims, dtype=torch.bfloat16):
+        layers = [KVLayerSpec(1, d, i) for i, d in enumerate(head_dims)]
+        pools = Pools(head_dims, 2, 1, 4, dtype, "cpu")
+        backend = TritonAttentionBackend(pools.kv_pool, pools.req_pool)
+        return backend.long_row_keys(layers)
+
+    def listed(window, long_rows):
+        spec = SimpleNamespace(sliding_window=window)
+        return TritonAttentionBackend._decode_listed(spec, SimpleNamespace(long_rows=long_rows))
+
+    assert keys((256, 512)) is None and not listed(None, True)  # off: nothing changes
+    monkeypatch.setattr(td, "LIST_LONG_ROWS", True)
+    assert keys((256, 512)) == td.LISTED_ROW_KEYS  # Gemma 4's
+    assert keys((128,)) == keys((64,), torch.float32) == td.LISTED_ROW_KEYS
+    assert keys((64,)) == td.LONG_ROW_KEYS  # llama-1b's blocks come first
+    assert listed(None, True) and listed(td.LISTED_ROW_KEYS, True)
+    assert not listed(None, False)  # short batches keep the grid by rows
+    assert not listed(512, True)  # a 512-key window: no row of it has more than 16 splits
+
+
+@needs_triton
 def test_chunk_after_cached_keys_merges_two_calls_by_their_log_sum_exps(monkeypatch):
     """CUDA serves a long chunk after cached keys as two cuDNN calls (the cached keys, the
     chunk's own causally) merged by their log-sum-exps: the merge, with a float32 math

@@ -49,7 +49,9 @@ from graphrt.core.attention.torch_ref import (
 from graphrt.core.batch import ForwardBatch, ForwardMode
 from graphrt.core.errors import GraphrtError
 from graphrt.core.memory import KVLayerSpec
+from graphrt.devices.cuda import triton_decode
 from graphrt.devices.cuda.triton_decode import (
+    LISTED_ROW_KEYS,
     LONG_ROW_KEYS,
     NUM_KV_SPLITS,
     allocate_decode_scratch,
@@ -127,10 +129,13 @@ class TritonAttentionBackend(TorchAttentionBackend):
     def long_row_keys(self, layers: Sequence[KVLayerSpec]) -> int | None:
         """LONG_ROW_KEYS where some layer with a cache of its own takes larger blocks for
         long rows (``long_block_n``): decode then launches stage 1 twice in batches flagged
-        ``long_rows`` (once a layer in the others)."""
+        ``long_rows`` (once a layer in the others). Else LISTED_ROW_KEYS where
+        LIST_LONG_ROWS: such batches launch stage 1 as one work list (``_decode_listed``)."""
         size = self.kv_pool.dtype.itemsize
         own = [spec for spec in layers if spec.cache_index is not None]
-        return LONG_ROW_KEYS if any(long_block_n(s.head_dim, size) for s in own) else None
+        if any(long_block_n(s.head_dim, size) for s in own):
+            return LONG_ROW_KEYS
+        return LISTED_ROW_KEYS if triton_decode.LIST_LONG_ROWS else None
 
     # ---- metadata hooks ----------------------------------------------------------
 
@@ -275,8 +280,19 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 spec.sliding_window,
                 short_splits=self._decode_short_splits(spec, q.shape[0]),
                 long_rows=long_rows,
+                balanced=long_rows is None and self._decode_listed(spec, batch),
             )
         return out.view(-1, spec.num_heads * spec.head_dim)
+
+    @staticmethod
+    def _decode_listed(spec: AttentionSpec, batch: ForwardBatch) -> bool:
+        """Stage 1 as one work list (``triton_decode.LIST_LONG_ROWS``): in batches flagged
+        ``long_rows``, where a row's splits may queue on its own programs, and in layers
+        that see rows of LISTED_ROW_KEYS keys (not a shorter window). A host fact of the
+        graph's variant, as the flag is; the list changes no bit."""
+        window = spec.sliding_window or 0
+        see_long = window == 0 or window >= LISTED_ROW_KEYS
+        return triton_decode.LIST_LONG_ROWS and batch.long_rows and see_long
 
     def _decode_short_splits(self, spec: AttentionSpec, rows: int) -> int:
         """A short row's splits in a decode launch of ``rows`` rows: fewer at large batches

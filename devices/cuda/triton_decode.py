@@ -64,13 +64,18 @@ NUM_KV_SPLITS = 16
 # request, us a layer at 16 / 32 / 64 / 128 splits: 8k keys 15.2 / 10.9 / 8.9 / 9.1,
 # 32k keys 91.9 / 50.8 / 31.7 / 25.0; at 8 requests 16 splits stay within 6% of best).
 SPLIT_KEYS = 256
-# Stage 1's work as one list (decode_attention's balanced); the same bits either way. Off:
-# on the H200 (stop 88, bench/decode_mixed.py's :w variants, us a layer by rows / listed) it
-# wins where a long row shares a batch with short ones (llama-1b 63 x 512 + 1 x 32k 154.6 /
-# 102.4, Gemma 4's full layers 252.1 / 92.2) but loses where rows are alike (llama-1b 64 x 512
-# 49.0 / 68.8, 64 x 2k 120.2 / 150.5), with as many programs: each item's row lookup is the
-# suspect, unprofiled. Its step was no faster (gemma4-e2b batch 64 4.049 / 3.798 ms).
-BALANCED = False
+# Stage 1's work as one list (decode_attention's balanced); the same bits either way. On the
+# H200 (stop 88, bench/decode_mixed.py's :w variants, us a layer by rows / listed) it wins
+# where a long row shares a batch with short ones (llama-1b 63 x 512 + 1 x 32k 154.6 / 102.4,
+# Gemma 4's full layers 252.1 / 92.2): by rows its 128 splits queue on its own 16 programs.
+# It loses where no row's splits queue (llama-1b 64 x 512 49.0 / 68.8, 64 x 2k 120.2 /
+# 150.5), with as many programs: each item's row is found by reductions over the launch's
+# rows. So it runs only in batches with a row of LISTED_ROW_KEYS keys or more (more than
+# NUM_KV_SPLITS splits, which queue by rows once rows x KV heads reach 64), on their decode
+# graphs of their own (CudaAttentionBackend.long_row_keys), in layers that see such rows and
+# take no long rows' blocks, where LIST_LONG_ROWS. Off until measured in those graphs.
+LIST_LONG_ROWS = False
+LISTED_ROW_KEYS = 2 * NUM_KV_SPLITS * SPLIT_KEYS
 # Work lists over more rows than this keep the grid by rows (a row's index is found by a
 # reduction over BLOCK_B of them each item).
 MOST_LISTED_ROWS = 1024
@@ -336,17 +341,22 @@ def _decode_partial_kernel(
         listed = (rows < num_rows) & (lens - los >= min_keys) & (lens - los < max_keys)
         items = tl.where(listed, _row_splits(lens - los, MIN_SPLITS, DOUBLINGS, SPLIT_KEYS), 0)
         ends = tl.cumsum(items, 0)  # (BLOCK_B,)
-        b, seq_len, req = _listed_row(tl.program_id(0), ends, rows, lens, ReqPoolIndices, num_rows)
+        total = tl.sum(items, 0)
+        b, start, seq_len, req = _listed_row(
+            tl.program_id(0), ends, rows, lens, ReqPoolIndices, num_rows, BLOCK_B
+        )
         if USE_PDL:
             pdl.wait_for_predecessor()  # q and this step's K/V are written
         if (kv_h == 0) & (tl.program_id(0) == 0):
             tl.store(PartialSplits + rows, items, mask=listed)
-        for item in range(tl.program_id(0), tl.sum(items, 0), step):
-            # The next item's row first: its request slot's load flies while this one attends.
-            next_b, next_len, next_req = _listed_row(
-                item + step, ends, rows, lens, ReqPoolIndices, num_rows
-            )
-            split = item - tl.sum(tl.where(rows == b - 1, ends, 0), 0)
+        for item in range(tl.program_id(0), total, step):
+            # The next item's row first, where there is one: its request slot's load flies
+            # while this one attends.
+            next_b, next_start, next_len, next_req = b, start, seq_len, req
+            if item + step < total:
+                next_b, next_start, next_len, next_req = _listed_row(
+                    item + step, ends, rows, lens, ReqPoolIndices, num_rows, BLOCK_B
+                )
             lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
             q, heads, mask_g, offs_d, mask_d = _load_q_group(
                 Q, b, kv_h, stride_qb, stride_qh, K.dtype.element_ty, KV_GROUP, BLOCK_G,
@@ -354,13 +364,13 @@ def _decode_partial_kernel(
             )  # fmt: skip
             _partial_of_split(
                 q, heads, mask_g, offs_d, mask_d, K, V, ReqToToken, TreeLoc, PartialOut,
-                PartialLse, b, kv_h, split,
+                PartialLse, b, kv_h, item - start,
                 _row_splits(seq_len - lo, MIN_SPLITS, DOUBLINGS, SPLIT_KEYS), req, lo,
                 seq_len, seq_len, 0, sm_scale, stride_kt, stride_kh, stride_vt, stride_vh,
                 stride_req, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, BLOCK_G,
                 BLOCK_N, BLOCK_D, DOT_PRECISION, False,
             )  # fmt: skip
-            b, seq_len, req = next_b, next_len, next_req
+            b, start, seq_len, req = next_b, next_start, next_len, next_req
         return
 
     b = tl.program_id(0)
@@ -409,13 +419,31 @@ def _decode_partial_kernel(
 
 
 @triton.jit
-def _listed_row(item, ends, rows, lens, ReqPoolIndices, num_rows):
-    """Work list item ``item``'s row b, its length and its request slot. Past the list's
-    end b is BLOCK_B, its length 0 and its slot the last row's: never used."""
-    b = tl.sum((ends <= item).to(tl.int32), 0)  # rows whose items all come before it
-    seq_len = tl.sum(tl.where(rows == b, lens, 0), 0)
+def _first_after(start_a, first_a, len_a, start_b, first_b, len_b):
+    """_listed_row's reduction: the latest end at or before the item, and the first row
+    (and its length) whose items end after it."""
+    a_first = first_a < first_b
+    return (
+        tl.maximum(start_a, start_b),
+        tl.minimum(first_a, first_b),
+        tl.where(a_first, len_a, len_b),
+    )
+
+
+@triton.jit
+def _listed_row(item, ends, rows, lens, ReqPoolIndices, num_rows, BLOCK_B: tl.constexpr):
+    """Work list item ``item``'s row b, where b's items start in the list, b's length and
+    its request slot: one reduction over the launch's rows (their items' cumulative
+    ``ends``; each cross-warp reduction costs the short items' programs barriers). Past the
+    list's end b is BLOCK_B, its length 0 and its slot the last row's: never used."""
+    before = ends <= item  # rows whose items all come before it
+    start, b, seq_len = tl.reduce(
+        (tl.where(before, ends, 0), tl.where(before, BLOCK_B, rows), tl.where(before, 0, lens)),
+        0,
+        _first_after,
+    )
     req = tl.load(ReqPoolIndices + tl.minimum(b, num_rows - 1)).to(tl.int64)
-    return b, seq_len, req
+    return b, start, seq_len, req
 
 
 @triton.jit
@@ -711,7 +739,7 @@ def decode_attention(
     num_stages: int | None = None,  # None: default_stages
     long_rows: tuple[int, int] | None = None,  # (from keys, BLOCK_N): see below
     chain: tuple[torch.Tensor, int] | None = None,  # (the nodes' slots, n): see below
-    balanced: bool | None = None,  # stage 1's work as one list; None: BALANCED (see below)
+    balanced: bool = False,  # stage 1's work as one list (see below)
 ) -> torch.Tensor:
     """Attention of each row's one query over its visible cached keys; returns ``out``.
 
@@ -765,7 +793,6 @@ def decode_attention(
     window = 0 if sliding_window is None else int(sliding_window)
     assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
     group = num_heads // num_kv_heads
-    balanced = BALANCED if balanced is None else balanced
     listed = balanced and chain is None and bs <= MOST_LISTED_ROWS
     block_b = triton.next_power_of_2(bs) if listed else 0
     if listed:

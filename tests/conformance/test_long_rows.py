@@ -194,3 +194,44 @@ def test_on_cuda_long_batches_replay_their_graphs_with_eager_engines_tokens(monk
     assert sum(long_runner.replays_per_size().values()) == 6
     reference = case_engine(case, loaded, graphs=False, **sizes).generate(prompts, params)
     assert [r.output_ids for r in out] == [r.output_ids for r in reference]
+
+
+@pytest.mark.cuda
+def test_on_cuda_long_batches_list_stage_1_with_the_grid_by_rows_tokens(monkeypatch):
+    """A model without long rows' blocks (their measured choice turned off here) under
+    LIST_LONG_ROWS, the listed count lowered to 256 keys: the long rows' graphs are
+    captured and replayed with stage 1 as one work list in every layer, and the tokens
+    equal those of an eager engine that never lists (the grid by rows): the list changes
+    no bit on the GPU."""
+    case = next((c for c in CASES if c.id == "cuda-full-triton-bfloat16"), None)
+    if case is None or importlib.util.find_spec("triton") is None:
+        pytest.skip("needs CUDA and Triton")
+    from graphrt.devices.cuda import attention as cuda_attention
+    from graphrt.devices.cuda import triton_decode
+
+    launches = []
+
+    def recording(*args, **kwargs):
+        launches.append(kwargs.get("balanced", False))
+        return triton_decode.decode_attention(*args, **kwargs)
+
+    monkeypatch.setattr(cuda_attention, "long_block_n", lambda head_dim, size: None)
+    monkeypatch.setattr(cuda_attention, "decode_attention", recording)
+    monkeypatch.setattr(cuda_attention, "LISTED_ROW_KEYS", 256)
+    loaded = load_model("random:llama-tiny", case.device, case.dtype)
+    sizes = {"max_context_len": 1024, "kv_pool_tokens": 4096}
+    prompts = random_prompts((250, 200), seed=7, vocab=loaded.model.vocab_size)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    reference = case_engine(case, loaded, graphs=False, **sizes).generate(prompts, params)
+    assert launches and not any(launches)  # off: no long graphs, no list
+    monkeypatch.setattr(triton_decode, "LIST_LONG_ROWS", True)
+    engine = case_engine(case, loaded, graphs=True, **sizes)
+    long_runner = engine.strategy.long_runner
+    assert long_runner is not None and engine.strategy.long_row_keys == 256
+    launches.clear()
+    out = engine.generate(prompts, params)
+    # The longer row: 251..261 keys after its 11 decode steps, 256 from the sixth on.
+    assert sum(engine.graph_runner.replays_per_size().values()) == 5
+    assert sum(long_runner.replays_per_size().values()) == 6
+    assert any(launches) and not all(launches)  # the long graphs' capture listed, the others not
+    assert [r.output_ids for r in out] == [r.output_ids for r in reference]
