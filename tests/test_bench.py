@@ -248,6 +248,30 @@ def test_cli_bench_sizes_the_context_as_asked_and_the_pool_for_its_requests(monk
     ]
 
 
+def test_cli_bench_long_row_puts_one_long_request_in_every_batch(monkeypatch, tmp_path, capsys):
+    """``--long-row N``: each batch's first request is prefilled to N tokens, the others to
+    the prompt length (a server's mixed batch); the context and pool grow for it, the bytes
+    a step reads count its keys, and the JSON says so. Flags it cannot serve are refused."""
+    from graphrt.core.cli.main import main
+
+    out = tmp_path / "bench.json"
+    alike = _cli_bench(monkeypatch, out, "8")
+    mixed = _cli_bench(monkeypatch, out, "8", "--long-row", "40")
+    needed = 40 + 2 + 1 + 8  # the long prompt, timed steps, warm-up, margin (make_engine)
+    assert mixed["long_row"] == 40 and alike["long_row"] is None
+    assert mixed["max_context_len"] == needed
+    kv_token = alike["batches"][0]["kv_bytes_read"] / (8 + 1)  # one row's keys a step
+    for a, m in zip(alike["batches"], mixed["batches"], strict=True):
+        assert m["kv_bytes_read"] - a["kv_bytes_read"] == (40 - 8) * kv_token
+        assert m["eager_ms"] > 0
+    for flags in (["--runners", "eager,hf"], ["--draft", "random:llama-tiny"]):
+        argv = ["bench", "--device", "cpu", "--long-row", "40", *flags, "--out", str(out)]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert cli_error_line(err).startswith("graphrt: error: --long-row times graphrt's")
+        assert "Traceback" not in err
+
+
 def test_round_bench_engines_take_the_asked_context_and_a_pool_for_their_requests(monkeypatch):
     from graphrt.core.bench import rounds
 

@@ -48,6 +48,16 @@ class DecodeBenchConfig:
     # attention's scratch, and with it its kernels' split constants, is sized from it, as a
     # server's is from the model's context; the KV pool stays what the requests need.
     max_context_len: int | None = None
+    # One request of each batch prefilled to this many tokens instead of prompt_len: a long
+    # row among short ones, as a server's batches hold (None: every row alike).
+    long_row: int | None = None
+
+    def prompt_lens(self, bs: int) -> list[int]:
+        """Each request's prompt length in a batch of ``bs``: the long row first."""
+        lens = [self.prompt_len] * bs
+        if self.long_row is not None:
+            lens[0] = self.long_row
+        return lens
 
 
 @dataclass
@@ -91,6 +101,7 @@ class DecodeBenchResult:
     versions: dict[str, str]
     host_launch_us: float  # the host's speed (timing.host_launch_us)
     max_context_len: int  # the engine's (DecodeBenchConfig.max_context_len; the model's at most)
+    long_row: int | None  # DecodeBenchConfig.long_row
     copy_bandwidth_gbps: float
     weight_bytes: int
     kv_bytes_per_token: int
@@ -239,7 +250,7 @@ def run_decode_bench(
 
 def _time_graphrt(engine, cfg, bs, params, bandwidth, sync, report) -> BatchResult:
     vocab = engine.loaded.model.vocab_size
-    prompts = [torch.randint(0, vocab, (cfg.prompt_len,)).tolist() for _ in range(bs)]
+    prompts = [torch.randint(0, vocab, (n,)).tolist() for n in cfg.prompt_lens(bs)]
     reqs = prefilled(engine, prompts, params)
     batch = engine.build_decode_batch(reqs)
     read = step_bytes_read(engine.loaded.model, batch.seq_lens_cpu, engine.kv_pool.dtype)
@@ -315,11 +326,12 @@ def make_engine(
 ) -> Engine:
     """An Engine on graphrt ``device`` sized for the benchmark (graphs up to its batch sizes)."""
     max_bs = max(cfg.max_running_requests, max(cfg.batch_sizes))
-    needed = cfg.prompt_len + cfg.steps + cfg.warmup + 8
+    lens = cfg.prompt_lens(max(cfg.batch_sizes))
+    decoded = cfg.steps + cfg.warmup + 8
     config = EngineConfig(
         max_running_requests=max_bs,
-        max_context_len=max(needed, cfg.max_context_len or 0),
-        kv_pool_tokens=max(cfg.batch_sizes) * needed,
+        max_context_len=max(max(lens) + decoded, cfg.max_context_len or 0),
+        kv_pool_tokens=sum(lens) + len(lens) * decoded,
         seed=cfg.seed,
         runner="graph" if graphs else "eager",
         graph_backend=graph_backend,

@@ -525,6 +525,13 @@ def build_parser() -> argparse.ArgumentParser:
         "512,2048,8192,32768 (default: 512)",
     )
     bench.add_argument(
+        "--long-row",
+        type=_positive,
+        default=None,
+        help="prefill one request of each batch to this many tokens instead: a long row "
+        "among short ones, as a server's batches hold, e.g. 32768 (default: every row alike)",
+    )
+    bench.add_argument(
         "--batch-sizes",
         type=_size_list,
         default=(1, 8, 32, 64),

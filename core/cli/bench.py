@@ -61,6 +61,10 @@ def check_bench_args(args: argparse.Namespace, tp_size: int) -> None:
         )
     if args.draft is not None and len(args.prompt_len) > 1:
         raise UsageError("--draft times one prompt length: give --prompt-len one number")
+    if args.long_row is not None and (args.draft is not None or "hf" in args.runners):
+        raise UsageError(
+            "--long-row times graphrt's decode steps only: drop --draft and hf from --runners"
+        )
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -106,11 +110,13 @@ def _decode_bench(
         max_running_requests=args.max_running_requests,
         seed=args.seed,
         max_context_len=args.max_context_len,
+        long_row=args.long_row,
     )
     graphs = "graph" in runners
     log(
         f"graphrt bench: {args.model} {str(dtype).removeprefix('torch.')} on {device.describe()}"
         + (f" x {tp.size} (tensor parallel)" if tp.size > 1 else "")
+        + (f"; one row of {cfg.long_row} tokens a batch" if cfg.long_row else "")
         + "; capturing graphs..."
     )
     engine = make_engine(loaded, device, cfg, graphs, args.graph_backend)
@@ -131,6 +137,7 @@ def _decode_bench(
     result = DecodeBenchResult(
         **header(args, device, dtype, prompt_len, loaded),
         max_context_len=engine.max_context_len,
+        long_row=cfg.long_row,
         tp=tp.size,
         copy_bandwidth_gbps=round(bandwidth, 1),
         weight_bytes=weights,
