@@ -12,7 +12,11 @@ counts a KV head's programs, 0 ``work_programs``').
 
 Run on the device: python bench/decode_mixed.py [--shape llama-1b|gemma4-sliding|...]
 [--batches 64x512,63x512+1x32768,8x512+1x8192] [--variants 16:0,2:0,2:16,4:0,8:0]
-[--context 131072] [--combine]
+[--context 131072] [--combine] [--long-rows]
+
+``--long-rows`` launches as the engine's graphs for batches with a long row do: where the
+shape takes larger blocks for long rows (llama-1b's), rows of LONG_ROW_KEYS keys and more
+run in a second launch on them, a work list (:w) then listing each launch's rows.
 
 The scratch's split dimension is what an engine of ``--context`` keys allocates
 (``max_kv_splits``, as CudaAttentionBackend sizes it from its token table); 0, the default,
@@ -46,9 +50,11 @@ import triton
 from decode_splits import SHAPES  # bench/decode_splits.py (bench/ is the script's directory)
 
 from graphrt.devices.cuda.triton_decode import (
+    LONG_ROW_KEYS,
     allocate_decode_scratch,
     combine_splits,
     decode_attention,
+    long_block_n,
     max_kv_splits,
 )
 
@@ -77,9 +83,19 @@ class Layer:
     attention."""
 
     def __init__(
-        self, shape: str, lens: list[int], device: torch.device, dtype: torch.dtype, context: int
+        self,
+        shape: str,
+        lens: list[int],
+        device: torch.device,
+        dtype: torch.dtype,
+        context: int,
+        long_rows: bool = False,
     ):
         heads, kv_heads, head_dim = SHAPES[shape]
+        # As an engine's graphs for batches with a long row: a second launch on larger
+        # blocks from LONG_ROW_KEYS keys, where the shape takes them (long_block_n).
+        block_n = long_block_n(head_dim, torch.finfo(dtype).bits // 8) if long_rows else None
+        self.long_rows = None if block_n is None else (LONG_ROW_KEYS, block_n)
         torch.manual_seed(0)  # the same K, V and q for every variant
         total, longest, bs = sum(lens), max(lens), len(lens)
         slots = 1 + torch.randperm(total, device=device)
@@ -104,6 +120,7 @@ class Layer:
         decode_attention(
             self.q, self.k, self.v, self.table, self.reqs, self.lens, self.out, *self.scratch,
             self.scale, short_splits=short, programs=programs or None, balanced=listed,
+            long_rows=self.long_rows,
         )  # fmt: skip
 
     def combine(self, short: int) -> None:
@@ -123,6 +140,12 @@ def main() -> None:
         "--combine", action="store_true", help="time the combine kernel alone too (a line)"
     )
     parser.add_argument(
+        "--long-rows",
+        action="store_true",
+        help="launch as the engine's graphs for batches with a long row (llama-1b's shape: "
+        "a second launch on 128-key blocks from 2,048 keys)",
+    )
+    parser.add_argument(
         "--passes", type=int, default=2, help="timings of each variant, the order reversed each"
     )
     parser.add_argument("--device", default="cuda")
@@ -137,12 +160,13 @@ def main() -> None:
     print(
         f"{args.shape}: {heads} heads on {kv_heads} KV heads, head_dim {head_dim}, {dtype}; "
         f"scratch of a {args.context or 'longest row'}-key context; "
-        "us a layer by SHORT:PROGRAMS (= same bits as the first variant of its short count)"
+        + ("the long rows' launches; " if args.long_rows else "")
+        + "us a layer by SHORT:PROGRAMS (= same bits as the first variant of its short count)"
     )
     print(f"{'batch':>24} " + " ".join(f"{v:>10}" for v in args.variants.split(",")))
     passes = 1 if args.once else args.passes
     for text in args.batches.split(","):
-        layer = Layer(args.shape, parse_batch(text), device, dtype, args.context)
+        layer = Layer(args.shape, parse_batch(text), device, dtype, args.context, args.long_rows)
         first: dict[int, torch.Tensor] = {}  # short count -> its first variant's output
         same = [False] * len(variants)
         stage = [[] for _ in variants]  # us of each pass, by variant
