@@ -69,8 +69,8 @@ SPLIT_KEYS = 256
 # where a long row shares a batch with short ones (llama-1b 63 x 512 + 1 x 32k 154.6 / 102.4,
 # Gemma 4's full layers 252.1 / 92.2): by rows its 128 splits queue on its own 16 programs.
 # It loses where no row's splits queue (llama-1b 64 x 512 49.0 / 68.8, 64 x 2k 120.2 /
-# 150.5), with as many programs: each item's row is found by reductions over the launch's
-# rows. So it runs only in batches with a row of LISTED_ROW_KEYS keys or more (more than
+# 150.5), with as many programs: each item's row was found by three reductions over the
+# launch's rows (one since, _listed_row; not yet measured). So it runs only in batches with a row of LISTED_ROW_KEYS keys or more (more than
 # NUM_KV_SPLITS splits, which queue by rows once rows x KV heads reach 64), on their decode
 # graphs of their own (CudaAttentionBackend.long_row_keys), in layers that see such rows and
 # take no long rows' blocks, where LIST_LONG_ROWS. Off until measured in those graphs.
