@@ -16,7 +16,8 @@ Run on the device: python bench/decode_mixed.py [--shape llama-1b|gemma4-sliding
 
 ``--long-rows`` launches as the engine's graphs for batches with a long row do: where the
 shape takes larger blocks for long rows (llama-1b's), rows of LONG_ROW_KEYS keys and more
-run in a second launch on them, a work list (:w) then listing each launch's rows.
+run in a second launch on them. A work list (:w) then lists each launch's rows, which the
+engine does not (yet): it lists only where a model takes no such blocks.
 
 The scratch's split dimension is what an engine of ``--context`` keys allocates
 (``max_kv_splits``, as CudaAttentionBackend sizes it from its token table); 0, the default,
@@ -142,8 +143,8 @@ def main() -> None:
     parser.add_argument(
         "--long-rows",
         action="store_true",
-        help="launch as the engine's graphs for batches with a long row (llama-1b's shape: "
-        "a second launch on 128-key blocks from 2,048 keys)",
+        help="the long rows' second launch on larger blocks, as the engine's graphs for "
+        "batches with a long row (llama-1b's shape: 128-key blocks from 2,048 keys)",
     )
     parser.add_argument(
         "--passes", type=int, default=2, help="timings of each variant, the order reversed each"

@@ -264,11 +264,16 @@ def test_cli_bench_long_row_puts_one_long_request_in_every_batch(monkeypatch, tm
     for a, m in zip(alike["batches"], mixed["batches"], strict=True):
         assert m["kv_bytes_read"] - a["kv_bytes_read"] == (40 - 8) * kv_token
         assert m["eager_ms"] > 0
-    for flags in (["--runners", "eager,hf"], ["--draft", "random:llama-tiny"]):
+    refusals = {
+        ("--runners", "eager,hf"): "--long-row times graphrt's decode steps only",
+        ("--draft", "random:llama-tiny"): "--long-row times graphrt's decode steps only",
+        ("--prompt-len", "8,40"): "--long-row 40 is not longer than --prompt-len 40",
+    }
+    for flags, said in refusals.items():
         argv = ["bench", "--device", "cpu", "--long-row", "40", *flags, "--out", str(out)]
         assert main(argv) == 2
         err = capsys.readouterr().err
-        assert cli_error_line(err).startswith("graphrt: error: --long-row times graphrt's")
+        assert cli_error_line(err).startswith(f"graphrt: error: {said}")
         assert "Traceback" not in err
 
 

@@ -511,6 +511,38 @@ def test_cuda_long_batches_list_stage_1_only_where_rows_may_queue(monkeypatch):
 
 
 @needs_triton
+def test_cuda_decode_passes_the_list_to_stage_1_in_flagged_batches_only(monkeypatch):
+    """The backend's decode forward asks decode attention for the work list in a batch
+    flagged ``long_rows`` (LIST_LONG_ROWS on, a float32 cache: no long rows' blocks), for a
+    full layer; not for a 512-key window, an unflagged batch, or with the switch off. The
+    kernels are replaced by recorders: the launch's arguments only."""
+    from graphrt.devices.cuda import attention as cuda_attention
+    from graphrt.devices.cuda import triton_decode as td
+
+    asked = []
+    monkeypatch.setattr(cuda_attention, "store_kv", lambda *args: None)
+    monkeypatch.setattr(
+        cuda_attention, "decode_attention", lambda *args, **kw: asked.append(kw["balanced"])
+    )
+    pools = Pools((16,), 2, 5, 80, torch.float32, "cpu")
+    backend = cuda_attention.TritonAttentionBackend(pools.kv_pool, pools.req_pool)
+    batch = pools.decode_batch([20, 30])
+
+    def balanced(window, flagged):
+        batch.long_rows = flagged
+        spec = AttentionSpec(4, 2, 16, 0.25, 0, sliding_window=window)
+        backend.init_forward_metadata(batch)
+        backend.forward(*pools.qkv(batch.batch_size, spec), spec, batch)
+        return asked.pop()
+
+    assert balanced(None, True) is False  # the switch off
+    monkeypatch.setattr(td, "LIST_LONG_ROWS", True)
+    assert balanced(None, True) is True
+    assert balanced(None, False) is False
+    assert balanced(512, True) is False
+
+
+@needs_triton
 def test_chunk_after_cached_keys_merges_two_calls_by_their_log_sum_exps(monkeypatch):
     """CUDA serves a long chunk after cached keys as two cuDNN calls (the cached keys, the
     chunk's own causally) merged by their log-sum-exps: the merge, with a float32 math

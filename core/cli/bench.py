@@ -65,6 +65,10 @@ def check_bench_args(args: argparse.Namespace, tp_size: int) -> None:
         raise UsageError(
             "--long-row times graphrt's decode steps only: drop --draft and hf from --runners"
         )
+    if args.long_row is not None and args.long_row <= max(args.prompt_len):
+        raise UsageError(
+            f"--long-row {args.long_row} is not longer than --prompt-len {max(args.prompt_len)}"
+        )
 
 
 def run_bench(args: argparse.Namespace) -> int:

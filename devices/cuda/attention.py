@@ -289,7 +289,10 @@ class TritonAttentionBackend(TorchAttentionBackend):
         """Stage 1 as one work list (``triton_decode.LIST_LONG_ROWS``): in batches flagged
         ``long_rows``, where a row's splits may queue on its own programs, and in layers
         that see rows of LISTED_ROW_KEYS keys (not a shorter window). A host fact of the
-        graph's variant, as the flag is; the list changes no bit."""
+        graph's variant, as the flag is; the list changes no bit. HAZARD: in a model where
+        some layers take long rows' blocks (long_row_keys gives LONG_ROW_KEYS), the others
+        would list from 2,048 keys, where the list was not measured to pay (no such model
+        yet)."""
         window = spec.sliding_window or 0
         see_long = window == 0 or window >= LISTED_ROW_KEYS
         return triton_decode.LIST_LONG_ROWS and batch.long_rows and see_long

@@ -342,9 +342,14 @@ def _decode_partial_kernel(
         items = tl.where(listed, _row_splits(lens - los, MIN_SPLITS, DOUBLINGS, SPLIT_KEYS), 0)
         ends = tl.cumsum(items, 0)  # (BLOCK_B,)
         total = tl.sum(items, 0)
-        b, start, seq_len, req = _listed_row(
-            tl.program_id(0), ends, rows, lens, ReqPoolIndices, num_rows, BLOCK_B
-        )
+        # A program past the list's items (as many programs as the grid by rows: many at
+        # short rows) skips the lookup and, after the wait, the loop.
+        b = tl.full([], BLOCK_B, tl.int32)
+        start, seq_len, req = b * 0, b * 0, tl.full([], 0, tl.int64)
+        if tl.program_id(0) < total:
+            b, start, seq_len, req = _listed_row(
+                tl.program_id(0), ends, rows, lens, ReqPoolIndices, num_rows, BLOCK_B
+            )
         if USE_PDL:
             pdl.wait_for_predecessor()  # q and this step's K/V are written
         if (kv_h == 0) & (tl.program_id(0) == 0):

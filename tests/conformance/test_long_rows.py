@@ -225,13 +225,15 @@ def test_on_cuda_long_batches_list_stage_1_with_the_grid_by_rows_tokens(monkeypa
     reference = case_engine(case, loaded, graphs=False, **sizes).generate(prompts, params)
     assert launches and not any(launches)  # off: no long graphs, no list
     monkeypatch.setattr(triton_decode, "LIST_LONG_ROWS", True)
+    launches.clear()
     engine = case_engine(case, loaded, graphs=True, **sizes)
     long_runner = engine.strategy.long_runner
     assert long_runner is not None and engine.strategy.long_row_keys == 256
+    assert launches and not any(launches)  # the plain graphs, captured up front: by rows
     launches.clear()
     out = engine.generate(prompts, params)
     # The longer row: 251..261 keys after its 11 decode steps, 256 from the sixth on.
     assert sum(engine.graph_runner.replays_per_size().values()) == 5
     assert sum(long_runner.replays_per_size().values()) == 6
-    assert any(launches) and not all(launches)  # the long graphs' capture listed, the others not
+    assert launches and all(launches)  # the long graphs, captured mid-run: listed
     assert [r.output_ids for r in out] == [r.output_ids for r in reference]
