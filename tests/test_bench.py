@@ -260,7 +260,9 @@ def test_cli_bench_long_row_puts_one_long_request_in_every_batch(monkeypatch, tm
     needed = 40 + 2 + 1 + 8  # the long prompt, timed steps, warm-up, margin (make_engine)
     assert mixed["long_row"] == 40 and alike["long_row"] is None
     assert mixed["max_context_len"] == needed
-    kv_token = alike["batches"][0]["kv_bytes_read"] / (8 + 1)  # one row's keys a step
+    one_row = alike["batches"][0]["kv_bytes_read"]  # batch 1: 8 + 1 keys a step
+    assert one_row % (8 + 1) == 0
+    kv_token = one_row // (8 + 1)
     for a, m in zip(alike["batches"], mixed["batches"], strict=True):
         assert m["kv_bytes_read"] - a["kv_bytes_read"] == (40 - 8) * kv_token
         assert m["eager_ms"] > 0

@@ -70,10 +70,11 @@ SPLIT_KEYS = 256
 # Gemma 4's full layers 252.1 / 92.2): by rows its 128 splits queue on its own 16 programs.
 # It loses where no row's splits queue (llama-1b 64 x 512 49.0 / 68.8, 64 x 2k 120.2 /
 # 150.5), with as many programs: each item's row was found by three reductions over the
-# launch's rows (one since, _listed_row; not yet measured). So it runs only in batches with a row of LISTED_ROW_KEYS keys or more (more than
-# NUM_KV_SPLITS splits, which queue by rows once rows x KV heads reach 64), on their decode
-# graphs of their own (CudaAttentionBackend.long_row_keys), in layers that see such rows and
-# take no long rows' blocks, where LIST_LONG_ROWS. Off until measured in those graphs.
+# launch's rows (one since, _listed_row; not yet measured). So it runs only in batches with a
+# row of LISTED_ROW_KEYS keys or more (more than NUM_KV_SPLITS splits, which queue by rows
+# once rows x KV heads reach 64), on their decode graphs of their own
+# (CudaAttentionBackend.long_row_keys), in layers that see such rows and take no long rows'
+# blocks, where LIST_LONG_ROWS. Off until measured in those graphs.
 LIST_LONG_ROWS = False
 LISTED_ROW_KEYS = 2 * NUM_KV_SPLITS * SPLIT_KEYS
 # Work lists over more rows than this keep the grid by rows (a row's index is found by a
@@ -344,8 +345,10 @@ def _decode_partial_kernel(
         total = tl.sum(items, 0)
         # A program past the list's items (as many programs as the grid by rows: many at
         # short rows) skips the lookup and, after the wait, the loop.
-        b = tl.full([], BLOCK_B, tl.int32)
-        start, seq_len, req = b * 0, b * 0, tl.full([], 0, tl.int64)
+        b = tl.full([], BLOCK_B, tl.int32)  # as _listed_row gives past the list's end
+        start = tl.full([], 0, tl.int32)
+        seq_len = tl.full([], 0, tl.int32)
+        req = tl.full([], 0, tl.int64)
         if tl.program_id(0) < total:
             b, start, seq_len, req = _listed_row(
                 tl.program_id(0), ends, rows, lens, ReqPoolIndices, num_rows, BLOCK_B
