@@ -463,10 +463,16 @@ def test_cuda_device_picks_triton_when_importable(monkeypatch):
         (torch.bfloat16, (256, 512), None),  # Gemma 4's: slower (stop 59)
     ],
 )
-def test_cuda_long_row_keys_only_where_the_long_block_was_measured(dtype, head_dims, want):
-    """The engine captures decode graphs for long rows only where the CUDA backend gives
-    them another block size: 16-bit caches of head_dim up to 64."""
+def test_cuda_long_row_keys_only_where_the_long_block_was_measured(
+    dtype, head_dims, want, monkeypatch
+):
+    """Without the work list (LIST_LONG_ROWS off), the engine captures decode graphs for
+    long rows only where the CUDA backend gives them another block size: 16-bit caches of
+    head_dim up to 64."""
+    from graphrt.devices.cuda import triton_decode
     from graphrt.devices.cuda.attention import TritonAttentionBackend
+
+    monkeypatch.setattr(triton_decode, "LIST_LONG_ROWS", False)
 
     layers = [KVLayerSpec(2, d, i) for i, d in enumerate(head_dims)]
     pools = Pools(head_dims, 2, 1, 4, dtype, "cpu")
@@ -500,6 +506,8 @@ def test_cuda_long_batches_list_stage_1_only_where_rows_may_queue(monkeypatch):
         spec = SimpleNamespace(sliding_window=window)
         return TritonAttentionBackend._decode_listed(spec, SimpleNamespace(long_rows=long_rows))
 
+    assert td.LIST_LONG_ROWS  # on by default (measured in the step, stop 89)
+    monkeypatch.setattr(td, "LIST_LONG_ROWS", False)
     assert keys((256, 512)) is None and not listed(None, True)  # off: nothing changes
     monkeypatch.setattr(td, "LIST_LONG_ROWS", True)
     assert keys((256, 512)) == td.LISTED_ROW_KEYS  # Gemma 4's
@@ -535,6 +543,7 @@ def test_cuda_decode_passes_the_list_to_stage_1_in_flagged_batches_only(monkeypa
         backend.forward(*pools.qkv(batch.batch_size, spec), spec, batch)
         return asked.pop()
 
+    monkeypatch.setattr(td, "LIST_LONG_ROWS", False)
     assert balanced(None, True) is False  # the switch off
     monkeypatch.setattr(td, "LIST_LONG_ROWS", True)
     assert balanced(None, True) is True

@@ -65,17 +65,18 @@ NUM_KV_SPLITS = 16
 # 32k keys 91.9 / 50.8 / 31.7 / 25.0; at 8 requests 16 splits stay within 6% of best).
 SPLIT_KEYS = 256
 # Stage 1's work as one list (decode_attention's balanced); the same bits either way. On the
-# H200 (stop 88, bench/decode_mixed.py's :w variants, us a layer by rows / listed) it wins
-# where a long row shares a batch with short ones (llama-1b 63 x 512 + 1 x 32k 154.6 / 102.4,
-# Gemma 4's full layers 252.1 / 92.2): by rows its 128 splits queue on its own 16 programs.
-# It loses where no row's splits queue (llama-1b 64 x 512 49.0 / 68.8, 64 x 2k 120.2 /
-# 150.5), with as many programs: each item's row was found by three reductions over the
-# launch's rows (one since, _listed_row; not yet measured). So it runs only in batches with a
-# row of LISTED_ROW_KEYS keys or more (more than NUM_KV_SPLITS splits, which queue by rows
-# once rows x KV heads reach 64), on their decode graphs of their own
-# (CudaAttentionBackend.long_row_keys), in layers that see such rows and take no long rows'
-# blocks, where LIST_LONG_ROWS. Off until measured in those graphs.
-LIST_LONG_ROWS = False
+# H200 (stop 89, bench/decode_mixed.py's :w variants, us a layer by rows / listed, 2 short
+# splits) it wins where a long row shares a batch with short ones (llama-1b 63 x 512 + 1 x 32k
+# 140.6 / 71.9, Gemma 4's full layers 225.8 / 53.8): by rows its 128 splits queue on its own
+# 16 programs. It loses where no row's splits queue (llama-1b 64 x 512 39.3 / 44.9, 64 x 2k
+# 125.7 / 133.9; Gemma 4's full layers 8 x 8k 50.1 / 52.3): an item still finds its row by a
+# reduction (_listed_row). So it runs only in batches with a row of LISTED_ROW_KEYS keys or
+# more (more than NUM_KV_SPLITS splits, which queue by rows once rows x KV heads reach 64),
+# on their decode graphs of their own (CudaAttentionBackend.long_row_keys), in layers that
+# see such rows and take no long rows' blocks, where LIST_LONG_ROWS. The step (graphrt bench
+# --long-row 32768, gemma4-e2b at prompt 512, ms listed / by rows, twice): batch 64 4.416,
+# 4.454 / 5.708, 5.487; batch 8 3.047, 3.059 / 3.019, 2.933 (within the runs' spread).
+LIST_LONG_ROWS = True
 LISTED_ROW_KEYS = 2 * NUM_KV_SPLITS * SPLIT_KEYS
 # Work lists over more rows than this keep the grid by rows (a row's index is found by a
 # reduction over BLOCK_B of them each item).

@@ -199,7 +199,8 @@ def test_on_cuda_long_batches_replay_their_graphs_with_eager_engines_tokens(monk
 @pytest.mark.cuda
 def test_on_cuda_long_batches_list_stage_1_with_the_grid_by_rows_tokens(monkeypatch):
     """A model without long rows' blocks (their measured choice turned off here) under
-    LIST_LONG_ROWS, the listed count lowered to 256 keys: the long rows' graphs are
+    LIST_LONG_ROWS (off for the reference, on for the engine), the listed count lowered to
+    256 keys: the long rows' graphs are
     captured and replayed with stage 1 as one work list in every layer, and the tokens
     equal those of an eager engine that never lists (the grid by rows): the list changes
     no bit on the GPU."""
@@ -218,6 +219,7 @@ def test_on_cuda_long_batches_list_stage_1_with_the_grid_by_rows_tokens(monkeypa
     monkeypatch.setattr(cuda_attention, "long_block_n", lambda head_dim, size: None)
     monkeypatch.setattr(cuda_attention, "decode_attention", recording)
     monkeypatch.setattr(cuda_attention, "LISTED_ROW_KEYS", 256)
+    monkeypatch.setattr(triton_decode, "LIST_LONG_ROWS", False)
     loaded = load_model("random:llama-tiny", case.device, case.dtype)
     sizes = {"max_context_len": 1024, "kv_pool_tokens": 4096}
     prompts = random_prompts((250, 200), seed=7, vocab=loaded.model.vocab_size)
