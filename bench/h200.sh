@@ -18,6 +18,8 @@
 #     1, 8 and 64 (bench/step_phases.py)
 #   bash bench/h200.sh onepass [--onepass settings]: the one-pass verify kernel's CUDA tests,
 #     one attention layer (bench/attention_layer.py) and the round of 4 at batch 1, 8, 64
+#   bash bench/h200.sh forced ["VARIANTS"] [model] [batch sizes]: the step with projections'
+#     GEMV choices forced against the tuner's (bench/gemv_forced.py; issue 21's batch 1)
 #   bash bench/h200.sh widths [model]: GEMV CUDA tests, then bench/gemv_widths.py (cuBLAS,
 #     tiles and split-K tiles at verify widths)
 #   bash bench/h200.sh onerow [models] [N:K:W,...]: decode's GEMVs at batch 1, each row-path
@@ -391,6 +393,14 @@ if [[ $what == onerow ]]; then
             --out "$OUT/gemv-one-row-$model.json" 2>&1 | grep -v Warning \
             | tee -a "$OUT/gemv-one-row.log"
     done
+fi
+
+if [[ $what == forced ]]; then
+    # Issue 21's batch-1 target: the step with projections' GEMV choices forced, against the
+    # tuner's (bench/gemv_forced.py, ABBA). $2: variants (';'-separated), $3: model, $4: sizes.
+    python bench/gemv_forced.py --model "random:${3:-llama-1b}" --batch-sizes "${4:-1}" \
+        --variants "${2:-tuned;linear_rope:3072x2048=4:2048:8;linear_rope:3072x2048=2:2048:4}" \
+        2>&1 | grep -v Warning | tee "$OUT/gemv-forced.log"
 fi
 
 if [[ $what == widths ]]; then
