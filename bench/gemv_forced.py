@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from graphrt.devices.cuda.gemv_tuner import cache_path
+from graphrt.devices.cuda.gemv_tuner import _read_choices, cache_path, shipped_paths
 from graphrt.devices.cuda.triton_gemv import ROW_CONFIGS, GemvConfig
 
 GRAPH_MS = re.compile(r"^\s*(\d+) eager \S+ ms, graph ([\d.]+) ms")
@@ -80,7 +80,8 @@ def forced_file(source: dict, forced: dict, row_class: str) -> dict:
 def bench(args, cache_dir: str) -> dict[int, float]:
     """One `graphrt bench` run: {batch size: graph ms}."""
     flags = f"--model {args.model} --batch-sizes {args.batch_sizes} --runners graph"
-    flags += f" --steps {args.steps} --prompt-len {args.prompt_len}"
+    flags += f" --steps {args.steps} --prompt-len {args.prompt_len} --no-plot"
+    flags += f" --out {Path(tempfile.gettempdir(), 'gemv-forced-bench.json')}"  # not the tree's
     command = [sys.executable, "-m", "graphrt.core.cli.main", "bench", *flags.split()]
     env = dict(os.environ, GRAPHRT_CACHE_DIR=cache_dir)
     done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -108,9 +109,16 @@ def main() -> None:
     forced = [parse_variant(v) for v in variants]
 
     home = os.environ.get("GRAPHRT_CACHE_DIR") or tempfile.mkdtemp(prefix="gemv-forced-")
+    os.environ["GRAPHRT_CACHE_DIR"] = home  # cache_path's, as the runs' below
     bench(args, home)  # fills the choices file (and Triton's cache)
-    path = cache_path(torch.cuda.get_device_name())
-    source = json.loads(path.read_text())
+    name = torch.cuda.get_device_name()
+    path = cache_path(name)
+    # The card's shipped choices answer a tuner before it times anything, and are not
+    # written to its file: a forced copy holds them too (its own entries first).
+    source = {}
+    for shipped in reversed(shipped_paths(name, torch.cuda.get_device_capability())):
+        source.update(_read_choices(shipped))
+    source.update(_read_choices(path))
     dirs = []
     for i, one in enumerate(forced):
         if not one:

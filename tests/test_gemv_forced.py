@@ -12,13 +12,19 @@ from helpers import load_bench
 
 def test_a_forced_file_answers_the_tuner_with_the_forced_choice_only(tmp_path):
     pytest.importorskip("triton")
+    import torch
+
     from graphrt.devices.cuda.gemv_tuner import CUBLAS, GemvTuner, _read_choices
     from graphrt.devices.cuda.triton_gemv import ROW_CONFIGS, GemvConfig, configs_for
 
     forced_bench = load_bench("gemv_forced")
     candidates = (CUBLAS, *ROW_CONFIGS)
-    rope, rope_8 = ("linear_rope", "1", 3072, 2048, "bf16"), ("linear_rope", "8", 3072, 2048)
-    o, gate = ("linear", "1", 2048, 2048, "bf16"), ("linear", "1", 16384, 2048, "bf16")
+    # The keys as ops.py builds them: (op, row class, N, K, dtype, ...); 2 to 16 rows are
+    # one class.
+    rope = ("linear_rope", "1", 3072, 2048, torch.bfloat16, False, True, 64)
+    rope_8 = ("linear_rope", "2-16", 3072, 2048, torch.bfloat16, False, True, 64)
+    o = ("linear", "1", 2048, 2048, torch.bfloat16, False, False, True)
+    gate = ("linear", "1", 16384, 2048, torch.bfloat16, False, False, False)
     tuned = GemvTuner()
     tuned.use_cache(tmp_path / "tuned.json")
     for key in (rope, o, gate):
@@ -37,7 +43,7 @@ def test_a_forced_file_answers_the_tuner_with_the_forced_choice_only(tmp_path):
     assert reader.recall(rope, candidates) == GemvConfig(4, 2048, num_warps=8, block_m=1)
     assert reader.recall(o, candidates) == GemvConfig(2, 2048, block_m=1)
     assert reader.recall(gate, candidates) == ROW_CONFIGS[4]  # not named: as tuned
-    assert reader.recall(rope_8, (CUBLAS, *configs_for(8))) == configs_for(8)[0]  # 8 rows
+    assert reader.recall(rope_8, (CUBLAS, *configs_for(8))) == configs_for(8)[0]  # 2 to 16 rows
     assert forced_bench.parse_variant("tuned") == {}
 
     with pytest.raises(SystemExit, match="not a row-path configuration"):
