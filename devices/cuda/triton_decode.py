@@ -75,7 +75,8 @@ SPLIT_KEYS = 256
 # on their decode graphs of their own (CudaAttentionBackend.long_row_keys), in layers that
 # see such rows and take no long rows' blocks, where LIST_LONG_ROWS. The step (graphrt bench
 # --long-row 32768, gemma4-e2b at prompt 512, ms listed / by rows, twice): batch 64 4.416,
-# 4.454 / 5.708, 5.487; batch 8 3.047, 3.059 / 3.019, 2.933 (within the runs' spread).
+# 4.454 / 5.708, 5.487; batch 8 3.047, 3.059 / 3.019, 2.933 (3% slower listed; by rows'
+# two runs are 3% apart).
 LIST_LONG_ROWS = True
 LISTED_ROW_KEYS = 2 * NUM_KV_SPLITS * SPLIT_KEYS
 # Work lists over more rows than this keep the grid by rows (a row's index is found by a
