@@ -7,7 +7,7 @@ llama-1b. Uniform batches of 512 keys gained (BENCHMARKS.md, stop 83), but a lon
 short ones would then walk its 128 splits on those 2 programs. This times each variant
 SHORT:PROGRAMS (0 programs: ``split_programs``' choice for that short count) on uniform and
 mixed batches, so the two can be weighed in one run. A variant SHORT:PROGRAMS:w launches
-stage 1's work as one list (``decode_attention``'s balanced: the same bits; PROGRAMS then
+stage 1's work as one list (``decode_attention``'s work_list: the same bits; PROGRAMS then
 counts a KV head's programs, 0 ``work_programs``').
 
 Run on the device: python bench/decode_mixed.py [--shape llama-1b|gemma4-sliding|...]
@@ -120,7 +120,7 @@ class Layer:
     def run(self, short: int, programs: int, listed: bool = False) -> None:
         decode_attention(
             self.q, self.k, self.v, self.table, self.reqs, self.lens, self.out, *self.scratch,
-            self.scale, short_splits=short, programs=programs or None, balanced=listed,
+            self.scale, short_splits=short, programs=programs or None, work_list=listed,
             long_rows=self.long_rows,
         )  # fmt: skip
 

@@ -167,7 +167,7 @@ def _stand_in_case(
         out = torch.empty_like(q)
         scratch = td.allocate_decode_scratch(1, num_heads, head_dim, q.device, 1)
         args = (q, k_buffer, v_buffer, table, req, lens, out, *scratch, 0.3, window)
-        return td.decode_attention(*args, block_n=16, programs=1, short_splits=1, balanced=listed)
+        return td.decode_attention(*args, block_n=16, programs=1, short_splits=1, work_list=listed)
 
     plain = attend()  # no PDL (the interpreter's default)
     k_buffer[new_slot], v_buffer[new_slot] = float("nan"), float("nan")

@@ -192,12 +192,12 @@ def interpreter_results() -> dict:
         wide_q = torch.zeros(batch.batch_size, num_heads, head_dim + 8)
         wide_q[:, :, :head_dim] = q.view(-1, num_heads, head_dim)
         scratch = allocate_decode_scratch(8, num_heads, head_dim, torch.device("cpu"), 3)
-        by_rows = {"balanced": False}
+        by_rows = {"work_list": False}
         launches = {"short": {"block_n": 16, **by_rows},
                     "two": {"block_n": 16, "long_rows": (50, 32), **by_rows},
                     "wide": {"block_n": 32, **by_rows},
-                    "listed": {"block_n": 16, "long_rows": (50, 32), "balanced": True},
-                    "listed_few": {"block_n": 16, "balanced": True, "programs": 2}}  # fmt: skip
+                    "listed": {"block_n": 16, "long_rows": (50, 32), "work_list": True},
+                    "listed_few": {"block_n": 16, "work_list": True, "programs": 2}}  # fmt: skip
         outs = {}
         for name, launch in launches.items():
             # Each launch on poisoned scratch: empty splits store no output, never read, and
@@ -306,7 +306,7 @@ def listed_doublings_bits() -> bool:
     batch = pools.decode_batch(lens)
     q = pools.rand(len(lens), heads, head_dim)
     outs = []
-    for launch in ({"balanced": False}, {"balanced": True, "programs": 3}):
+    for launch in ({"work_list": False}, {"work_list": True, "programs": 3}):
         scratch = allocate_decode_scratch(len(lens), heads, head_dim, torch.device("cpu"), 4)
         for part in scratch:
             part.fill_(float("nan") if part.is_floating_point() else 1)
@@ -530,13 +530,13 @@ def test_cuda_decode_passes_the_list_to_stage_1_in_flagged_batches_only(monkeypa
     asked = []
     monkeypatch.setattr(cuda_attention, "store_kv", lambda *args: None)
     monkeypatch.setattr(
-        cuda_attention, "decode_attention", lambda *args, **kw: asked.append(kw["balanced"])
+        cuda_attention, "decode_attention", lambda *args, **kw: asked.append(kw["work_list"])
     )
     pools = Pools((16,), 2, 5, 80, torch.float32, "cpu")
     backend = cuda_attention.TritonAttentionBackend(pools.kv_pool, pools.req_pool)
     batch = pools.decode_batch([20, 30])
 
-    def balanced(window, flagged):
+    def lists(window, flagged):
         batch.long_rows = flagged
         spec = AttentionSpec(4, 2, 16, 0.25, 0, sliding_window=window)
         backend.init_forward_metadata(batch)
@@ -544,11 +544,11 @@ def test_cuda_decode_passes_the_list_to_stage_1_in_flagged_batches_only(monkeypa
         return asked.pop()
 
     monkeypatch.setattr(td, "LIST_LONG_ROWS", False)
-    assert balanced(None, True) is False  # the switch off
+    assert lists(None, True) is False  # the switch off
     monkeypatch.setattr(td, "LIST_LONG_ROWS", True)
-    assert balanced(None, True) is True
-    assert balanced(None, False) is False
-    assert balanced(512, True) is False
+    assert lists(None, True) is True
+    assert lists(None, False) is False
+    assert lists(512, True) is False
 
 
 @needs_triton
@@ -925,7 +925,7 @@ def test_kernels_compile_for_sm90_with_rows_that_double_their_splits():
     "head_dim, cache, long, want_stages, listed",
     [
         (64, "bf16", False, 2, False),  # llama-1b's 16 KB tiles
-        (64, "bf16", False, 2, True),  # as one work list (decode_attention's balanced)
+        (64, "bf16", False, 2, True),  # decode_attention(work_list=True)
         (64, "bf16", True, 3, False),  # its long rows' 128-key blocks (long_block_n): 32 KB
         (128, "bf16", False, 3, False),  # Llama 3 8B's: 32 KB
         (256, "bf16", False, 3, False),  # Gemma 4's

@@ -280,7 +280,7 @@ class TritonAttentionBackend(TorchAttentionBackend):
                 spec.sliding_window,
                 short_splits=self._decode_short_splits(spec, q.shape[0]),
                 long_rows=long_rows,
-                balanced=long_rows is None and self._decode_listed(spec, batch),
+                work_list=long_rows is None and self._decode_listed(spec, batch),
             )
         return out.view(-1, spec.num_heads * spec.head_dim)
 

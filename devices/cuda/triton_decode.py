@@ -30,7 +30,7 @@ block once for several tree nodes and still computes each node as decode
 would. Stage 1's grid is B x Hkv x P: program p computes splits p, p + P, ... of its
 row, each into its own partial, so P (``split_programs``: more at small
 batches) moves work between programs without changing any row's arithmetic. Or
-(``decode_attention``'s balanced) the grid is P x Hkv over one list of every row's splits,
+(``decode_attention``'s work_list) the grid is P x Hkv over one list of every row's splits,
 program p computing items p, p + P, ...: the same splits, the same arithmetic.
 Stage 2 combines the S partials of each (request, query head) by their
 log-sum-exps (grid B x H): the 16 every row has at once, a long row's others in
@@ -64,7 +64,7 @@ NUM_KV_SPLITS = 16
 # request, us a layer at 16 / 32 / 64 / 128 splits: 8k keys 15.2 / 10.9 / 8.9 / 9.1,
 # 32k keys 91.9 / 50.8 / 31.7 / 25.0; at 8 requests 16 splits stay within 6% of best).
 SPLIT_KEYS = 256
-# Stage 1's work as one list (decode_attention's balanced); the same bits either way. On the
+# Stage 1's work as one list (decode_attention's work_list); the same bits either way. On the
 # H200 (stop 89, bench/decode_mixed.py's :w variants, us a layer by rows / listed, 2 short
 # splits) it wins where a long row shares a batch with short ones (llama-1b 63 x 512 + 1 x 32k
 # 140.6 / 71.9, Gemma 4's full layers 225.8 / 53.8): by rows its 128 splits queue on its own
@@ -328,7 +328,7 @@ def _decode_partial_kernel(
     USE_PDL: tl.constexpr,  # launched with PDL: griddepcontrol.wait before q (pdl.py)
     # 0: grid (rows, KV heads, P), program p computing splits p, p + P, ... of its row.
     # n >= B: grid (P, KV heads), every (row, split) of the launch's rows one item of a list
-    # (row-major), program p computing items p, p + P, ... (decode_attention's balanced).
+    # (row-major), program p computing items p, p + P, ... (decode_attention's work_list).
     BLOCK_B: tl.constexpr,
 ):
     if BLOCK_B > 0:
@@ -592,7 +592,7 @@ def split_programs(programs_per_split: int, max_splits: int, short: int = NUM_KV
 
 
 def work_programs(rows: int, num_kv_heads: int, max_splits: int, short: int = NUM_KV_SPLITS) -> int:
-    """A work list's programs a KV head (``decode_attention``'s balanced): as many as the
+    """A work list's programs a KV head (``decode_attention``'s work_list): as many as the
     grid by rows launches, rows x ``split_programs``' P. With fewer, rows whose splits
     fill the grid by rows queue on the list: stop 88 (H200) gave the list one row's P
     (128) at Gemma 4's 8 rows of 8k keys, 256 items, and its layer took 74 us against
@@ -749,7 +749,7 @@ def decode_attention(
     num_stages: int | None = None,  # None: default_stages
     long_rows: tuple[int, int] | None = None,  # (from keys, BLOCK_N): see below
     chain: tuple[torch.Tensor, int] | None = None,  # (the nodes' slots, n): see below
-    balanced: bool = False,  # stage 1's work as one list (see below)
+    work_list: bool = False,  # stage 1's work as one list (see below)
 ) -> torch.Tensor:
     """Attention of each row's one query over its visible cached keys; returns ``out``.
 
@@ -772,7 +772,7 @@ def decode_attention(
     slots ``tree_loc[r - i ..]`` (they need not be in the token table yet). So a chain's
     node rounds exactly as decode rounds that token once its path is accepted.
 
-    ``balanced``: stage 1's grid is (P, KV heads) over one list of every row's (row, split)
+    ``work_list``: stage 1's grid is (P, KV heads) over one list of every row's (row, split)
     items, program p computing items p, p + P, ... (``work_programs``), instead of (rows, KV
     heads, P) with each row's splits on its own P programs. The list has as many programs
     as the grid by rows, and a long row's splits spread over all of them instead of
@@ -803,7 +803,7 @@ def decode_attention(
     window = 0 if sliding_window is None else int(sliding_window)
     assert window >= 0, f"sliding_window must be positive, got {sliding_window}"
     group = num_heads // num_kv_heads
-    listed = balanced and chain is None and bs <= MOST_LISTED_ROWS
+    listed = work_list and chain is None and bs <= MOST_LISTED_ROWS
     block_b = triton.next_power_of_2(bs) if listed else 0
     if listed:
         programs = programs or work_programs(bs, num_kv_heads, max_splits, short_splits)

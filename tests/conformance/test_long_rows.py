@@ -213,7 +213,7 @@ def test_on_cuda_long_batches_list_stage_1_with_the_grid_by_rows_tokens(monkeypa
     launches = []
 
     def recording(*args, **kwargs):
-        launches.append(kwargs.get("balanced", False))
+        launches.append(kwargs.get("work_list", False))
         return triton_decode.decode_attention(*args, **kwargs)
 
     monkeypatch.setattr(cuda_attention, "long_block_n", lambda head_dim, size: None)
