@@ -11,6 +11,9 @@
 #   bash bench/h200.sh profile [models] [batch sizes] [variants]: bench/profile_step.py
 #     (variants: tuned,no-pdl,cublas, all three unless named)
 #   bash bench/h200.sh round [topk] [kernels listed] [batch sizes]: bench/profile_round.py
+#   bash bench/h200.sh patch FILE [models] [batch sizes]: a kernel patch's step against this
+#     tree's (graphrt bench, graphs, prompt 512; base, patch, patch, base on one set of GEMV
+#     choices), the patch applied here to a copy of core/, devices/ and spec/
 #   bash bench/h200.sh ab DIR "MODE ARGS": MODE with this tree's package, then DIR's, twice
 #     over, on one machine (a host-side change against its base)
 #   bash bench/h200.sh enginetests: the CUDA tests of the engine's step path
@@ -457,6 +460,41 @@ if [[ $what == ab ]]; then
         echo "=== $side"
         base=$([[ $side == base ]] && echo "$2" || echo .)
         H200_NESTED=1 GRAPHRT_TREE=$base OUT=$(mktemp -d) bash bench/h200.sh $3
+    done
+fi
+
+if [[ $what == patch ]]; then
+    # A kernel change kept as a patch (bench/results/*.patch) against this tree, on one
+    # machine: the patch goes onto a copy of the package here (tests/ hunks left out: the
+    # copy has no tests), and both trees run `graphrt bench` in the order base, patch,
+    # patch, base (each side once early and once late, as `ab`). The runs share the GEMV
+    # tuner's choices (one GRAPHRT_CACHE_DIR, keyed by shape and candidates, not kernel
+    # source), so the figures compare the patch alone. Stop 90 measured stop 89's L2
+    # prefetch this way (by hand).
+    patched=$(mktemp -d)
+    cp -r core devices spec "$patched"/
+    python - "$2" > "$patched/src.patch" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+print("".join(p for p in re.split(r"(?m)^(?=diff --git |--- a/)", text)
+              if not re.match(r"(diff --git a/|--- a/)tests/", p)), end="")
+PY
+    # patch(1), or git apply (outside a repository it applies to the folder it runs in)
+    if command -v patch > /dev/null; then
+        patch -s -p1 -d "$patched" < "$patched/src.patch"
+    else
+        (cd "$patched" && git apply src.patch)
+    fi || { echo "patch $2 does not apply"; exit 1; }
+    models=${3:-llama-1b,gemma4-e2b}
+    for model in ${models//,/ }; do
+        for side in base patch patch base; do
+            tree=.
+            [[ $side == patch ]] && tree=$patched
+            echo "=== random:$model $side"
+            GRAPHRT_TREE=$tree H200_NESTED=1 OUT=$(mktemp -d) bash bench/h200.sh exec \
+                "python -m graphrt.core.cli.main bench --model random:$model --batch-sizes ${4:-1,8} --runners graph --steps 50 --prompt-len 512 --no-plot --out $OUT/bench-$model-$side.json" \
+                2>&1 | grep -E "^ +[0-9]" | tee -a "$OUT/patch-ab.log"
+        done
     done
 fi
 
