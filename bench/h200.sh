@@ -490,7 +490,7 @@ PY
         for side in base patch patch base; do
             tree=.
             [[ $side == patch ]] && tree=$patched
-            echo "=== random:$model $side"
+            echo "=== random:$model $side" | tee -a "$OUT/patch-ab.log"
             GRAPHRT_TREE=$tree H200_NESTED=1 OUT=$(mktemp -d) bash bench/h200.sh exec \
                 "python -m graphrt.core.cli.main bench --model random:$model --batch-sizes ${4:-1,8} --runners graph --steps 50 --prompt-len 512 --no-plot --out $OUT/bench-$model-$side.json" \
                 2>&1 | grep -E "^ +[0-9]" | tee -a "$OUT/patch-ab.log"
