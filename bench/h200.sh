@@ -12,8 +12,8 @@
 #     (variants: tuned,no-pdl,cublas, all three unless named)
 #   bash bench/h200.sh round [topk] [kernels listed] [batch sizes]: bench/profile_round.py
 #   bash bench/h200.sh patch FILE [models] [batch sizes]: a kernel patch's step against this
-#     tree's (graphrt bench, graphs, prompt 512; base, patch, patch, base on one set of GEMV
-#     choices), the patch applied here to a copy of core/, devices/ and spec/
+#     tree's (`context` at prompt 512, as `ab` runs it, on one set of GEMV choices), the
+#     patch applied here to a copy of core/, devices/ and spec/
 #   bash bench/h200.sh ab DIR "MODE ARGS": MODE with this tree's package, then DIR's, twice
 #     over, on one machine (a host-side change against its base)
 #   bash bench/h200.sh enginetests: the CUDA tests of the engine's step path
@@ -446,6 +446,17 @@ if [[ $what == round ]]; then
     done
 fi
 
+# alternate NEW BASE "MODE ARGS": `h200.sh MODE ARGS` with NEW's package, then BASE's, in the
+# order new, base, base, new, this tree's scripts and caches every time (`ab`, `patch`).
+alternate() {
+    local side tree
+    for side in new base base new; do
+        echo "=== $side"
+        tree=$([[ $side == base ]] && echo "$2" || echo "$1")
+        H200_NESTED=1 GRAPHRT_TREE=$tree OUT=$(mktemp -d) bash bench/h200.sh $3
+    done
+}
+
 if [[ $what == ab ]]; then
     # A host-side change against its base on one machine ($2: the base's tree, made here
     # with `mkdir -p scratch/base && git archive REV core devices spec | tar -x -C
@@ -456,21 +467,16 @@ if [[ $what == ab ]]; then
     # In the order new, base, base, new: each side once early and once late (stop 67: in
     # new, base, new, base the unchanged plain step read 0.16-0.19 ms slower on the side
     # that ran first in each pair, and equal with the base first).
-    for side in new base base new; do
-        echo "=== $side"
-        base=$([[ $side == base ]] && echo "$2" || echo .)
-        H200_NESTED=1 GRAPHRT_TREE=$base OUT=$(mktemp -d) bash bench/h200.sh $3
-    done
+    alternate . "$2" "$3"
 fi
 
 if [[ $what == patch ]]; then
     # A kernel change kept as a patch (bench/results/*.patch) against this tree, on one
     # machine: the patch goes onto a copy of the package here (tests/ hunks left out: the
-    # copy has no tests), and both trees run `graphrt bench` in the order base, patch,
-    # patch, base (each side once early and once late, as `ab`). The runs share the GEMV
-    # tuner's choices (one GRAPHRT_CACHE_DIR, keyed by shape and candidates, not kernel
-    # source), so the figures compare the patch alone. Stop 90 measured stop 89's L2
-    # prefetch this way (by hand).
+    # copy has no tests), then `context` at prompt 512 for each model, as `ab` runs a mode
+    # (patched, base, base, patched). The runs share the GEMV tuner's choices (one
+    # GRAPHRT_CACHE_DIR, keyed by shape and candidates, not kernel source), so the figures
+    # compare the patch alone; a patch that changes a key's candidates tunes it afresh.
     patched=$(mktemp -d)
     cp -r core devices spec "$patched"/
     python - "$2" > "$patched/src.patch" <<'PY'
@@ -487,15 +493,9 @@ PY
     fi || { echo "patch $2 does not apply"; exit 1; }
     models=${3:-llama-1b,gemma4-e2b}
     for model in ${models//,/ }; do
-        for side in base patch patch base; do
-            tree=.
-            [[ $side == patch ]] && tree=$patched
-            echo "=== random:$model $side" | tee -a "$OUT/patch-ab.log"
-            GRAPHRT_TREE=$tree H200_NESTED=1 OUT=$(mktemp -d) bash bench/h200.sh exec \
-                "python -m graphrt.core.cli.main bench --model random:$model --batch-sizes ${4:-1,8} --runners graph --steps 50 --prompt-len 512 --no-plot --out $OUT/bench-$model-$side.json" \
-                2>&1 | grep -E "^ +[0-9]" | tee -a "$OUT/patch-ab.log"
-        done
-    done
+        echo "=== random:$model (new: patched)"
+        alternate "$patched" . "context ${4:-1,8} 512 $model"
+    done 2>&1 | tee "$OUT/patch-ab.log"
 fi
 
 if [[ $what == enginetests ]]; then
