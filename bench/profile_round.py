@@ -5,8 +5,8 @@ graph's replay is timed too (median of 50): replay minus GPU time is what the de
 between kernels (launch gaps that PDL or fewer kernels would close).
 
 Run on the device: python bench/profile_round.py [topk, default 1] [kernels listed,
-default 15] [batch size, default 1]. ROUND_NO_CUBLAS=1: matmuls of 2 to 16 rows never take
-cuBLAS (an experiment: what cuBLAS's leaving the GEMV's PDL chain costs a verify);
+default 15] [batch size, default 1]. ROUND_WITH_CUBLAS=1: matmuls of 2 to 16 rows may take
+cuBLAS again, as before stop 91 (what cuBLAS's leaving the GEMV's PDL chain costs a verify);
 ROUND_NO_PDL=1: no programmatic dependent launch, so each kernel's time is its own.
 Last, a plain step of as many requests as verify has rows (the same matmul widths), then
 where verify and it part: the launches (kernel, grid, block) whose GPU time differs most,
@@ -49,22 +49,18 @@ def main() -> None:
 
         pdl.ENABLED = False  # read at each launch: the graphs captured below keep it
         print("  (ROUND_NO_PDL: kernels launched without PDL)")
-    if os.environ.get("ROUND_NO_CUBLAS") == "1":
+    if os.environ.get("ROUND_WITH_CUBLAS") == "1":
         # its own name: `choose` below is rebound to this wrapper, which would then call
         # itself (stop 75: the run ended in a draft over no rows)
         tuned_choose = TUNER.choose
 
-        def without_cublas(key, rows, weight, run, candidates=None):
-            if rows == 1 or key[0] == "residual_linear":  # there None is "two launches"
-                pass
-            elif candidates is not None:
-                candidates = tuple(c for c in candidates if c is not CUBLAS) or candidates
-            else:
-                candidates = configs_for(rows)
+        def with_cublas(key, rows, weight, run, candidates=None):
+            if candidates is None and rows > 1:  # the default set before stop 91
+                candidates = (CUBLAS, *configs_for(rows))
             return tuned_choose(key, rows, weight, run, candidates)
 
-        TUNER.choose = without_cublas
-        print("  (ROUND_NO_CUBLAS: 2 to 16 rows never on cuBLAS)")
+        TUNER.choose = with_cublas
+        print("  (ROUND_WITH_CUBLAS: 2 to 16 rows may take cuBLAS)")
     phase = ["spec"]
     seen = collections.defaultdict(set)  # phase -> the GEMV calls' signatures at verify's rows
     choose, real_gemv = TUNER.choose, cuda_ops.gemv

@@ -14,7 +14,7 @@ def test_a_forced_file_answers_the_tuner_with_the_forced_choice_only(tmp_path):
     pytest.importorskip("triton")
     import torch
 
-    from graphrt.devices.cuda.gemv_tuner import CUBLAS, GemvTuner, _read_choices
+    from graphrt.devices.cuda.gemv_tuner import CUBLAS, GemvTuner, _read_choices, default_candidates
     from graphrt.devices.cuda.triton_gemv import ROW_CONFIGS, GemvConfig, configs_for
 
     forced_bench = load_bench("gemv_forced")
@@ -29,7 +29,7 @@ def test_a_forced_file_answers_the_tuner_with_the_forced_choice_only(tmp_path):
     tuned.use_cache(tmp_path / "tuned.json")
     for key in (rope, o, gate):
         tuned.remember(key, ROW_CONFIGS[4], candidates)  # 8:1024:8
-    tuned.remember(rope_8, configs_for(8)[0], (CUBLAS, *configs_for(8)))
+    tuned.remember(rope_8, configs_for(8)[0], default_candidates(8))
 
     forced = forced_bench.parse_variant("linear_rope:3072x2048=4:2048:8,linear:2048x2048=2:2048:4")
     assert forced == {
@@ -43,7 +43,7 @@ def test_a_forced_file_answers_the_tuner_with_the_forced_choice_only(tmp_path):
     assert reader.recall(rope, candidates) == GemvConfig(4, 2048, num_warps=8, block_m=1)
     assert reader.recall(o, candidates) == GemvConfig(2, 2048, block_m=1)
     assert reader.recall(gate, candidates) == ROW_CONFIGS[4]  # not named: as tuned
-    assert reader.recall(rope_8, (CUBLAS, *configs_for(8))) == configs_for(8)[0]  # 2 to 16 rows
+    assert reader.recall(rope_8, default_candidates(8)) == configs_for(8)[0]  # 2 to 16 rows
     assert forced_bench.parse_variant("tuned") == {}
 
     with pytest.raises(SystemExit, match="not a row-path configuration"):

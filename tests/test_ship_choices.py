@@ -68,20 +68,19 @@ def test_every_shipped_choice_was_timed_among_candidates_offered_today():
     digest hashes reprs: a new GemvConfig field left every old one's repr as it was, stop
     73), silently sends a fresh machine back to timing every shape: such a change must come
     with shipped files timed anew. Each entry's digest is one of today's candidate sets
-    (cuBLAS and one row class's configurations, the residual linear's one-chunk row
+    (one row class's default candidates, the residual linear's one-chunk row
     configurations, or the batch-invariant ops' tiles), and its choice is one of that set."""
     pytest.importorskip("triton")
     import hashlib
 
-    from graphrt.devices.cuda.gemv_tuner import CUBLAS, SHIPPED_DIR
+    from graphrt.devices.cuda.gemv_tuner import CUBLAS, SHIPPED_DIR, default_candidates
     from graphrt.devices.cuda.triton_gemv import (
         ROW_CONFIGS,
         GemvConfig,
-        configs_for,
         invariant_configs,
     )
 
-    sets = [(CUBLAS, *configs_for(rows)) for rows in (1, 2)]
+    sets = [default_candidates(rows) for rows in (1, 2)]
     sets += [(CUBLAS, *(c for c in ROW_CONFIGS if c.block_k >= k)) for k in (512, 1024, 2048)]
     sets += [invariant_configs(rows) for rows in (1, 17)]  # the batch-invariant ops' tiles
     offered = {hashlib.sha1(repr(s).encode()).hexdigest()[:12]: s for s in sets}

@@ -58,6 +58,21 @@ MIN_CALLS = 16  # calls of the op per timed graph
 MAX_COPIES = 32  # weight copies rotated through (for weights far smaller than L2)
 REPLAYS = 5  # timed replays per candidate; the median counts
 
+
+def default_candidates(rows: int) -> tuple[GemvConfig | None, ...]:
+    """What may serve a matmul of ``rows`` rows unless its op names its own candidates.
+    One row: ``CUBLAS`` (cuBLAS; for ``linear_rope`` its two launches at their best) and
+    the row path. 2 to 16 rows (verify widths, small batches): the tiles only (rope fused
+    in ``linear_rope``'s). cuBLAS's kernels sit outside the PDL chain, so in a step each
+    one waits for the whole kernel before it and keeps the next from reading its weight
+    early; the tuner times a candidate in a row of its own calls and cannot see that. It
+    had put verify's 20 wide down projections on cuBLAS's split-K at 17.6 us against the
+    best tile's 17.5-18.8 (stop 75, H100); with the tiles only, verify at batch 1 replayed
+    in 3.08 ms against 3.23 and a plain 5-request step in 3.09 against 3.12 (stop 91,
+    H100, two processes each, alternated)."""
+    return (CUBLAS, *configs_for(rows)) if rows == 1 else configs_for(rows)
+
+
 Run = Callable[[GemvConfig | None, torch.Tensor], object]
 CACHE_DIR_ENV = "GRAPHRT_CACHE_DIR"
 
@@ -155,7 +170,7 @@ class GemvTuner:
     ) -> GemvConfig | None:
         """The configuration for ``key``; ``run(choice, weight)`` computes the op with a
         choice on a weight of ``weight``'s shape (the tuner passes copies). ``candidates``:
-        what may serve it (default: cuBLAS and ``configs_for(rows)``).
+        what may serve it (default: ``default_candidates(rows)``).
         HAZARD: timing calls ``run`` about a hundred times a candidate, on the caller's
         inputs: it must not accumulate into them (an in-place residual add would sum every
         call into the live stream; ops.triton_linear times on a copy)."""
@@ -163,7 +178,7 @@ class GemvTuner:
         if choice != "unset":
             return choice
         if candidates is None:
-            candidates = (CUBLAS, *configs_for(rows))
+            candidates = default_candidates(rows)
         if weight.device.type != "cuda":  # the interpreter: nothing to time
             choice = next(c for c in candidates if c is not CUBLAS)
         elif torch.cuda.is_current_stream_capturing():
