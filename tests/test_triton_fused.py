@@ -495,20 +495,24 @@ def test_a_siblings_shipped_choice_serves_a_shape_the_cards_own_file_lacks(tmp_p
 
 def test_the_tuners_report_names_the_path_and_the_splits():
     """A report line says which kernel a shape got: cuBLAS, the row path or a tile, and a
-    split-K tile's splits (stop 64 read a split tile's line as a plain tile's)."""
+    split-K tile's splits (stop 64 read a split tile's line as a plain tile's), and when
+    cuBLAS was not among the candidates timed."""
     from graphrt.devices.cuda.gemv_tuner import CUBLAS, GemvTuner
     from graphrt.devices.cuda.triton_gemv import ROW_CONFIGS, SPLIT_CONFIGS
 
     tuner = GemvTuner()
-    keys = [("linear", "1", 2048, 2048), ("linear", "2-16", 2048, 8192), ("linear", "2-16", 8, 8)]
-    for key, choice in zip(keys, (ROW_CONFIGS[0], SPLIT_CONFIGS[0], CUBLAS)):
+    keys = [("linear", "1", 2048, 2048), ("linear", "2-16", 2048, 8192), ("linear", "1", 8, 8)]
+    keys.append(("linear", "2-16", 1536, 12288))
+    choices = (ROW_CONFIGS[0], SPLIT_CONFIGS[0], CUBLAS, SPLIT_CONFIGS[1])
+    for key, choice, cublas_ms in zip(keys, choices, (0.010, 0.010, 0.010, None)):
         tuner._choices[key] = choice
-        tuner.timings[key] = (0.010, 0.005 if choice is not CUBLAS else 0.010)
+        tuner.timings[key] = (cublas_ms, 0.005 if choice is not CUBLAS else 0.010)
     lines = tuner.report(lambda key: key[2] * key[3] * 2)
-    row, split, cublas = (next(line for line in lines if line.startswith(str(k))) for k in keys)
+    row, split, cublas, tiles = (next(ln for ln in lines if ln.startswith(str(k))) for k in keys)
     assert "gemv row 8x512 w4s3 5.0 us (cuBLAS 10.0 us)" in row and "GB/s" in row
     assert f"split{SPLIT_CONFIGS[0].split_k}" in split and "m16" in split
     assert "cuBLAS 10.0 us" in cublas
+    assert tiles.endswith("5.0 us (cuBLAS not offered), 7550 GB/s") and "cuBLAS 1" not in tiles
 
 
 def test_non_decode_matmuls_stay_with_torch():

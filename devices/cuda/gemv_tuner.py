@@ -296,9 +296,12 @@ class GemvTuner:
             choice = self._choices[key]
             name = "cuBLAS" if choice is None else f"gemv {choice.label}"
             line = f"{key}: {name} {best_ms * 1e3:.1f} us"
-            # The width-invariant class never times cuBLAS: it may not serve those rows.
+            # cuBLAS is not timed where it may not serve (the width-invariant class) or is
+            # not offered (2 to 16 rows' default_candidates).
             line += (
-                " (width-invariant)" if cublas_ms is None else f" (cuBLAS {cublas_ms * 1e3:.1f} us)"
+                " (cuBLAS not offered)"
+                if cublas_ms is None
+                else f" (cuBLAS {cublas_ms * 1e3:.1f} us)"
             )
             if weight_bytes is not None:
                 line += f", {weight_bytes(key) / best_ms / 1e6:.0f} GB/s"
