@@ -31,7 +31,7 @@ from graphrt.core.bench.rounds import RoundBenchConfig, round_engines
 from graphrt.core.bench.timing import median_ms
 from graphrt.core.engine import Engine
 from graphrt.core.models import load_model
-from graphrt.devices.cuda import compile_ahead
+from graphrt.devices.cuda import compile_ahead, gemv_tuner
 from graphrt.devices.cuda import ops as cuda_ops
 from graphrt.devices.cuda.gemv_tuner import CUBLAS, TUNER
 from graphrt.devices.cuda.triton_gemv import configs_for
@@ -50,16 +50,12 @@ def main() -> None:
         pdl.ENABLED = False  # read at each launch: the graphs captured below keep it
         print("  (ROUND_NO_PDL: kernels launched without PDL)")
     if os.environ.get("ROUND_WITH_CUBLAS") == "1":
-        # its own name: `choose` below is rebound to this wrapper, which would then call
-        # itself (stop 75: the run ended in a draft over no rows)
-        tuned_choose = TUNER.choose
+        # the default set before stop 91, where the tuner and ops read it (ops' linear_rope
+        # then times its two launches again, as it did)
+        def with_cublas(rows):
+            return (CUBLAS, *configs_for(rows))
 
-        def with_cublas(key, rows, weight, run, candidates=None):
-            if candidates is None and rows > 1:  # the default set before stop 91
-                candidates = (CUBLAS, *configs_for(rows))
-            return tuned_choose(key, rows, weight, run, candidates)
-
-        TUNER.choose = with_cublas
+        gemv_tuner.default_candidates = cuda_ops.default_candidates = with_cublas
         print("  (ROUND_WITH_CUBLAS: 2 to 16 rows may take cuBLAS)")
     phase = ["spec"]
     seen = collections.defaultdict(set)  # phase -> the GEMV calls' signatures at verify's rows
