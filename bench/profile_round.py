@@ -5,8 +5,9 @@ graph's replay is timed too (median of 50): replay minus GPU time is what the de
 between kernels (launch gaps that PDL or fewer kernels would close).
 
 Run on the device: python bench/profile_round.py [topk, default 1] [kernels listed,
-default 15] [batch size, default 1]. ROUND_WITH_CUBLAS=1: matmuls of 2 to 16 rows may take
-cuBLAS again, as before stop 91 (what cuBLAS's leaving the GEMV's PDL chain costs a verify);
+default 15] [batch size, default 1]. ROUND_TILES_ONLY=1: matmuls of 2 to 16 rows choose among
+the GEMV's tiles only, never cuBLAS (stop 91's default, taken back at stop 92: what cuBLAS's
+leaving the GEMV's PDL chain costs a verify);
 ROUND_NO_PDL=1: no programmatic dependent launch, so each kernel's time is its own.
 Last, a plain step of as many requests as verify has rows (the same matmul widths), then
 where verify and it part: the launches (kernel, grid, block) whose GPU time differs most,
@@ -49,14 +50,14 @@ def main() -> None:
 
         pdl.ENABLED = False  # read at each launch: the graphs captured below keep it
         print("  (ROUND_NO_PDL: kernels launched without PDL)")
-    if os.environ.get("ROUND_WITH_CUBLAS") == "1":
-        # the default set before stop 91, where the tuner and ops read it (ops' linear_rope
-        # then times its two launches again, as it did)
-        def with_cublas(rows):
-            return (CUBLAS, *configs_for(rows))
+    if os.environ.get("ROUND_TILES_ONLY") == "1":
+        # where the tuner reads its default set (linear_rope still times its two launches,
+        # which it then never picks)
+        def tiles_only(rows):
+            return (CUBLAS, *configs_for(rows)) if rows == 1 else configs_for(rows)
 
-        gemv_tuner.default_candidates = cuda_ops.default_candidates = with_cublas
-        print("  (ROUND_WITH_CUBLAS: 2 to 16 rows may take cuBLAS)")
+        gemv_tuner.default_candidates = tiles_only
+        print("  (ROUND_TILES_ONLY: 2 to 16 rows never on cuBLAS)")
     phase = ["spec"]
     seen = collections.defaultdict(set)  # phase -> the GEMV calls' signatures at verify's rows
     choose, real_gemv = TUNER.choose, cuda_ops.gemv

@@ -60,17 +60,15 @@ REPLAYS = 5  # timed replays per candidate; the median counts
 
 
 def default_candidates(rows: int) -> tuple[GemvConfig | None, ...]:
-    """What may serve a matmul of ``rows`` rows unless its op names its own candidates.
-    One row: ``CUBLAS`` (cuBLAS; for ``linear_rope`` its two launches at their best) and
-    the row path. 2 to 16 rows (verify widths, small batches): the tiles only (rope fused
-    in ``linear_rope``'s). cuBLAS's kernels sit outside the PDL chain, so in a step each
-    one waits for the whole kernel before it and keeps the next from reading its weight
-    early; the tuner times a candidate in a row of its own calls and cannot see that. It
-    had put verify's 20 wide down projections on cuBLAS's split-K at 17.6 us against the
-    best tile's 17.5-18.8 (stop 75, H100); with the tiles only, verify at batch 1 replayed
-    in 3.08 ms against 3.23 and a plain 5-request step in 3.09 against 3.12 (stop 91,
-    H100, two processes each, alternated)."""
-    return (CUBLAS, *configs_for(rows)) if rows == 1 else configs_for(rows)
+    """What may serve a matmul of ``rows`` rows unless its op names its own candidates:
+    ``CUBLAS`` (cuBLAS; for ``linear_rope`` its two launches at their best) and the
+    GEMV's configurations for that row class (the row path at one row, tiles at 2 to 16).
+    HAZARD: cuBLAS's kernels sit outside the PDL chain, which the tuner's timing (a row of
+    one op's calls) cannot see. The tiles alone at 2 to 16 rows made verify at batch 1
+    4.6% faster (3.08 ms against 3.23, stop 91, H100) but a plain llama-1b step of 8 and
+    16 requests 12-15% slower (1.83-1.86 ms against 1.56-1.65 at 8, 1.96-2.00 against
+    1.77-1.86 at 16; stop 92, H100, alternated), so cuBLAS stays offered at every width."""
+    return (CUBLAS, *configs_for(rows))
 
 
 Run = Callable[[GemvConfig | None, torch.Tensor], object]
@@ -296,8 +294,7 @@ class GemvTuner:
             choice = self._choices[key]
             name = "cuBLAS" if choice is None else f"gemv {choice.label}"
             line = f"{key}: {name} {best_ms * 1e3:.1f} us"
-            # cuBLAS is not timed where it may not serve (the width-invariant class) or is
-            # not offered (2 to 16 rows' default_candidates).
+            # cuBLAS is not timed where its op does not offer it (the width-invariant class).
             line += (
                 " (cuBLAS not offered)"
                 if cublas_ms is None

@@ -22,7 +22,7 @@ from graphrt.core.models.ops import (
     torch_act_mul,
     torch_linear_act_mul,
 )
-from graphrt.devices.cuda.gemv_tuner import CUBLAS, TUNER, default_candidates
+from graphrt.devices.cuda.gemv_tuner import CUBLAS, TUNER
 from graphrt.devices.cuda.triton_argmax import greedy_tokens
 from graphrt.devices.cuda.triton_gemma import (
     float_logits,
@@ -157,13 +157,9 @@ def triton_linear_rope(x, weight, bias=None, *, norm, positions, cos, sin, kv_wr
         return two_launches(None)
     key = ("linear_rope", _row_class(x), *weight.shape, x.dtype, bias is not None)
     key += (norm is not None, head_dim)
-    candidates = default_candidates(x.shape[0])
     # The two launches' own best first (never inside another key's timing: see
-    # triton_gemma_residual_linear), where they are a candidate: one row (2 to 16 rows
-    # fuse the rope, and timing their two launches there would be start-up time for nothing).
-    apart = None
-    if CUBLAS in candidates:
-        apart = TUNER.choose(("two launches", *key), x.shape[0], weight, two_launches)
+    # triton_gemma_residual_linear).
+    apart = TUNER.choose(("two launches", *key), x.shape[0], weight, two_launches)
 
     def run(config, w=weight):
         if config is None:  # the tuner's other candidate: the two launches at their best
@@ -171,7 +167,7 @@ def triton_linear_rope(x, weight, bias=None, *, norm, positions, cos, sin, kv_wr
         rope = RopeWrite(positions, cos, sin, kv_write, num_heads)
         return gemv(x, w, bias, config, norm=norm, rope=rope).view(-1, num_heads, head_dim)
 
-    return run(TUNER.choose(key, x.shape[0], weight, run, candidates))
+    return run(TUNER.choose(key, x.shape[0], weight, run))
 
 
 # The most rows the residual prologue serves. Each program computes every row's norms from
