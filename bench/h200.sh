@@ -131,7 +131,8 @@ graphrt() { python -m graphrt.core.cli.main "$@"; }
 # (from a new random directory each call, nothing hit). `cold` empties its own caches.
 # A run nested in `ab` (H200_NESTED=1) keeps the caches its caller set up and saves none.
 caches=/tmp/graphrt-kernel-caches
-export TRITON_CACHE_DIR="$caches/triton" GRAPHRT_CACHE_DIR="$caches/graphrt"
+# (AB_TUNING_DIR: the GEMV tuner's cache of one side of `alternate`, AB_OWN_TUNING below)
+export TRITON_CACHE_DIR="$caches/triton" GRAPHRT_CACHE_DIR="${AB_TUNING_DIR:-$caches/graphrt}"
 if [[ -z ${H200_NESTED:-} ]]; then
     rm -rf "$caches"
     mkdir -p "$TRITON_CACHE_DIR" "$GRAPHRT_CACHE_DIR"
@@ -448,12 +449,17 @@ fi
 
 # alternate NEW BASE "MODE ARGS": `h200.sh MODE ARGS` with NEW's package, then BASE's, in the
 # order new, base, base, new, this tree's scripts and caches every time (`ab`, `patch`).
+# AB_OWN_TUNING=1: each side keeps GEMV tuner choices of its own, from an empty cache (a
+# change to how the tuner decides leaves its keys as they were, so a shared cache would
+# hand the second side the first side's choices; the carried cache, the first's of all).
 alternate() {
-    local side tree
+    local side tree tuning=
     for side in new base base new; do
         echo "=== $side"
         tree=$([[ $side == base ]] && echo "$2" || echo "$1")
-        H200_NESTED=1 GRAPHRT_TREE=$tree OUT=$(mktemp -d) bash bench/h200.sh $3
+        [[ ${AB_OWN_TUNING:-} == 1 ]] && tuning="$caches/graphrt-$side" && mkdir -p "$tuning"
+        H200_NESTED=1 GRAPHRT_TREE=$tree AB_TUNING_DIR=$tuning OUT=$(mktemp -d) \
+            bash bench/h200.sh $3
     done
 }
 
@@ -476,7 +482,8 @@ if [[ $what == patch ]]; then
     # copy has no tests), then `context` at prompt 512 for each model, as `ab` runs a mode
     # (patched, base, base, patched). The runs share the GEMV tuner's choices (one
     # GRAPHRT_CACHE_DIR, keyed by shape and candidates, not kernel source), so the figures
-    # compare the patch alone; a patch that changes a key's candidates tunes it afresh.
+    # compare the patch alone; a patch that changes a key's candidates tunes it afresh, and
+    # one that changes how the tuner decides needs AB_OWN_TUNING=1 (alternate above).
     patched=$(mktemp -d)
     cp -r core devices spec "$patched"/
     python - "$2" > "$patched/src.patch" <<'PY'
