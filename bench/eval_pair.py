@@ -46,8 +46,7 @@ from oracles import TokenOracle  # bench/oracles.py (bench/ is the script's dire
 
 from graphrt import devices
 from graphrt.core import pretrained
-from graphrt.core.engine import Engine, EngineConfig, SamplingParams
-from graphrt.core.engine.engine import EngineStats
+from graphrt.core.engine import Engine, EngineConfig, EngineStats, SamplingParams
 from graphrt.core.engine.request import Request
 from graphrt.core.models import load_model
 from graphrt.core.models.config import parse_dtype

@@ -19,12 +19,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from graphrt import devices
 from graphrt.core.batch import ForwardBatch
+from graphrt.core.engine.config import EngineConfig
 from graphrt.core.engine.heap import freeze_startup_heap
 from graphrt.core.engine.kv_plan import plan_kv
 from graphrt.core.engine.ledger import Ledger
@@ -33,11 +33,11 @@ from graphrt.core.engine.request import (
     FinishReason,
     Request,
     SamplingParams,
-    is_int,
     sampling_params,
     token_ids,
 )
 from graphrt.core.engine.sampling import BAD_LOGITS, sample_requests
+from graphrt.core.engine.stats import EngineStats
 from graphrt.core.engine.strategy import (
     DecodeStrategy,
     LaunchedStep,
@@ -57,158 +57,8 @@ from graphrt.core.models.loader import LoadedModel
 from graphrt.core.runners import EagerRunner, GraphRunner, GraphRunnerConfig
 from graphrt.devices.base import Device
 
-RUNNERS = ("graph", "eager")
 log = logging.getLogger(__name__)
 _AWAITED_BY = operator.attrgetter("awaited_by")  # scanned every decode step: map
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_running_requests: int = 32
-    # Pool and context sizes: see core/engine/kv_plan.py. None: the device's defaults (on
-    # an accelerator, a share of free memory and the model's context; on the CPU, 1 GiB
-    # and at most 4096 tokens).
-    max_context_len: int | None = None
-    kv_pool_tokens: int | None = None
-    kv_cache_bytes: int | None = None
-    kv_memory_fraction: float | None = None  # of free memory after the weights, (0, 1]
-    max_prefill_tokens: int = 8192  # prompt tokens per prefill step
-    seed: int = 0
-    runner: str | None = None  # "graph" | "eager"; None: graph where the device has a backend
-    graph_backend: str | None = None  # the device's graph backend (--graph-backend); None: default
-    graph_buckets: tuple[int, ...] | None = None  # --graph-bs; None = the default list
-    graph_padding: bool = True  # False (--no-graph-padding): exact captured sizes only
-    # Capture default buckets up to this batch only (a generate of N prompts never runs more
-    # than N: the CLI passes N); None: up to max_running_requests. --graph-bs lists win.
-    graph_max_batch: int | None = None
-    # Graphs captured after start-up (a speculative length, the sampled verify, first needed
-    # by some step) are captured only while the graphs' memory stays under this; a length
-    # refused is not drafted (a plain step, or the lengths captured, serve instead).
-    # None: no cap (a capture that runs out of memory is dropped, as at start-up).
-    max_graph_memory_bytes: int | None = None
-    # Capture every graph the strategy may need at start-up (every speculative length,
-    # the sampled verify), not when a step first needs it: start-up takes longer, and no
-    # step stalls on a capture (a server: `graphrt serve`). Still under the memory cap.
-    capture_all_graphs: bool = False
-    # Freeze the objects start-up left alive out of Python's garbage collector's walks
-    # (core/engine/heap.py; process-wide): full collections otherwise stall decoding.
-    freeze_gc: bool = True
-    # Launch each decode step (a plain step, or a speculative round on its one graph) of
-    # the same requests before reading the last one's result (fed by it on the device),
-    # so the host prepares a step while the device runs the one before; a request that
-    # stopped meanwhile has its extra step dropped. Speculative steps hold two trees' KV
-    # slots a request. None: the device's default (``Device.overlap_by_default``: on
-    # for CUDA, measured there; off on the CPU, where the host is the device) for a
-    # strategy that takes it (``DecodeStrategy.overlap_by_default``: plain and
-    # speculative decoding).
-    overlap: bool | None = None
-
-    def __post_init__(self):
-        sizes = ("max_running_requests", "max_prefill_tokens")
-        optional = ("max_context_len", "kv_pool_tokens", "kv_cache_bytes", "graph_max_batch")
-        optional += ("max_graph_memory_bytes",)
-        for name in (*sizes, *optional, "seed"):
-            value = getattr(self, name)
-            if value is None and name in optional:
-                continue
-            if not is_int(value):
-                raise UsageError(f"{name} must be an integer, got {value!r}")
-            if value < 1 and name != "seed":
-                raise UsageError(f"{name} must be >= 1, got {value}")
-        fraction = self.kv_memory_fraction
-        if fraction is not None and not (
-            isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
-            and 0 < fraction <= 1
-        ):  # fmt: skip
-            raise UsageError(f"kv_memory_fraction must be in (0, 1], got {fraction!r}")
-        buckets = self.graph_buckets
-        if buckets is not None and not (
-            isinstance(buckets, (tuple, list)) and all(map(is_int, buckets))
-        ):
-            raise UsageError(f"graph_buckets must be a list of integers, got {buckets!r}")
-        for name in ("graph_padding", "capture_all_graphs", "overlap"):
-            value = getattr(self, name)
-            if not isinstance(value, bool) and not (name == "overlap" and value is None):
-                raise UsageError(f"{name} must be True or False, got {value!r}")
-        if self.runner not in (None, *RUNNERS):
-            raise UsageError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
-
-
-@dataclass
-class EngineStats:
-    eager_steps: int = 0  # target forwards run eagerly (prefills, decode steps, verifies)
-    graph_steps: int = 0  # target forwards replayed from a graph
-    generated_tokens: int = 0
-    elapsed_s: float = 0.0  # in generate(), prefills and lazy compiles included
-    capture_time_s: float = 0.0
-    lazy_capture_s: float = 0.0  # captures inside generate() (graphs a step first needed)
-    compile_time_s: float = 0.0  # lazy compiles inside elapsed_s (CPU `compile` backend)
-    # Prefill steps (each emits a request's first token): on a GPU the first one also pays
-    # the eager kernels' JIT compiles, seconds that are no measure of decoding.
-    prefill_s: float = 0.0
-    prefill_tokens: int = 0
-    graph_memory_bytes: int = 0
-    captured_sizes: list[int] = field(default_factory=list)
-    refused_captures: int = 0  # graphs left uncaptured by max_graph_memory_bytes
-    step_timing_s: float = 0.0  # start-up steps timing each kind of step (_time_steps)
-    # Steps launched behind one not read yet (EngineConfig.overlap), dropped ones included.
-    launched_ahead: int = 0
-    # Speculative rounds, one per request per verify forward.
-    spec_rounds: int = 0
-    graph_rounds: int = 0  # request rounds on graphs (the round's one, or draft's and verify's)
-    accept_histogram: list[int] = field(default_factory=list)  # [k] = rounds accepting k drafts
-    spec_plain_steps: int = 0  # steps a speculative strategy ran without drafting
-    rounds_by_steps: dict[int, int] = field(default_factory=dict)  # draft steps -> rounds
-    drafted_per_position: list[int] = field(default_factory=list)  # [i] = rounds drafting i + 1
-
-    def record_accept(self, accepted: int, num_steps: int) -> None:
-        if len(self.accept_histogram) < num_steps + 1:
-            self.accept_histogram += [0] * (num_steps + 1 - len(self.accept_histogram))
-            self.drafted_per_position += [0] * (num_steps - len(self.drafted_per_position))
-        self.accept_histogram[accepted] += 1
-        for i in range(num_steps):
-            self.drafted_per_position[i] += 1
-        self.rounds_by_steps[num_steps] = self.rounds_by_steps.get(num_steps, 0) + 1
-        self.spec_rounds += 1
-
-    def record_step(self, outcome: StepOutcome) -> None:
-        self.graph_steps += outcome.graph_forwards
-        self.eager_steps += outcome.eager_forwards
-        self.graph_rounds += outcome.graph_rounds
-        self.spec_plain_steps += outcome.plain_steps
-        for log in outcome.rounds or ():
-            self.record_accept(len(log.accepted_tokens), log.num_steps)
-
-    @property
-    def accepted_per_position(self) -> list[int]:
-        """[i] = rounds whose draft at position i + 1 was accepted (vLLM's
-        ``spec_decode_num_accepted_tokens_per_pos``); over ``drafted_per_position[i]``,
-        the acceptance rate by position."""
-        hist = self.accept_histogram
-        return [sum(hist[k] for k in range(i + 1, len(hist))) for i in range(len(hist) - 1)]
-
-    @property
-    def accept_length_mean(self) -> float:
-        """Tokens emitted per verify round: accepted drafts plus the target's bonus token."""
-        total = sum((k + 1) * n for k, n in enumerate(self.accept_histogram))
-        return total / self.spec_rounds if self.spec_rounds else 0.0
-
-    @property
-    def decoding_s(self) -> float:
-        """generate()'s time in decode steps and speculative rounds: prefill steps, lazy
-        compiles and the captures of graphs a step first needed are not counted."""
-        return self.elapsed_s - self.prefill_s - self.compile_time_s - self.lazy_capture_s
-
-    @property
-    def decoded_tokens(self) -> int:
-        """The tokens decode steps (or speculative rounds) emitted."""
-        return self.generated_tokens - self.prefill_tokens
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Decoding speed: ``decoded_tokens`` over ``decoding_s``."""
-        seconds, tokens = self.decoding_s, self.decoded_tokens
-        return tokens / seconds if seconds > 0 and tokens > 0 else 0.0
 
 
 def _require_type(name: str, value, kind: type, what: str, optional: bool = False) -> None:
