@@ -449,7 +449,7 @@ fi
 
 # alternate NEW BASE "MODE ARGS": `h200.sh MODE ARGS` with NEW's package, then BASE's, in the
 # order new, base, base, new, this tree's scripts and caches every time (`ab`, `patch`).
-# AB_OWN_TUNING=1: each side keeps GEMV tuner choices of its own, from an empty cache (a
+# AB_OWN_TUNING=1: each tree keeps GEMV tuner choices of its own, from an empty cache (a
 # change to how the tuner decides leaves its keys as they were, so a shared cache would
 # hand the second side the first side's choices; the carried cache, the first's of all).
 alternate() {
@@ -457,7 +457,9 @@ alternate() {
     for side in new base base new; do
         echo "=== $side"
         tree=$([[ $side == base ]] && echo "$2" || echo "$1")
-        [[ ${AB_OWN_TUNING:-} == 1 ]] && tuning="$caches/graphrt-$side" && mkdir -p "$tuning"
+        [[ ${AB_OWN_TUNING:-} == 1 ]] \
+            && tuning="$caches/graphrt-$(realpath "$tree" | md5sum | cut -c1-12)" \
+            && mkdir -p "$tuning"
         H200_NESTED=1 GRAPHRT_TREE=$tree AB_TUNING_DIR=$tuning OUT=$(mktemp -d) \
             bash bench/h200.sh $3
     done
