@@ -65,9 +65,10 @@ def default_candidates(rows: int) -> tuple[GemvConfig | None, ...]:
     GEMV's configurations for that row class (the row path at one row, tiles at 2 to 16).
     HAZARD: cuBLAS's kernels sit outside the PDL chain, which the tuner's timing (a row of
     one op's calls) cannot see. The tiles alone at 2 to 16 rows made verify at batch 1
-    4.6% faster (3.08 ms against 3.23, stop 91, H100) but a plain llama-1b step of 8 and
-    16 requests 5-19% slower (1.83-1.86 ms against 1.56-1.65 at 8, 1.96-2.00 against
-    1.77-1.86 at 16; stop 92, H100, alternated), so cuBLAS stays offered at every width."""
+    4-10% faster (3.08-3.23 ms against 3.23-3.56, stops 91-92, H100) but a plain
+    llama-1b step of 8 and 16 requests 5-19% slower (1.83-1.86 ms against 1.56-1.65 at
+    8, 1.96-2.00 against 1.77-1.86 at 16; stop 92, H100, alternated), so cuBLAS stays
+    offered at every width."""
     return (CUBLAS, *configs_for(rows))
 
 
