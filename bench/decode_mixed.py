@@ -48,16 +48,9 @@ import functools
 
 import torch
 import triton
-from decode_splits import SHAPES  # bench/decode_splits.py (bench/ is the script's directory)
+from paged_layer import SHAPES, PagedLayer  # bench/ is the script's directory
 
-from graphrt.devices.cuda.triton_decode import (
-    LONG_ROW_KEYS,
-    allocate_decode_scratch,
-    combine_splits,
-    decode_attention,
-    long_block_n,
-    max_kv_splits,
-)
+from graphrt.devices.cuda.triton_decode import LONG_ROW_KEYS, long_block_n, max_kv_splits
 
 
 def parse_batch(text: str) -> list[int]:
@@ -78,10 +71,9 @@ def parse_variant(text: str) -> tuple[int, int, bool]:
     return int(short), int(programs or 0), grid == "w"
 
 
-class Layer:
-    """One layer's K/V pool, token table, queries and scratch for rows of ``lens`` keys
-    (slots scattered, as a pool's are); ``run(short, programs, listed)`` launches decode
-    attention."""
+class Layer(PagedLayer):
+    """A ``PagedLayer`` with the engine's scratch for a ``context``-key engine, whose
+    ``run(short, programs, listed)`` launches decode attention as a variant does."""
 
     def __init__(
         self,
@@ -92,41 +84,20 @@ class Layer:
         context: int,
         long_rows: bool = False,
     ):
-        heads, kv_heads, head_dim = SHAPES[shape]
-        # As an engine's graphs for batches with a long row: a second launch on larger
-        # blocks from LONG_ROW_KEYS keys, where the shape takes them (long_block_n).
-        block_n = long_block_n(head_dim, torch.finfo(dtype).bits // 8) if long_rows else None
-        self.long_rows = None if block_n is None else (LONG_ROW_KEYS, block_n)
-        torch.manual_seed(0)  # the same K, V and q for every variant
-        total, longest, bs = sum(lens), max(lens), len(lens)
-        slots = 1 + torch.randperm(total, device=device)
-        self.k = torch.randn(total + 1, kv_heads, head_dim, device=device, dtype=dtype)
-        self.v = torch.randn_like(self.k)
-        self.table = torch.zeros(bs + 1, longest, dtype=torch.int64, device=device)
-        start = 0
-        for row, n in enumerate(lens):
-            self.table[row + 1, :n] = slots[start : start + n]
-            start += n
-        self.reqs = torch.arange(1, bs + 1, device=device)
-        self.lens = torch.tensor(lens, dtype=torch.int32, device=device)
-        self.q = torch.randn(bs, heads, head_dim, device=device, dtype=dtype)
-        self.out = torch.empty_like(self.q)
         # The engine's scratch for a context of ``context`` keys, or of the longest row (at most
         # MAX_KV_SPLITS), whatever the short count: what it allocates with 16 short splits.
-        splits = max_kv_splits(max(context, longest))
-        self.scratch = allocate_decode_scratch(bs, heads, head_dim, device, splits)
-        self.scale = head_dim**-0.5
+        super().__init__(shape, lens, device, dtype, max_kv_splits(max(context, max(lens))))
+        # As an engine's graphs for batches with a long row: a second launch on larger
+        # blocks from LONG_ROW_KEYS keys, where the shape takes them (long_block_n).
+        head_dim = SHAPES[shape][2]
+        block_n = long_block_n(head_dim, torch.finfo(dtype).bits // 8) if long_rows else None
+        self.long_rows = None if block_n is None else (LONG_ROW_KEYS, block_n)
 
     def run(self, short: int, programs: int, listed: bool = False) -> None:
-        decode_attention(
-            self.q, self.k, self.v, self.table, self.reqs, self.lens, self.out, *self.scratch,
-            self.scale, short_splits=short, programs=programs or None, work_list=listed,
+        self.attend(
+            short_splits=short, programs=programs or None, work_list=listed,
             long_rows=self.long_rows,
         )  # fmt: skip
-
-    def combine(self, short: int) -> None:
-        """The combine alone, over the partials the last ``run`` left."""
-        combine_splits(*self.scratch, self.out, short)
 
 
 def main() -> None:
@@ -182,9 +153,11 @@ def main() -> None:
                     stage[index].append(time_us(run))
                     run()
                     if args.combine:
-                        combine[index].append(time_us(functools.partial(layer.combine, short)))
+                        combine[index].append(
+                            time_us(functools.partial(layer.combine, short_splits=short))
+                        )
                 if args.combine:
-                    layer.combine(short)  # the same output: it reads what stage 1 left
+                    layer.combine(short_splits=short)  # the same output: it reads what stage 1 left
                 if p == 0:
                     out = layer.out.clone()
                     same[index] = torch.equal(out, first.setdefault(short, out))

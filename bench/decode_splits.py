@@ -22,24 +22,9 @@ import argparse
 
 import torch
 import triton
+from paged_layer import SHAPES, PagedLayer  # bench/ is the script's directory
 
-from graphrt.devices.cuda.triton_decode import (
-    allocate_decode_scratch,
-    combine_splits,
-    decode_attention,
-    max_kv_splits,
-)
-
-# name -> (query heads, KV heads, head_dim)
-SHAPES = {
-    "llama-1b": (32, 8, 64),
-    "llama-8b": (32, 8, 128),
-    "gemma4-sliding": (8, 1, 256),
-    "gemma4-global": (8, 1, 512),
-    # its MTP assistant's layers, reading the target's KV (draft steps)
-    "assistant-sliding": (4, 1, 256),
-    "assistant-global": (4, 1, 512),
-}
+from graphrt.devices.cuda.triton_decode import max_kv_splits
 
 
 def layer_us(
@@ -57,48 +42,33 @@ def layer_us(
     rule, its combine taking ``rest_chunk`` splits a step past the first 16 (None: the
     default); ``launch``: stage 1's (BLOCK_N, num_warps, num_stages). ``timed=False``:
     two launches and no timing (0 us), for a profiler to read one (``--once``)."""
-    heads, kv_heads, head_dim = SHAPES[shape]
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    torch.manual_seed(0)  # the same K, V and q for every launch compared
-    slots = 1 + torch.arange(bs * ctx, device=dev)
-    if not contiguous:
-        slots = slots[torch.randperm(bs * ctx, device=dev)]  # scattered, as a pool's are
-    k = torch.randn(bs * ctx + 1, kv_heads, head_dim, device=dev, dtype=dtype)
-    v = torch.randn_like(k)
-    table = torch.zeros(bs + 1, ctx, dtype=torch.int64, device=dev)
-    table[1:] = slots.view(bs, ctx)
-    reqs = torch.arange(1, bs + 1, device=dev)
-    lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
-    q = torch.randn(bs, heads, head_dim, device=dev, dtype=dtype)
-    out = torch.empty_like(q)
     max_splits = max_kv_splits(131072) if splits is None else splits
+    layer = PagedLayer(
+        shape, [ctx] * bs, torch.device("cuda"), torch.bfloat16, max_splits, contiguous
+    )
     short = {} if splits is None else {"short_splits": splits}  # fixed: short = most
     stage1 = dict(zip(("block_n", "num_warps", "num_stages"), launch or ()))
     if launch and len(launch) == 5:  # (..., long rows' BLOCK_N, from keys)
         stage1 = dict(zip(("block_n", "num_warps", "num_stages"), launch[:3]))
         stage1["long_rows"] = (launch[4], launch[3])
-    scratch = allocate_decode_scratch(bs, heads, head_dim, dev, max_splits)
 
     def run():
-        decode_attention(
-            q, k, v, table, reqs, lens, out, *scratch, head_dim**-0.5, rest_chunk=rest_chunk, **stage1,
-            **short,
-        )  # fmt: skip
+        layer.attend(rest_chunk=rest_chunk, **stage1, **short)
 
     def combine():
-        combine_splits(*scratch, out, **short, rest_chunk=rest_chunk)
+        layer.combine(rest_chunk=rest_chunk, **short)
 
     run()  # the scratch the combine reads
     if not timed:
         run()
         torch.cuda.synchronize()
-        return 0.0, 0.0, out.clone()
+        return 0.0, 0.0, layer.out.clone()
     # do_bench_cudagraph runs on a side stream that does not wait for this one.
     torch.cuda.synchronize()
     total = triton.testing.do_bench_cudagraph(run, rep=50) * 1e3
     combine_us = triton.testing.do_bench_cudagraph(combine, rep=50) * 1e3
     run()
-    return total, combine_us, out.clone()
+    return total, combine_us, layer.out.clone()
 
 
 def parse_launch(text: str) -> tuple[int, ...]:
@@ -124,7 +94,7 @@ def sweep_launches(args: argparse.Namespace) -> None:
                                                  for i in range(len(launches))))  # fmt: skip
     for bs in (int(b) for b in args.batch_sizes.split(",")):
         for ctx in (int(c) for c in args.contexts.split(",")):
-            kv_bytes = 2 * bs * ctx * kv_heads * head_dim * 2
+            kv_bytes = 2 * bs * ctx * kv_heads * head_dim * 2  # bf16
             if kv_bytes > 16 << 30:
                 continue
             cells, reference = [], None
