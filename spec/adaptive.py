@@ -8,7 +8,7 @@ Each step runs the step count ``k`` that maximises the batch's expected tokens a
   position i - 1 was accepted: its own recent rounds (evidence fading by 1/10 an engine
   step), blended with the engine-wide rate (all requests' rounds, fading by 1/50 a step
   and worth ``MAX_EVIDENCE`` rounds at most; a position no recent round reached takes the
-  rate of the one before it): ``Acceptance``. A request's own estimate is weighed
+  rate of the one before it): ``PositionRates``. A request's own estimate is weighed
   optimistically, each rate raised by ``OPTIMISM`` standard errors of its evidence, which
   wears off as the request's rounds add up (plain steps teach nothing of acceptance: a
   pessimistic guess would stand). Steps of more than ``PER_REQUEST_MAX`` requests use
@@ -71,6 +71,7 @@ from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 
 from graphrt.core.engine.request import Request
+from graphrt.spec.position_rates import PositionRates
 
 WINDOW = 16  # recent steps per (kind, bucket) whose median counts
 TRUSTED_SAMPLES = 3  # a length measured fewer times takes the fitted line's time
@@ -108,7 +109,6 @@ STALE_STEPS = MAX_EXPLORE  # engine steps after which a kind's step times are dr
 # is itself overpriced would not correct the figure either.
 PLAIN_LOOK_MARGIN = 2.0
 PLAIN_LOOKS_PASSED = 3
-UNSEEN_RATE = 0.5  # acceptance assumed at position 1 before any round ran
 # Before any round ran, the longest rounds run first (to measure acceptance) only if at
 # this acceptance a position they would beat plain steps: rounds measured at start-up to
 # cost more than that never run before exploration looks (2 CPU cores: the embedded
@@ -127,7 +127,6 @@ LOOK_HORIZON = 64
 # 0.08-0.1 s of decoding (stop 70). The steps the engine ran before count too: over many
 # calls (the ``LLM`` API's) a capture pays back across batches.
 CAPTURE_HORIZON = 2048
-PRIOR_WEIGHT = 1.0  # observations a position's prior is worth
 # A request's own estimate weighs a step's choice optimistically: each position's rate
 # plus OPTIMISM standard errors of a rate measured on the rounds of the request that
 # reached it (OPTIMISM_PRIOR more; counted over its life, not faded), its expected tokens
@@ -141,8 +140,7 @@ PRIOR_WEIGHT = 1.0  # observations a position's prior is worth
 # off as the request's rounds add up, so one that drafts at a loss returns to plain
 # steps; at rates 0.2-0.4, where plain steps are best, batches of 1 to 8 in closed
 # batches: worst cell 0.915 -> 0.940 (oracle's times), 0.971 -> 0.942 (pair's).
-OPTIMISM = 1.0
-OPTIMISM_PRIOR = 4.0
+OPTIMISM = 1.0  # (OPTIMISM_PRIOR: spec/position_rates.py)
 # A closed batch (see the module's docstring) weighs its finish time on each request's own
 # rate over its life (drafts accepted over drafted positions reached), shrunk toward the
 # engine-wide rate by CLOSED_PRIOR positions and raised by CLOSED_OPTIMISM standard errors.
@@ -164,11 +162,6 @@ OPTIMISM_PRIOR = 4.0
 # change.
 CLOSED_PRIOR = 8.0
 CLOSED_OPTIMISM = 1.0
-# Engine-wide, a position's prior is the one before it times this: a drafter recurring on
-# its own guesses does not get better with depth (and only rounds that accepted every
-# position before reach it, a few at first: without the decline one lucky round made
-# the deepest positions look certain).
-DEPTH_DECLINE = 0.9
 _RID = operator.attrgetter("rid")  # a batch's request ids, each step: map, not a generator
 
 
@@ -210,111 +203,13 @@ class _Streak:
     bucket: _Bucket  # whose counts those steps advance
 
 
-class Acceptance:
-    """Acceptance by draft position (1-based), given the position before was accepted.
-
-    Evidence fades with time: at each record, every position's counts are scaled by
-    ``(1 - weight) ** steps``, the engine steps since the last record (plain steps
-    included: a round after a long run of plain steps speaks for now, not the old
-    rounds), then what this round saw is counted. A position's rate blends its counts
-    with a prior worth ``PRIOR_WEIGHT`` observations: for a request's own estimate the
-    engine-wide rate; engine-wide, the previous position's rate times ``DEPTH_DECLINE``.
-    A position that short rounds stopped reaching falls back to what its neighbours say
-    instead of keeping an old figure, so longer rounds get tried again when the
-    positions before them look good."""
-
-    def __init__(
-        self,
-        max_steps: int,
-        weight: float,
-        prior: Acceptance | None = None,
-        max_evidence: float = math.inf,
-        optimism: float = 0.0,
-    ):
-        self.weight, self.prior, self.max_evidence = weight, prior, max_evidence
-        self.optimism = optimism  # standard errors added to each rate in expected tokens
-        self.hits = [0.0] * max_steps
-        self.seen = [0.0] * max_steps
-        # Rounds that reached each position, never faded (one request's rounds: what its
-        # optimism wears off by).
-        self.reached = [0] * max_steps
-        self.clock = 0  # the engine step of the last record
-        self.version = 0  # bumped by every record
-        self._cached: tuple[tuple[int, int], tuple] | None = None  # by (own, prior) version
-
-    def record(self, num_steps: int, accepted: Sequence[int], step: int) -> None:
-        """Rounds of ``num_steps`` at engine step ``step`` (one per request of a step)
-        that accepted ``accepted[j]`` drafts: positions up to that count were accepted,
-        the next one (if drafted) rejected."""
-        hits, seen = self.hits, self.seen
-        if step > self.clock:
-            keep = (1.0 - self.weight) ** (step - self.clock)
-            hits = self.hits = [h * keep for h in hits]
-            seen = self.seen = [n * keep for n in seen]
-            self.clock = step
-        if len(accepted) == 1:  # one request's round (each step's, per request, at <= 4)
-            (count,) = accepted
-            reached = self.reached
-            for i in range(min(count + 1, num_steps)):  # reached position i; accepted it?
-                seen[i] += 1.0
-                hits[i] += i < count
-                reached[i] += 1
-        else:
-            # Rounds by accepted count: O(rounds + positions), not their product. (A list,
-            # not a Counter: this runs every round step.)
-            by_count = [0] * (num_steps + 1)
-            for count in accepted:
-                by_count[count] += 1
-            reached = len(accepted)  # rounds that reached position i, walking down
-            for i in range(num_steps):
-                passed = reached - by_count[i]  # accepted position i
-                seen[i] += reached
-                hits[i] += passed
-                reached = passed
-        if seen[0] > self.max_evidence:  # position 1's count is the largest
-            keep = self.max_evidence / seen[0]
-            self.hits = [h * keep for h in hits]
-            self.seen = [n * keep for n in seen]
-        self.version += 1
-
-    def rates(self) -> tuple[float, ...]:
-        """[i] = the acceptance rate at position i + 1."""
-        return self._estimates()[0]
-
-    def expected_tokens(self) -> tuple[float, ...]:
-        """[k] = tokens a round of k steps emits, bonus token included (k = 0: 1); with
-        ``optimism``, at each position's rate plus that many standard errors."""
-        return self._estimates()[1]
-
-    def _estimates(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """(rates, expected tokens), cached until this estimate or its prior records again:
-        a step's choice reads every request's, and the engine-wide ones once for all."""
-        versions = (self.version, self.prior.version if self.prior is not None else 0)
-        if self._cached is not None and self._cached[0] == versions:
-            return self._cached[1]
-        priors = self.prior.rates() if self.prior is not None else None
-        rates, tokens, before, reach = [], [1.0], UNSEEN_RATE, 1.0
-        for i, (hits, seen) in enumerate(zip(self.hits, self.seen)):
-            prior = priors[i] if priors is not None else before * DEPTH_DECLINE
-            before = (hits + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT)
-            rates.append(before)
-            hoped = before
-            if self.optimism:  # the variance floor keeps a rate of 0 or 1 uncertain
-                spread = max(before * (1.0 - before), 0.01) / (self.reached[i] + OPTIMISM_PRIOR)
-                hoped = min(1.0, before + self.optimism * math.sqrt(spread))
-            reach *= hoped
-            tokens.append(tokens[-1] + reach)
-        self._cached = (versions, (tuple(rates), tuple(tokens)))
-        return self._cached[1]
-
-
 class DraftChooser:
     def __init__(self, max_steps: int, context_len: int | None = None):
         self.max_steps = max_steps
         self.context_len = context_len  # the engine's context (None: unbounded)
         self._buckets: dict[int, _Bucket] = {}
-        self.engine_rates = Acceptance(max_steps, ENGINE_WEIGHT, max_evidence=MAX_EVIDENCE)
-        self._requests: dict[int, Acceptance] = {}  # by request id, while it runs
+        self.engine_rates = PositionRates(max_steps, ENGINE_WEIGHT, max_evidence=MAX_EVIDENCE)
+        self._requests: dict[int, PositionRates] = {}  # by request id, while it runs
         self.steps_by_count = [0] * (max_steps + 1)  # [k] = steps run with k draft steps
         # What explain() says: bucket, tokens and seconds by count, closed or not; or the
         # bucket and tokens left of a batch that took plain steps before any round ran,
@@ -737,7 +632,7 @@ class DraftChooser:
             return  # the engine-wide rates stand for each request (see PER_REQUEST_MAX)
         for req, n in accepted:
             if req.rid not in self._requests:
-                self._requests[req.rid] = Acceptance(
+                self._requests[req.rid] = PositionRates(
                     self.max_steps, REQUEST_WEIGHT, self.engine_rates, optimism=OPTIMISM
                 )
             self._requests[req.rid].record(steps, (n,), clock)

@@ -33,6 +33,7 @@ from graphrt.spec.adaptive import (
     TRUSTED_SAMPLES,
     DraftChooser,
 )
+from graphrt.spec.position_rates import DEPTH_DECLINE, UNSEEN_RATE, PositionRates
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
@@ -164,6 +165,26 @@ def test_start_up_figures_stand_as_timed():
             chooser.record(k, 1, ms * 1e-3, timing=True)
     seconds = chooser.step_seconds(1)
     assert [seconds[k] for k in (0, 1, 3, 5)] == pytest.approx([1e-3, 1.2e-3, 2.6e-3, 3e-3])
+
+
+def test_position_rates_blend_evidence_with_the_prior_and_fade_it_by_steps():
+    """Engine-wide, position i's prior is position i - 1's rate times DEPTH_DECLINE
+    (position 1's: UNSEEN_RATE's), worth one observation; a request's prior is the engine's
+    rate at the same position. Evidence fades by (1 - weight) an engine step."""
+    engine = PositionRates(3, weight=0.5)
+    engine.record(3, [1, 3], step=0)  # one round accepted 1 of 3 drafts, one all 3
+    first = (2 + UNSEEN_RATE * DEPTH_DECLINE) / 3  # both reached position 1, accepted it
+    second = (1 + first * DEPTH_DECLINE) / 3  # both reached it, one accepted
+    third = (1 + second * DEPTH_DECLINE) / 2  # one reached it and accepted
+    assert engine.rates() == pytest.approx((first, second, third), rel=1e-12)
+    tokens = (1, 1 + first, 1 + first + first * second, 1 + first + first * second * (1 + third))
+    assert engine.expected_tokens() == pytest.approx(tokens, rel=1e-12)
+    own = PositionRates(3, weight=0.5, prior=engine)
+    own.record(3, [0], step=0)  # reached position 1 and rejected it
+    assert own.rates()[0] == pytest.approx(first / 2, rel=1e-12)
+    assert own.rates()[1] == pytest.approx(engine.rates()[1], rel=1e-12)  # no evidence there
+    engine.record(3, [0], step=2)  # two steps later: the old counts weigh a quarter
+    assert engine.seen[0] == pytest.approx(2 * 0.25 + 1) and engine.hits[0] == pytest.approx(0.5)
 
 
 def test_engine_wide_acceptance_follows_a_large_batch_within_a_few_steps():
