@@ -13,7 +13,14 @@ import json
 
 import pytest
 import torch
-from helpers import CPU, assert_engine_idle, cli_error_line, cpu_engine, random_prompts
+from helpers import (
+    CPU,
+    assert_engine_idle,
+    cli_error_line,
+    cpu_engine,
+    random_prompts,
+    standin_device,
+)
 
 from graphrt.core.cli.main import main
 from graphrt.core.engine import FinishReason, SamplingParams
@@ -30,15 +37,16 @@ def loaded(llama_gqa_untied):
     return load_model(str(llama_gqa_untied.path), CPU, torch.float32)
 
 
-def _fail_on_call(monkeypatch, obj, name: str, call: int) -> list[int]:
-    """Make ``obj.name`` raise on its ``call``-th call (1-based), once; returns the counter."""
+def _fail_on_call(monkeypatch, obj, name: str, call: int, error=None) -> list[int]:
+    """Make ``obj.name`` raise ``error`` (a RuntimeError of two lines) on its ``call``-th
+    call (1-based), once; returns the counter."""
     real = getattr(obj, name)
     calls = [0]
 
     def flaky(*args, **kwargs):
         calls[0] += 1
         if calls[0] == call:
-            raise RuntimeError("injected failure\nsecond line")
+            raise error or RuntimeError("injected failure\nsecond line")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(obj, name, flaky)
@@ -66,6 +74,50 @@ def test_a_sampling_failure_fails_its_step_only_and_frees_every_slot(loaded, mon
     # The engine serves the next call as a fresh engine would.
     again = random_prompts((6, 11), seed=3)
     assert [r.output_ids for r in engine.generate(again, GREEDY)] == _fresh(loaded, again)
+    assert_engine_idle(engine)
+
+
+def test_a_request_the_step_finished_before_it_failed_keeps_its_reason(loaded, monkeypatch):
+    engine = cpu_engine(loaded, max_context_len=64)
+    short, long = random_prompts((5, 9))
+    done = engine.add_request(short, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    cut = engine.add_request(long, GREEDY)
+    # The first decode step emits ``done``'s last token, then fails in its bookkeeping.
+    _fail_on_call(monkeypatch, engine.strategy, "step_done", 1)
+    engine.run_until_finished([done, cut])
+    assert done.finish_reason is FinishReason.LENGTH and done.error is None
+    assert len(done.output_ids) == 2
+    assert cut.finish_reason is FinishReason.ERROR and len(cut.output_ids) == 2
+    assert_engine_idle(engine)
+
+
+@pytest.mark.graphs
+def test_a_round_in_flight_that_fails_when_its_requests_are_aborted_frees_its_slots(
+    gemma4_tiny, gemma4_assistant, monkeypatch
+):
+    """An abort settles the round launched ahead once none of its requests runs; if that
+    read fails, the abort raises it and the round's tree slots (in no request's table)
+    come back."""
+    from graphrt.spec import MTPDecoding, SpecConfig
+
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    # Rounds launch ahead on graphs: the stand-in device's, compiled on the CPU.
+    engine = cpu_engine(
+        target, MTPDecoding(drafter, SpecConfig(num_steps=2)), standin_device(),
+        runner="graph", graph_backend="cuda-full", graph_buckets=(2,), max_context_len=32,
+        overlap=True,
+    )  # fmt: skip
+    reqs = engine.add_requests(random_prompts((5, 9)), GREEDY)
+    while len(reqs[0].output_ids) < 3:
+        engine.step()
+    assert engine._pending is not None  # a round launched ahead, in flight
+    assert engine.stats.graph_rounds > 0 and engine.stats.launched_ahead > 0
+    _fail_on_call(monkeypatch, engine._pending, "finish", 1)
+    engine.abort(reqs[0])
+    with pytest.raises(RuntimeError, match="injected failure"):
+        engine.abort(reqs[1])
+    assert engine._pending is None
     assert_engine_idle(engine)
 
 
@@ -99,6 +151,32 @@ def test_a_failed_speculative_round_frees_its_tree_slots(
     prompts = random_prompts((5, 9), seed=7)
     reqs = engine.generate(prompts, GREEDY)
     assert all(r.finish_reason is FinishReason.ERROR for r in reqs)
+    assert_engine_idle(engine)
+    plain = cpu_engine(target, MTPDecoding(drafter, SpecConfig(num_steps=3)), max_context_len=64)
+    again = random_prompts((6, 10), seed=8)
+    want = [r.output_ids for r in plain.generate(again, GREEDY)]
+    assert [r.output_ids for r in engine.generate(again, GREEDY)] == want
+    assert_engine_idle(engine)
+
+
+def test_an_interrupt_inside_a_round_frees_its_tree_slots_and_fails_only_its_step(
+    gemma4_tiny, gemma4_assistant, monkeypatch
+):
+    """A KeyboardInterrupt (or SIGTERM's) inside a step is no Exception: the step's
+    requests finish as INTERRUPTED, the tree's slots (in no request's table) come back,
+    the interrupt goes on, and the engine serves the next call as a fresh one would."""
+    from graphrt.spec import MTPDecoding, SpecConfig
+
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    engine = cpu_engine(target, MTPDecoding(drafter, SpecConfig(num_steps=3)), max_context_len=64)
+    # The verify forward is interrupted after the draft tree's KV slots were allocated.
+    _fail_on_call(monkeypatch, engine.strategy, "verify", 2, KeyboardInterrupt())
+    reqs = engine.add_requests(random_prompts((5, 9), seed=7), GREEDY)
+    with pytest.raises(KeyboardInterrupt):
+        engine.run_until_finished(reqs)
+    assert all(r.finish_reason is FinishReason.INTERRUPTED for r in reqs)
+    assert all(r.output_ids for r in reqs)  # the tokens of the steps before are kept
     assert_engine_idle(engine)
     plain = cpu_engine(target, MTPDecoding(drafter, SpecConfig(num_steps=3)), max_context_len=64)
     again = random_prompts((6, 10), seed=8)

@@ -181,7 +181,6 @@ class Engine:
         # A step launched ahead (config.overlap), its result not read yet: the next step
         # settles it before anything else runs.
         self._pending: LaunchedStep | None = None
-        self._overlap = cfg.overlap
         self.ctx = StepContext(
             loaded=loaded,
             ledger=self.ledger,
@@ -222,7 +221,7 @@ class Engine:
         stats, self.stats = self.stats, EngineStats()
         # Enough tokens that none finishes: a round emits at most its steps + 1 (twice over
         # with overlap: each run of a kind ends with one more step launched ahead).
-        tokens = sum(k + 1 for k in kinds) * (2 if self._overlap else 1)
+        tokens = sum(k + 1 for k in kinds) * (2 if self.config.overlap else 1)
         params = SamplingParams(max_new_tokens=1 + tokens, ignore_eos=True)
         try:
             for size in sizes:
@@ -534,32 +533,44 @@ class Engine:
             step, self._pending = self._pending, None
             try:
                 return self._settle(step)
-            except Exception as e:  # noqa: BLE001 (as below)
+            except BaseException as e:  # noqa: BLE001 (as below)
                 # Its own requests only: those just admitted have not run yet.
                 failed = [req for req in step.reqs if req in self.running]
                 self._fail(failed, e)
+                if not isinstance(e, Exception):
+                    raise  # an interrupt goes on, the slots back
                 return failed
         chunks = self._prefill_chunks()
         stepping = [req for req, _ in chunks] or list(self.running)
         start = time.perf_counter()
         try:
             return self._step(chunks)
-        except Exception as e:  # noqa: BLE001 (any failure: the requests must not leak)
+        except BaseException as e:  # noqa: BLE001 (any failure: the requests must not leak)
             self._fail(stepping, e)
+            if not isinstance(e, Exception):
+                raise  # an interrupt goes on, the slots back
             return stepping
         finally:
             if chunks:
                 self.stats.prefill_s += time.perf_counter() - start
 
-    def _fail(self, reqs: list[Request], error: Exception) -> None:
+    def _fail(self, reqs: list[Request], error: BaseException) -> None:
         """Finish ``reqs`` with an error and rebuild the pools' free lists from the requests
-        still running: a step that failed midway may hold slots nothing else tracks."""
+        still running: a step that failed midway may hold slots nothing else tracks (a
+        round's tree, a step launched ahead and not yet pending). An interrupt
+        (KeyboardInterrupt, SIGTERM's: no ``Exception``) finishes them as INTERRUPTED, and
+        the caller raises it on once the slots are back. Requests the step finished already keep their
+        reason: it failed after their last token."""
         message = f"{type(error).__name__}: {error}".splitlines()[0]
-        log.warning(
-            "a step of %d requests failed (%s); they finish with 'error'", len(reqs), message
-        )
+        interrupted = not isinstance(error, Exception)
+        if not interrupted:
+            log.warning(
+                "a step of %d requests failed (%s); they finish with 'error'", len(reqs), message
+            )
         for req in reqs:
-            req.finish_reason, req.error = FinishReason.ERROR, message
+            if req.finish_reason is None:
+                req.finish_reason = FinishReason.INTERRUPTED if interrupted else FinishReason.ERROR
+                req.error = None if interrupted else message
             if req in self.running:
                 self.running.remove(req)
             if req in self.prefilling:
@@ -595,7 +606,7 @@ class Engine:
         self.strategy.closed_batch = self._closed(reqs)
         self._capture_needed(reqs)
         start = time.perf_counter()  # after any capture: what the step itself costs
-        step = self.strategy.launch(reqs) if self._overlap else None
+        step = self.strategy.launch(reqs) if self.config.overlap else None
         if step is not None:
             step.start = start
             return self._settle(step)
@@ -636,7 +647,13 @@ class Engine:
         step = self._pending
         if step is not None and not any(r in self.running for r in step.reqs):
             self._pending = None
-            self._apply(step.reqs, step.finish())  # its forward ran: counted as a step
+            try:
+                self._apply(step.reqs, step.finish())  # its forward ran: counted as a step
+            except BaseException:
+                # Its slots are in no running request's table (``abort``'s callers get the
+                # error; a step's own failure recovers the same way in ``_fail``).
+                self.ledger.recover(self.running)
+                raise
 
     def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
         """The next step of ``step``'s requests, queued behind it and fed its result on the
