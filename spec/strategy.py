@@ -111,6 +111,7 @@ class RoundGraphs:
 
 class MTPDecoding(DecodeStrategy):
     name = "speculative"
+    keeps_logits = False  # a round's tokens come from verify's rows, none kept
 
     def __init__(
         self,

@@ -185,6 +185,23 @@ def test_an_interrupt_inside_a_round_frees_its_tree_slots_and_fails_only_its_ste
     assert_engine_idle(engine)
 
 
+def test_return_logits_with_a_drafter_is_refused_not_misaligned(gemma4_tiny, gemma4_assistant):
+    """A round's tokens come from verify's rows, whose logits no request keeps: with a
+    drafter, ``return_logits`` would pair plain steps' logits with the wrong tokens."""
+    from graphrt.spec import MTPDecoding, SpecConfig
+
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    engine = cpu_engine(target, MTPDecoding(drafter, SpecConfig(num_steps=2)), max_context_len=32)
+    params = SamplingParams(max_new_tokens=4, return_logits=True)
+    with pytest.raises(RequestError, match="return_logits keeps each token's logits"):
+        engine.add_request([5, 6, 7], params)
+    assert_engine_idle(engine)
+    plain = cpu_engine(target, max_context_len=32)
+    (req,) = plain.generate([[5, 6, 7]], params)
+    assert len(req.output_logits) == len(req.output_ids) == 4
+
+
 def test_generate_with_one_bad_prompt_queues_nothing(loaded):
     engine = cpu_engine(loaded, max_context_len=64)
     with pytest.raises(RequestError, match="outside the vocabulary"):

@@ -437,6 +437,11 @@ class Engine:
                 f"prompt of {len(prompt_ids)} tokens is longer than the context "
                 f"({self.max_context_len}): {fix}"
             )
+        if params.return_logits and not self.strategy.keeps_logits:
+            raise RequestError(
+                f"return_logits keeps each token's logits, which {self.strategy.name} "
+                "steps do not: run the request on an engine without a drafter"
+            )
         # The budget admission reserves: a request above it could never be admitted.
         need = self.kv_budget(len(prompt_ids), params)
         if need > self.kv_pool.num_slots:

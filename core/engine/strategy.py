@@ -178,6 +178,9 @@ class DecodeStrategy(abc.ABC):
     # call's requests, ``Engine.await_all``, none waiting to join), so it ends when its
     # slowest request does.
     closed_batch: bool = False
+    # Whether every token it emits is drawn from its own row of logits on the way
+    # (``draw_tokens``), so a request can keep them (``SamplingParams.return_logits``).
+    keeps_logits: bool = True
     # Whether engines launch this strategy's steps ahead of the read where the device does
     # by default (``EngineConfig.overlap`` left None; ``Device.overlap_by_default``).
     overlap_by_default: bool = True
