@@ -468,10 +468,7 @@ class DraftChooser:
         # hundred multiplications.
         for r in reqs:
             accepted, reached = lifetimes.get(r.rid, none)
-            left = r.params.max_new_tokens - len(r.output_ids)
-            if self.context_len is not None:
-                left = min(left, self.context_len - len(r.prompt_ids) - len(r.output_ids))
-            left = max(left, 1.0)
+            left = max(_tokens_left(r, self.context_len), 1.0)
             total += left
             own = 0.0  # opted out: no draft reached
             if r.params.speculate:
@@ -495,6 +492,11 @@ class DraftChooser:
         if None not in own:
             return own
         donor = self._donor(bucket)
+        if donor is None:
+            # Nothing to scale from: the first bucket, its longest rounds refused (the graph
+            # memory cap), so no line through its ends. Unknown lengths are never weighed
+            # to win; a look at the runner-up measures one, and a line follows.
+            return [o if o is not None else math.inf for o in own]
         theirs = self._own_seconds(donor, optimistic)
         ratios = [o / t for o, t in zip(own, theirs) if o is not None]
         scale = statistics.median(ratios) if ratios else 1.0
@@ -663,14 +665,18 @@ class DraftChooser:
         return f"at batch {bucket}: {cells} (~ modelled{pace}): {verdict}"
 
 
+def _tokens_left(req: Request, context_len: int | None) -> int:
+    """Tokens ``req`` may still emit: its cap, and the context's room (``context_len``:
+    the engine's context, None: no limit)."""
+    left = req.params.max_new_tokens - len(req.output_ids)
+    if context_len is None:
+        return left
+    return min(left, context_len - len(req.prompt_ids) - len(req.output_ids))
+
+
 def _remaining(reqs: Sequence[Request], context_len: int | None) -> int:
-    """Tokens the longest-running request of ``reqs`` may still emit: its cap, and the
-    context's room (``context_len``: the engine's context, None: no limit)."""
-    caps = (r.params.max_new_tokens - len(r.output_ids) for r in reqs)
-    if context_len is not None:
-        rooms = (context_len - len(r.prompt_ids) - len(r.output_ids) for r in reqs)
-        caps = (min(cap, room) for cap, room in zip(caps, rooms))
-    return max(caps, default=0)
+    """Tokens the longest-running request of ``reqs`` may still emit."""
+    return max((_tokens_left(r, context_len) for r in reqs), default=0)
 
 
 def _fit_line(points: dict[int, tuple[float, int]]) -> tuple[float, float] | None:

@@ -191,6 +191,18 @@ def draft_shape(seed_hidden_size: int, dtype: torch.dtype, num_steps: int) -> Gr
     )
 
 
+def captured_draft_step(drafter, attn: AttentionBackend):
+    """One draft step's forward inside a captured loop: the step's rows are derived inside
+    the graph from the static buffers, so their metadata is the capture-safe kind (device
+    tensors, fixed KV length)."""
+
+    def run_step(step: ForwardBatch) -> RunnerOutput:
+        attn.init_metadata_for_capture(step)
+        return forward_model(drafter, attn, step)
+
+    return run_step
+
+
 def captured_draft_loop(
     drafter, attn: AttentionBackend, cfg: SpecConfig, rule: DraftRule | None = None
 ):
@@ -199,11 +211,7 @@ def captured_draft_loop(
     tree built from it (``rule`` applied), so the verify graph can follow with no eager
     work between."""
 
-    def run_step(step: ForwardBatch) -> RunnerOutput:
-        # Step rows are derived inside the graph from the static buffers; their
-        # metadata is the capture-safe kind (device tensors, fixed KV length).
-        attn.init_metadata_for_capture(step)
-        return forward_model(drafter, attn, step)
+    run_step = captured_draft_step(drafter, attn)
 
     def forward(static: ForwardBatch):
         return draft_verify_tree(

@@ -38,9 +38,9 @@ from graphrt.core.engine.sampling import SamplingRows
 from graphrt.core.host import to_device
 from graphrt.core.models.ops import model_ops
 from graphrt.core.runners import GraphShape, StaticField
-from graphrt.core.runners.base import RunnerOutput, forward_model
+from graphrt.core.runners.base import forward_model
 from graphrt.spec.config import SpecConfig
-from graphrt.spec.draft import DraftRule, draft_verify_tree, is_full_chain
+from graphrt.spec.draft import DraftRule, captured_draft_step, draft_verify_tree, is_full_chain
 from graphrt.spec.verify import (
     SAMPLING_FIELDS,
     SAMPLING_NAMES,
@@ -93,8 +93,9 @@ def round_batch(
     pinned copy, so no device op comes before the launch: per node the request's root
     token (the graph reads the first), a chain's positions (placeholders: the graph derives
     them from the tree's depths) and the held KV slots ``held_host`` ((B * n,) host ids,
-    request by request, as ``settle`` reads them); per request its slot, its length after
-    the round, whether it drafts; the sampling state of a sampled round (``sampling``).
+    request by request, as ``settle`` reads them); per request its slot, its length with
+    all n nodes cached (acceptance sets the length after the round), whether it drafts;
+    the sampling state of a sampled round (``sampling``).
 
     Behind a step not read yet (``DecodeStrategy.launch``): ``last_tokens`` (B,) are the
     roots and ``cached_lens`` (B,), where given, the cached lengths, on the device, written
@@ -103,8 +104,8 @@ def round_batch(
     add to a request's cache (``LaunchedStep.uncounted``)."""
     bs, n = len(reqs), num_nodes
     ahead = in_flight if cached_lens is not None else 0
-    after = [r.kv_len + ahead + n for r in reqs]  # each request's length after the round
-    kv_lens = np.array(after, dtype=np.int64) - n
+    with_all_nodes = [r.kv_len + ahead + n for r in reqs]  # each length, all n nodes cached
+    kv_lens = np.array(with_all_nodes, dtype=np.int64) - n
     host = np.empty(3 * bs * n + 3 * bs, dtype=np.int64)
     per_node = host[: 3 * bs * n].reshape(3, bs, n)  # tokens, positions, slots
     per_node[0] = np.array([r.output_ids[-1] for r in reqs])[:, None]
@@ -130,7 +131,7 @@ def round_batch(
         req_pool_indices=req_slots,
         seq_lens=seq_lens,
         out_cache_loc=slots,
-        seq_lens_cpu=after,
+        seq_lens_cpu=with_all_nodes,
         extend_lens_cpu=[n] * bs,
         spec_info=RoundInput(speculate=speculate, **state),
         packed_nodes=nodes,
@@ -152,9 +153,7 @@ def captured_round(
     tree, verify and the tail (as spec.verify's round); -> (packed,), what the host
     reads."""
 
-    def run_step(step: ForwardBatch) -> RunnerOutput:
-        attn.init_metadata_for_capture(step)  # capture-safe: device tensors only
-        return forward_model(drafter, attn, step)
+    run_step = captured_draft_step(drafter, attn)
 
     def forward(static: ForwardBatch) -> tuple[torch.Tensor]:
         info: RoundInput = static.spec_info

@@ -153,10 +153,6 @@ class MTPDecoding(DecodeStrategy):
     def verify_graph(self) -> GraphRunner | None:
         return self.longest.verify
 
-    @property
-    def sampled_verify_graph(self) -> GraphRunner | None:
-        return self.longest.sampled_verify
-
     def extra_kv_slots(self) -> int:
         return self.cfg.num_draft_tokens  # a round holds a whole verify tree's slots briefly
 

@@ -167,6 +167,20 @@ def test_start_up_figures_stand_as_timed():
     assert [seconds[k] for k in (0, 1, 3, 5)] == pytest.approx([1e-3, 1.2e-3, 2.6e-3, 3e-3])
 
 
+def test_longest_rounds_refused_at_the_first_bucket_leave_plain_steps_then_looks():
+    """The graph memory cap refused the longest rounds and no other bucket was measured:
+    no line through both ends and no bucket to scale from. Plain steps run, and a look
+    measures a round length that may pay, which then wins."""
+    chooser = DraftChooser(3)
+    chosen = []
+    for _ in range(200):
+        k = chooser.choose(1, ONE_REQUEST, refused=frozenset({3}))
+        chosen.append(k)
+        chooser.record(k, 1, linear(0.5, 0.1)(k), [(ONE_REQUEST[0], k)] if k else [])
+    assert 3 not in chosen and chosen[:2] == [0, 0]
+    assert chosen[-50:].count(2) >= 45, chosen[-50:]  # 3 tokens in 0.7 ms: the best allowed
+
+
 def test_position_rates_blend_evidence_with_the_prior_and_fade_it_by_steps():
     """Engine-wide, position i's prior is position i - 1's rate times DEPTH_DECLINE
     (position 1's: UNSEEN_RATE's), worth one observation; a request's prior is the engine's

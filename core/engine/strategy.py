@@ -116,7 +116,7 @@ class RoundLog:
     """One request's speculative round: what it drafted and accepted."""
 
     num_steps: int  # draft steps the round ran
-    draft_tokens: list[int]  # every node's drafted token, root first
+    draft_tokens: list[int]  # every drafted node's token (the root, not drafted, left out)
     accepted_tokens: list[int]  # the drafts the target accepted, in order
 
 
