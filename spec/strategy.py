@@ -368,7 +368,7 @@ class MTPDecoding(DecodeStrategy):
             refused |= self._lengths_needing(self._later, reqs) - {self.cfg.num_steps}
         steps = self.chooser.choose(self._bucket(len(reqs)), reqs, refused, self.closed_batch)
         # Under tensor parallelism each rank's chooser times its own steps: rank 0 decides.
-        return self.ctx.loaded.model.tp.agree(steps, self.ctx.device)
+        return self.ctx.loaded.model.tp.agree(steps)
 
     def _lengths_needing(self, runners: Sequence[GraphRunner], reqs: list[Request]) -> set[int]:
         """The draft lengths whose rounds of ``reqs`` (greedy or sampled) run on any of

@@ -151,3 +151,23 @@ def test_kv_heads_split_or_replicate_over_the_ranks(kv_heads, size, expected):
 def test_kv_heads_that_neither_split_nor_divide_are_refused(kv_heads, size):
     with pytest.raises(UsageError, match="num_key_value_heads"):
         TPGroup(rank=0, size=size).kv_heads(kv_heads)
+
+
+def test_ranks_agree_over_the_host_group_on_a_host_tensor(monkeypatch):
+    """Auto draft lengths are agreed on every step, behind a step launched ahead: a device
+    collective would queue behind that step and its read would wait for it."""
+    import torch.distributed as dist
+
+    seen = []
+
+    def all_reduce(x, group=None):
+        seen.append((x.device.type, group))
+        x.add_(7)  # rank 1's share: 0 + what the other ranks add
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    host, device_group = object(), object()
+    tp = TPGroup(rank=0, size=2, group=device_group, host_group=host)
+    assert tp.agree(5) == 12
+    assert seen == [("cpu", host)]
+    assert TPGroup(rank=1, size=2, group=device_group, host_group=host).agree(5) == 7
+    assert TPGroup.single().agree(5) == 5 and len(seen) == 2

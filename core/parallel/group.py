@@ -8,7 +8,8 @@ one, whose collectives return their input: a model built for it is today's model
 
 HAZARD: a rank that dies mid-collective leaves the others waiting in it. The process
 group is created with a timeout so that they fail (one line, via the CLI) instead of
-hanging; keep every collective on this group.
+hanging; keep every collective on this group (or on ``TPGroup.host_group``, its ranks over
+gloo with the same timeout, for host values).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class TPGroup:
     size: int
     group: Any = None  # the torch.distributed ProcessGroup; None for the group of one
     small_all_reduce: SmallAllReduce | None = None  # for the messages it fits; else the library
+    # The same ranks over gloo, for host values (``agree``): a device collective would queue
+    # behind the step in flight, and reading it would wait for that step.
+    host_group: Any = None
 
     @classmethod
     def single(cls) -> TPGroup:
@@ -114,15 +118,17 @@ class TPGroup:
         out = _C10D.all_reduce(x.contiguous(), "sum", self.group.group_name)
         return _C10D.wait_tensor(out)
 
-    def agree(self, value: int, device: torch.device) -> int:
+    def agree(self, value: int) -> int:
         """Rank 0's ``value`` on every rank: a choice each rank makes from its own timings
         (auto draft lengths) must be one choice, or the ranks' collectives part ways.
-        One small all-reduce and a read; nothing for the group of one."""
+        One small all-reduce of a host tensor over ``host_group``: the ranks wait for each
+        other's hosts, never for the device (the step launched ahead goes on running);
+        nothing for the group of one."""
         if self.is_single:
             return value
-        x = torch.tensor([value if self.rank == 0 else 0], dtype=torch.int64, device=device)
-        out = _C10D.wait_tensor(_C10D.all_reduce(x, "sum", self.group.group_name))
-        return int(out.item())
+        x = torch.tensor([value if self.rank == 0 else 0], dtype=torch.int64)
+        dist.all_reduce(x, group=self.host_group)
+        return int(x.item())
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """(..., n) on every rank -> (..., size * n), rank 0's columns first (the
@@ -157,8 +163,15 @@ def init_tp(
         raise UsageError(
             f"WORLD_SIZE is set but {', '.join(missing)} is not (launch with torchrun)"
         )
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id
-        )
-    return TPGroup(rank=dist.get_rank(), size=dist.get_world_size(), group=dist.group.WORLD)
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+    # Every rank creates it, in this order (new_group is itself collective); over gloo too,
+    # so the CPU lane runs the path the accelerators take.
+    host_group = dist.new_group(backend="gloo", timeout=timeout)
+    return TPGroup(
+        rank=dist.get_rank(),
+        size=dist.get_world_size(),
+        group=dist.group.WORLD,
+        host_group=host_group,
+    )
