@@ -47,8 +47,14 @@ class StreamGraphBackend(ExecutionBackend):
     def capture_session(self, stream: Any = None) -> Iterator[None]:
         if self._pool is None:
             self._pool = self.module.graph_pool_handle()
-        # Capture must not run on the default stream (CUDA refuses it).
-        self._stream = stream if stream is not None else self.module.Stream()
+        # Capture must not run on the default stream (CUDA refuses it). One stream for every
+        # session: each fresh one cycles through torch's 32 pooled streams, and cuBLAS keeps
+        # a workspace (32 MiB on Hopper) per stream it ran on for the process's life
+        # (devices/cuda/gemv_tuner.py's HAZARD), counted here as graph memory.
+        if stream is not None:
+            self._stream = stream
+        elif self._stream is None:
+            self._stream = self.module.Stream()
         free_before = self._free_memory()
         # No cycle collection around capture: destroying a graph while another captures
         # invalidates that capture, but engines, strategies and runners hold no reference

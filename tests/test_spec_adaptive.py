@@ -8,6 +8,7 @@ request's acceptance, and must go on looking at the runner-up now and then.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -16,7 +17,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import CPU, cpu_engine, cycling_chooser, random_prompts, standin_device
+from helpers import (
+    CPU,
+    assert_engine_idle,
+    cpu_engine,
+    cycling_chooser,
+    random_prompts,
+    standin_device,
+)
 from tokenizers import Tokenizer
 
 from graphrt.core import pretrained
@@ -622,6 +630,37 @@ def test_graph_memory_cap_leaves_lengths_uncaptured_and_never_drafts_them(
         variant = strategy.variants[k]
         assert (variant.round if one_graph else variant.draft).captured_sizes == []
     assert engine.kv_pool.available() == engine.kv_pool.num_slots
+
+
+@pytest.mark.graphs
+def test_after_cleanup_no_length_is_captured_and_rounds_run_eagerly(gemma4_tiny, gemma4_assistant):
+    """``Engine.cleanup`` drops the graphs: lengths start-up left to capture later are
+    refused as over the memory cap, every step after it runs eagerly, and the output is
+    plain decoding's."""
+    target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
+    drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
+    prompts = random_prompts((5, 11), seed=33, vocab=target.model.vocab_size)
+    plain = cpu_engine(target, max_context_len=64).generate(prompts, GREEDY)
+    strategy = MTPDecoding(drafter, SpecConfig(num_steps=3, adaptive=True))
+    strategy.chooser = cycling_chooser(3, (3, 0))
+    engine = cpu_engine(
+        target, strategy, standin_device(), runner="graph", max_context_len=64,
+        graph_buckets=(1, 2),
+    )  # fmt: skip
+    engine.generate(prompts, GREEDY)  # rounds of 3 and plain steps, on graphs
+    assert engine.stats.graph_rounds > 0 and engine.stats.graph_steps > 0
+    engine.cleanup()
+    before = dataclasses.replace(engine.stats)
+    strategy.chooser = cycling_chooser(3, (1, 2, 3, 0))  # lengths 1 and 2: never captured
+    reqs = engine.generate(prompts, GREEDY)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+    stats = engine.stats
+    assert stats.graph_rounds == before.graph_rounds and stats.graph_steps == before.graph_steps
+    assert stats.refused_captures > before.refused_captures
+    assert stats.spec_rounds > before.spec_rounds  # rounds still ran, eagerly
+    runners = [r for v in strategy.variants.values() for r in v.runners()]
+    assert all(r.captured_sizes == [] for r in runners + [strategy.plain_graph])
+    assert_engine_idle(engine)
 
 
 def test_a_request_that_opts_out_accepts_no_draft_and_keeps_its_output():

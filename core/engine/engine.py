@@ -181,6 +181,7 @@ class Engine:
         # A step launched ahead (config.overlap), its result not read yet: the next step
         # settles it before anything else runs.
         self._pending: LaunchedStep | None = None
+        self._graphs_dropped = False  # cleanup() ran: no capture after it
         self.ctx = StepContext(
             loaded=loaded,
             ledger=self.ledger,
@@ -327,8 +328,9 @@ class Engine:
     def _capture_within_cap(self, runners: Sequence[GraphRunner]) -> bool:
         """Capture ``runners``, unless the graphs' memory would pass
         ``max_graph_memory_bytes``: then the strategy is told (``refuse_capture``) of each
-        and plans without them. -> whether they were captured."""
-        if self._over_graph_cap():
+        and plans without them, as they are once ``cleanup`` dropped the graphs. -> whether
+        they were captured."""
+        if self._graphs_dropped or self._over_graph_cap():
             for runner in runners:
                 self.strategy.refuse_capture(runner)
             self.stats.refused_captures += len(runners)
@@ -810,7 +812,9 @@ class Engine:
             self.prefilling.remove(req)
 
     def cleanup(self) -> None:
-        """Drop every captured graph (the engine can no longer run graphs)."""
+        """Drop every captured graph (the engine can no longer run graphs: what start-up
+        left to capture later is refused, as over the graph memory cap)."""
+        self._graphs_dropped = True
         if self._pending is not None:  # never free graphs under a replay in flight
             # Settled, not dropped: requests still running keep its tokens (their KV
             # lengths have moved on with it) and go on eagerly.

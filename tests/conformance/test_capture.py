@@ -37,6 +37,30 @@ def test_stream_graphs_share_one_pool(graph_case: Harness):
     assert {g.pool for g in module.graphs} == set(module.pools)
 
 
+def test_capture_sessions_share_one_side_stream():
+    """Every session captures on one stream: each fresh one would cost cuBLAS a workspace
+    for the life of the process (32 MiB on Hopper), counted as graph memory."""
+    from standin import StandInGraphModule
+
+    from graphrt.devices.cuda.graph import CudaFullGraphBackend
+
+    module = StandInGraphModule()
+    backend = CudaFullGraphBackend(module)
+    x = torch.zeros(2)
+    try:
+        for size in (2, 1):  # as lazy captures: one session each
+            with backend.capture_session():
+                backend.capture_one(ShapeKey(size), lambda: x + 1)
+        streams = [context["stream"] for context in module.graph_contexts]
+        assert len(streams) == 2 and streams[0] is streams[1]
+        assert streams[0] is not module.default_stream
+        with backend.replay_session():  # both graphs replay after the second session
+            backend.replay(ShapeKey(2))
+            backend.replay(ShapeKey(1))
+    finally:
+        backend.cleanup()
+
+
 @pytest.mark.graphs_shared  # the session's harness captured its graphs
 def test_breakable_capture_segments(graph_case: Harness):
     h = graph_case
