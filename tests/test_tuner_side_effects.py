@@ -74,3 +74,29 @@ def test_cuda_the_first_call_of_a_shape_returns_its_chosen_kernels_result(
     else:
         want = gemv(x, weight, None, choice, residual=kept.clone())
     assert torch.equal(got, want), choice
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_cuda_a_candidate_that_does_not_fit_the_card_is_skipped(tmp_path):
+    """A tile needing more shared memory than the card has raises Triton's OutOfResources
+    at its first launch: the tuner times the others and never picks it."""
+    from triton.runtime.errors import OutOfResources
+
+    from graphrt.devices.cuda.gemv_tuner import GemvTuner
+    from graphrt.devices.cuda.triton_gemv import configs_for, gemv
+
+    tuner = GemvTuner()
+    tuner.use_cache(tmp_path / "choices.json")
+    x = torch.randn(1, 1024, device="cuda").bfloat16()
+    weight = torch.randn(512, 1024, device="cuda").bfloat16()
+    too_big, fits = configs_for(1)[:2]
+
+    def run(choice, w):
+        if choice is too_big:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+        return w.new_zeros(1) if choice is CUBLAS else gemv(x, w, None, choice)
+
+    assert tuner.choose("oversized", 1, weight, run, (too_big, fits)) is fits
+    with pytest.raises(Exception, match="no GEMV candidate for 'none-fit'"):
+        tuner.choose("none-fit", 1, weight, run, (too_big,))

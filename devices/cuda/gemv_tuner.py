@@ -25,7 +25,13 @@ without timing (a faster start) and with them the same kernels (the same bits). 
 choice counts only among the same candidates it was timed among (their digest is part of
 its key): a release that offers other candidates times the shape again. Entries of
 earlier candidate sets stay in the file, unread. A cache that cannot be read or written
-is ignored.
+is ignored. HAZARD: the key does not cover the kernels' code: an edit of triton_gemv.py
+that keeps its configurations keeps the earlier timings (and the shipped files' choices),
+which may no longer be the fastest: time again (delete the cache, and rebuild the card's
+shipped file from an empty one: ``bash bench/h200.sh cold``, then bench/ship_choices.py).
+
+A candidate that does not launch on this card (a tile needing more shared memory than it
+has: Triton's OutOfResources) is skipped, as never the fastest.
 
 Under the Triton interpreter (CPU tensors, the CPU test lane) nothing can be
 timed: the first GEMV configuration is taken, so the tests exercise the kernel. During a
@@ -38,6 +44,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import statistics
@@ -46,6 +53,7 @@ from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from graphrt.core.errors import GraphrtError
 from graphrt.devices.cuda import compile_ahead
@@ -257,7 +265,12 @@ class GemvTuner:
         per_call = []
         with torch.cuda.stream(stream):
             for choice in candidates:
-                run(choice, weight)  # compiles outside the capture
+                try:
+                    run(choice, weight)  # compiles outside the capture
+                except OutOfResources as e:  # only a tile: cuBLAS raises no Triton error
+                    log.debug("gemv %s: %s does not fit this card: %s", key, choice, e)
+                    per_call.append(math.inf)
+                    continue
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, stream=stream):
                     for w in calls:
@@ -276,6 +289,8 @@ class GemvTuner:
         torch.cuda.current_stream().wait_stream(stream)
         del weights, calls
         best = min(range(len(candidates)), key=per_call.__getitem__)
+        if per_call[best] == math.inf:
+            raise GraphrtError(f"no GEMV candidate for {key} fits this card's shared memory")
         self.tuning_s += time.perf_counter() - start
         cublas_ms = per_call[0] if candidates[0] is CUBLAS else None
         self.timings[key] = (cublas_ms, per_call[best])
