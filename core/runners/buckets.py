@@ -22,7 +22,8 @@ def select_buckets(max_bs: int, override: Iterable[int] | None = None) -> tuple[
         raise UsageError(f"graph batch sizes must be >= 1, got {sorted(sizes)}")
     kept = sorted({s for s in sizes if s <= max_bs})
     if override is None and max_bs not in kept and max_bs < DEFAULT_BUCKETS[-1]:
-        kept.append(max_bs)  # so every admissible batch has a bucket to pad to
+        kept.append(max_bs)  # every admissible batch has a bucket to pad to (above the
+        # largest default bucket, batches past it run eagerly)
     return tuple(kept)
 
 

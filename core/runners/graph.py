@@ -158,7 +158,8 @@ class GraphRunner(BaseRunner):
         """Capture every bucket, largest first (smaller graphs then reuse the pool memory
         it reserved). A bucket whose capture fails (out of memory, an op the device cannot
         capture) is dropped with one warning: its sizes run on the next bucket up, or
-        eagerly where none is left, and give the same tokens. HAZARD: a bug in the
+        eagerly where none is left (the same tokens on width-invariant kernels or in
+        float32; elsewhere a wider padded batch may round a row otherwise). HAZARD: a bug in the
         captured forward degrades the same way, to a warning and eager steps; tests that
         mean to run graphs assert that they did (stats.graph_steps, captured_sizes)."""
         start = time.perf_counter()
