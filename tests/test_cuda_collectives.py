@@ -145,3 +145,51 @@ def test_one_shot_all_reduce_gives_nccls_sums_in_graphs(tmp_path, monkeypatch):
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         assert len(results) == 6 and all(same for *_, same in results), results
+
+
+class _ShortOfMemory:
+    """A stand-in SymmMemAllReduce whose allocation fails on rank 1; its rendezvous is a
+    collective (a barrier), as the real one is."""
+
+    def __init__(self, group, device, max_bytes):
+        import torch.distributed as dist
+
+        if dist.get_rank(group) == 1:
+            raise RuntimeError("symmetric memory: out of memory")
+
+    def rendezvous(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _one_rank_short_main(rank: int, size: int, port: int, out_dir: str) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from graphrt.devices.cuda import collectives
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    # A rank left waiting in a collective its peer skipped fails here instead of hanging.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    collectives.SymmMemAllReduce = _ShortOfMemory
+    reducer = collectives.small_all_reduce(dist.group.WORLD, torch.device("cpu"))
+    torch.save(reducer is None, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_rank_that_cannot_allocate_makes_every_rank_fall_back_without_a_hang(
+    tmp_path, monkeypatch, capfd
+):
+    """``auto``: rank 1 cannot allocate its symmetric buffer; rank 0 could. Both must
+    agree before the (collective) rendezvous, so neither waits in it for the other, and
+    both take NCCL (here gloo)."""
+    monkeypatch.setenv("GRAPHRT_ALL_REDUCE", "auto")
+    mp.start_processes(_one_rank_short_main, args=(2, free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    assert [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)] == [True, True]
+    assert "unavailable: symmetric memory: out of memory" in capfd.readouterr().err

@@ -51,17 +51,24 @@ VECTOR_BYTES = 16  # the kernel's widest load; other message sizes go to NCCL
 
 class SymmMemAllReduce:
     """One-shot all-reduce through a symmetric buffer of ``max_bytes``, for the messages
-    that ``fits``; built eagerly (allocation and rendezvous are collective, host-side,
-    and must not happen inside a graph capture)."""
+    that ``fits``; built eagerly (allocation and rendezvous are host-side and must not
+    happen inside a graph capture). Constructing it allocates this rank's buffer;
+    ``rendezvous`` (collective) then maps the peers'."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int):
         import torch.distributed._symmetric_memory as symm_mem
 
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # see HAZARDS
+        self.group = group
         self.group_name = group.group_name
         self.max_bytes = max_bytes
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-        symm_mem.rendezvous(self.buffer, group)
+
+    def rendezvous(self) -> None:
+        """Collective: every rank of the group calls it, once each holds its buffer."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.rendezvous(self.buffer, self.group)
 
     def fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -105,11 +112,19 @@ def small_all_reduce(
         )
     try:
         reducer, why = SymmMemAllReduce(group, device, max_bytes), ""
-    except (RuntimeError, OSError) as e:  # no P2P, handle exchange refused, old driver
+    except (RuntimeError, OSError) as e:  # no P2P, old driver
         reducer, why = None, first_line(e)
-    ready = torch.tensor([reducer is not None], dtype=torch.int32, device=device)
-    dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=group)
-    if ready.item():
+    # The rendezvous is collective: a rank that could not allocate must not leave the
+    # others waiting in it, so the ranks agree before it, and again after it (a handle
+    # exchange refused on one rank).
+    ready = _on_every_rank(reducer is not None, group, device)
+    if ready:
+        try:
+            reducer.rendezvous()
+        except (RuntimeError, OSError) as e:
+            reducer, why = None, first_line(e)
+        ready = _on_every_rank(reducer is not None, group, device)
+    if ready:
         return reducer
     if wanted == "symm_mem":
         raise UsageError(
@@ -123,3 +138,10 @@ def small_all_reduce(
             file=sys.stderr,
         )
     return None
+
+
+def _on_every_rank(holds: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``holds`` on every rank of ``group`` (one small all-reduce, read)."""
+    agreed = torch.tensor([holds], dtype=torch.int32, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    return bool(agreed.item())
