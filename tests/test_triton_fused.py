@@ -409,6 +409,16 @@ def test_the_tuners_choices_survive_the_process_on_disk(tmp_path):
     assert second.recall(("act_mul",) + key[1:], candidates) is CUBLAS
     assert second.recall(key, (CUBLAS, candidates[1])) == "unset"  # no longer a candidate
     assert second.recall(key, (*candidates, configs_for(2)[0])) == "unset"  # one more offered
+    # Two processes on one file (tensor-parallel ranks): each keeps what the other wrote
+    # after it read the file.
+    wide = ("linear", "1", 4096, 2048, torch.bfloat16, False, True, False)
+    second.remember(wide, candidates[1], candidates)
+    first.remember(("act_mul",) + wide[1:], candidates[3], candidates)
+    third = GemvTuner()
+    third.use_cache(path)
+    assert third.recall(wide, candidates) == candidates[1]
+    assert third.recall(("act_mul",) + wide[1:], candidates) == candidates[3]
+    assert third.recall(key, candidates) == candidates[2]
     path.write_text("{not json")
     damaged = GemvTuner()
     damaged.use_cache(path)

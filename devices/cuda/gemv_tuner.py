@@ -243,6 +243,9 @@ class GemvTuner:
             None if choice is None else dataclasses.asdict(choice)
         )
         path = self._disk_path
+        # What other processes (tensor-parallel ranks on one host) wrote since this one
+        # read the file is kept: each rewrites it whole.
+        self._disk = {**_read_choices(path), **self._disk}
         try:
             write_choices(path, self._disk)
         except OSError as e:  # a read-only home: the choices stay in this process
