@@ -166,7 +166,7 @@ _RID = operator.attrgetter("rid")  # a batch's request ids, each step: map, not 
 
 
 @dataclass
-class _Bucket:
+class _BucketStats:
     """What the chooser knows at one batch bucket: step times by step count."""
 
     seconds: dict[int, deque] = field(default_factory=dict)
@@ -200,14 +200,14 @@ class _Streak:
     size: int  # the batch's request count
     ends: tuple[int, int]  # its first and last request ids (new requests join at the end)
     left: int  # steps still known plain
-    bucket: _Bucket  # whose counts those steps advance
+    stats: _BucketStats  # whose counts those steps advance
 
 
 class DraftChooser:
     def __init__(self, max_steps: int, context_len: int | None = None):
         self.max_steps = max_steps
         self.context_len = context_len  # the engine's context (None: unbounded)
-        self._buckets: dict[int, _Bucket] = {}
+        self._buckets: dict[int, _BucketStats] = {}
         self.engine_rates = PositionRates(max_steps, ENGINE_WEIGHT, max_evidence=MAX_EVIDENCE)
         self._requests: dict[int, PositionRates] = {}  # by request id, while it runs
         self.steps_by_count = [0] * (max_steps + 1)  # [k] = steps run with k draft steps
@@ -250,8 +250,8 @@ class DraftChooser:
         same = len(reqs) == streak.size and (reqs[0].rid, reqs[-1].rid) == streak.ends
         if streak.left > 0 and same:
             streak.left -= 1
-            streak.bucket.ranked_age += 1  # what choose would count for this step
-            streak.bucket.since_explore += 1
+            streak.stats.ranked_age += 1  # what choose would count for this step
+            streak.stats.since_explore += 1
             return True
         self._streak = None
         return False
@@ -271,20 +271,20 @@ class DraftChooser:
         self._streak = None  # set again below where a plain winner stays
         if closed != self.closed:  # the other objective ranks: weigh again
             self.closed = closed
-            self._bucket(bucket).ranked = None
+            self._stats_at(bucket).ranked = None
         if len(self._requests) + len(self._lifetimes) > 2 * len(reqs) + 16:
             running = {r.rid for r in reqs}  # finished requests' rates go
             self._requests = {rid: a for rid, a in self._requests.items() if rid in running}
             self._lifetimes = {rid: n for rid, n in self._lifetimes.items() if rid in running}
-        size = self._bucket(bucket)
+        stats = self._stats_at(bucket)
         # Both ends measured here is the usual case (start-up timed them): no other
         # bucket to look up.
-        if not (size.seconds.get(0) and size.seconds.get(self.max_steps)):
+        if not (stats.seconds.get(0) and stats.seconds.get(self.max_steps)):
             if self._donor(bucket) is None:  # the first bucket: each end measured first
                 for steps in (self.max_steps, 0):  # (their first step left out)
-                    if not size.seconds.get(steps) and steps not in refused:
+                    if not stats.seconds.get(steps) and steps not in refused:
                         return steps
-            elif not size.seconds.get(0):
+            elif not stats.seconds.get(0):
                 # Any later bucket measures its own plain step (two: the first is left
                 # out). Rounds and plain steps scale differently with the batch (verify's
                 # rows grow, a plain step's barely), so the donor's plain time scaled by
@@ -302,24 +302,24 @@ class DraftChooser:
                 return 0
             if self._may_pay(bucket, refused):
                 return self.max_steps  # this one measures every position
-        again, size.look_again = size.look_again, None
+        again, stats.look_again = stats.look_again, None
         if again is not None and again not in refused:
-            size.since_explore += 1  # (a look's second step: looks start every N steps)
+            stats.since_explore += 1  # (a look's second step: looks start every N steps)
             return again
         # The ranking is redone every REDECIDE steps, or when the batch changes: it moves
         # slowly, and weighing it costs tens of microseconds (a plain step of a small
         # model is a few hundred).
         batch = tuple(map(_RID, reqs))
-        if size.ranked is None or size.ranked_for != batch or size.ranked_age >= REDECIDE:
+        if stats.ranked is None or stats.ranked_for != batch or stats.ranked_age >= REDECIDE:
             rates = self.rates(bucket, reqs)
-            size.ranked = sorted(range(self.max_steps + 1), key=lambda k: rates[k], reverse=True)
-            size.ranked_for, size.ranked_age = batch, 0
-        size.ranked_age += 1
-        allowed = [k for k in size.ranked if k not in refused]  # 0 is never refused
+            stats.ranked = sorted(range(self.max_steps + 1), key=lambda k: rates[k], reverse=True)
+            stats.ranked_for, stats.ranked_age = batch, 0
+        stats.ranked_age += 1
+        allowed = [k for k in stats.ranked if k not in refused]  # 0 is never refused
         winner, runner_up = allowed[0], allowed[min(1, len(allowed) - 1)]
-        if winner != size.last_winner:  # the winner changed: watch closely again
-            size.last_winner, size.explore_every, size.since_explore = winner, FIRST_EXPLORE, 0
-        size.since_explore += 1
+        if winner != stats.last_winner:  # the winner changed: watch closely again
+            stats.last_winner, stats.explore_every, stats.since_explore = winner, FIRST_EXPLORE, 0
+        stats.since_explore += 1
         # A plain step first while its time is start-up's alone: every count is weighed
         # against it, and where that one figure came out slow a plain step would never be
         # the runner-up. Over more than PER_REQUEST_MAX requests, at once: there a winner
@@ -332,21 +332,21 @@ class DraftChooser:
         # (bench/results/cpu-chooser-sim-stop50.log). Fewer requests wait for a look:
         # there a plain step taken early steered auto onto plain steps for good after a
         # few unlucky rounds (the pair's text at batch 1: 0.932 -> 0.854, 16 seeds).
-        if winner != 0 and 0 in size.from_start_up and len(reqs) > PER_REQUEST_MAX:
+        if winner != 0 and 0 in stats.from_start_up and len(reqs) > PER_REQUEST_MAX:
             return 0
-        if size.since_explore >= size.explore_every and self._worth_a_look(reqs):
-            size.since_explore = 0
-            if winner != 0 and 0 in size.from_start_up:  # (it takes no turn of the looks)
-                size.look_again = 0  # (its first step, after a round, teaches no time)
+        if stats.since_explore >= stats.explore_every and self._worth_a_look(reqs):
+            stats.since_explore = 0
+            if winner != 0 and 0 in stats.from_start_up:  # (it takes no turn of the looks)
+                stats.look_again = 0  # (its first step, after a round, teaches no time)
                 return 0
-            size.explore_every = min(2 * size.explore_every, MAX_EXPLORE)
-            size.explored += 1
+            stats.explore_every = min(2 * stats.explore_every, MAX_EXPLORE)
+            stats.explored += 1
             # Every other look runs the longest rounds, whatever the runner-up: only they
             # measure acceptance at every position (a shorter runner-up would leave the
             # deeper positions' rates as old as the last long round).
             longest = max(allowed)
-            if size.explored % 2 == 0 and winner != longest:
-                size.look_again = longest  # (see below)
+            if stats.explored % 2 == 0 and winner != longest:
+                stats.look_again = longest  # (see below)
                 return longest
             # The others, the runner-up with lengths never run here taken at their most
             # hopeful cost: the line through the lengths run can overrate a short round's
@@ -358,38 +358,38 @@ class DraftChooser:
             look = max(others, key=lambda k: hopeful[k]) if others else runner_up
             if look == 0:
                 passed = hopeful[0] * PLAIN_LOOK_MARGIN < hopeful[winner]
-                if passed and size.looks_passed < PLAIN_LOOKS_PASSED:
-                    size.looks_passed += 1
+                if passed and stats.looks_passed < PLAIN_LOOKS_PASSED:
+                    stats.looks_passed += 1
                     return winner
-                size.looks_passed = 0
+                stats.looks_passed = 0
             # Twice in a row: the first, after a change of kind, teaches no time (record),
             # so a look of one step would leave its kind's figure as old as its last run
             # in a row, however stale (record replaces a stale one by the second step).
             # Looks at plain steps and start-up's lengths alone ran twice at first: the
             # longest rounds' start-up figure then stood for good in bench/chooser_sim.py,
             # rounds of 4 winning at batch 1 where 5 paid (0.90 of the best).
-            size.look_again = look
+            stats.look_again = look
             return look
         # The next steps that would reuse this ranking and take no look: plain whatever
         # choose computes (see stays_plain, which counts them as choose would). Not before
         # a round ran: then each step asks again whether a first round may pay, on plain
         # steps' times that the streak's own steps move.
         if winner == 0 and self.streaks and self.engine_rates.seen[0]:
-            to_look = size.explore_every - 1 - size.since_explore
+            to_look = stats.explore_every - 1 - stats.since_explore
             if to_look <= 0 and not self._worth_a_look(reqs):
                 to_look = REDECIDE  # no look can come: a batch's tokens left only shrink
-            left = min(REDECIDE - size.ranked_age, to_look)
+            left = min(REDECIDE - stats.ranked_age, to_look)
             if left > 0:
-                self._streak = _Streak(len(reqs), (reqs[0].rid, reqs[-1].rid), left, size)
+                self._streak = _Streak(len(reqs), (reqs[0].rid, reqs[-1].rid), left, stats)
         return winner
 
-    def _bucket(self, bucket: int) -> _Bucket:
+    def _stats_at(self, bucket: int) -> _BucketStats:
         """What is known at ``bucket`` (a new one is made only once: ``setdefault`` would
         build a throwaway ``_Bucket`` every step, a few us of a step's choice)."""
-        size = self._buckets.get(bucket)
-        if size is None:
-            size = self._buckets[bucket] = _Bucket()
-        return size
+        stats = self._buckets.get(bucket)
+        if stats is None:
+            stats = self._buckets[bucket] = _BucketStats()
+        return stats
 
     def pays_a_capture(self, reqs: Sequence[Request]) -> bool:
         """Can a length's capture be won back (``CAPTURE_HORIZON``): has the closed batch
@@ -506,8 +506,8 @@ class DraftChooser:
         """The measured bucket nearest ``bucket`` in size (both ends measured), if any."""
         measured = [
             b
-            for b, size in self._buckets.items()
-            if b != bucket and size.seconds.get(0) and size.seconds.get(self.max_steps)
+            for b, stats in self._buckets.items()
+            if b != bucket and stats.seconds.get(0) and stats.seconds.get(self.max_steps)
         ]
         return min(measured, key=lambda b: abs(math.log(b / bucket)), default=None)
 
@@ -531,12 +531,12 @@ class DraftChooser:
         worse beyond noise, steady too; bench/results/cpu-chooser-sim-stop49.log).
         ``optimistic`` (a look's runner-up): lengths never measured here take the lesser
         of the line and the interpolation between the ends."""
-        size = self._buckets[bucket]
-        counts = {k: len(size.seconds.get(k, ())) for k in range(self.max_steps + 1)}
-        known = {k: size.median(k) for k, n in counts.items() if n}
+        stats = self._buckets[bucket]
+        counts = {k: len(stats.seconds.get(k, ())) for k in range(self.max_steps + 1)}
+        known = {k: stats.median(k) for k, n in counts.items() if n}
         # Start-up's figure for a kind stands as it is (the fastest of its runs, on the
         # same graphs): the line through the ends would not move it.
-        for k in size.from_start_up:
+        for k in stats.from_start_up:
             counts[k] = max(counts[k], TRUSTED_SAMPLES)
         rounds = {k: (m, counts[k]) for k, m in known.items() if k > 0}
         trusted = {k: p for k, p in rounds.items() if p[1] >= TRUSTED_SAMPLES}
@@ -581,8 +581,8 @@ class DraftChooser:
         step timing that kind on throwaway requests: its time counts, nothing else.
         ``closed``: whether the step was chosen for a closed batch (None: as the last
         choice was; a step launched ahead is recorded after the next one is chosen)."""
-        size = self._bucket(bucket)
-        size.seen[steps] = size.seen.get(steps, 0) + 1
+        stats = self._stats_at(bucket)
+        stats.seen[steps] = stats.seen.get(steps, 0) + 1
         # A step after a step of another kind pays for the change, and its time does not
         # say what a run of its kind costs (what the choice is between: a winner runs in
         # a row). With steps launched ahead, on an H100 (the embedded pair, batch 1): a
@@ -591,8 +591,8 @@ class DraftChooser:
         # lone plain steps priced plain decoding at 2-3x its cost, and auto drafted at
         # 0.61x --no-draft on an H200 (BENCHMARKS.md, stops 68-69).
         changed, self._last_steps = self._last_steps != steps, steps
-        if size.seen[steps] > 1 and not changed:
-            times = size.seconds.setdefault(steps, deque(maxlen=WINDOW))
+        if stats.seen[steps] > 1 and not changed:
+            times = stats.seconds.setdefault(steps, deque(maxlen=WINDOW))
             if timing:
                 # Start-up's figure is the fastest of its samples (a stall, a collection or
                 # an interrupt, only adds time: a plain step timed at 19.5 ms, not 5.5,
@@ -601,7 +601,7 @@ class DraftChooser:
                 fastest = min([seconds, *times])  # start-up runs before any real step
                 times.clear()
                 times.append(fastest)
-                size.from_start_up.add(steps)
+                stats.from_start_up.add(steps)
             else:
                 # A figure older than the longest gap between looks was taken under other
                 # conditions (the host's pace drifts, acceptance moves the verify width):
@@ -609,12 +609,12 @@ class DraftChooser:
                 # 848 steps of 880, at 0.69x the tokens/s of rounds of 5. The fresh step
                 # stands alone (under TRUSTED_SAMPLES the fitted line caps a slow one).
                 now = sum(self.steps_by_count)
-                stale = now - size.timed_at.get(steps, now) > STALE_STEPS
-                if steps in size.from_start_up or stale:
-                    size.from_start_up.discard(steps)
+                stale = now - stats.timed_at.get(steps, now) > STALE_STEPS
+                if steps in stats.from_start_up or stale:
+                    stats.from_start_up.discard(steps)
                     times.clear()
                 times.append(seconds)
-                size.timed_at[steps] = now
+                stats.timed_at[steps] = now
         if timing:
             return
         self.steps_by_count[steps] += 1
