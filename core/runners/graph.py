@@ -21,7 +21,7 @@ from torch import nn
 
 from graphrt.core.attention.base import AttentionBackend
 from graphrt.core.batch import ForwardBatch
-from graphrt.core.errors import UsageError
+from graphrt.core.errors import GraphrtError, UsageError
 from graphrt.core.runners.backend import ExecutionBackend, ShapeKey
 from graphrt.core.runners.base import BaseRunner, RunnerOutput, forward_model
 from graphrt.core.runners.buckets import pad_to_bucket, select_buckets
@@ -162,6 +162,12 @@ class GraphRunner(BaseRunner):
         float32; elsewhere a wider padded batch may round a row otherwise). HAZARD: a bug in the
         captured forward degrades the same way, to a warning and eager steps; tests that
         mean to run graphs assert that they did (stats.graph_steps, captured_sizes)."""
+        taken = [s for s in self.buckets if self.backend.can_run(self._make_graph_key(s))]
+        if taken:  # outside the loop's try: dropping the bucket would forget the other graph
+            raise GraphrtError(
+                f"{self._make_graph_key(taken[0])} is captured already on this backend: two "
+                "runners of one GraphShape (or a capture without cleanup) would replace it"
+            )
         start = time.perf_counter()
         with self.backend.capture_session():  # inside: the graph memory it reports counts this
             for size in reversed(self.buckets):

@@ -12,6 +12,7 @@ import torch
 from harness import Harness, check_many_runners, without_inductor
 from helpers import GraphWitness, rel_err
 
+from graphrt.core.errors import GraphrtError
 from graphrt.core.runners import ShapeKey
 
 pytestmark = pytest.mark.graphs
@@ -107,6 +108,25 @@ def test_cleanup_then_capture_again(graph_case: Harness, monkeypatch):
         runner.cleanup()
         assert runner.captured_sizes == []
         assert not runner.can_run_graph(batch)
+
+
+def test_a_second_runner_of_one_shape_on_one_backend_is_refused(graph_case: Harness):
+    """Graph keys come from a runner's GraphShape and a size: a second runner of the same
+    shape on the same backend would replace the first's graphs (and a drop would forget
+    them), so its capture is refused whole, and the first runner's graphs still replay."""
+    h = graph_case
+    backend = h.case.make_backend()
+    first, second = h.new_runner((2,), backend=backend), h.new_runner((2,), backend=backend)
+    first.capture()
+    try:
+        with pytest.raises(GraphrtError, match="captured already on this backend"):
+            second.capture()
+        assert second.captured_sizes == [] and first.captured_sizes == [2]
+        batch = h.decode_batch(h.new_requests([5, 11], seed=9))
+        assert first.can_run_graph(batch)
+        assert torch.equal(first.execute(batch).logits, first.execute(batch).logits)
+    finally:
+        first.cleanup()
 
 
 def test_many_runners_in_one_process_each_replay_their_own_graphs(graph_case: Harness):
