@@ -48,6 +48,10 @@ def dry() -> bool:
 def _launches_compile_only() -> Iterator[None]:
     # Every `kernel[grid](...)` goes through JITFunction.run; warmup=True compiles (queued
     # on the async mode's pool) and returns without launching.
+    # HAZARD: process-wide. A Triton launch on another thread meanwhile (a second engine
+    # in this process stepping while this one captures) compiles and runs nothing, and
+    # its outputs are whatever its buffers held. One engine is safe: its lock holds its
+    # own steps off while it compiles ahead.
     global _dry
     from triton.runtime.jit import JITFunction
 
