@@ -137,6 +137,17 @@ def test_a_forward_failure_in_a_graph_replay_frees_every_slot(loaded, monkeypatc
     assert_engine_idle(engine)
 
 
+def _serves_as_a_fresh_engine(engine, target, drafter) -> None:
+    """``engine`` (rounds of 3) generates what a fresh one does, and is idle after."""
+    from graphrt.spec import MTPDecoding, SpecConfig
+
+    plain = cpu_engine(target, MTPDecoding(drafter, SpecConfig(num_steps=3)), max_context_len=64)
+    again = random_prompts((6, 10), seed=8)
+    want = [r.output_ids for r in plain.generate(again, GREEDY)]
+    assert [r.output_ids for r in engine.generate(again, GREEDY)] == want
+    assert_engine_idle(engine)
+
+
 def test_a_failed_speculative_round_frees_its_tree_slots(
     gemma4_tiny, gemma4_assistant, monkeypatch
 ):
@@ -152,11 +163,7 @@ def test_a_failed_speculative_round_frees_its_tree_slots(
     reqs = engine.generate(prompts, GREEDY)
     assert all(r.finish_reason is FinishReason.ERROR for r in reqs)
     assert_engine_idle(engine)
-    plain = cpu_engine(target, MTPDecoding(drafter, SpecConfig(num_steps=3)), max_context_len=64)
-    again = random_prompts((6, 10), seed=8)
-    want = [r.output_ids for r in plain.generate(again, GREEDY)]
-    assert [r.output_ids for r in engine.generate(again, GREEDY)] == want
-    assert_engine_idle(engine)
+    _serves_as_a_fresh_engine(engine, target, drafter)
 
 
 def test_an_interrupt_inside_a_round_frees_its_tree_slots_and_fails_only_its_step(
@@ -178,11 +185,7 @@ def test_an_interrupt_inside_a_round_frees_its_tree_slots_and_fails_only_its_ste
     assert all(r.finish_reason is FinishReason.INTERRUPTED for r in reqs)
     assert all(r.output_ids for r in reqs)  # the tokens of the steps before are kept
     assert_engine_idle(engine)
-    plain = cpu_engine(target, MTPDecoding(drafter, SpecConfig(num_steps=3)), max_context_len=64)
-    again = random_prompts((6, 10), seed=8)
-    want = [r.output_ids for r in plain.generate(again, GREEDY)]
-    assert [r.output_ids for r in engine.generate(again, GREEDY)] == want
-    assert_engine_idle(engine)
+    _serves_as_a_fresh_engine(engine, target, drafter)
 
 
 def test_return_logits_with_a_drafter_is_refused_not_misaligned(gemma4_tiny, gemma4_assistant):
