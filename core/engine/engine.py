@@ -566,8 +566,8 @@ class Engine:
         still running: a step that failed midway may hold slots nothing else tracks (a
         round's tree, a step launched ahead and not yet pending). An interrupt
         (KeyboardInterrupt, SIGTERM's: no ``Exception``) finishes them as INTERRUPTED, and
-        the caller raises it on once the slots are back. Requests the step finished already keep their
-        reason: it failed after their last token."""
+        the caller raises it on once the slots are back. Requests the step finished
+        already keep their reason: it failed after their last token."""
         message = f"{type(error).__name__}: {error}".splitlines()[0]
         interrupted = not isinstance(error, Exception)
         if not interrupted:

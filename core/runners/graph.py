@@ -159,9 +159,9 @@ class GraphRunner(BaseRunner):
         it reserved). A bucket whose capture fails (out of memory, an op the device cannot
         capture) is dropped with one warning: its sizes run on the next bucket up, or
         eagerly where none is left (the same tokens on width-invariant kernels or in
-        float32; elsewhere a wider padded batch may round a row otherwise). HAZARD: a bug in the
-        captured forward degrades the same way, to a warning and eager steps; tests that
-        mean to run graphs assert that they did (stats.graph_steps, captured_sizes)."""
+        float32; elsewhere a wider padded batch may round a row otherwise). HAZARD: a bug
+        in the captured forward degrades the same way, to a warning and eager steps; tests
+        that mean to run graphs assert that they did (stats.graph_steps, captured_sizes)."""
         taken = [s for s in self.buckets if self.backend.can_run(self._make_graph_key(s))]
         if taken:  # outside the loop's try: dropping the bucket would forget the other graph
             raise GraphrtError(
