@@ -220,6 +220,18 @@ def cpu_engine(loaded, strategy=None, device=None, **config):
     return Engine(loaded, config, device or CpuDevice(), strategy)
 
 
+def rounds_ahead_engine(target, drafter):
+    """An engine of rounds of 2 on the stand-in device's one-graph rounds (compiled on the
+    CPU), each launched ahead of the read before it: batches of 2 at most, context 32."""
+    from graphrt.spec import MTPDecoding, SpecConfig
+
+    return cpu_engine(
+        target, MTPDecoding(drafter, SpecConfig(num_steps=2)), standin_device(),
+        runner="graph", graph_backend="cuda-full", graph_buckets=(2,), max_context_len=32,
+        overlap=True,
+    )  # fmt: skip
+
+
 def chi2_quantile(df: int, z: float = 3.09) -> float:
     """Wilson-Hilferty approximation of the chi-square quantile (z 3.09: p = 0.999)."""
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3

@@ -464,19 +464,15 @@ def test_nan_verify_logits_behind_a_round_launched_ahead_feed_a_valid_token(
     marked one takes a valid token in the mark's place (fed -1, its first embedding
     lookup fails here, a device assert on a GPU); the requests fail with the line, the
     round behind's rows are dropped and every KV slot is freed."""
-    from helpers import cpu_engine, standin_device
+    from helpers import rounds_ahead_engine
 
     from graphrt.core.batch import ForwardMode
-    from graphrt.spec import MTPDecoding, round_graph
+    from graphrt.spec import round_graph
 
     _nan_logits_in(ForwardMode.TARGET_VERIFY, round_graph, monkeypatch)  # the round's graph
     target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
     drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
-    engine = cpu_engine(
-        target, MTPDecoding(drafter, SpecConfig(num_steps=2)), standin_device(),
-        runner="graph", graph_backend="cuda-full", graph_buckets=(2,), max_context_len=32,
-        overlap=True,
-    )  # fmt: skip
+    engine = rounds_ahead_engine(target, drafter)
     reqs = engine.generate([[5, 6, 7], [9, 10]], SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert engine.stats.launched_ahead == 1  # a round behind the marked one, then the read
     assert engine.stats.graph_rounds == 2  # the marked round and the one behind it replayed

@@ -19,7 +19,7 @@ from helpers import (
     cli_error_line,
     cpu_engine,
     random_prompts,
-    standin_device,
+    rounds_ahead_engine,
 )
 
 from graphrt.core.cli.main import main
@@ -98,16 +98,9 @@ def test_a_round_in_flight_that_fails_when_its_requests_are_aborted_frees_its_sl
     """An abort settles the round launched ahead once none of its requests runs; if that
     read fails, the abort raises it and the round's tree slots (in no request's table)
     come back."""
-    from graphrt.spec import MTPDecoding, SpecConfig
-
     target = load_model(str(gemma4_tiny.path), CPU, torch.float32)
     drafter = load_model(str(gemma4_assistant.path), CPU, torch.float32)
-    # Rounds launch ahead on graphs: the stand-in device's, compiled on the CPU.
-    engine = cpu_engine(
-        target, MTPDecoding(drafter, SpecConfig(num_steps=2)), standin_device(),
-        runner="graph", graph_backend="cuda-full", graph_buckets=(2,), max_context_len=32,
-        overlap=True,
-    )  # fmt: skip
+    engine = rounds_ahead_engine(target, drafter)
     reqs = engine.add_requests(random_prompts((5, 9)), GREEDY)
     while len(reqs[0].output_ids) < 3:
         engine.step()
